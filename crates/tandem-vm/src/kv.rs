@@ -1,0 +1,158 @@
+//! A small RESP (Redis protocol) client and a load generator for the `kv` workload: the host
+//! drives the redis-server inside the guest over the guest's network.
+
+use std::io::{BufRead, BufReader, Write};
+use std::net::TcpStream;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Errors talking to redis.
+#[derive(Debug, thiserror::Error)]
+pub enum KvError {
+    /// Socket failure.
+    #[error("redis connection")]
+    Io(#[from] std::io::Error),
+    /// Unexpected reply.
+    #[error("unexpected redis reply {0:?}")]
+    Reply(String),
+}
+
+/// A blocking RESP client.
+pub struct KvClient {
+    r: BufReader<TcpStream>,
+    w: TcpStream,
+}
+
+impl KvClient {
+    /// Connects to `127.0.0.1:port`.
+    pub fn connect(port: u16, timeout: Duration) -> Result<Self, KvError> {
+        let s = TcpStream::connect_timeout(&([127, 0, 0, 1], port).into(), timeout)?;
+        s.set_read_timeout(Some(timeout))?;
+        s.set_nodelay(true)?;
+        Ok(KvClient {
+            r: BufReader::new(s.try_clone()?),
+            w: s,
+        })
+    }
+
+    fn command(&mut self, args: &[&[u8]]) -> Result<Option<Vec<u8>>, KvError> {
+        let mut buf = format!("*{}\r\n", args.len()).into_bytes();
+        for a in args {
+            buf.extend_from_slice(format!("${}\r\n", a.len()).as_bytes());
+            buf.extend_from_slice(a);
+            buf.extend_from_slice(b"\r\n");
+        }
+        self.w.write_all(&buf)?;
+        let mut line = String::new();
+        if self.r.read_line(&mut line)? == 0 {
+            return Err(KvError::Io(std::io::ErrorKind::UnexpectedEof.into()));
+        }
+        let line = line.trim_end();
+        match line.as_bytes().first() {
+            Some(b'+') | Some(b':') => Ok(Some(line.as_bytes()[1..].to_vec())),
+            Some(b'$') => {
+                let n: i64 = line[1..].parse().map_err(|_| KvError::Reply(line.into()))?;
+                if n < 0 {
+                    return Ok(None);
+                }
+                let mut data = vec![0u8; n as usize + 2];
+                std::io::Read::read_exact(&mut self.r, &mut data)?;
+                data.truncate(n as usize);
+                Ok(Some(data))
+            }
+            _ => Err(KvError::Reply(line.into())),
+        }
+    }
+
+    /// `PING`.
+    pub fn ping(&mut self) -> Result<(), KvError> {
+        self.command(&[b"PING"]).map(|_| ())
+    }
+    /// `SET key value`.
+    pub fn set(&mut self, key: &[u8], value: &[u8]) -> Result<(), KvError> {
+        match self.command(&[b"SET", key, value])? {
+            Some(r) if r == b"OK" => Ok(()),
+            r => Err(KvError::Reply(format!("{r:?}"))),
+        }
+    }
+    /// `GET key`.
+    pub fn get(&mut self, key: &[u8]) -> Result<Option<Vec<u8>>, KvError> {
+        self.command(&[b"GET", key])
+    }
+}
+
+/// Waits until redis answers `PING` on `port`.
+pub fn wait_for_server(port: u16, timeout: Duration) -> Result<KvClient, KvError> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let attempt = KvClient::connect(port, Duration::from_secs(2)).and_then(|mut c| {
+            c.ping()?;
+            Ok(c)
+        });
+        match attempt {
+            Ok(c) => return Ok(c),
+            Err(e) if Instant::now() > deadline => return Err(e),
+            Err(_) => std::thread::sleep(Duration::from_millis(100)),
+        }
+    }
+}
+
+/// A background load: SET of 512-byte values over a rotating key space, with a GET every
+/// fourth operation. Counts completed operations.
+pub struct KvLoad {
+    stop: Arc<AtomicBool>,
+    /// Completed operations.
+    pub ops: Arc<AtomicU64>,
+    handle: Option<std::thread::JoinHandle<Result<(), KvError>>>,
+}
+
+impl KvLoad {
+    /// Starts the load against `port` with `keys` distinct keys.
+    pub fn start(port: u16, keys: u64) -> Result<Self, KvError> {
+        let mut c = KvClient::connect(port, Duration::from_secs(10))?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let ops = Arc::new(AtomicU64::new(0));
+        let (s, o) = (stop.clone(), ops.clone());
+        let handle = std::thread::spawn(move || {
+            let mut i: u64 = 0;
+            let mut value = vec![0u8; 512];
+            while !s.load(Ordering::Relaxed) {
+                let key = format!("key:{}", i.wrapping_mul(2654435761) % keys);
+                if i % 4 == 3 {
+                    c.get(key.as_bytes())?;
+                } else {
+                    for (j, b) in value.iter_mut().enumerate() {
+                        *b = b'a' + ((i as usize + j * 7) % 26) as u8;
+                    }
+                    c.set(key.as_bytes(), &value)?;
+                }
+                i += 1;
+                o.fetch_add(1, Ordering::Relaxed);
+            }
+            Ok(())
+        });
+        Ok(KvLoad {
+            stop,
+            ops,
+            handle: Some(handle),
+        })
+    }
+
+    /// Stops the load and returns its result.
+    pub fn stop(mut self) -> Result<u64, KvError> {
+        self.stop.store(true, Ordering::Relaxed);
+        let r = self
+            .handle
+            .take()
+            .map(|h| h.join().unwrap_or(Ok(())))
+            .unwrap_or(Ok(()));
+        r.map(|_| self.ops.load(Ordering::Relaxed))
+    }
+}
+
+impl Drop for KvLoad {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+    }
+}

@@ -1,0 +1,18 @@
+//! VM control for tandem: start stock QEMU with guest RAM in a shared file, talk QMP, log dirty
+//! pages from outside QEMU, capture and restore device state.
+
+#![warn(missing_docs)]
+
+pub mod console;
+pub mod devstate;
+pub mod dirty;
+pub mod image;
+pub mod kv;
+pub mod qmp;
+pub mod ram;
+pub mod vm;
+
+pub use dirty::{DirtyLog, HashLog, UffdWpLog};
+pub use image::GuestImage;
+pub use ram::{GuestRam, PAGE_SIZE};
+pub use vm::{DirtyMode, PauseTiming, Vm, VmConfig, VmError};

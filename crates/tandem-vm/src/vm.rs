@@ -1,0 +1,563 @@
+//! Launching stock `qemu-system-x86_64` with guest RAM in a shared file, and driving it.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::console::{Console, ConsoleError};
+use crate::devstate::{self, DeviceStateError};
+use crate::dirty::{probe_pagemap_scan, DirtyLog, DirtyLogError, HashLog, UffdWpLog};
+use crate::image::{check_workload, GuestImage, ImageError};
+use crate::qmp::{Qmp, QmpError};
+use crate::ram::{GuestRam, RamError, PAGE_SIZE};
+
+/// How the dirty log is obtained.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DirtyMode {
+    /// userfaultfd async write-protect if the kernel has it, else the hash fallback (warned).
+    Auto,
+    /// userfaultfd async write-protect + `PAGEMAP_SCAN`; fails if unsupported.
+    Uffd,
+    /// xxh3 of every page.
+    Hash,
+    /// No dirty log (plain boot).
+    None,
+}
+
+impl std::str::FromStr for DirtyMode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(DirtyMode::Auto),
+            "uffd" | "uffd-wp" => Ok(DirtyMode::Uffd),
+            "hash" => Ok(DirtyMode::Hash),
+            "none" => Ok(DirtyMode::None),
+            _ => Err(format!(
+                "unknown dirty log {s:?}: use auto, uffd, hash or none"
+            )),
+        }
+    }
+}
+
+/// What to run.
+#[derive(Debug, Clone)]
+pub struct VmConfig {
+    /// Short name, used in file names.
+    pub name: String,
+    /// Guest RAM in MiB.
+    pub mem_mib: u64,
+    /// Guest workload (see [`crate::image::WORKLOADS`]).
+    pub workload: String,
+    /// Guest image.
+    pub image: GuestImage,
+    /// Dirty-log mode.
+    pub dirty: DirtyMode,
+    /// QEMU binary.
+    pub qemu: PathBuf,
+    /// Accelerator (`tcg` here; `kvm` on a real host).
+    pub accel: String,
+    /// Host port forwarded to the guest's TCP 6379 (the `kv` workload), if any.
+    pub kv_port: Option<u16>,
+    /// Threads for the hash fallback.
+    pub hash_threads: usize,
+}
+
+impl VmConfig {
+    /// Defaults: 256 MiB, TCG, automatic dirty log, image from the cache.
+    pub fn new(name: &str, workload: &str) -> Self {
+        VmConfig {
+            name: name.into(),
+            mem_mib: 256,
+            workload: workload.into(),
+            image: GuestImage::default_location(),
+            dirty: DirtyMode::Auto,
+            qemu: PathBuf::from("qemu-system-x86_64"),
+            accel: "tcg".into(),
+            kv_port: None,
+            hash_threads: std::thread::available_parallelism()
+                .map(|n| n.get())
+                .unwrap_or(2),
+        }
+    }
+}
+
+/// Errors launching or driving a VM.
+#[derive(Debug, thiserror::Error)]
+pub enum VmError {
+    /// Guest image or workload problem.
+    #[error(transparent)]
+    Image(#[from] ImageError),
+    /// QEMU could not be started.
+    #[error("cannot start {0} (install it with `tandem setup`, package qemu-system-x86)")]
+    Spawn(String, #[source] std::io::Error),
+    /// QEMU exited.
+    #[error("QEMU exited ({status}); its log:\n{log}")]
+    Exited {
+        /// Exit status.
+        status: String,
+        /// QEMU's stderr.
+        log: String,
+    },
+    /// Runtime directory or file problem.
+    #[error("VM runtime files")]
+    Io(#[from] std::io::Error),
+    /// QMP failure.
+    #[error(transparent)]
+    Qmp(#[from] QmpError),
+    /// RAM mapping failure.
+    #[error(transparent)]
+    Ram(#[from] RamError),
+    /// Dirty log failure.
+    #[error(transparent)]
+    DirtyLog(#[from] DirtyLogError),
+    /// The preloaded library could not register guest RAM.
+    #[error("dirty-log registration inside QEMU failed: {0}")]
+    Registration(String),
+    /// Device-state capture or restore failed.
+    #[error(transparent)]
+    DeviceState(#[from] DeviceStateError),
+    /// Console problem (including the guest not becoming ready).
+    #[error(transparent)]
+    Console(#[from] ConsoleError),
+}
+
+/// Per-epoch pause broken down, in microseconds.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct PauseTiming {
+    /// QMP `stop` round trip.
+    pub stop_us: u32,
+    /// Dirty-log harvest.
+    pub harvest_us: u32,
+    /// Copy of dirty pages to staging.
+    pub copy_us: u32,
+    /// Device-state capture.
+    pub devstate_us: u32,
+    /// QMP `cont` round trip.
+    pub cont_us: u32,
+}
+
+impl PauseTiming {
+    /// Total pause.
+    pub fn total_us(&self) -> u32 {
+        self.stop_us + self.harvest_us + self.copy_us + self.devstate_us + self.cont_us
+    }
+}
+
+/// Where `libtandem_preload.so` is: `$TANDEM_PRELOAD`, else next to the running executable or
+/// one directory up (tests run from `target/*/deps`).
+pub fn preload_path() -> Option<PathBuf> {
+    if let Some(p) = std::env::var_os("TANDEM_PRELOAD") {
+        return Some(PathBuf::from(p));
+    }
+    let exe = std::env::current_exe().ok()?;
+    let dir = exe.parent()?;
+    [
+        dir.join("libtandem_preload.so"),
+        dir.parent()?.join("libtandem_preload.so"),
+    ]
+    .into_iter()
+    .find(|p| p.is_file())
+}
+
+static COUNTER: AtomicU32 = AtomicU32::new(0);
+
+/// A running (or paused) QEMU with its QMP session, RAM mapping and dirty log.
+pub struct Vm {
+    child: Child,
+    /// QMP session.
+    pub qmp: Qmp,
+    ram: Arc<GuestRam>,
+    dirty: Option<Box<dyn DirtyLog>>,
+    /// Guest console.
+    pub console: Console,
+    runtime: tempfile::TempDir,
+    ram_path: PathBuf,
+    keep_ram: bool,
+    config: VmConfig,
+}
+
+impl Vm {
+    /// Boots a fresh guest: QEMU starts paused (`-S`), the dirty log is armed, then it runs.
+    pub fn launch(config: &VmConfig) -> Result<Vm, VmError> {
+        let vm = Self::start(config, None, true)?;
+        Ok(vm)
+    }
+
+    /// Starts a QEMU that resumes from a checkpoint: `ram_image` is copied into its RAM file
+    /// and `device_state` is loaded; the guest is left paused (call [`Vm::cont`]).
+    pub fn restore(
+        config: &VmConfig,
+        ram_image: &Path,
+        device_state: &[u8],
+    ) -> Result<Vm, VmError> {
+        let mut vm = Self::start(config, Some(ram_image), false)?;
+        devstate::restore(&mut vm.qmp, device_state)?;
+        Ok(vm)
+    }
+
+    fn start(config: &VmConfig, ram_image: Option<&Path>, run: bool) -> Result<Vm, VmError> {
+        check_workload(&config.workload)?;
+        config.image.check()?;
+        let runtime = tempfile::Builder::new().prefix("tandem-vm-").tempdir()?;
+        let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+        let ram_path = PathBuf::from(format!(
+            "/dev/shm/tandem-{}-{}-{n}.ram",
+            config.name,
+            std::process::id()
+        ));
+        let bytes = config.mem_mib << 20;
+        match ram_image {
+            Some(img) => {
+                fs::copy(img, &ram_path)?;
+                if fs::metadata(&ram_path)?.len() != bytes {
+                    let _ = fs::remove_file(&ram_path);
+                    return Err(VmError::Ram(RamError::BadSize(fs::metadata(img)?.len())));
+                }
+            }
+            None => drop(GuestRam::create(&ram_path, bytes)?),
+        }
+        let mode = match config.dirty {
+            DirtyMode::Auto => match probe_pagemap_scan() {
+                Ok(()) => DirtyMode::Uffd,
+                Err(why) => {
+                    tracing::warn!("async write-protect dirty log unavailable ({why}); falling back to hashing every page, which costs a full read of guest RAM per epoch");
+                    DirtyMode::Hash
+                }
+            },
+            m => m,
+        };
+        let qmp_path = runtime.path().join("qmp.sock");
+        let serial = runtime.path().join("serial.log");
+        let status = runtime.path().join("uffd.status");
+        let log = fs::File::create(runtime.path().join("qemu.log"))?;
+        let mut cmd = Command::new(&config.qemu);
+        cmd.args(qemu_args(
+            config,
+            &ram_path,
+            &qmp_path,
+            &serial,
+            ram_image.is_some(),
+        ));
+        cmd.stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log);
+        if mode == DirtyMode::Uffd {
+            let so = preload_path().ok_or_else(|| {
+                VmError::Registration("libtandem_preload.so not found next to the tandem binary; build the whole workspace (cargo build --workspace) or set TANDEM_PRELOAD".into())
+            })?;
+            cmd.env("LD_PRELOAD", so)
+                .env("TANDEM_RAM_PATH", &ram_path)
+                .env("TANDEM_UFFD_STATUS", &status);
+        }
+        let ram = match GuestRam::open(&ram_path) {
+            Ok(r) => Arc::new(r),
+            Err(e) => return Err(Self::fail_early(runtime, &ram_path, e.into())),
+        };
+        let mut child = match cmd.spawn() {
+            Ok(c) => c,
+            Err(e) => {
+                let e = VmError::Spawn(config.qemu.display().to_string(), e);
+                return Err(Self::fail_early(runtime, &ram_path, e));
+            }
+        };
+        let qmp = match Qmp::connect(&qmp_path, Duration::from_secs(20)) {
+            Ok(q) => q,
+            Err(e) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(Self::fail_early(runtime, &ram_path, e.into()));
+            }
+        };
+        // From here on `vm` owns the child and the RAM file: errors clean both up in Drop.
+        let mut vm = Vm {
+            child,
+            qmp,
+            ram,
+            dirty: None,
+            console: Console::new(&serial),
+            runtime,
+            ram_path,
+            keep_ram: false,
+            config: config.clone(),
+        };
+        devstate::prepare(&mut vm.qmp)?;
+        vm.dirty = match mode {
+            DirtyMode::Uffd => {
+                let (start, len) = wait_registration(&status, &mut vm.child)?;
+                if len != bytes {
+                    return Err(VmError::Registration(format!(
+                        "registered {len} bytes, guest RAM is {bytes}"
+                    )));
+                }
+                Some(Box::new(UffdWpLog::new(vm.child.id(), start, len)?))
+            }
+            DirtyMode::Hash => Some(Box::new(HashLog::new(vm.ram.clone(), config.hash_threads))),
+            _ => None,
+        };
+        if run {
+            vm.cont()?;
+        }
+        Ok(vm)
+    }
+
+    fn fail_early(runtime: tempfile::TempDir, ram_path: &Path, e: VmError) -> VmError {
+        let _ = fs::remove_file(ram_path);
+        let log = fs::read_to_string(runtime.path().join("qemu.log")).unwrap_or_default();
+        if log.trim().is_empty() {
+            e
+        } else {
+            VmError::Exited {
+                status: e.to_string(),
+                log,
+            }
+        }
+    }
+
+    /// QEMU's process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Guest RAM mapping.
+    pub fn ram(&self) -> &Arc<GuestRam> {
+        &self.ram
+    }
+
+    /// Path of the shared RAM file.
+    pub fn ram_path(&self) -> &Path {
+        &self.ram_path
+    }
+
+    /// The configuration this VM runs.
+    pub fn config(&self) -> &VmConfig {
+        &self.config
+    }
+
+    /// Name of the active dirty log, if any.
+    pub fn dirty_log_name(&self) -> Option<&'static str> {
+        self.dirty.as_ref().map(|d| d.name())
+    }
+
+    /// Waits for the workload's `TANDEM-READY` line.
+    pub fn wait_ready(&mut self, timeout: Duration) -> Result<Duration, VmError> {
+        let t = Instant::now();
+        self.console
+            .wait_for("TANDEM-READY", 0, timeout)
+            .map_err(|e| self.explain(e.into()))?;
+        Ok(t.elapsed())
+    }
+
+    /// Adds QEMU's log to an error if QEMU has exited.
+    pub fn explain(&mut self, e: VmError) -> VmError {
+        if let Ok(Some(st)) = self.child.try_wait() {
+            let log = fs::read_to_string(self.runtime.path().join("qemu.log")).unwrap_or_default();
+            return VmError::Exited {
+                status: st.to_string(),
+                log,
+            };
+        }
+        e
+    }
+
+    /// Pauses the guest's vCPUs (QMP `stop`).
+    pub fn stop(&mut self) -> Result<(), VmError> {
+        self.qmp.execute("stop", None)?;
+        Ok(())
+    }
+
+    /// Resumes the guest (QMP `cont`).
+    pub fn cont(&mut self) -> Result<(), VmError> {
+        self.qmp.execute("cont", None)?;
+        Ok(())
+    }
+
+    /// Harvests the dirty log into `out` (sorted page numbers). The guest must be stopped.
+    pub fn harvest(&mut self, out: &mut Vec<u64>) -> Result<(), VmError> {
+        match self.dirty.as_mut() {
+            Some(d) => {
+                d.harvest(out)?;
+                Ok(())
+            }
+            None => Err(VmError::Registration(
+                "this VM was started without a dirty log".into(),
+            )),
+        }
+    }
+
+    /// Captures device state of the stopped guest into `out`.
+    pub fn capture_device_state(&mut self, out: &mut Vec<u8>) -> Result<(), VmError> {
+        devstate::capture(&mut self.qmp, out)?;
+        Ok(())
+    }
+
+    /// One checkpoint pause: stop, harvest, copy dirty pages into `pages` (one page per entry
+    /// of `dirty`, in order), capture device state into `device_state`, cont.
+    pub fn checkpoint(
+        &mut self,
+        dirty: &mut Vec<u64>,
+        pages: &mut Vec<u8>,
+        device_state: &mut Vec<u8>,
+    ) -> Result<PauseTiming, VmError> {
+        let mut t = PauseTiming::default();
+        let us = |i: Instant| i.elapsed().as_micros().min(u32::MAX as u128) as u32;
+        let s = Instant::now();
+        self.stop()?;
+        t.stop_us = us(s);
+        let s = Instant::now();
+        dirty.clear();
+        self.harvest(dirty)?;
+        t.harvest_us = us(s);
+        let s = Instant::now();
+        pages.resize(dirty.len() * PAGE_SIZE, 0);
+        for (i, &pfn) in dirty.iter().enumerate() {
+            self.ram
+                .copy_page(pfn, &mut pages[i * PAGE_SIZE..(i + 1) * PAGE_SIZE]);
+        }
+        t.copy_us = us(s);
+        let s = Instant::now();
+        self.capture_device_state(device_state)?;
+        t.devstate_us = us(s);
+        let s = Instant::now();
+        self.cont()?;
+        t.cont_us = us(s);
+        Ok(t)
+    }
+
+    /// Keeps the RAM file when this VM is dropped (for a later restore); returns its path.
+    pub fn keep_ram_file(&mut self) -> PathBuf {
+        self.keep_ram = true;
+        self.ram_path.clone()
+    }
+
+    /// Kills QEMU at once (SIGKILL), as a host failure would.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// Asks QEMU to quit and waits for it.
+    pub fn quit(mut self) {
+        let _ = self.qmp.execute("quit", None);
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+}
+
+impl Drop for Vm {
+    fn drop(&mut self) {
+        self.kill();
+        if !self.keep_ram {
+            let _ = fs::remove_file(&self.ram_path);
+        }
+    }
+}
+
+fn wait_registration(status: &Path, child: &mut Child) -> Result<(u64, u64), VmError> {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        if let Ok(text) = fs::read_to_string(status) {
+            let text = text.trim();
+            if let Some(err) = text.strip_prefix("err ") {
+                return Err(VmError::Registration(err.into()));
+            }
+            let field = |k: &str| {
+                text.split_whitespace()
+                    .find_map(|f| f.strip_prefix(k))
+                    .map(|v| v.to_string())
+            };
+            let start = field("start=0x").and_then(|v| u64::from_str_radix(&v, 16).ok());
+            let len = field("len=").and_then(|v| v.parse().ok());
+            if let (Some(s), Some(l)) = (start, len) {
+                return Ok((s, l));
+            }
+            return Err(VmError::Registration(format!("unreadable status {text:?}")));
+        }
+        if let Ok(Some(st)) = child.try_wait() {
+            return Err(VmError::Registration(format!(
+                "QEMU exited ({st}) before registering"
+            )));
+        }
+        if Instant::now() > deadline {
+            return Err(VmError::Registration(
+                "no answer from the preloaded library in 20 s (was it loaded? check LD_PRELOAD)"
+                    .into(),
+            ));
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+/// The QEMU command line for `config`.
+pub fn qemu_args(
+    config: &VmConfig,
+    ram: &Path,
+    qmp: &Path,
+    serial: &Path,
+    incoming: bool,
+) -> Vec<String> {
+    let mem = format!("{}M", config.mem_mib);
+    let mut net = String::from("user,id=n0");
+    if let Some(p) = config.kv_port {
+        net.push_str(&format!(",hostfwd=tcp:127.0.0.1:{p}-10.0.2.15:6379"));
+    }
+    let mut a: Vec<String> = vec![
+        "-name".into(),
+        format!("tandem-{}", config.name),
+        "-accel".into(),
+        config.accel.clone(),
+        "-machine".into(),
+        "q35,memory-backend=ram0".into(),
+        "-object".into(),
+        format!(
+            "memory-backend-file,id=ram0,size={mem},mem-path={},share=on",
+            ram.display()
+        ),
+        "-m".into(),
+        mem,
+        "-smp".into(),
+        "1".into(),
+        "-nodefaults".into(),
+        "-no-user-config".into(),
+        "-display".into(),
+        "none".into(),
+        "-S".into(),
+        "-kernel".into(),
+        config.image.kernel().display().to_string(),
+        "-initrd".into(),
+        config.image.initrd().display().to_string(),
+        "-append".into(),
+        format!(
+            "console=ttyS0 quiet panic=-1 tandem.workload={}",
+            config.workload
+        ),
+        "-drive".into(),
+        format!(
+            "file={},format=raw,if=none,id=apps,readonly=on",
+            config.image.apps().display()
+        ),
+        "-device".into(),
+        "virtio-blk-pci,drive=apps".into(),
+        "-netdev".into(),
+        net,
+        "-device".into(),
+        "virtio-net-pci,netdev=n0,mac=52:54:00:12:34:56".into(),
+        "-chardev".into(),
+        format!("file,id=ser0,path={}", serial.display()),
+        "-serial".into(),
+        "chardev:ser0".into(),
+        "-qmp".into(),
+        format!("unix:{},server=on,wait=off", qmp.display()),
+    ];
+    if incoming {
+        a.extend(["-incoming".into(), "defer".into()]);
+    }
+    a
+}

@@ -1,0 +1,50 @@
+#!/bin/sh
+# Guest workloads. Each prints "TANDEM-READY workload=NAME" once it is running.
+wl=$1
+ready() { echo "TANDEM-READY workload=$wl"; }
+case "$wl" in
+  idle)
+    ready ;;
+  memtouch)
+    # 64 MiB buffer, 256 pages every 20 ms, known pattern (see guest/memtouch.c)
+    exec /usr/lib/tandem/memtouch 64 256 20 ;;
+  kv)
+    redis-server --bind 0.0.0.0 --port 6379 --protected-mode no --save "" --appendonly no \
+      --maxmemory 64mb --maxmemory-policy allkeys-lru --logfile /tmp/redis.log --daemonize no &
+    i=0
+    while ! grep -q ':18EB 00000000:0000 0A' /proc/net/tcp 2>/dev/null && [ $i -lt 600 ]; do
+      sleep 0.1; i=$((i+1))
+    done
+    ready ;;
+  sqlite)
+    db=/tmp/bench.db
+    sqlite3 "$db" "PRAGMA journal_mode=WAL; CREATE TABLE kv(k INTEGER PRIMARY KEY, v TEXT, n INTEGER); CREATE INDEX kv_n ON kv(n);" >/dev/null
+    ready
+    n=0
+    while :; do
+      sqlite3 "$db" "BEGIN;
+        INSERT OR REPLACE INTO kv(k, v, n)
+          WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c WHERE x < 400)
+          SELECT abs(random()) % 20000, hex(randomblob(48)), $n FROM c;
+        UPDATE kv SET n = n + 1 WHERE k % 7 = $((n % 7));
+        DELETE FROM kv WHERE k % 13 = $((n % 13)) AND n < $n - 5;
+        COMMIT;
+        SELECT count(*), sum(n) FROM kv;" > /tmp/sqlite.out
+      n=$((n+1))
+      [ $((n % 10)) -eq 0 ] && echo "sqlite txns=$n rows=$(cut -d'|' -f1 /tmp/sqlite.out)"
+    done ;;
+  compile)
+    rm -rf /tmp/build && cp -r /usr/src /tmp/build && cd /tmp/build || exit 1
+    ready
+    n=0
+    while :; do
+      make -s clean >/dev/null 2>&1
+      if make -s >/tmp/make.log 2>&1; then
+        n=$((n+1)); echo "compile rounds=$n $(./luarun)"
+      else
+        echo "TANDEM-ERROR compile failed"; tail -5 /tmp/make.log; sleep 5
+      fi
+    done ;;
+  *)
+    echo "TANDEM-ERROR unknown workload $wl" ;;
+esac
