@@ -6,6 +6,7 @@
 pub mod console;
 pub mod devstate;
 pub mod dirty;
+pub mod epoch;
 pub mod image;
 pub mod kv;
 pub mod qmp;

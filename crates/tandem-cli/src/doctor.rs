@@ -1,0 +1,269 @@
+//! `tandem doctor`: what works on this host, what to fix.
+
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+use tandem_vm::{DirtyMode, Vm, VmConfig};
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// Machine-readable output.
+    #[arg(long)]
+    pub json: bool,
+    /// Skip the boot/log/checkpoint/restore self-test.
+    #[arg(long)]
+    pub no_selftest: bool,
+    /// QEMU binary to check.
+    #[arg(long, default_value = "qemu-system-x86_64")]
+    pub qemu: std::path::PathBuf,
+}
+
+#[derive(Serialize, Clone, Copy, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+enum Status {
+    Ok,
+    Warn,
+    Fail,
+}
+
+#[derive(Serialize)]
+struct Check {
+    name: &'static str,
+    status: Status,
+    detail: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    fix: Option<String>,
+}
+
+fn check(name: &'static str, r: Result<String, (Status, String, String)>) -> Check {
+    match r {
+        Ok(detail) => Check {
+            name,
+            status: Status::Ok,
+            detail,
+            fix: None,
+        },
+        Err((status, detail, fix)) => Check {
+            name,
+            status,
+            detail,
+            fix: Some(fix),
+        },
+    }
+}
+
+fn kernel() -> Result<String, (Status, String, String)> {
+    let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
+    match tandem_vm::dirty::probe_pagemap_scan() {
+        Ok(()) => Ok(format!("Linux {}: userfaultfd async write-protect and PAGEMAP_SCAN work", release.trim())),
+        Err(e) => Err((
+            Status::Warn,
+            format!("Linux {}: {e}; the dirty log falls back to hashing all guest RAM every epoch", release.trim()),
+            "use Linux 6.7 or newer with CONFIG_USERFAULTFD and CONFIG_PTE_MARKER_UFFD_WP, and run as root (or set vm.unprivileged_userfaultfd=1)".into(),
+        )),
+    }
+}
+
+fn qemu(bin: &std::path::Path) -> Result<String, (Status, String, String)> {
+    let fix = "run `tandem setup` (installs Debian's qemu-system-x86)".to_string();
+    let out = Command::new(bin).arg("--version").output().map_err(|e| {
+        (
+            Status::Fail,
+            format!("{} not runnable: {e}", bin.display()),
+            fix.clone(),
+        )
+    })?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let first = text.lines().next().unwrap_or("").to_string();
+    let ver: Vec<u32> = first
+        .split_whitespace()
+        .nth(3)
+        .unwrap_or("0")
+        .split('.')
+        .filter_map(|s| s.parse().ok())
+        .collect();
+    if ver < vec![7, 2] {
+        return Err((
+            Status::Fail,
+            format!("{first}: need QEMU 7.2 or newer (x-ignore-shared, memory-backend=)"),
+            fix,
+        ));
+    }
+    Ok(first)
+}
+
+fn shm(mem_mib: u64) -> Result<String, (Status, String, String)> {
+    let st = rustix::fs::statvfs("/dev/shm").map_err(|e| {
+        (
+            Status::Fail,
+            format!("/dev/shm unusable: {e}"),
+            "mount a tmpfs on /dev/shm".into(),
+        )
+    })?;
+    let free = st.f_bavail * st.f_frsize;
+    let need = 3 * (mem_mib << 20);
+    if free < need {
+        return Err((
+            Status::Fail,
+            format!(
+                "/dev/shm has {} MiB free; a {mem_mib} MiB guest with a restore copy needs {} MiB",
+                free >> 20,
+                need >> 20
+            ),
+            "free space in /dev/shm or remount it larger (mount -o remount,size=2G /dev/shm)"
+                .into(),
+        ));
+    }
+    Ok(format!("{} MiB free", free >> 20))
+}
+
+fn image() -> Result<String, (Status, String, String)> {
+    let img = tandem_vm::GuestImage::default_location();
+    img.check()
+        .map_err(|e| (Status::Fail, e.to_string(), "run `tandem setup`".into()))?;
+    let kv = std::fs::read_to_string(img.dir.join("kernel-version")).unwrap_or_default();
+    Ok(format!("{} (kernel {})", img.dir.display(), kv.trim()))
+}
+
+fn preload() -> Result<String, (Status, String, String)> {
+    tandem_vm::vm::preload_path()
+        .map(|p| p.display().to_string())
+        .ok_or((
+            Status::Fail,
+            "libtandem_preload.so not found next to the tandem binary".into(),
+            "build the whole workspace: cargo build --release --workspace".into(),
+        ))
+}
+
+fn selftest(qemu: &std::path::Path) -> Result<String, (Status, String, String)> {
+    let fix = "see the error; `tandem doctor` checks above name the usual causes".to_string();
+    let fail = |e: String| (Status::Fail, e, fix.clone());
+    let mut cfg = VmConfig::new("doctor", "memtouch");
+    cfg.qemu = qemu.to_path_buf();
+    cfg.dirty = DirtyMode::Auto;
+    let t = Instant::now();
+    let mut vm = Vm::launch(&cfg).map_err(|e| fail(format!("boot: {e}")))?;
+    let ready = vm
+        .wait_ready(Duration::from_secs(120))
+        .map_err(|e| fail(format!("boot: {e}")))?;
+    let boot = t.elapsed();
+    let (mut pfns, mut pages, mut dev) = (Vec::new(), Vec::new(), Vec::new());
+    let mut dirty = 0;
+    let mut pause = Vec::new();
+    for _ in 0..5 {
+        std::thread::sleep(Duration::from_millis(100));
+        let tm = vm
+            .checkpoint(&mut pfns, &mut pages, &mut dev)
+            .map_err(|e| fail(format!("checkpoint: {e}")))?;
+        dirty += pfns.len();
+        pause.push(tm.total_us());
+    }
+    if dirty == 0 {
+        return Err(fail(
+            "the dirty log reported no written pages while memtouch was writing".into(),
+        ));
+    }
+    vm.stop().map_err(|e| fail(e.to_string()))?;
+    vm.capture_device_state(&mut dev)
+        .map_err(|e| fail(format!("device state: {e}")))?;
+    let img = tempfile::NamedTempFile::new_in("/dev/shm").map_err(|e| fail(e.to_string()))?;
+    std::fs::copy(vm.ram_path(), img.path()).map_err(|e| fail(e.to_string()))?;
+    let _ = vm.console.poll();
+    let tick = vm.console.last_tick().unwrap_or(0);
+    let log = vm.dirty_log_name().unwrap_or("none");
+    vm.kill();
+    drop(vm);
+    let t = Instant::now();
+    let mut r = Vm::restore(&cfg, img.path(), &dev).map_err(|e| fail(format!("restore: {e}")))?;
+    r.cont().map_err(|e| fail(e.to_string()))?;
+    let restore = t.elapsed();
+    let line = r
+        .console
+        .wait_for("tandem-tick", 0, Duration::from_secs(30))
+        .map_err(|e| fail(format!("restored guest: {e}")))?;
+    let after: u64 = line
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    if after < tick {
+        return Err(fail(format!(
+            "restored guest restarted its counter ({after} < {tick})"
+        )));
+    }
+    Ok(format!(
+        "boot {:.1} s (ready after {:.1} s), dirty log {log}: {dirty} pages in 5 epochs, pause max {:.1} ms, device state {} KiB, restore {:.0} ms, guest continued at tick {after} (checkpoint at {tick})",
+        boot.as_secs_f64(),
+        ready.as_secs_f64(),
+        *pause.iter().max().unwrap_or(&0) as f64 / 1000.0,
+        dev.len() >> 10,
+        restore.as_secs_f64() * 1000.0
+    ))
+}
+
+pub fn run(args: Args) -> anyhow::Result<()> {
+    let mut checks = vec![
+        check("kernel", kernel()),
+        check("qemu", qemu(&args.qemu)),
+        check("packages", {
+            let m = crate::setup::missing_packages();
+            if m.is_empty() {
+                Ok("all Debian packages present".into())
+            } else {
+                Err((
+                    Status::Fail,
+                    format!("missing: {}", m.join(" ")),
+                    "run `tandem setup`".into(),
+                ))
+            }
+        }),
+        check("dev-shm", shm(256)),
+        check("guest-image", image()),
+        check("preload-library", preload()),
+    ];
+    let blocking = checks.iter().any(|c| c.status == Status::Fail);
+    if !args.no_selftest {
+        checks.push(if blocking {
+            Check {
+                name: "self-test",
+                status: Status::Fail,
+                detail: "skipped: fix the failures above first".into(),
+                fix: None,
+            }
+        } else {
+            check("self-test", selftest(&args.qemu))
+        });
+    }
+    let failed = checks.iter().any(|c| c.status == Status::Fail);
+    if args.json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&serde_json::json!({ "ok": !failed, "checks": checks }))?
+        );
+    } else {
+        for c in &checks {
+            let tag = match c.status {
+                Status::Ok => "ok  ",
+                Status::Warn => "WARN",
+                Status::Fail => "FAIL",
+            };
+            println!("[{tag}] {:<16} {}", c.name, c.detail);
+            if let Some(f) = &c.fix {
+                println!("       {:<16} fix: {f}", "");
+            }
+        }
+        println!(
+            "{}",
+            if failed {
+                "tandem cannot run here yet: fix the FAIL lines above."
+            } else {
+                "tandem is ready on this host."
+            }
+        );
+    }
+    if failed {
+        std::process::exit(1);
+    }
+    Ok(())
+}

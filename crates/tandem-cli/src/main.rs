@@ -1,0 +1,70 @@
+//! `tandem`: the command-line front end. Thin glue over the library crates.
+
+mod bench;
+mod demo;
+mod doctor;
+mod record;
+mod setup;
+mod stats;
+mod vmargs;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(
+    name = "tandem",
+    version,
+    about = "High availability and cheap, frequent checkpoints for unmodified QEMU virtual machines"
+)]
+struct Cli {
+    /// Log level filter (e.g. info, debug, tandem_vm=trace); also RUST_LOG.
+    #[arg(long, global = true, default_value = "warn")]
+    log: String,
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Install missing Debian packages and build the guest image (idempotent).
+    Setup(setup::Args),
+    /// Check kernel, QEMU, /dev/shm and the guest image; run a boot/log/checkpoint/restore self-test.
+    Doctor(doctor::Args),
+    /// Boot the default guest with a workload and show live dirty-memory statistics.
+    Demo(demo::Args),
+    /// Record a memory trace of a real guest run.
+    Record(record::RecordArgs),
+    /// Record the standard traces (idle, compile, sqlite, kv) into the cache.
+    Traces(record::TracesArgs),
+    /// Inspect traces.
+    #[command(subcommand)]
+    Trace(record::TraceCmd),
+    /// Measure the VM lab: boot time, pause breakdown, harvest cost, hash scan rate, dirty rates.
+    Bench(bench::Args),
+}
+
+fn main() {
+    // Behave like other Unix tools when stdout is a closed pipe (`tandem trace info F | head`):
+    // die quietly from SIGPIPE instead of failing a write.
+    // SAFETY: called first thing in main, before any other thread exists; SIG_DFL is valid.
+    unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
+    let cli = Cli::parse();
+    let filter = std::env::var("RUST_LOG").unwrap_or_else(|_| cli.log.clone());
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
+        .with_writer(std::io::stderr)
+        .init();
+    let result = match cli.cmd {
+        Cmd::Setup(a) => setup::run(a),
+        Cmd::Doctor(a) => doctor::run(a),
+        Cmd::Demo(a) => demo::run(a),
+        Cmd::Record(a) => record::record(a),
+        Cmd::Traces(a) => record::traces(a),
+        Cmd::Trace(c) => record::trace_cmd(c),
+        Cmd::Bench(a) => bench::run(a),
+    };
+    if let Err(e) = result {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}

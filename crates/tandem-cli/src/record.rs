@@ -1,0 +1,361 @@
+//! `tandem record`, `tandem traces` and `tandem trace info`.
+
+use std::fs::File;
+use std::io::{BufReader, BufWriter};
+use std::path::{Path, PathBuf};
+use std::sync::mpsc::sync_channel;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use indicatif::{ProgressBar, ProgressStyle};
+use serde::Serialize;
+use tandem_trace::{EpochRecord, Frame, Timing, TraceHeader, TraceReader, TraceWriter};
+use tandem_vm::epoch::{run_epochs, Fixed};
+use tandem_vm::PAGE_SIZE;
+
+use crate::vmargs::{boot, VmArgs};
+
+#[derive(clap::Args)]
+pub struct RecordArgs {
+    #[command(flatten)]
+    pub vm: VmArgs,
+    /// Epoch length in milliseconds.
+    #[arg(long, default_value_t = 100)]
+    pub epoch_ms: u64,
+    /// Seconds to record.
+    #[arg(long, default_value_t = 30)]
+    pub duration: u64,
+    /// Output trace file.
+    #[arg(short = 'o', long)]
+    pub output: PathBuf,
+    /// zstd level for trace frames.
+    #[arg(long, default_value_t = 1)]
+    pub level: i32,
+}
+
+#[derive(clap::Args)]
+pub struct TracesArgs {
+    /// Epoch length in milliseconds.
+    #[arg(long, default_value_t = 100)]
+    pub epoch_ms: u64,
+    /// Seconds per trace.
+    #[arg(long, default_value_t = 30)]
+    pub duration: u64,
+    /// Guest RAM in MiB.
+    #[arg(long, default_value_t = 256)]
+    pub mem: u64,
+    /// Workloads to record.
+    #[arg(long, value_delimiter = ',', default_value = "idle,compile,sqlite,kv")]
+    pub workloads: Vec<String>,
+    /// Re-record traces that already exist.
+    #[arg(long)]
+    pub force: bool,
+}
+
+#[derive(clap::Subcommand)]
+pub enum TraceCmd {
+    /// Per-epoch and total figures of a trace.
+    Info {
+        /// Trace file.
+        file: PathBuf,
+        /// Machine-readable output.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+/// Standard location of a recorded trace in the cache.
+pub fn trace_path(workload: &str, mem: u64, epoch_ms: u64) -> PathBuf {
+    tandem_vm::image::cache_dir()
+        .join("traces")
+        .join(format!("{workload}-{mem}m-{epoch_ms}ms.trace"))
+}
+
+enum Msg {
+    Base(Vec<u8>),
+    Epoch(EpochRecord),
+}
+
+pub fn record(a: RecordArgs) -> anyhow::Result<()> {
+    if a.epoch_ms == 0 || a.duration == 0 {
+        bail!("--epoch-ms and --duration must be positive");
+    }
+    let cfg = a.vm.config("record")?;
+    eprintln!(
+        "booting {} guest ({} MiB, {})...",
+        cfg.workload, cfg.mem_mib, cfg.accel
+    );
+    let (mut vm, ready, load) = boot(&cfg)?;
+    let header = TraceHeader {
+        page_size: PAGE_SIZE as u32,
+        mem_bytes: cfg.mem_mib << 20,
+        epoch_ms: a.epoch_ms as u32,
+        meta: serde_json::json!({
+            "workload": cfg.workload,
+            "dirty_log": vm.dirty_log_name(),
+            "accel": cfg.accel,
+            "qemu": format!("{}.{}.{}", vm.qmp.version.0, vm.qmp.version.1, vm.qmp.version.2),
+            "boot_to_ready_ms": ready.as_millis() as u64,
+            "tandem": env!("CARGO_PKG_VERSION"),
+        }),
+    };
+    if let Some(dir) = a.output.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir)?;
+    }
+    let tmp = a.output.with_extension("partial");
+    let file = File::create(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
+    let mut writer = TraceWriter::new(BufWriter::with_capacity(1 << 20, file), header, a.level)?;
+    let (tx, rx) = sync_channel::<Msg>(256);
+    let writer_thread = std::thread::spawn(move || -> anyhow::Result<u64> {
+        for m in rx {
+            match m {
+                Msg::Base(mem) => writer.write_base(&mem)?,
+                Msg::Epoch(e) => writer.write_epoch(&e)?,
+            }
+        }
+        let n = writer.bytes_written();
+        writer.finish()?;
+        Ok(n)
+    });
+
+    // Base image and dirty-log reset in the same pause, so epoch 1 is relative to the base.
+    vm.stop()?;
+    let mut scratch = Vec::new();
+    vm.harvest(&mut scratch)?;
+    // SAFETY: the guest is stopped while we copy its memory.
+    let base = unsafe { vm.ram().as_slice() }.to_vec();
+    vm.cont()?;
+    tx.send(Msg::Base(base)).ok();
+
+    let pb = ProgressBar::new(a.duration);
+    pb.set_style(
+        ProgressStyle::with_template("{bar:30} {pos}/{len}s {msg}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    let (mut total_dirty, mut pauses) = (0u64, Vec::new());
+    let mut send_err = false;
+    let epochs = run_epochs(
+        &mut vm,
+        &mut Fixed(Duration::from_millis(a.epoch_ms)),
+        Duration::from_secs(a.duration),
+        |cp| {
+            total_dirty += cp.pfns.len() as u64;
+            pauses.push(cp.timing.total_us() as f64 / 1000.0);
+            let t = cp.timing;
+            let rec = EpochRecord {
+                epoch: cp.epoch,
+                at_us: cp.at.as_micros() as u64,
+                timing: Timing {
+                    stop_us: t.stop_us,
+                    harvest_us: t.harvest_us,
+                    copy_us: t.copy_us,
+                    devstate_us: t.devstate_us,
+                    cont_us: t.cont_us,
+                },
+                device_state_len: cp.device_state.len() as u32,
+                pfns: cp.pfns.to_vec(),
+                data: cp.pages.to_vec(),
+            };
+            if tx.send(Msg::Epoch(rec)).is_err() {
+                send_err = true;
+                return false;
+            }
+            pb.set_position(cp.at.as_secs().min(a.duration));
+            pb.set_message(format!(
+                "epoch {} dirty {} pages, pause {:.1} ms",
+                cp.epoch,
+                cp.pfns.len(),
+                t.total_us() as f64 / 1000.0
+            ));
+            true
+        },
+    )?;
+    pb.finish_and_clear();
+    let ops = match load {
+        Some(l) => Some(l.stop().context("kv client failed during recording")?),
+        None => None,
+    };
+    drop(tx);
+    let bytes = writer_thread
+        .join()
+        .map_err(|_| anyhow::anyhow!("trace writer panicked"))??;
+    if send_err {
+        bail!("trace writer stopped early");
+    }
+    std::fs::rename(&tmp, &a.output)?;
+    println!(
+        "recorded {} epochs of {} ({} dirty pages, pause p50 {:.1} ms p99 {:.1} ms{}) into {} ({:.1} MiB)",
+        epochs,
+        cfg.workload,
+        total_dirty,
+        crate::stats::quantile(&pauses, 0.5),
+        crate::stats::quantile(&pauses, 0.99),
+        ops.map(|o| format!(", client {:.0} ops/s", o as f64 / a.duration as f64)).unwrap_or_default(),
+        a.output.display(),
+        bytes as f64 / (1 << 20) as f64
+    );
+    Ok(())
+}
+
+pub fn traces(a: TracesArgs) -> anyhow::Result<()> {
+    for w in &a.workloads {
+        tandem_vm::image::check_workload(w)?;
+        let out = trace_path(w, a.mem, a.epoch_ms);
+        if out.exists() && !a.force {
+            println!("{w}: {} exists (use --force to re-record)", out.display());
+            continue;
+        }
+        let vm = VmArgs {
+            workload: w.clone(),
+            mem: a.mem,
+            dirty_log: tandem_vm::DirtyMode::Auto,
+            qemu: "qemu-system-x86_64".into(),
+            accel: "tcg".into(),
+            image: None,
+        };
+        record(RecordArgs {
+            vm,
+            epoch_ms: a.epoch_ms,
+            duration: a.duration,
+            output: out,
+            level: 1,
+        })?;
+    }
+    Ok(())
+}
+
+#[derive(Serialize, Default, Clone)]
+pub struct EpochInfo {
+    pub epoch: u32,
+    pub at_ms: f64,
+    pub dirty_pages: u64,
+    pub zero_pages: u64,
+    pub unchanged_pages: u64,
+    pub pause_us: u64,
+    pub timing: Timing,
+    pub device_state_bytes: u32,
+}
+
+#[derive(Serialize, Default)]
+pub struct TraceInfo {
+    pub file: String,
+    pub header: Option<TraceHeader>,
+    pub epochs: u64,
+    pub guest_memory_bytes: u64,
+    pub dirty_pages: u64,
+    pub zero_pages: u64,
+    pub unchanged_pages: u64,
+    pub per_epoch: Vec<EpochInfo>,
+}
+
+fn is_zero(p: &[u8]) -> bool {
+    p.chunks_exact(8).all(|w| w == [0u8; 8])
+}
+
+/// Reads a whole trace, replaying it on a memory image to classify pages.
+pub fn analyse(path: &Path) -> anyhow::Result<TraceInfo> {
+    let f = File::open(path).with_context(|| format!("opening trace {}", path.display()))?;
+    let mut r = TraceReader::new(BufReader::with_capacity(1 << 20, f))
+        .with_context(|| format!("reading {}", path.display()))?;
+    let h = r.header().clone();
+    let mut mem = vec![0u8; h.mem_bytes as usize];
+    let ps = h.page_size as usize;
+    let mut info = TraceInfo {
+        file: path.display().to_string(),
+        guest_memory_bytes: h.mem_bytes,
+        ..Default::default()
+    };
+    while let Some(frame) = r
+        .next_frame()
+        .with_context(|| format!("reading {}", path.display()))?
+    {
+        match frame {
+            Frame::Base { first_pfn, data } => {
+                let o = first_pfn as usize * ps;
+                mem[o..o + data.len()].copy_from_slice(&data);
+            }
+            Frame::Epoch(e) => {
+                let mut ei = EpochInfo {
+                    epoch: e.epoch,
+                    at_ms: e.at_us as f64 / 1000.0,
+                    dirty_pages: e.pfns.len() as u64,
+                    pause_us: e.timing.total_us(),
+                    timing: e.timing,
+                    device_state_bytes: e.device_state_len,
+                    ..Default::default()
+                };
+                for (i, &pfn) in e.pfns.iter().enumerate() {
+                    let new = &e.data[i * ps..(i + 1) * ps];
+                    let old = &mut mem[pfn as usize * ps..(pfn as usize + 1) * ps];
+                    if is_zero(new) {
+                        ei.zero_pages += 1;
+                    }
+                    if new == old {
+                        ei.unchanged_pages += 1;
+                    } else {
+                        old.copy_from_slice(new);
+                    }
+                }
+                info.epochs += 1;
+                info.dirty_pages += ei.dirty_pages;
+                info.zero_pages += ei.zero_pages;
+                info.unchanged_pages += ei.unchanged_pages;
+                info.per_epoch.push(ei);
+            }
+            Frame::End { .. } => {}
+        }
+    }
+    info.header = Some(h);
+    Ok(info)
+}
+
+pub fn trace_cmd(c: TraceCmd) -> anyhow::Result<()> {
+    match c {
+        TraceCmd::Info { file, json } => {
+            let info = analyse(&file)?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&info)?);
+                return Ok(());
+            }
+            let h = info.header.as_ref().context("no header")?;
+            println!(
+                "trace {}: {} MiB guest, epoch {} ms, meta {}",
+                info.file,
+                h.mem_bytes >> 20,
+                h.epoch_ms,
+                h.meta
+            );
+            println!(
+                "{:>6} {:>9} {:>7} {:>6} {:>9} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8}",
+                "epoch",
+                "at_ms",
+                "dirty",
+                "zero",
+                "unchanged",
+                "pause_ms",
+                "stop",
+                "harvest",
+                "copy",
+                "devstate",
+                "cont"
+            );
+            for e in &info.per_epoch {
+                let t = e.timing;
+                let ms = |v: u32| v as f64 / 1000.0;
+                println!(
+                    "{:>6} {:>9.1} {:>7} {:>6} {:>9} {:>8.2} {:>8.2} {:>8.2} {:>8.2} {:>8.2} {:>8.2}",
+                    e.epoch, e.at_ms, e.dirty_pages, e.zero_pages, e.unchanged_pages, e.pause_us as f64 / 1000.0,
+                    ms(t.stop_us), ms(t.harvest_us), ms(t.copy_us), ms(t.devstate_us), ms(t.cont_us)
+                );
+            }
+            let pct = |n: u64| 100.0 * n as f64 / info.dirty_pages.max(1) as f64;
+            println!(
+                "total: {} epochs, guest memory {} bytes, {} dirty pages ({:.1} per epoch), {} zero ({:.1}%), {} written but unchanged ({:.1}%)",
+                info.epochs, info.guest_memory_bytes, info.dirty_pages,
+                info.dirty_pages as f64 / info.epochs.max(1) as f64,
+                info.zero_pages, pct(info.zero_pages), info.unchanged_pages, pct(info.unchanged_pages)
+            );
+            Ok(())
+        }
+    }
+}

@@ -1,0 +1,249 @@
+//! `tandem setup`: install missing Debian packages, fetch the compile workload's sources from
+//! crates.io, build the guest image into the cache. Idempotent: a stamp of every input decides
+//! whether the image is rebuilt.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use indicatif::{ProgressBar, ProgressStyle};
+
+/// Debian packages tandem needs on the host (and copies into the guest image).
+pub const PACKAGES: &[&str] = &[
+    "qemu-system-x86",
+    "linux-image-cloud-amd64",
+    "busybox-static",
+    "cpio",
+    "gzip",
+    "kmod",
+    "e2fsprogs",
+    "redis-server",
+    "redis-tools",
+    "sqlite3",
+    "gcc",
+    "make",
+    "libc6-dev",
+    "binutils",
+    "iproute2",
+    "zstd",
+];
+
+const GUEST_FILES: &[(&str, &str)] = &[
+    (
+        "build-image.sh",
+        include_str!("../../../guest/build-image.sh"),
+    ),
+    (
+        "initramfs-init",
+        include_str!("../../../guest/initramfs-init"),
+    ),
+    ("tandem-init", include_str!("../../../guest/tandem-init")),
+    ("workload.sh", include_str!("../../../guest/workload.sh")),
+    ("lua.mk", include_str!("../../../guest/lua.mk")),
+    ("luarun.c", include_str!("../../../guest/luarun.c")),
+    ("memtouch.c", include_str!("../../../guest/memtouch.c")),
+];
+const CODEBASE_MANIFEST: &str = include_str!("../../../guest/codebase/Cargo.toml");
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// Do not install packages; only check them and build the image.
+    #[arg(long)]
+    pub no_install: bool,
+    /// Rebuild the guest image even if it is up to date.
+    #[arg(long)]
+    pub force: bool,
+}
+
+fn spinner(msg: &str) -> ProgressBar {
+    let pb = ProgressBar::new_spinner();
+    pb.set_style(
+        ProgressStyle::with_template("{spinner} {msg} [{elapsed}]")
+            .unwrap_or_else(|_| ProgressStyle::default_spinner()),
+    );
+    pb.enable_steady_tick(Duration::from_millis(120));
+    pb.set_message(msg.to_string());
+    pb
+}
+
+pub fn missing_packages() -> Vec<&'static str> {
+    PACKAGES
+        .iter()
+        .copied()
+        .filter(|p| {
+            let out = Command::new("dpkg-query").args(["-W", "-f=${Status}", p]).output();
+            !matches!(out, Ok(o) if String::from_utf8_lossy(&o.stdout).contains("install ok installed"))
+        })
+        .collect()
+}
+
+fn install_packages(no_install: bool) -> anyhow::Result<()> {
+    let missing = missing_packages();
+    if missing.is_empty() {
+        println!("[1/3] Debian packages: all {} present", PACKAGES.len());
+        return Ok(());
+    }
+    let cmd = format!(
+        "apt-get update && apt-get install -y --no-install-recommends {}",
+        missing.join(" ")
+    );
+    if no_install {
+        bail!(
+            "missing Debian packages: {}; install them with: {cmd}",
+            missing.join(" ")
+        );
+    }
+    if !rustix::process::geteuid().is_root() {
+        bail!(
+            "missing Debian packages: {}; run `tandem setup` as root, or: sudo sh -c '{cmd}'",
+            missing.join(" ")
+        );
+    }
+    println!("[1/3] Debian packages: installing {}", missing.join(" "));
+    let pb = spinner("apt-get update");
+    let log = std::env::temp_dir().join("tandem-apt.log");
+    let run = |args: &[&str]| -> anyhow::Result<()> {
+        let f = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log)?;
+        let st = Command::new("apt-get")
+            .args(args)
+            .env("DEBIAN_FRONTEND", "noninteractive")
+            .stdin(Stdio::null())
+            .stdout(f.try_clone()?)
+            .stderr(f)
+            .status()
+            .context("running apt-get")?;
+        if !st.success() {
+            let text = std::fs::read_to_string(&log).unwrap_or_default();
+            let tail: Vec<&str> = text.lines().rev().take(12).collect();
+            bail!(
+                "apt-get {} failed ({st}); last lines of {}:\n{}",
+                args[0],
+                log.display(),
+                tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+            );
+        }
+        Ok(())
+    };
+    run(&["update", "-q"])?;
+    pb.set_message(format!("apt-get install {}", missing.join(" ")));
+    let mut args = vec!["install", "-y", "-q", "--no-install-recommends"];
+    args.extend(missing.iter().copied());
+    run(&args)?;
+    pb.finish_with_message("packages installed");
+    Ok(())
+}
+
+/// Fetches lua-src from crates.io with cargo and returns the directory holding lua-5.*.
+fn lua_sources(cache: &Path) -> anyhow::Result<PathBuf> {
+    let dir = cache.join("codebase");
+    std::fs::create_dir_all(dir.join("src"))?;
+    std::fs::write(dir.join("Cargo.toml"), CODEBASE_MANIFEST)?;
+    std::fs::write(dir.join("src/lib.rs"), "")?;
+    let manifest = dir.join("Cargo.toml");
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let st = Command::new(&cargo)
+        .args(["fetch", "--quiet", "--manifest-path"])
+        .arg(&manifest)
+        .status()
+        .with_context(|| format!("running {cargo} (needed to fetch Lua sources from crates.io)"))?;
+    if !st.success() {
+        bail!("cargo fetch of the compile workload's sources (lua-src) failed: {st}");
+    }
+    let out = Command::new(&cargo)
+        .args(["metadata", "--format-version", "1", "--manifest-path"])
+        .arg(&manifest)
+        .output()?;
+    let meta: serde_json::Value =
+        serde_json::from_slice(&out.stdout).context("cargo metadata output")?;
+    let path = meta["packages"]
+        .as_array()
+        .and_then(|ps| ps.iter().find(|p| p["name"] == "lua-src"))
+        .and_then(|p| p["manifest_path"].as_str())
+        .map(|p| {
+            PathBuf::from(p)
+                .parent()
+                .map(Path::to_path_buf)
+                .unwrap_or_default()
+        })
+        .context("lua-src not found in cargo metadata")?;
+    Ok(path)
+}
+
+fn stamp(lua: &Path) -> String {
+    let mut h = xxhash_rust::xxh3::Xxh3::new();
+    for (name, text) in GUEST_FILES {
+        h.update(name.as_bytes());
+        h.update(text.as_bytes());
+    }
+    h.update(lua.display().to_string().as_bytes());
+    let kernels = std::fs::read_dir("/lib/modules")
+        .map(|d| {
+            d.filter_map(|e| e.ok())
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .collect::<Vec<_>>()
+        })
+        .unwrap_or_default();
+    let mut kernels = kernels;
+    kernels.sort();
+    h.update(kernels.join(",").as_bytes());
+    format!("{:032x}", h.digest128())
+}
+
+pub fn run(args: Args) -> anyhow::Result<()> {
+    install_packages(args.no_install)?;
+    let cache = tandem_vm::image::cache_dir();
+    std::fs::create_dir_all(&cache)
+        .with_context(|| format!("creating cache {}", cache.display()))?;
+    let pb = spinner("fetching Lua sources (crates.io: lua-src) for the compile workload");
+    let lua = lua_sources(&cache)?;
+    pb.finish_and_clear();
+    println!("[2/3] compile workload sources: {}", lua.display());
+    let image = tandem_vm::GuestImage::default_location();
+    let want = stamp(&lua);
+    let stamp_path = image.dir.join("stamp");
+    if !args.force
+        && image.check().is_ok()
+        && std::fs::read_to_string(&stamp_path).ok().as_deref() == Some(want.as_str())
+    {
+        println!("[3/3] guest image up to date: {}", image.dir.display());
+        return Ok(());
+    }
+    let work = tempfile::Builder::new()
+        .prefix("tandem-guest-src-")
+        .tempdir()?;
+    for (name, text) in GUEST_FILES {
+        let p = work.path().join(name);
+        std::fs::write(&p, text)?;
+        rustix::fs::chmod(&p, rustix::fs::Mode::from_raw_mode(0o755))?;
+    }
+    let pb = spinner("building guest image (kernel, initramfs, apps disk)");
+    let out = Command::new("bash")
+        .arg(work.path().join("build-image.sh"))
+        .arg(&image.dir)
+        .arg(&lua)
+        .output()
+        .context("running the guest image builder")?;
+    pb.finish_and_clear();
+    if !out.status.success() {
+        bail!(
+            "guest image build failed ({}):\n{}{}",
+            out.status,
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    std::fs::write(&stamp_path, &want)?;
+    let size = |p: PathBuf| std::fs::metadata(p).map(|m| m.len() >> 20).unwrap_or(0);
+    println!(
+        "[3/3] guest image built in {}: kernel {} MiB, initramfs {} MiB, apps disk {} MiB",
+        image.dir.display(),
+        size(image.kernel()),
+        size(image.initrd()),
+        size(image.apps())
+    );
+    Ok(())
+}
