@@ -21,6 +21,7 @@
 #![warn(missing_docs)]
 
 mod frame;
+pub mod fuzz;
 mod reader;
 mod writer;
 
