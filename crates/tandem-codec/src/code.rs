@@ -1,0 +1,253 @@
+//! Per-page codes: every page of a record is `base` + `body`.
+//!
+//! - base: `Zero` (all-zero page), `Mirror(pfn)` (that page's content *before* this epoch, on
+//!   both sides), or `Epoch(i)` (the new content of the i-th page of this same record, i < own
+//!   index).
+//! - body: `Same` (page = base), `Runs` (replace runs of 1- or 8-byte units: XBZRLE / FITDOC /
+//!   sparse), `Xor` (a 4096-byte XOR image, raw or compressed with LZ4, zstd or WKdm, applied to
+//!   the base: with a zero base it is a plain literal page), `Blocks` (FGBI: a 64-bit mask of
+//!   replaced 64-byte blocks, each coded on its own), `Areas` (Gerofi: eight 512-byte areas, each
+//!   same / zero / raw / runs against any reference area).
+
+use crate::runs::{get_uleb, put_uleb};
+
+/// Where a page (or area or block) starts from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Base {
+    /// All zero.
+    Zero,
+    /// Pre-epoch content of a guest page.
+    Mirror(u64),
+    /// New content of an earlier page of this record.
+    Epoch(u32),
+}
+
+/// Compression method of an `Xor` body.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Method {
+    /// Stored.
+    Raw = 0,
+    /// LZ4 block.
+    Lz4 = 1,
+    /// zstd frame.
+    Zstd = 2,
+    /// WKdm.
+    Wkdm = 3,
+}
+
+/// How the page differs from its base. Payload lengths are implied by `len`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Body {
+    /// The page equals its base.
+    Same,
+    /// Run stream with `unit`-byte granularity (1 or 8).
+    Runs {
+        /// 1 or 8.
+        unit: u8,
+    },
+    /// XOR image, `method`-coded.
+    Xor(Method),
+    /// FGBI blocks: bit i set = block i (64 bytes) is coded in the payload.
+    Blocks(u64),
+    /// Gerofi areas: eight area codes in the payload.
+    Areas,
+}
+
+/// One page's code.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PageCode {
+    /// Guest page number written.
+    pub pfn: u64,
+    /// Starting content.
+    pub base: Base,
+    /// Transformation.
+    pub body: Body,
+    /// Payload bytes in the data section.
+    pub len: u32,
+}
+
+// tag byte: bits 0-1 base kind, bits 2-4 body kind, bits 5-7 body detail
+const BASE_ZERO: u8 = 0;
+const BASE_MIRROR: u8 = 1;
+const BASE_EPOCH: u8 = 2;
+const BODY_SAME: u8 = 0;
+const BODY_RUNS: u8 = 1;
+const BODY_XOR: u8 = 2;
+const BODY_BLOCKS: u8 = 3;
+const BODY_AREAS: u8 = 4;
+
+impl PageCode {
+    /// Appends the code; `prev_pfn` is the previous entry's pfn (`None` for the first).
+    pub fn write(&self, prev_pfn: Option<u64>, out: &mut Vec<u8>) {
+        put_uleb(
+            out,
+            match prev_pfn {
+                None => self.pfn,
+                Some(p) => self.pfn - p - 1,
+            },
+        );
+        let (bk, barg) = match self.base {
+            Base::Zero => (BASE_ZERO, None),
+            Base::Mirror(p) => (BASE_MIRROR, Some(p)),
+            Base::Epoch(i) => (BASE_EPOCH, Some(i as u64)),
+        };
+        let (body, detail) = match self.body {
+            Body::Same => (BODY_SAME, 0),
+            Body::Runs { unit } => (BODY_RUNS, if unit == 8 { 1 } else { 0 }),
+            Body::Xor(m) => (BODY_XOR, m as u8),
+            Body::Blocks(_) => (BODY_BLOCKS, 0),
+            Body::Areas => (BODY_AREAS, 0),
+        };
+        out.push(bk | (body << 2) | (detail << 5));
+        if let Some(a) = barg {
+            put_uleb(out, a);
+        }
+        if let Body::Blocks(mask) = self.body {
+            out.extend_from_slice(&mask.to_le_bytes());
+        }
+        if self.body != Body::Same {
+            put_uleb(out, self.len as u64);
+        }
+    }
+
+    /// Reads one code. Structural checks only; references are checked by the decoder.
+    pub fn read(
+        buf: &[u8],
+        pos: &mut usize,
+        prev_pfn: Option<u64>,
+    ) -> Result<PageCode, &'static str> {
+        let d = get_uleb(buf, pos).ok_or("page number truncated")?;
+        let pfn = match prev_pfn {
+            None => d,
+            Some(p) => p
+                .checked_add(d)
+                .and_then(|v| v.checked_add(1))
+                .ok_or("page number overflows")?,
+        };
+        let tag = *buf.get(*pos).ok_or("page tag truncated")?;
+        *pos += 1;
+        let base = match tag & 3 {
+            BASE_ZERO => Base::Zero,
+            BASE_MIRROR => Base::Mirror(get_uleb(buf, pos).ok_or("base page truncated")?),
+            BASE_EPOCH => {
+                let i = get_uleb(buf, pos).ok_or("base index truncated")?;
+                Base::Epoch(u32::try_from(i).map_err(|_| "base index too large")?)
+            }
+            _ => return Err("unknown base kind"),
+        };
+        let detail = tag >> 5;
+        let body = match (tag >> 2) & 7 {
+            BODY_SAME if detail == 0 => Body::Same,
+            BODY_RUNS if detail <= 1 => Body::Runs {
+                unit: if detail == 1 { 8 } else { 1 },
+            },
+            BODY_XOR => Body::Xor(match detail {
+                0 => Method::Raw,
+                1 => Method::Lz4,
+                2 => Method::Zstd,
+                3 => Method::Wkdm,
+                _ => return Err("unknown compression method"),
+            }),
+            BODY_BLOCKS if detail == 0 => {
+                let b = buf.get(*pos..*pos + 8).ok_or("block mask truncated")?;
+                *pos += 8;
+                Body::Blocks(u64::from_le_bytes(b.try_into().map_err(|_| "block mask")?))
+            }
+            BODY_AREAS if detail == 0 => Body::Areas,
+            _ => return Err("unknown body kind"),
+        };
+        let len = if body == Body::Same {
+            0
+        } else {
+            u32::try_from(get_uleb(buf, pos).ok_or("payload length truncated")?)
+                .map_err(|_| "payload length too large")?
+        };
+        Ok(PageCode {
+            pfn,
+            base,
+            body,
+            len,
+        })
+    }
+}
+
+/// Block codes inside a `Blocks` payload (one per set mask bit, in order).
+pub mod block {
+    /// Block is all zero.
+    pub const ZERO: u8 = 0;
+    /// 64 raw bytes follow.
+    pub const RAW: u8 = 1;
+    /// uleb length + run stream (unit 1) against a zero block (FGBI's sparse block).
+    pub const SPARSE: u8 = 2;
+    /// uleb length + WKdm data.
+    pub const WKDM: u8 = 3;
+    /// uleb: block number (page index × 64 + block) of an earlier block of this record.
+    pub const EPOCH_REF: u8 = 4;
+}
+
+/// Area codes inside an `Areas` payload (eight, in order).
+pub mod area {
+    /// Area equals the page base's area.
+    pub const SAME: u8 = 0;
+    /// Area is all zero.
+    pub const ZERO: u8 = 1;
+    /// 512 raw bytes follow.
+    pub const RAW: u8 = 2;
+    /// Reference (kind u8: 1 mirror, 2 epoch; uleb page; u8 area) + uleb length + run stream
+    /// (unit 1) against that reference area.
+    pub const DELTA: u8 = 3;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn codes_roundtrip() {
+        let codes = [
+            PageCode {
+                pfn: 5,
+                base: Base::Zero,
+                body: Body::Same,
+                len: 0,
+            },
+            PageCode {
+                pfn: 6,
+                base: Base::Mirror(77),
+                body: Body::Runs { unit: 8 },
+                len: 40,
+            },
+            PageCode {
+                pfn: 900,
+                base: Base::Epoch(1),
+                body: Body::Xor(Method::Wkdm),
+                len: 1000,
+            },
+            PageCode {
+                pfn: 901,
+                base: Base::Mirror(901),
+                body: Body::Blocks(0x8000_0000_0000_0001),
+                len: 130,
+            },
+            PageCode {
+                pfn: 1 << 40,
+                base: Base::Zero,
+                body: Body::Areas,
+                len: 8,
+            },
+        ];
+        let mut buf = Vec::new();
+        let mut prev = None;
+        for c in &codes {
+            c.write(prev, &mut buf);
+            prev = Some(c.pfn);
+        }
+        let (mut pos, mut prev) = (0, None);
+        for c in &codes {
+            let d = PageCode::read(&buf, &mut pos, prev).unwrap();
+            assert_eq!(&d, c);
+            prev = Some(d.pfn);
+        }
+        assert_eq!(pos, buf.len());
+    }
+}

@@ -1,0 +1,330 @@
+//! Decoding: build and verify the complete plan (every new page's content) against the
+//! untouched pre-epoch mirror, then commit it in one pass. A bad record changes nothing.
+
+use crate::code::{area, block, Base, Body, Method, PageCode};
+use crate::format::{Header, FLAG_LZ4, FLAG_ZSTD, HEADER_LEN, PAGE};
+use crate::runs;
+use crate::DecodeError;
+
+/// A fully decoded epoch, not yet applied.
+#[derive(Debug, Default, Clone)]
+pub struct Plan {
+    /// Epoch number of the record.
+    pub epoch: u64,
+    /// Pages written, ascending.
+    pub pfns: Vec<u64>,
+    /// New contents, one page per entry of `pfns`.
+    pub data: Vec<u8>,
+}
+
+impl Plan {
+    /// New content of entry `i`.
+    pub fn page(&self, i: usize) -> &[u8] {
+        &self.data[i * PAGE..(i + 1) * PAGE]
+    }
+
+    /// Writes every page into `mirror` (the whole guest memory).
+    pub fn commit(&self, mirror: &mut [u8]) {
+        for (i, &pfn) in self.pfns.iter().enumerate() {
+            let o = pfn as usize * PAGE;
+            mirror[o..o + PAGE].copy_from_slice(self.page(i));
+        }
+    }
+}
+
+fn bad(i: usize, what: impl Into<String>) -> DecodeError {
+    DecodeError::Page {
+        index: i,
+        what: what.into(),
+    }
+}
+
+struct Ctx<'a> {
+    mirror: &'a [u8],
+    pages: u64,
+}
+
+impl Ctx<'_> {
+    fn base_into(
+        &self,
+        base: Base,
+        i: usize,
+        done: &[u8],
+        out: &mut [u8],
+    ) -> Result<(), DecodeError> {
+        match base {
+            Base::Zero => out.fill(0),
+            Base::Mirror(p) => {
+                if p >= self.pages {
+                    return Err(bad(
+                        i,
+                        format!(
+                            "references page {p} outside the guest's {} pages",
+                            self.pages
+                        ),
+                    ));
+                }
+                out.copy_from_slice(&self.mirror[p as usize * PAGE..(p as usize + 1) * PAGE]);
+            }
+            Base::Epoch(j) => {
+                if j as usize >= i {
+                    return Err(bad(
+                        i,
+                        format!("references entry {j}, which is not earlier"),
+                    ));
+                }
+                out.copy_from_slice(&done[j as usize * PAGE..(j as usize + 1) * PAGE]);
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Decodes `rec` against `mirror` (pre-epoch guest memory, `pages` × 4096 bytes) into `plan`.
+pub fn decode(rec: &[u8], mirror: &[u8], plan: &mut Plan) -> Result<(), DecodeError> {
+    let h = Header::read(rec)?;
+    let pages = (mirror.len() / PAGE) as u64;
+    let ops = &rec[HEADER_LEN..HEADER_LEN + h.ops_len as usize];
+    let stored = &rec[HEADER_LEN + h.ops_len as usize..];
+    if crc32c::crc32c(ops) != h.crc_ops {
+        return Err(DecodeError::Checksum("ops section"));
+    }
+    if crc32c::crc32c(stored) != h.crc_data {
+        return Err(DecodeError::Checksum("data section"));
+    }
+    let raw_len = h.data_raw_len as usize;
+    let unpacked;
+    let data: &[u8] = if h.flags & FLAG_ZSTD != 0 {
+        unpacked = zstd::bulk::decompress(stored, raw_len)
+            .map_err(|e| DecodeError::Malformed(format!("data section zstd: {e}")))?;
+        &unpacked
+    } else if h.flags & FLAG_LZ4 != 0 {
+        unpacked = lz4_flex::block::decompress(stored, raw_len)
+            .map_err(|e| DecodeError::Malformed(format!("data section lz4: {e}")))?;
+        &unpacked
+    } else {
+        stored
+    };
+    if data.len() != raw_len {
+        return Err(DecodeError::Malformed(format!(
+            "data section decodes to {} bytes, header says {raw_len}",
+            data.len()
+        )));
+    }
+    // Parse every code first: the plan's shape is known before any page is built.
+    let n = h.entries as usize;
+    if (n as u64) > pages {
+        return Err(DecodeError::Limit(format!(
+            "{n} entries for a guest of {pages} pages"
+        )));
+    }
+    let mut codes = Vec::with_capacity(n);
+    let (mut pos, mut prev) = (0usize, None);
+    let mut total = 0u64;
+    for i in 0..n {
+        let c = PageCode::read(ops, &mut pos, prev).map_err(|e| bad(i, e))?;
+        if c.pfn >= pages {
+            return Err(bad(
+                i,
+                format!("page {} outside the guest's {pages} pages", c.pfn),
+            ));
+        }
+        total += c.len as u64;
+        prev = Some(c.pfn);
+        codes.push(c);
+    }
+    if pos != ops.len() {
+        return Err(DecodeError::Malformed(format!(
+            "{} trailing bytes in the ops section",
+            ops.len() - pos
+        )));
+    }
+    if total != data.len() as u64 {
+        return Err(DecodeError::Malformed(format!(
+            "payloads add up to {total} bytes, data section has {}",
+            data.len()
+        )));
+    }
+    plan.epoch = h.epoch;
+    plan.pfns.clear();
+    plan.data.clear();
+    plan.data.resize(n * PAGE, 0);
+    let ctx = Ctx { mirror, pages };
+    let mut at = 0usize;
+    let mut tmp = vec![0u8; PAGE];
+    for (i, c) in codes.iter().enumerate() {
+        let payload = &data[at..at + c.len as usize];
+        at += c.len as usize;
+        let (done, rest) = plan.data.split_at_mut(i * PAGE);
+        let out = &mut rest[..PAGE];
+        ctx.base_into(c.base, i, done, out)?;
+        match c.body {
+            Body::Same => {}
+            Body::Runs { unit } => {
+                if !runs::apply(payload, unit as usize, out) {
+                    return Err(bad(i, "malformed run stream"));
+                }
+            }
+            Body::Xor(m) => {
+                let ok = match m {
+                    Method::Raw => {
+                        payload.len() == PAGE && {
+                            tmp.copy_from_slice(payload);
+                            true
+                        }
+                    }
+                    Method::Lz4 => {
+                        lz4_flex::block::decompress_into(payload, &mut tmp).ok() == Some(PAGE)
+                    }
+                    Method::Zstd => {
+                        zstd::bulk::decompress_to_buffer(payload, &mut tmp[..]).ok() == Some(PAGE)
+                    }
+                    Method::Wkdm => crate::wkdm::decompress(payload, &mut tmp),
+                };
+                if !ok {
+                    return Err(bad(i, format!("{m:?} payload does not decode to one page")));
+                }
+                for (o, t) in out.iter_mut().zip(tmp.iter()) {
+                    *o ^= t;
+                }
+            }
+            Body::Blocks(mask) => decode_blocks(i, mask, payload, done, out)?,
+            Body::Areas => decode_areas(&ctx, i, payload, done, out)?,
+        }
+        plan.pfns.push(c.pfn);
+    }
+    Ok(())
+}
+
+fn decode_blocks(
+    i: usize,
+    mask: u64,
+    p: &[u8],
+    done: &[u8],
+    out: &mut [u8],
+) -> Result<(), DecodeError> {
+    let mut pos = 0;
+    for b in (0..64).filter(|b| mask & (1 << b) != 0) {
+        let tag = *p.get(pos).ok_or_else(|| bad(i, "block code truncated"))?;
+        pos += 1;
+        let dst = &mut out[b * 64..(b + 1) * 64];
+        let take_len = |pos: &mut usize| -> Result<usize, DecodeError> {
+            let l =
+                runs::get_uleb(p, pos).ok_or_else(|| bad(i, "block length truncated"))? as usize;
+            if p.len() - *pos < l {
+                return Err(bad(i, "block payload truncated"));
+            }
+            Ok(l)
+        };
+        match tag {
+            block::ZERO => dst.fill(0),
+            block::RAW => {
+                let s = p
+                    .get(pos..pos + 64)
+                    .ok_or_else(|| bad(i, "raw block truncated"))?;
+                dst.copy_from_slice(s);
+                pos += 64;
+            }
+            block::SPARSE => {
+                let l = take_len(&mut pos)?;
+                dst.fill(0);
+                if !runs::apply(&p[pos..pos + l], 1, dst) {
+                    return Err(bad(i, "malformed sparse block"));
+                }
+                pos += l;
+            }
+            block::WKDM => {
+                let l = take_len(&mut pos)?;
+                if !crate::wkdm::decompress(&p[pos..pos + l], dst) {
+                    return Err(bad(i, "malformed WKdm block"));
+                }
+                pos += l;
+            }
+            block::EPOCH_REF => {
+                let r = runs::get_uleb(p, &mut pos)
+                    .ok_or_else(|| bad(i, "block reference truncated"))?;
+                if r >= (i as u64) * 64 {
+                    return Err(bad(
+                        i,
+                        format!("block reference {r} is not to an earlier page"),
+                    ));
+                }
+                let r = r as usize;
+                dst.copy_from_slice(&done[r * 64..(r + 1) * 64]);
+            }
+            t => return Err(bad(i, format!("unknown block code {t}"))),
+        }
+    }
+    if pos != p.len() {
+        return Err(bad(i, "trailing bytes after blocks"));
+    }
+    Ok(())
+}
+
+fn decode_areas(
+    ctx: &Ctx<'_>,
+    i: usize,
+    p: &[u8],
+    done: &[u8],
+    out: &mut [u8],
+) -> Result<(), DecodeError> {
+    const AREA: usize = 512;
+    let mut pos = 0;
+    for a in 0..PAGE / AREA {
+        let tag = *p.get(pos).ok_or_else(|| bad(i, "area code truncated"))?;
+        pos += 1;
+        let dst = &mut out[a * AREA..(a + 1) * AREA];
+        match tag {
+            area::SAME => {}
+            area::ZERO => dst.fill(0),
+            area::RAW => {
+                let s = p
+                    .get(pos..pos + AREA)
+                    .ok_or_else(|| bad(i, "raw area truncated"))?;
+                dst.copy_from_slice(s);
+                pos += AREA;
+            }
+            area::DELTA => {
+                let kind = *p
+                    .get(pos)
+                    .ok_or_else(|| bad(i, "area reference truncated"))?;
+                pos += 1;
+                let page = runs::get_uleb(p, &mut pos)
+                    .ok_or_else(|| bad(i, "area reference truncated"))?;
+                let ra = *p
+                    .get(pos)
+                    .ok_or_else(|| bad(i, "area reference truncated"))?
+                    as usize;
+                pos += 1;
+                if ra >= PAGE / AREA {
+                    return Err(bad(i, format!("area index {ra}")));
+                }
+                let src: &[u8] = match kind {
+                    1 if page < ctx.pages => {
+                        &ctx.mirror[page as usize * PAGE..(page as usize + 1) * PAGE]
+                    }
+                    2 if page < i as u64 => &done[page as usize * PAGE..(page as usize + 1) * PAGE],
+                    _ => {
+                        return Err(bad(
+                            i,
+                            format!("area reference kind {kind} page {page} is invalid"),
+                        ))
+                    }
+                };
+                dst.copy_from_slice(&src[ra * AREA..(ra + 1) * AREA]);
+                let l = runs::get_uleb(p, &mut pos)
+                    .ok_or_else(|| bad(i, "area delta length truncated"))?
+                    as usize;
+                if p.len() - pos < l || !runs::apply(&p[pos..pos + l], 1, dst) {
+                    return Err(bad(i, "malformed area delta"));
+                }
+                pos += l;
+            }
+            t => return Err(bad(i, format!("unknown area code {t}"))),
+        }
+    }
+    if pos != p.len() {
+        return Err(bad(i, "trailing bytes after areas"));
+    }
+    Ok(())
+}

@@ -1,0 +1,159 @@
+//! The epoch record: one checkpoint's memory, self-contained given the pre-epoch mirror.
+//!
+//! ```text
+//! +----------------------------------------------------------------------+
+//! | header (52 bytes, little-endian)                                     |
+//! |   0 magic "TNDMEPC1"        8 version u16 = 1    10 flags u16        |
+//! |  12 page_size u32 = 4096   16 epoch u64          24 entries u32      |
+//! |  28 ops_len u32            32 data_stored_len u32                    |
+//! |  36 data_raw_len u32       40 crc32c(ops) u32    44 crc32c(data) u32 |
+//! |  48 crc32c(header bytes 0..48) u32                                   |
+//! +----------------------------------------------------------------------+
+//! | ops section: `entries` page codes (see code.rs), ops_len bytes       |
+//! +----------------------------------------------------------------------+
+//! | data section: payloads in page order, data_stored_len bytes;         |
+//! |   flags bit 0: zstd-compressed, bit 1: LZ4-compressed (to raw_len)   |
+//! +----------------------------------------------------------------------+
+//! ```
+//! Limits: entries ≤ 2²⁴ (64 GiB of pages per epoch), ops ≤ 256 MiB, data ≤ 1 GiB decoded.
+
+use crate::DecodeError;
+
+/// Record magic.
+pub const MAGIC: &[u8; 8] = b"TNDMEPC1";
+/// Record format version.
+pub const VERSION: u16 = 1;
+/// Header length.
+pub const HEADER_LEN: usize = 52;
+/// Page size this format carries.
+pub const PAGE: usize = 4096;
+/// Most page entries in one record.
+pub const MAX_ENTRIES: u32 = 1 << 24;
+/// Largest ops section.
+pub const MAX_OPS: u32 = 256 << 20;
+/// Largest data section (decoded).
+pub const MAX_DATA: u32 = 1 << 30;
+/// Flag: data section is zstd-compressed.
+pub const FLAG_ZSTD: u16 = 1;
+/// Flag: data section is LZ4-compressed.
+pub const FLAG_LZ4: u16 = 2;
+
+/// Parsed header.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Header {
+    /// Flags.
+    pub flags: u16,
+    /// Epoch number.
+    pub epoch: u64,
+    /// Page entries.
+    pub entries: u32,
+    /// Ops section length.
+    pub ops_len: u32,
+    /// Stored data length.
+    pub data_stored_len: u32,
+    /// Decoded data length.
+    pub data_raw_len: u32,
+    /// CRC32C of ops.
+    pub crc_ops: u32,
+    /// CRC32C of stored data.
+    pub crc_data: u32,
+}
+
+impl Header {
+    /// Serialises the header.
+    pub fn write(&self, out: &mut Vec<u8>) {
+        let start = out.len();
+        out.extend_from_slice(MAGIC);
+        out.extend_from_slice(&VERSION.to_le_bytes());
+        out.extend_from_slice(&self.flags.to_le_bytes());
+        out.extend_from_slice(&(PAGE as u32).to_le_bytes());
+        out.extend_from_slice(&self.epoch.to_le_bytes());
+        for v in [
+            self.entries,
+            self.ops_len,
+            self.data_stored_len,
+            self.data_raw_len,
+            self.crc_ops,
+            self.crc_data,
+        ] {
+            out.extend_from_slice(&v.to_le_bytes());
+        }
+        let crc = crc32c::crc32c(&out[start..]);
+        out.extend_from_slice(&crc.to_le_bytes());
+    }
+
+    /// Parses and checks the header and section bounds of `rec`.
+    pub fn read(rec: &[u8]) -> Result<Header, DecodeError> {
+        if rec.len() < HEADER_LEN {
+            return Err(DecodeError::Truncated(format!(
+                "record of {} bytes is shorter than its header",
+                rec.len()
+            )));
+        }
+        if &rec[..8] != MAGIC {
+            return Err(DecodeError::Malformed(
+                "bad magic: not a tandem epoch record".into(),
+            ));
+        }
+        let u16_at = |o: usize| u16::from_le_bytes([rec[o], rec[o + 1]]);
+        let u32_at = |o: usize| u32::from_le_bytes([rec[o], rec[o + 1], rec[o + 2], rec[o + 3]]);
+        let version = u16_at(8);
+        if version != VERSION {
+            return Err(DecodeError::Version(version));
+        }
+        if crc32c::crc32c(&rec[..48]) != u32_at(48) {
+            return Err(DecodeError::Checksum("header"));
+        }
+        let h = Header {
+            flags: u16_at(10),
+            epoch: u64::from_le_bytes(rec[16..24].try_into().unwrap_or_default()),
+            entries: u32_at(24),
+            ops_len: u32_at(28),
+            data_stored_len: u32_at(32),
+            data_raw_len: u32_at(36),
+            crc_ops: u32_at(40),
+            crc_data: u32_at(44),
+        };
+        if u32_at(12) as usize != PAGE {
+            return Err(DecodeError::Malformed(format!(
+                "page size {} (only {PAGE} is supported)",
+                u32_at(12)
+            )));
+        }
+        if h.flags & !(FLAG_ZSTD | FLAG_LZ4) != 0 || h.flags == FLAG_ZSTD | FLAG_LZ4 {
+            return Err(DecodeError::Malformed(format!(
+                "unknown flags {:#x}",
+                h.flags
+            )));
+        }
+        if h.entries > MAX_ENTRIES
+            || h.ops_len > MAX_OPS
+            || h.data_raw_len > MAX_DATA
+            || h.data_stored_len > MAX_DATA
+        {
+            return Err(DecodeError::Limit(format!(
+                "{} entries, {} ops bytes, {} data bytes",
+                h.entries, h.ops_len, h.data_raw_len
+            )));
+        }
+        if h.flags == 0 && h.data_stored_len != h.data_raw_len {
+            return Err(DecodeError::Malformed(
+                "stored and raw data lengths differ without compression".into(),
+            ));
+        }
+        let total = HEADER_LEN as u64 + h.ops_len as u64 + h.data_stored_len as u64;
+        if (rec.len() as u64) < total {
+            return Err(DecodeError::Truncated(format!(
+                "record has {} bytes, header announces {total}",
+                rec.len()
+            )));
+        }
+        if (rec.len() as u64) > total {
+            return Err(DecodeError::Malformed(format!(
+                "{} trailing bytes after the record",
+                rec.len() as u64 - total
+            )));
+        }
+        Ok(h)
+    }
+}

@@ -1,0 +1,72 @@
+//! tandem's epoch codec: encodes the dirty pages of one checkpoint, given the reference state
+//! both sides share, into a compact record (format.rs) and decodes it back bit-exactly. No I/O.
+//!
+//! Techniques (each a selectable [`Codec`], all emitting the same record format):
+//! zero pages; identical-page and 64 B block sharing within the epoch and against held
+//! references (xxh3 hints, always byte-verified); FGBI 64 B block hashes; FITDOC 8 B word
+//! deltas with an LRU buffer (or a full mirror); Gerofi et al.'s popcount similarity over
+//! 512 B areas with an 18-bit content table and a 5120-page recently-dirtied cache; Difference
+//! Engine's HashSimilarityDetector(2,1) patching; hybrid compression (sparse, WKdm, LZ4, zstd);
+//! QEMU XBZRLE, Remus raw, whole-page zstd-1 and LZ4 as baselines; and `tandem`, which picks per
+//! page the smallest within a CPU budget.
+//!
+//! Decoding builds the complete [`Plan`] (every new page) against the untouched pre-epoch
+//! mirror and checks every reference, length and checksum first; only then [`Plan::commit`]
+//! writes the mirror. A page referenced by another page of the same epoch is resolved to its
+//! pre-epoch content (mirror) or, explicitly, to its new content (an earlier entry).
+
+#![warn(missing_docs)]
+
+pub mod code;
+mod decoder;
+mod encoder;
+pub mod format;
+pub mod fuzz;
+pub mod runs;
+pub mod simhash;
+pub mod state;
+mod strategies;
+pub mod wkdm;
+
+pub use decoder::{decode, Plan};
+pub use encoder::{Codec, Config, EncodeStats, Encoder};
+pub use strategies::Budget;
+
+/// Why a record was rejected. Nothing was applied.
+#[derive(Debug, thiserror::Error)]
+pub enum DecodeError {
+    /// The record ends early.
+    #[error("truncated epoch record: {0}")]
+    Truncated(String),
+    /// Structure is wrong.
+    #[error("malformed epoch record: {0}")]
+    Malformed(String),
+    /// Unknown format version.
+    #[error("epoch record version {0} is not supported (this build reads version 1)")]
+    Version(u16),
+    /// A checksum does not match.
+    #[error("epoch record checksum mismatch in the {0}")]
+    Checksum(&'static str),
+    /// A size limit is exceeded.
+    #[error("epoch record exceeds a limit: {0}")]
+    Limit(String),
+    /// One page's code is invalid.
+    #[error("epoch record entry {index}: {what}")]
+    Page {
+        /// Entry index.
+        index: usize,
+        /// What is wrong.
+        what: String,
+    },
+}
+
+/// Why an epoch could not be encoded.
+#[derive(Debug, thiserror::Error)]
+pub enum EncodeError {
+    /// Caller's input is inconsistent.
+    #[error("invalid encoder input: {0}")]
+    Input(String),
+    /// zstd failed.
+    #[error("zstd compression failed")]
+    Compress(#[source] std::io::Error),
+}

@@ -1,0 +1,160 @@
+//! Run-length patches: alternating runs of unchanged and replaced units against a base.
+//!
+//! Stream: `skip₀ len₀ lit₀ skip₁ len₁ lit₁ …`, each count ULEB128, `lit` = `len × unit` bytes
+//! of new content. With a 1-byte unit and maximal runs this is byte-for-byte QEMU's XBZRLE
+//! encoding (zero run, non-zero run, trailing zero run omitted); with an 8-byte unit it is
+//! FITDOC's word delta; against an all-zero base it is FGBI's sparse block (offset/value).
+
+/// Appends `v` as ULEB128.
+pub fn put_uleb(out: &mut Vec<u8>, mut v: u64) {
+    while v >= 0x80 {
+        out.push((v as u8) | 0x80);
+        v >>= 7;
+    }
+    out.push(v as u8);
+}
+
+/// Reads a ULEB128 value at `*pos`; `None` if truncated or longer than 10 bytes.
+pub fn get_uleb(buf: &[u8], pos: &mut usize) -> Option<u64> {
+    let mut v = 0u64;
+    for shift in (0..70).step_by(7) {
+        let b = *buf.get(*pos)?;
+        *pos += 1;
+        if shift == 63 && b > 1 {
+            return None;
+        }
+        v |= ((b & 0x7f) as u64) << shift;
+        if b & 0x80 == 0 {
+            return Some(v);
+        }
+    }
+    None
+}
+
+/// Encodes `new` against `old` with `unit`-byte granularity (1 or 8), appending to `out`.
+/// Returns `None` as soon as the output would exceed `limit` bytes (then `out` is restored).
+pub fn encode(
+    old: &[u8],
+    new: &[u8],
+    unit: usize,
+    limit: usize,
+    out: &mut Vec<u8>,
+) -> Option<usize> {
+    debug_assert!(old.len() == new.len() && new.len() % unit == 0);
+    let start = out.len();
+    let n = new.len() / unit;
+    let same = |i: usize| old[i * unit..(i + 1) * unit] == new[i * unit..(i + 1) * unit];
+    let mut i = 0;
+    while i < n {
+        let s = i;
+        // Word-at-a-time skip of equal content for the byte unit (as QEMU does).
+        if unit == 1 {
+            while i + 8 <= n && old[i..i + 8] == new[i..i + 8] {
+                i += 8;
+            }
+        }
+        while i < n && same(i) {
+            i += 1;
+        }
+        if i == n {
+            break; // trailing unchanged run is implicit
+        }
+        let skip = i - s;
+        let l = i;
+        while i < n && !same(i) {
+            i += 1;
+        }
+        put_uleb(out, skip as u64);
+        put_uleb(out, (i - l) as u64);
+        out.extend_from_slice(&new[l * unit..i * unit]);
+        if out.len() - start > limit {
+            out.truncate(start);
+            return None;
+        }
+    }
+    Some(out.len() - start)
+}
+
+/// Applies a run stream to `page` (which holds the base). `false` if the stream is malformed
+/// or runs past the page.
+pub fn apply(stream: &[u8], unit: usize, page: &mut [u8]) -> bool {
+    let mut pos = 0;
+    let mut at = 0usize;
+    while pos < stream.len() {
+        let (Some(skip), Some(len)) = (get_uleb(stream, &mut pos), get_uleb(stream, &mut pos))
+        else {
+            return false;
+        };
+        let (Some(skip), Some(len)) = (usize::try_from(skip).ok(), usize::try_from(len).ok())
+        else {
+            return false;
+        };
+        let Some(from) = skip.checked_mul(unit).and_then(|s| s.checked_add(at)) else {
+            return false;
+        };
+        let Some(to) = len.checked_mul(unit).and_then(|l| l.checked_add(from)) else {
+            return false;
+        };
+        if to > page.len() || len == 0 || stream.len() - pos < to - from {
+            return false;
+        }
+        page[from..to].copy_from_slice(&stream[pos..pos + (to - from)]);
+        pos += to - from;
+        at = to;
+    }
+    true
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn xbzrle_vectors_from_qemu_unit_tests() {
+        // QEMU tests/unit/test-xbzrle.c, test_encode_decode_1_byte: one changed byte at the
+        // end of a zero page encodes as uleb(4095) + uleb(1) + 1 byte = 4 bytes.
+        let old = vec![0u8; 4096];
+        let mut new = old.clone();
+        new[4095] = 1;
+        let mut out = Vec::new();
+        assert_eq!(encode(&old, &new, 1, 4096, &mut out), Some(4));
+        assert_eq!(out, [0xff, 0x1f, 0x01, 0x01]);
+        // test_encode_decode_unchanged: identical pages encode to nothing.
+        out.clear();
+        assert_eq!(encode(&old, &old, 1, 4096, &mut out), Some(0));
+        // test_encode_decode_overflow: every other byte changed overflows a page-sized buffer.
+        let alt: Vec<u8> = (0..4096).map(|i| (i % 2) as u8).collect();
+        out.clear();
+        assert_eq!(encode(&old, &alt, 1, 4096, &mut out), None);
+        assert!(out.is_empty());
+    }
+
+    #[test]
+    fn roundtrip_units() {
+        let old: Vec<u8> = (0..4096).map(|i| (i * 7) as u8).collect();
+        let mut new = old.clone();
+        new[0] ^= 1;
+        new[100..180].fill(3);
+        new[4000] = 9;
+        for unit in [1, 8] {
+            let mut out = Vec::new();
+            encode(&old, &new, unit, 4096, &mut out).unwrap();
+            let mut page = old.clone();
+            assert!(apply(&out, unit, &mut page));
+            assert_eq!(page, new);
+        }
+    }
+
+    #[test]
+    fn malformed_streams_are_rejected() {
+        let mut page = vec![0u8; 4096];
+        assert!(!apply(&[0x80], 1, &mut page));
+        assert!(!apply(&[0xff, 0x1f, 0x02, 1], 1, &mut page)); // runs past the end
+        assert!(!apply(&[0, 0], 1, &mut page)); // empty literal run
+        assert!(!apply(
+            &[0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x01, 1, 0],
+            8,
+            &mut page
+        ));
+    }
+}

@@ -1,0 +1,267 @@
+//! Encoder-side reference state: previous versions of pages and the indexes that find
+//! references. Invariant: every page content held here equals the decoder's pre-epoch mirror
+//! for that page (it is updated with each encoded page's new content after the epoch), so any
+//! reference the encoder makes resolves to the same bytes on the decoder, which keeps the whole
+//! mirror. State stays small by bounding the store (LRU or direct-mapped); a page that is not
+//! held is simply sent without a delta (the full-page fallback), which also resynchronises it.
+
+use std::collections::HashMap;
+
+use crate::format::PAGE;
+
+const NIL: u32 = u32::MAX;
+
+/// Previous versions of pages.
+pub enum PrevStore {
+    /// Every page (memory = guest size).
+    Mirror(Vec<u8>),
+    /// Least-recently-dirtied pages, bounded (FITDOC buffer, Gerofi RDP cache, tandem).
+    Lru(Lru),
+    /// QEMU XBZRLE's cache: direct-mapped by page number, power-of-two slots.
+    Direct {
+        /// Page number held by each slot (`u64::MAX` = empty).
+        tags: Vec<u64>,
+        /// Slot contents.
+        data: Vec<u8>,
+    },
+}
+
+/// A slab of pages with an intrusive LRU list.
+pub struct Lru {
+    map: HashMap<u64, u32>,
+    pfn: Vec<u64>,
+    data: Vec<u8>,
+    prev: Vec<u32>,
+    next: Vec<u32>,
+    head: u32, // most recent
+    tail: u32, // least recent
+    cap: usize,
+}
+
+impl Lru {
+    /// A store for `cap` pages (at least 1).
+    pub fn new(cap: usize) -> Self {
+        let cap = cap.max(1);
+        Lru {
+            map: HashMap::new(),
+            pfn: Vec::new(),
+            data: Vec::new(),
+            prev: Vec::new(),
+            next: Vec::new(),
+            head: NIL,
+            tail: NIL,
+            cap,
+        }
+    }
+
+    fn unlink(&mut self, s: u32) {
+        let (p, n) = (self.prev[s as usize], self.next[s as usize]);
+        if p != NIL {
+            self.next[p as usize] = n
+        } else {
+            self.head = n
+        }
+        if n != NIL {
+            self.prev[n as usize] = p
+        } else {
+            self.tail = p
+        }
+    }
+
+    fn push_front(&mut self, s: u32) {
+        self.prev[s as usize] = NIL;
+        self.next[s as usize] = self.head;
+        if self.head != NIL {
+            self.prev[self.head as usize] = s;
+        }
+        self.head = s;
+        if self.tail == NIL {
+            self.tail = s;
+        }
+    }
+
+    fn get(&self, pfn: u64) -> Option<&[u8]> {
+        self.map
+            .get(&pfn)
+            .map(|&s| &self.data[s as usize * PAGE..(s as usize + 1) * PAGE])
+    }
+
+    fn put(&mut self, pfn: u64, content: &[u8]) {
+        let s = if let Some(&s) = self.map.get(&pfn) {
+            self.unlink(s);
+            s
+        } else if self.pfn.len() < self.cap {
+            let s = self.pfn.len() as u32;
+            self.pfn.push(pfn);
+            self.prev.push(NIL);
+            self.next.push(NIL);
+            self.data.resize(self.data.len() + PAGE, 0);
+            self.map.insert(pfn, s);
+            s
+        } else {
+            let s = self.tail;
+            self.unlink(s);
+            self.map.remove(&self.pfn[s as usize]);
+            self.pfn[s as usize] = pfn;
+            self.map.insert(pfn, s);
+            s
+        };
+        self.data[s as usize * PAGE..(s as usize + 1) * PAGE].copy_from_slice(content);
+        self.push_front(s);
+    }
+
+    fn bytes(&self) -> usize {
+        self.data.capacity() + self.pfn.capacity() * 16 + self.map.capacity() * 16
+    }
+}
+
+impl PrevStore {
+    /// A direct-mapped XBZRLE cache of `bytes` (rounded down to a power of two of pages).
+    pub fn direct(bytes: usize) -> Self {
+        let slots = (bytes / PAGE).max(1);
+        let slots = 1usize << (usize::BITS - 1 - slots.leading_zeros());
+        PrevStore::Direct {
+            tags: vec![u64::MAX; slots],
+            data: vec![0; slots * PAGE],
+        }
+    }
+
+    /// The held previous version of `pfn`.
+    pub fn get(&self, pfn: u64) -> Option<&[u8]> {
+        match self {
+            PrevStore::Mirror(m) => m.get(pfn as usize * PAGE..(pfn as usize + 1) * PAGE),
+            PrevStore::Lru(l) => l.get(pfn),
+            PrevStore::Direct { tags, data } => {
+                let s = pfn as usize & (tags.len() - 1);
+                (tags[s] == pfn).then(|| &data[s * PAGE..(s + 1) * PAGE])
+            }
+        }
+    }
+
+    /// Records `content` as the current version of `pfn`.
+    pub fn put(&mut self, pfn: u64, content: &[u8]) {
+        match self {
+            PrevStore::Mirror(m) => {
+                if let Some(d) = m.get_mut(pfn as usize * PAGE..(pfn as usize + 1) * PAGE) {
+                    d.copy_from_slice(content)
+                }
+            }
+            PrevStore::Lru(l) => l.put(pfn, content),
+            PrevStore::Direct { tags, data } => {
+                let s = pfn as usize & (tags.len() - 1);
+                tags[s] = pfn;
+                data[s * PAGE..(s + 1) * PAGE].copy_from_slice(content);
+            }
+        }
+    }
+
+    /// Memory held.
+    pub fn bytes(&self) -> usize {
+        match self {
+            PrevStore::Mirror(m) => m.capacity(),
+            PrevStore::Lru(l) => l.bytes(),
+            PrevStore::Direct { tags, data } => tags.capacity() * 8 + data.capacity(),
+        }
+    }
+}
+
+/// xxh3 of whole pages → page number, for identical-page sharing (verified by byte compare).
+#[derive(Default)]
+pub struct PageIndex {
+    map: HashMap<u64, u64>,
+    cap: usize,
+}
+
+impl PageIndex {
+    /// An index holding at most about `cap` entries (cleared when it overflows; entries are
+    /// hints, always verified).
+    pub fn new(cap: usize) -> Self {
+        PageIndex {
+            map: HashMap::new(),
+            cap: cap.max(16),
+        }
+    }
+    /// Candidate page with this content hash.
+    pub fn get(&self, h: u64) -> Option<u64> {
+        self.map.get(&h).copied()
+    }
+    /// Remembers that `pfn` now holds content with hash `h`.
+    pub fn put(&mut self, h: u64, pfn: u64) {
+        if self.map.len() >= self.cap {
+            self.map.clear();
+        }
+        self.map.insert(h, pfn);
+    }
+    /// Memory held.
+    pub fn bytes(&self) -> usize {
+        self.map.capacity() * 24
+    }
+}
+
+/// A fixed table of 2^bits buckets, each a small FIFO of candidate (page, sub-unit) entries.
+pub struct Buckets {
+    slots: Vec<[u64; 4]>,
+    bits: u32,
+}
+
+impl Buckets {
+    /// 2^bits buckets of 4 entries.
+    pub fn new(bits: u32) -> Self {
+        Buckets {
+            slots: vec![[u64::MAX; 4]; 1 << bits],
+            bits,
+        }
+    }
+    fn idx(&self, h: u64) -> usize {
+        ((h ^ (h >> self.bits) ^ (h >> (2 * self.bits))) & ((1 << self.bits) - 1)) as usize
+    }
+    /// Candidates for hash `h` (packed `pfn << 8 | unit`).
+    pub fn get(&self, h: u64) -> impl Iterator<Item = u64> + '_ {
+        self.slots[self.idx(h)]
+            .iter()
+            .copied()
+            .filter(|&v| v != u64::MAX)
+    }
+    /// Adds a candidate, evicting the oldest of the bucket.
+    pub fn put(&mut self, h: u64, v: u64) {
+        let i = self.idx(h);
+        let b = &mut self.slots[i];
+        if b.contains(&v) {
+            return;
+        }
+        b.rotate_right(1);
+        b[0] = v;
+    }
+    /// Memory held.
+    pub fn bytes(&self) -> usize {
+        self.slots.capacity() * 32
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lru_evicts_least_recent() {
+        let mut s = PrevStore::Lru(Lru::new(2));
+        let p = |b: u8| vec![b; PAGE];
+        s.put(1, &p(1));
+        s.put(2, &p(2));
+        assert_eq!(s.get(1).unwrap()[0], 1);
+        s.put(1, &p(11)); // 1 becomes most recent
+        s.put(3, &p(3)); // evicts 2
+        assert!(s.get(2).is_none());
+        assert_eq!(s.get(1).unwrap()[0], 11);
+        assert_eq!(s.get(3).unwrap()[0], 3);
+    }
+
+    #[test]
+    fn direct_mapped_like_qemu() {
+        let mut s = PrevStore::direct(3 * PAGE); // rounds down to 2 slots
+        s.put(4, &[4; PAGE]);
+        s.put(6, &[6; PAGE]); // same slot as 4
+        assert!(s.get(4).is_none());
+        assert_eq!(s.get(6).unwrap()[0], 6);
+    }
+}

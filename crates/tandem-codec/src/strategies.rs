@@ -1,0 +1,304 @@
+//! Per-page encoders of each codec. Each is a pure function of the pre-epoch reference state
+//! and the page, so pages encode in parallel with deterministic output.
+
+use crate::code::{area, block, Base, Body, Method};
+use crate::format::PAGE;
+use crate::runs;
+use crate::simhash::{de_hashes, popcount_hash};
+use crate::state::{Buckets, PageIndex, PrevStore};
+
+/// Facts computed for every page before encoding.
+#[derive(Clone, Copy, Default)]
+pub struct Pre {
+    pub zero: bool,
+    /// Content equals the held previous version: the page is left out of the record.
+    pub unchanged: bool,
+    pub hash: u64,
+    /// FGBI: blocks whose hash changed.
+    pub mask: u64,
+    /// Entry index (position among the pages that are not left out).
+    pub entry: u32,
+    /// Earlier entry with identical content (verified), if any.
+    pub dup_of: Option<u32>,
+}
+
+/// Read-only encoding context for one epoch.
+pub struct Ctx<'a> {
+    pub prev: Option<&'a PrevStore>,
+    pub page_index: Option<&'a PageIndex>,
+    pub de: Option<&'a [Buckets; 2]>,
+    pub areas: Option<&'a Buckets>,
+    /// FGBI: intra-epoch block sharing, per page: (block, earlier global block number).
+    pub block_refs: &'a [Vec<(u8, u64)>],
+}
+
+/// The encoded page: base, body, payload.
+pub type Coded = (Base, Body, Vec<u8>);
+
+pub fn is_zero(p: &[u8]) -> bool {
+    p.chunks_exact(16)
+        .all(|c| u128::from_le_bytes(c.try_into().unwrap_or_default()) == 0)
+}
+
+pub fn raw(new: &[u8]) -> Coded {
+    (Base::Zero, Body::Xor(Method::Raw), new.to_vec())
+}
+
+fn runs_vs(base: Base, old: &[u8], new: &[u8], unit: usize, limit: usize) -> Option<Coded> {
+    let mut out = Vec::new();
+    runs::encode(old, new, unit, limit, &mut out)
+        .map(|_| (base, Body::Runs { unit: unit as u8 }, out))
+}
+
+fn smaller(a: Option<Coded>, b: Option<Coded>) -> Option<Coded> {
+    match (a, b) {
+        (Some(a), Some(b)) => Some(if b.2.len() < a.2.len() { b } else { a }),
+        (a, b) => a.or(b),
+    }
+}
+
+/// QEMU XBZRLE: zero page, else delta against the cached previous version, else raw.
+pub fn xbzrle(c: &Ctx<'_>, pfn: u64, new: &[u8], pre: &Pre) -> Coded {
+    if pre.zero {
+        return (Base::Zero, Body::Same, Vec::new());
+    }
+    match c.prev.and_then(|p| p.get(pfn)) {
+        Some(old) => runs_vs(Base::Mirror(pfn), old, new, 1, PAGE).unwrap_or_else(|| raw(new)),
+        None => raw(new),
+    }
+}
+
+/// FITDOC: 8-byte-word delta against the buffered previous version, else the whole page.
+pub fn fitdoc(c: &Ctx<'_>, pfn: u64, new: &[u8]) -> Coded {
+    match c.prev.and_then(|p| p.get(pfn)) {
+        Some(old) => runs_vs(Base::Mirror(pfn), old, new, 8, PAGE).unwrap_or_else(|| raw(new)),
+        None => raw(new),
+    }
+}
+
+/// FGBI: only the 64-byte blocks whose hash changed, each shared / zero / sparse / WKdm / raw.
+pub fn fgbi(c: &Ctx<'_>, i: usize, pfn: u64, new: &[u8], pre: &Pre) -> Coded {
+    let mut out = Vec::new();
+    let refs = &c.block_refs[i];
+    for b in (0..64).filter(|b| pre.mask & (1 << b) != 0) {
+        let blk = &new[b * 64..(b + 1) * 64];
+        if let Some(&(_, r)) = refs.iter().find(|(rb, _)| *rb as usize == b) {
+            out.push(block::EPOCH_REF);
+            runs::put_uleb(&mut out, r);
+            continue;
+        }
+        if is_zero(blk) {
+            out.push(block::ZERO);
+            continue;
+        }
+        let mut sparse = Vec::new();
+        let s = runs::encode(&[0u8; 64], blk, 1, 62, &mut sparse);
+        let wk = crate::wkdm::compress(blk);
+        let best_alt = s.map(|l| l + 1).unwrap_or(usize::MAX).min(wk.len() + 1);
+        if best_alt < 64 {
+            if s.is_some() && sparse.len() <= wk.len() {
+                out.push(block::SPARSE);
+                runs::put_uleb(&mut out, sparse.len() as u64);
+                out.extend_from_slice(&sparse);
+            } else {
+                out.push(block::WKDM);
+                runs::put_uleb(&mut out, wk.len() as u64);
+                out.extend_from_slice(&wk);
+            }
+        } else {
+            out.push(block::RAW);
+            out.extend_from_slice(blk);
+        }
+    }
+    (Base::Mirror(pfn), Body::Blocks(pre.mask), out)
+}
+
+/// Gerofi et al.: per 512-byte area, the most similar area among the recently dirtied pages
+/// (content hash) and the page's own previous version (address), coded as runs of the
+/// difference; zero and unmatched areas as such.
+pub fn gerofi(c: &Ctx<'_>, pfn: u64, new: &[u8], pre: &Pre) -> Coded {
+    const A: usize = 512;
+    if pre.zero {
+        return (Base::Zero, Body::Same, Vec::new());
+    }
+    let own = c.prev.and_then(|p| p.get(pfn));
+    let base = if own.is_some() {
+        Base::Mirror(pfn)
+    } else {
+        Base::Zero
+    };
+    let mut out = Vec::new();
+    for a in 0..PAGE / A {
+        let na = &new[a * A..(a + 1) * A];
+        let base_area: &[u8] = match own {
+            Some(o) => &o[a * A..(a + 1) * A],
+            None => &[0u8; A],
+        };
+        if na == base_area {
+            out.push(area::SAME);
+            continue;
+        }
+        if is_zero(na) {
+            out.push(area::ZERO);
+            continue;
+        }
+        let mut best: Option<(u64, u8, Vec<u8>)> = None;
+        let mut consider = |q: u64, qa: usize, content: &[u8]| {
+            let limit = best.as_ref().map(|b| b.2.len()).unwrap_or(A - 16);
+            let mut d = Vec::new();
+            if runs::encode(&content[qa * A..(qa + 1) * A], na, 1, limit, &mut d).is_some()
+                && best.as_ref().is_none_or(|b| d.len() < b.2.len())
+            {
+                best = Some((q, qa as u8, d));
+            }
+        };
+        if let Some(o) = own {
+            consider(pfn, a, o);
+        }
+        if let (Some(idx), Some(prev)) = (c.areas, c.prev) {
+            for v in idx.get(popcount_hash(na) as u64) {
+                let (q, qa) = (v >> 8, (v & 0xff) as usize);
+                if let Some(content) = prev.get(q) {
+                    consider(q, qa, content);
+                }
+            }
+        }
+        match best {
+            Some((q, qa, d)) => {
+                out.push(area::DELTA);
+                out.push(1);
+                runs::put_uleb(&mut out, q);
+                out.push(qa);
+                runs::put_uleb(&mut out, d.len() as u64);
+                out.extend_from_slice(&d);
+            }
+            None => {
+                out.push(area::RAW);
+                out.extend_from_slice(na);
+            }
+        }
+    }
+    (base, Body::Areas, out)
+}
+
+/// Compressed literal page: the smaller of LZ4 and WKdm, or raw.
+fn literal(new: &[u8], wkdm: bool) -> Coded {
+    let lz = lz4_flex::block::compress(new);
+    let mut best = if lz.len() < PAGE {
+        (Base::Zero, Body::Xor(Method::Lz4), lz)
+    } else {
+        raw(new)
+    };
+    if wkdm {
+        let wk = crate::wkdm::compress(new);
+        if wk.len() < best.2.len() {
+            best = (Base::Zero, Body::Xor(Method::Wkdm), wk);
+        }
+    }
+    best
+}
+
+/// Identical page among held references (hash hint, byte-verified).
+fn identical(c: &Ctx<'_>, new: &[u8], pre: &Pre) -> Option<Coded> {
+    let q = c.page_index?.get(pre.hash)?;
+    (c.prev?.get(q)? == new).then(|| (Base::Mirror(q), Body::Same, Vec::new()))
+}
+
+/// Difference Engine: share identical pages, patch against a similar page found by
+/// HashSimilarityDetector(2,1), else compress (LZ4 standing in for LZO, or WKdm).
+pub fn de(c: &Ctx<'_>, new: &[u8], pre: &Pre) -> Coded {
+    if pre.zero {
+        return (Base::Zero, Body::Same, Vec::new());
+    }
+    if let Some(j) = pre.dup_of {
+        return (Base::Epoch(j), Body::Same, Vec::new());
+    }
+    if let Some(s) = identical(c, new, pre) {
+        return s;
+    }
+    let mut best = Some(literal(new, true));
+    if let (Some(tables), Some(prev)) = (c.de, c.prev) {
+        for (t, h) in tables.iter().zip(de_hashes(new)) {
+            if let Some(q) = t.get(h).next().map(|v| v >> 8) {
+                if let Some(r) = prev.get(q) {
+                    let limit = best.as_ref().map(|b| b.2.len()).unwrap_or(PAGE);
+                    best = smaller(best, runs_vs(Base::Mirror(q), r, new, 1, limit));
+                    let x: Vec<u8> = r.iter().zip(new).map(|(a, b)| a ^ b).collect();
+                    let z = zstd::bulk::compress(&x, 1).unwrap_or_default();
+                    if !z.is_empty() && z.len() < best.as_ref().map(|b| b.2.len()).unwrap_or(PAGE) {
+                        best = Some((Base::Mirror(q), Body::Xor(Method::Zstd), z));
+                    }
+                }
+            }
+        }
+    }
+    best.unwrap_or_else(|| raw(new))
+}
+
+/// tandem's default: cheapest first, stop early when the result is already small.
+pub fn tandem(c: &Ctx<'_>, pfn: u64, new: &[u8], pre: &Pre, budget: &Budget) -> Coded {
+    if pre.zero {
+        return (Base::Zero, Body::Same, Vec::new());
+    }
+    if let Some(j) = pre.dup_of {
+        return (Base::Epoch(j), Body::Same, Vec::new());
+    }
+    let mut best: Option<Coded> = None;
+    if let Some(old) = c.prev.and_then(|p| p.get(pfn)) {
+        best = runs_vs(Base::Mirror(pfn), old, new, 8, PAGE);
+        let limit = best.as_ref().map(|b| b.2.len()).unwrap_or(PAGE);
+        best = smaller(best, runs_vs(Base::Mirror(pfn), old, new, 1, limit));
+        if best
+            .as_ref()
+            .is_some_and(|b| b.2.len() <= budget.good_enough)
+        {
+            return best.unwrap_or_else(|| raw(new));
+        }
+    }
+    if let Some(s) = identical(c, new, pre) {
+        return s;
+    }
+    if budget.similarity {
+        if let (Some(tables), Some(prev)) = (c.de, c.prev) {
+            for (t, h) in tables.iter().zip(de_hashes(new)) {
+                if let Some(q) = t.get(h).next().map(|v| v >> 8) {
+                    if let Some(r) = prev.get(q) {
+                        let limit = best.as_ref().map(|b| b.2.len()).unwrap_or(PAGE);
+                        best = smaller(best, runs_vs(Base::Mirror(q), r, new, 1, limit));
+                    }
+                }
+            }
+        }
+    }
+    if best
+        .as_ref()
+        .is_none_or(|b| b.2.len() > budget.literal_above)
+    {
+        best = smaller(best, Some(literal(new, budget.wkdm)));
+    }
+    best.unwrap_or_else(|| raw(new))
+}
+
+/// CPU budget knobs of the tandem strategy.
+#[derive(Debug, Clone, Copy)]
+pub struct Budget {
+    /// Stop searching once a page codes into at most this many bytes.
+    pub good_enough: usize,
+    /// Look for similar pages (DE 2,1 index) when no small delta was found.
+    pub similarity: bool,
+    /// Try a compressed literal when the best delta is larger than this.
+    pub literal_above: usize,
+    /// Also try WKdm for literals (slower than LZ4, sometimes smaller).
+    pub wkdm: bool,
+}
+
+impl Default for Budget {
+    fn default() -> Self {
+        Budget {
+            good_enough: 64,
+            similarity: true,
+            literal_above: 1024,
+            wkdm: false,
+        }
+    }
+}

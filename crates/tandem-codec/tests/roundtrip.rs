@@ -1,0 +1,227 @@
+//! Round trips of every codec on adversarial pages, over many epochs, decoded on a separate
+//! state; and rejection of damaged records without touching the mirror.
+
+use proptest::prelude::*;
+use tandem_codec::{decode, Codec, Config, Encoder, Plan};
+
+const P: usize = 4096;
+const PAGES: usize = 64;
+
+#[derive(Debug, Clone)]
+enum Edit {
+    Random(u64),
+    Sparse(Vec<(u16, u8)>),
+    Shift(u8, i16),
+    Zero,
+    Pattern(u64),
+    CopyOf(u8),
+    Blocks(u64, u8),
+}
+
+fn edit() -> impl Strategy<Value = Edit> {
+    prop_oneof![
+        any::<u64>().prop_map(Edit::Random),
+        proptest::collection::vec((0u16..4096, any::<u8>()), 1..20).prop_map(Edit::Sparse),
+        (0u8..64, -300i16..300).prop_map(|(s, d)| Edit::Shift(s, d)),
+        Just(Edit::Zero),
+        any::<u64>().prop_map(Edit::Pattern),
+        (0u8..64).prop_map(Edit::CopyOf),
+        (any::<u64>(), any::<u8>()).prop_map(|(m, v)| Edit::Blocks(m, v)),
+    ]
+}
+
+fn rng(mut s: u64) -> impl FnMut() -> u8 {
+    move || {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        s as u8
+    }
+}
+
+fn apply(mem: &[u8], pfn: usize, e: &Edit) -> Vec<u8> {
+    let old = &mem[pfn * P..(pfn + 1) * P];
+    let mut pg = old.to_vec();
+    match e {
+        Edit::Random(s) => {
+            let mut r = rng(*s | 1);
+            pg.iter_mut().for_each(|b| *b = r());
+        }
+        Edit::Sparse(v) => v.iter().for_each(|&(o, b)| pg[o as usize] = b),
+        Edit::Shift(src, d) => {
+            let s = &mem[*src as usize * P..(*src as usize + 1) * P];
+            for (i, b) in pg.iter_mut().enumerate() {
+                *b = s[(i as i64 + *d as i64).rem_euclid(P as i64) as usize];
+            }
+        }
+        Edit::Zero => pg.fill(0),
+        Edit::Pattern(v) => pg
+            .chunks_exact_mut(8)
+            .for_each(|c| c.copy_from_slice(&v.to_le_bytes())),
+        Edit::CopyOf(q) => pg.copy_from_slice(&mem[*q as usize * P..(*q as usize + 1) * P]),
+        Edit::Blocks(m, v) => {
+            for b in (0..64).filter(|b| m & (1 << b) != 0) {
+                pg[b * 64 + (*v as usize % 64)] ^= v | 1;
+            }
+        }
+    }
+    pg
+}
+
+fn initial() -> Vec<u8> {
+    let mut r = rng(0x9e3779b97f4a7c15);
+    (0..PAGES * P)
+        .map(|i| {
+            if (i / P) % 4 == 0 {
+                0
+            } else if (i / P) % 4 == 1 {
+                (i / 8) as u8
+            } else {
+                r()
+            }
+        })
+        .collect()
+}
+
+/// Runs `epochs` through an encoder and a decoder on separate states; checks every epoch.
+fn run(codec: Codec, cfg: Config, epochs: &[Vec<(u8, Edit)>]) {
+    let mut truth = initial();
+    let mut mirror = truth.clone();
+    let mut enc = Encoder::new(codec, &truth, cfg).unwrap();
+    let mut plan = Plan::default();
+    for (k, ep) in epochs.iter().enumerate() {
+        let mut next = truth.clone();
+        let mut set: Vec<u64> = ep.iter().map(|(p, _)| *p as u64 % PAGES as u64).collect();
+        set.sort_unstable();
+        set.dedup();
+        for (p, e) in ep {
+            let p = *p as usize % PAGES;
+            let pg = apply(&truth, p, e); // edits read the pre-epoch state
+            next[p * P..(p + 1) * P].copy_from_slice(&pg);
+        }
+        let data: Vec<u8> = set
+            .iter()
+            .flat_map(|&p| next[p as usize * P..(p as usize + 1) * P].to_vec())
+            .collect();
+        let mut rec = Vec::new();
+        let stats = enc.encode(k as u64 + 1, &set, &data, &mut rec).unwrap();
+        assert_eq!(stats.bytes, rec.len());
+        decode(&rec, &mirror, &mut plan).unwrap_or_else(|e| panic!("{codec:?} epoch {k}: {e}"));
+        plan.commit(&mut mirror);
+        truth = next;
+        assert!(
+            mirror == truth,
+            "{codec:?} epoch {k}: decoded memory differs"
+        );
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(40))]
+    #[test]
+    fn every_codec_roundtrips(epochs in proptest::collection::vec(proptest::collection::vec((any::<u8>(), edit()), 0..24), 1..6)) {
+        for codec in Codec::ALL {
+            run(codec, Config::default(), &epochs);
+        }
+    }
+
+    #[test]
+    fn tiny_caches_thrash_and_resynchronise(epochs in proptest::collection::vec(proptest::collection::vec((any::<u8>(), edit()), 1..40), 2..6)) {
+        let cfg = Config { cache_bytes: 3 * P, rdp_pages: 2, ..Config::default() };
+        for codec in Codec::ALL {
+            run(codec, cfg, &epochs);
+        }
+    }
+
+    #[test]
+    fn full_mirror_and_threads(epochs in proptest::collection::vec(proptest::collection::vec((any::<u8>(), edit()), 0..40), 1..4)) {
+        for codec in [Codec::Tandem, Codec::Fitdoc, Codec::De, Codec::Xbzrle] {
+            run(codec, Config { full_mirror: true, threads: 3, ..Config::default() }, &epochs);
+        }
+    }
+
+    #[test]
+    fn damaged_records_are_rejected_whole(flip in any::<usize>(), bit in 0u8..8, cut in any::<usize>()) {
+        let truth = initial();
+        let mut enc = Encoder::new(Codec::Tandem, &truth, Config::default()).unwrap();
+        let set: Vec<u64> = (0..PAGES as u64).step_by(3).collect();
+        let data: Vec<u8> = set.iter().flat_map(|&p| apply(&truth, p as usize, &Edit::Sparse(vec![(p as u16 * 61, 7)]))).collect();
+        let mut rec = Vec::new();
+        enc.encode(1, &set, &data, &mut rec).unwrap();
+        let mut plan = Plan::default();
+        let mut bad = rec.clone();
+        bad[flip % rec.len()] ^= 1 << bit;
+        prop_assert!(decode(&bad, &truth, &mut plan).is_err());
+        prop_assert!(decode(&rec[..cut % rec.len()], &truth, &mut plan).is_err());
+    }
+}
+
+#[test]
+fn output_does_not_depend_on_threads() {
+    let truth = initial();
+    let set: Vec<u64> = (0..PAGES as u64).collect();
+    let data: Vec<u8> = set
+        .iter()
+        .flat_map(|&p| apply(&truth, p as usize, &Edit::Shift((p as u8 + 1) % 64, 3)))
+        .collect();
+    for codec in Codec::ALL {
+        let mut outs = Vec::new();
+        for threads in [1, 2, 5] {
+            let mut e = Encoder::new(
+                codec,
+                &truth,
+                Config {
+                    threads,
+                    ..Config::default()
+                },
+            )
+            .unwrap();
+            let mut rec = Vec::new();
+            e.encode(1, &set, &data, &mut rec).unwrap();
+            outs.push(rec);
+        }
+        assert!(
+            outs.windows(2).all(|w| w[0] == w[1]),
+            "{codec:?} output depends on thread count"
+        );
+    }
+}
+
+#[test]
+fn same_epoch_references_use_pre_epoch_content() {
+    // Page 2 becomes a copy of page 1's *old* content while page 1 changes in the same epoch.
+    let truth = initial();
+    let mut next = truth.clone();
+    let old1 = truth[P..2 * P].to_vec();
+    next[2 * P..3 * P].copy_from_slice(&old1);
+    next[P..2 * P].fill(0xab);
+    for codec in Codec::ALL {
+        let cfg = Config {
+            full_mirror: true,
+            ..Config::default()
+        };
+        let mut enc = Encoder::new(codec, &truth, cfg).unwrap();
+        let set = [1u64, 2];
+        let data = next[P..3 * P].to_vec();
+        let mut rec = Vec::new();
+        enc.encode(1, &set, &data, &mut rec).unwrap();
+        let mut plan = Plan::default();
+        decode(&rec, &truth, &mut plan).unwrap();
+        let mut m = truth.clone();
+        plan.commit(&mut m);
+        assert!(m == next, "{codec:?}");
+    }
+}
+
+#[test]
+fn bad_encoder_input_is_an_error() {
+    let truth = initial();
+    let mut enc = Encoder::new(Codec::Tandem, &truth, Config::default()).unwrap();
+    let mut rec = Vec::new();
+    assert!(enc.encode(1, &[3, 2], &vec![0; 2 * P], &mut rec).is_err());
+    assert!(enc
+        .encode(1, &[PAGES as u64], &vec![0; P], &mut rec)
+        .is_err());
+    assert!(enc.encode(1, &[1], &vec![0; 10], &mut rec).is_err());
+    assert!(Encoder::new(Codec::Remus, &[0; 100], Config::default()).is_err());
+}
