@@ -16,6 +16,18 @@ pub struct Args {
     /// Measure the VM lab on real guests.
     #[arg(long)]
     pub lab: bool,
+    /// Benchmark the codecs over recorded traces (see `tandem traces`).
+    #[arg(long, num_args = 1..)]
+    pub trace: Vec<std::path::PathBuf>,
+    /// Codecs for --trace: a comma-separated list or `all`.
+    #[arg(long, default_value = "all")]
+    pub codec: String,
+    /// zstd level of record data sections (tandem, fgbi, zstd1); negative levels are faster.
+    #[arg(long, default_value_t = 1, allow_hyphen_values = true)]
+    pub zstd_level: i32,
+    /// Encoder threads for --trace (throughput is reported per core).
+    #[arg(long, default_value_t = 1)]
+    pub threads: usize,
     /// Workloads for --lab.
     #[arg(
         long,
@@ -122,8 +134,22 @@ fn scan_rates(ram: &std::sync::Arc<tandem_vm::GuestRam>) -> Scan {
 }
 
 pub fn run(a: Args) -> anyhow::Result<()> {
+    if !a.trace.is_empty() {
+        let codecs: Vec<tandem_codec::Codec> = if a.codec == "all" {
+            tandem_codec::Codec::ALL.to_vec()
+        } else {
+            a.codec
+                .split(',')
+                .map(|c| c.trim().parse().map_err(anyhow::Error::msg))
+                .collect::<anyhow::Result<_>>()?
+        };
+        if a.threads == 0 {
+            bail!("--threads must be at least 1");
+        }
+        return crate::codecbench::run(&a.trace, &codecs, a.threads, a.zstd_level, a.json);
+    }
     if !a.lab {
-        bail!("choose what to measure: --lab (VM lab on real guests)");
+        bail!("choose what to measure: --lab (VM lab on real guests) or --trace FILE... (codecs over recorded traces)");
     }
     let mut report = Report {
         boot_to_ready_ms: Vec::new(),

@@ -1,6 +1,7 @@
 //! `tandem`: the command-line front end. Thin glue over the library crates.
 
 mod bench;
+mod codecbench;
 mod demo;
 mod doctor;
 mod record;
@@ -39,7 +40,7 @@ enum Cmd {
     /// Inspect traces.
     #[command(subcommand)]
     Trace(record::TraceCmd),
-    /// Measure the VM lab: boot time, pause breakdown, harvest cost, hash scan rate, dirty rates.
+    /// Measure: --lab (boot, pause breakdown, harvest, hash scan, dirty rates) or --trace (codecs).
     Bench(bench::Args),
 }
 

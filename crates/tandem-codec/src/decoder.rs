@@ -15,6 +15,8 @@ pub struct Plan {
     pub pfns: Vec<u64>,
     /// New contents, one page per entry of `pfns`.
     pub data: Vec<u8>,
+    /// Decompressed data section, kept to reuse its allocation.
+    scratch: Vec<u8>,
 }
 
 impl Plan {
@@ -93,24 +95,38 @@ pub fn decode(rec: &[u8], mirror: &[u8], plan: &mut Plan) -> Result<(), DecodeEr
         return Err(DecodeError::Checksum("data section"));
     }
     let raw_len = h.data_raw_len as usize;
-    let unpacked;
-    let data: &[u8] = if h.flags & FLAG_ZSTD != 0 {
-        unpacked = zstd::bulk::decompress(stored, raw_len)
-            .map_err(|e| DecodeError::Malformed(format!("data section zstd: {e}")))?;
-        &unpacked
-    } else if h.flags & FLAG_LZ4 != 0 {
-        unpacked = lz4_flex::block::decompress(stored, raw_len)
-            .map_err(|e| DecodeError::Malformed(format!("data section lz4: {e}")))?;
-        &unpacked
+    let mut scratch = std::mem::take(&mut plan.scratch);
+    let r = decode_with(&h, ops, stored, raw_len, mirror, pages, plan, &mut scratch);
+    plan.scratch = scratch;
+    r
+}
+
+#[allow(clippy::too_many_arguments)]
+fn decode_with(
+    h: &Header,
+    ops: &[u8],
+    stored: &[u8],
+    raw_len: usize,
+    mirror: &[u8],
+    pages: u64,
+    plan: &mut Plan,
+    scratch: &mut Vec<u8>,
+) -> Result<(), DecodeError> {
+    let data: &[u8] = if h.flags & (FLAG_ZSTD | FLAG_LZ4) != 0 {
+        scratch.clear();
+        scratch.resize(raw_len, 0);
+        let n = if h.flags & FLAG_ZSTD != 0 {
+            zstd::bulk::decompress_to_buffer(stored, &mut scratch[..])
+                .map_err(|e| DecodeError::Malformed(format!("data section zstd: {e}")))?
+        } else {
+            lz4_flex::block::decompress_into(stored, scratch)
+                .map_err(|e| DecodeError::Malformed(format!("data section lz4: {e}")))?
+        };
+        scratch.truncate(n);
+        scratch
     } else {
         stored
     };
-    if data.len() != raw_len {
-        return Err(DecodeError::Malformed(format!(
-            "data section decodes to {} bytes, header says {raw_len}",
-            data.len()
-        )));
-    }
     // Parse every code first: the plan's shape is known before any page is built.
     let n = h.entries as usize;
     if (n as u64) > pages {

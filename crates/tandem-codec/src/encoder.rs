@@ -116,6 +116,9 @@ pub struct EncodeStats {
     pub entries: usize,
     /// Record bytes.
     pub bytes: usize,
+    /// Microseconds spent in: pre-pass, reference resolution, page encoding, serialisation and
+    /// record compression, state update.
+    pub phase_us: [u64; 5],
 }
 
 /// Encodes epochs of one guest with one codec; holds the reference state.
@@ -128,6 +131,11 @@ pub struct Encoder {
     de: Option<[Buckets; 2]>,
     areas: Option<Buckets>,
     block_hashes: Vec<u64>,
+    // Buffers reused across epochs (large allocations each epoch cost page faults).
+    ops: Vec<u8>,
+    payload: Vec<u8>,
+    stored: Vec<u8>,
+    zstd: Option<zstd::bulk::Compressor<'static>>,
 }
 
 fn block_hashes(page: &[u8], out: &mut [u64]) {
@@ -140,7 +148,7 @@ impl Encoder {
     /// An encoder whose reference state starts from `base`, the guest memory both sides hold
     /// before epoch 1 (its length sets the guest size).
     pub fn new(codec: Codec, base: &[u8], cfg: Config) -> Result<Self, EncodeError> {
-        if base.is_empty() || base.len() % PAGE != 0 {
+        if base.is_empty() || !base.len().is_multiple_of(PAGE) {
             return Err(EncodeError::Input(format!(
                 "base image of {} bytes is not whole pages",
                 base.len()
@@ -165,8 +173,12 @@ impl Encoder {
             areas: (codec == Codec::Gerofi).then(|| Buckets::new(18)),
             block_hashes: Vec::new(),
             prev,
+            ops: Vec::new(),
+            payload: Vec::new(),
+            stored: Vec::new(),
+            zstd: None,
         };
-        if codec == Codec::Fgbi {
+        if codec == Codec::Fgbi || (codec == Codec::Tandem && cfg.budget.blocks) {
             e.block_hashes = vec![0; pages as usize * 64];
             for (p, h) in base
                 .chunks_exact(PAGE)
@@ -263,6 +275,13 @@ impl Encoder {
         let page = |i: usize| &data[i * PAGE..(i + 1) * PAGE];
         let codec = self.codec;
         let hashing = matches!(codec, Codec::De | Codec::Tandem);
+        let blocks_on = !self.block_hashes.is_empty();
+        let mut phase = [0u64; 5];
+        let mut t = std::time::Instant::now();
+        let mut lap = |k: usize, t: &mut std::time::Instant| {
+            phase[k] += t.elapsed().as_micros() as u64;
+            *t = std::time::Instant::now();
+        };
 
         // 1. Pre-pass (parallel): zero / unchanged / hashes / FGBI masks.
         let mut pre: Vec<Pre> = {
@@ -281,7 +300,7 @@ impl Encoder {
                 if hashing {
                     x.hash = xxhash_rust::xxh3::xxh3_64(p);
                 }
-                if codec == Codec::Fgbi {
+                if blocks_on {
                     let mut h = [0u64; 64];
                     block_hashes(p, &mut h);
                     let old = &bh[pfn as usize * 64..pfn as usize * 64 + 64];
@@ -294,6 +313,7 @@ impl Encoder {
             })
         };
 
+        lap(0, &mut t);
         // 2. Sequential: entry numbers, intra-epoch identical pages and blocks (byte-verified).
         let mut entry = 0u32;
         let mut first: HashMap<u64, usize> = HashMap::new();
@@ -335,6 +355,7 @@ impl Encoder {
         }
         drop(blocks);
 
+        lap(1, &mut t);
         // 3. Parallel: encode every page that is not left out.
         let coded: Vec<Option<Coded>> = {
             let ctx = Ctx {
@@ -362,14 +383,20 @@ impl Encoder {
             })
         };
 
+        lap(2, &mut t);
         // 4. Serialise in page order.
-        let mut ops = Vec::with_capacity(n * 4);
-        let mut payload = Vec::with_capacity(n * 256);
+        let (ops, payload, stored) = (&mut self.ops, &mut self.payload, &mut self.stored);
+        ops.clear();
+        payload.clear();
         let mut prev_pfn = None;
         let mut entries = 0u32;
         for (i, c) in coded.iter().enumerate() {
             let Some((base, body, bytes)) = c else {
                 continue;
+            };
+            let bytes: &[u8] = match bytes {
+                st::Payload::Own(v) => v,
+                st::Payload::Page => page(i),
             };
             let code = PageCode {
                 pfn: pfns[i],
@@ -377,50 +404,63 @@ impl Encoder {
                 body: *body,
                 len: bytes.len() as u32,
             };
-            code.write(prev_pfn, &mut ops);
+            code.write(prev_pfn, ops);
             payload.extend_from_slice(bytes);
             prev_pfn = Some(pfns[i]);
             entries += 1;
         }
+        drop(coded);
         if payload.len() > MAX_DATA as usize {
             return Err(EncodeError::Input(format!(
                 "epoch data of {} bytes exceeds the record limit",
                 payload.len()
             )));
         }
-        let (flags, stored) = match codec {
+        let mut flags = 0;
+        match codec {
             Codec::Zstd | Codec::Fgbi | Codec::Tandem if !payload.is_empty() => {
-                let z = zstd::bulk::compress(&payload, self.cfg.zstd_level)
+                let level = self.cfg.zstd_level;
+                let z = match self.zstd.as_mut() {
+                    Some(z) => z,
+                    None => self
+                        .zstd
+                        .insert(zstd::bulk::Compressor::new(level).map_err(EncodeError::Compress)?),
+                };
+                stored.clear();
+                stored.reserve(zstd::zstd_safe::compress_bound(payload.len()));
+                z.compress_to_buffer(payload.as_slice(), stored)
                     .map_err(EncodeError::Compress)?;
-                if z.len() < payload.len() {
-                    (FLAG_ZSTD, z)
-                } else {
-                    (0, payload.clone())
+                if stored.len() < payload.len() {
+                    flags = FLAG_ZSTD;
                 }
             }
-            Codec::Lz4 if !payload.is_empty() => (FLAG_LZ4, lz4_flex::block::compress(&payload)),
-            _ => (0, std::mem::take(&mut payload)),
-        };
-        let raw_len = if flags == 0 {
-            stored.len()
-        } else {
-            payload.len()
-        };
+            Codec::Lz4 if !payload.is_empty() => {
+                stored.clear();
+                stored.resize(lz4_flex::block::get_maximum_output_size(payload.len()), 0);
+                let n = lz4_flex::block::compress_into(payload, stored)
+                    .map_err(|e| EncodeError::Input(e.to_string()))?;
+                stored.truncate(n);
+                flags = FLAG_LZ4;
+            }
+            _ => {}
+        }
+        let data: &[u8] = if flags == 0 { payload } else { stored };
         let start = out.len();
         Header {
             flags,
             epoch,
             entries,
             ops_len: ops.len() as u32,
-            data_stored_len: stored.len() as u32,
-            data_raw_len: raw_len as u32,
-            crc_ops: crc32c::crc32c(&ops),
-            crc_data: crc32c::crc32c(&stored),
+            data_stored_len: data.len() as u32,
+            data_raw_len: payload.len() as u32,
+            crc_ops: crc32c::crc32c(ops),
+            crc_data: crc32c::crc32c(data),
         }
         .write(out);
-        out.extend_from_slice(&ops);
-        out.extend_from_slice(&stored);
+        out.extend_from_slice(ops);
+        out.extend_from_slice(data);
 
+        lap(3, &mut t);
         // 5. Advance the reference state to the post-epoch content.
         for i in 0..n {
             let (pfn, p) = (pfns[i], page(i));
@@ -430,7 +470,7 @@ impl Encoder {
             if let Some(s) = self.prev.as_mut() {
                 s.put(pfn, p);
             }
-            if codec == Codec::Fgbi {
+            if blocks_on {
                 block_hashes(
                     p,
                     &mut self.block_hashes[pfn as usize * 64..pfn as usize * 64 + 64],
@@ -440,10 +480,12 @@ impl Encoder {
                 self.index_page(pfn, p, pre[i].hash);
             }
         }
+        lap(4, &mut t);
         Ok(EncodeStats {
             pages_in: n,
             entries: entries as usize,
             bytes: out.len() - start,
+            phase_us: phase,
         })
     }
 }

@@ -31,6 +31,58 @@ pub fn get_uleb(buf: &[u8], pos: &mut usize) -> Option<u64> {
     None
 }
 
+#[inline]
+fn word(b: &[u8], i: usize) -> u64 {
+    u64::from_le_bytes(b[i..i + 8].try_into().unwrap_or_default())
+}
+
+/// First index `>= i` where `old` and `new` differ (byte granularity), or `len`.
+#[inline]
+fn first_diff(old: &[u8], new: &[u8], mut i: usize) -> usize {
+    let n = new.len();
+    while i + 8 <= n {
+        let x = word(old, i) ^ word(new, i);
+        if x != 0 {
+            return i + (x.trailing_zeros() / 8) as usize;
+        }
+        i += 8;
+    }
+    while i < n && old[i] == new[i] {
+        i += 1;
+    }
+    i
+}
+
+/// First index `>= i` where `old` and `new` are equal (byte granularity), or `len`.
+#[inline]
+fn first_same(old: &[u8], new: &[u8], mut i: usize) -> usize {
+    const LO: u64 = 0x0101_0101_0101_0101;
+    const HI: u64 = 0x8080_8080_8080_8080;
+    let n = new.len();
+    while i + 8 <= n {
+        let x = word(old, i) ^ word(new, i);
+        // Lowest zero byte of x (the lowest flagged byte of this classic test is exact).
+        let z = x.wrapping_sub(LO) & !x & HI;
+        if z != 0 {
+            return i + (z.trailing_zeros() / 8) as usize;
+        }
+        i += 8;
+    }
+    while i < n && old[i] != new[i] {
+        i += 1;
+    }
+    i
+}
+
+/// First 8-byte-aligned word index `>= i` (a byte offset) whose words differ / are equal.
+#[inline]
+fn first_word(old: &[u8], new: &[u8], mut i: usize, differ: bool) -> usize {
+    while i < new.len() && ((word(old, i) != word(new, i)) != differ) {
+        i += 8;
+    }
+    i
+}
+
 /// Encodes `new` against `old` with `unit`-byte granularity (1 or 8), appending to `out`.
 /// Returns `None` as soon as the output would exceed `limit` bytes (then `out` is restored).
 pub fn encode(
@@ -40,37 +92,35 @@ pub fn encode(
     limit: usize,
     out: &mut Vec<u8>,
 ) -> Option<usize> {
-    debug_assert!(old.len() == new.len() && new.len() % unit == 0);
+    debug_assert!(
+        old.len() == new.len() && new.len().is_multiple_of(unit) && (unit == 1 || unit == 8)
+    );
     let start = out.len();
-    let n = new.len() / unit;
-    let same = |i: usize| old[i * unit..(i + 1) * unit] == new[i * unit..(i + 1) * unit];
+    let n = new.len();
     let mut i = 0;
     while i < n {
         let s = i;
-        // Word-at-a-time skip of equal content for the byte unit (as QEMU does).
-        if unit == 1 {
-            while i + 8 <= n && old[i..i + 8] == new[i..i + 8] {
-                i += 8;
-            }
-        }
-        while i < n && same(i) {
-            i += 1;
-        }
-        if i == n {
+        i = if unit == 1 {
+            first_diff(old, new, i)
+        } else {
+            first_word(old, new, i, true)
+        };
+        if i >= n {
             break; // trailing unchanged run is implicit
         }
-        let skip = i - s;
         let l = i;
-        while i < n && !same(i) {
-            i += 1;
-        }
-        put_uleb(out, skip as u64);
-        put_uleb(out, (i - l) as u64);
-        out.extend_from_slice(&new[l * unit..i * unit]);
-        if out.len() - start > limit {
+        i = if unit == 1 {
+            first_same(old, new, i)
+        } else {
+            first_word(old, new, i, false)
+        };
+        put_uleb(out, ((l - s) / unit) as u64);
+        put_uleb(out, ((i - l) / unit) as u64);
+        if out.len() - start + (i - l) > limit {
             out.truncate(start);
             return None;
         }
+        out.extend_from_slice(&new[l..i]);
     }
     Some(out.len() - start)
 }
@@ -142,6 +192,49 @@ mod tests {
             let mut page = old.clone();
             assert!(apply(&out, unit, &mut page));
             assert_eq!(page, new);
+        }
+    }
+
+    /// The byte-at-a-time definition the fast scanner must match exactly.
+    fn reference(old: &[u8], new: &[u8], unit: usize) -> Vec<u8> {
+        let mut out = Vec::new();
+        let n = new.len() / unit;
+        let same = |i: usize| old[i * unit..(i + 1) * unit] == new[i * unit..(i + 1) * unit];
+        let mut i = 0;
+        while i < n {
+            let s = i;
+            while i < n && same(i) {
+                i += 1;
+            }
+            if i == n {
+                break;
+            }
+            let l = i;
+            while i < n && !same(i) {
+                i += 1;
+            }
+            put_uleb(&mut out, (l - s) as u64);
+            put_uleb(&mut out, (i - l) as u64);
+            out.extend_from_slice(&new[l * unit..i * unit]);
+        }
+        out
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn fast_scanner_matches_reference(edits in proptest::collection::vec((0usize..4096, 0usize..40, proptest::prelude::any::<u8>()), 0..30)) {
+            let old: Vec<u8> = (0..4096).map(|i| (i * 31 % 251) as u8).collect();
+            let mut new = old.clone();
+            for (at, len, v) in edits {
+                for b in new.iter_mut().skip(at).take(len) {
+                    *b ^= v | 1;
+                }
+            }
+            for unit in [1, 8] {
+                let mut out = Vec::new();
+                encode(&old, &new, unit, usize::MAX, &mut out).unwrap();
+                proptest::prop_assert_eq!(&out, &reference(&old, &new, unit));
+            }
         }
     }
 

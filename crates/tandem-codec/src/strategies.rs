@@ -32,22 +32,39 @@ pub struct Ctx<'a> {
     pub block_refs: &'a [Vec<(u8, u64)>],
 }
 
+/// A page's payload: its own bytes, or the page itself (raw pages, no copy).
+pub enum Payload {
+    /// Encoded bytes.
+    Own(Vec<u8>),
+    /// The page's new content verbatim.
+    Page,
+}
+
+impl Payload {
+    fn len(&self) -> usize {
+        match self {
+            Payload::Own(v) => v.len(),
+            Payload::Page => PAGE,
+        }
+    }
+}
+
 /// The encoded page: base, body, payload.
-pub type Coded = (Base, Body, Vec<u8>);
+pub type Coded = (Base, Body, Payload);
 
 pub fn is_zero(p: &[u8]) -> bool {
     p.chunks_exact(16)
         .all(|c| u128::from_le_bytes(c.try_into().unwrap_or_default()) == 0)
 }
 
-pub fn raw(new: &[u8]) -> Coded {
-    (Base::Zero, Body::Xor(Method::Raw), new.to_vec())
+pub fn raw(_new: &[u8]) -> Coded {
+    (Base::Zero, Body::Xor(Method::Raw), Payload::Page)
 }
 
 fn runs_vs(base: Base, old: &[u8], new: &[u8], unit: usize, limit: usize) -> Option<Coded> {
     let mut out = Vec::new();
     runs::encode(old, new, unit, limit, &mut out)
-        .map(|_| (base, Body::Runs { unit: unit as u8 }, out))
+        .map(|_| (base, Body::Runs { unit: unit as u8 }, Payload::Own(out)))
 }
 
 fn smaller(a: Option<Coded>, b: Option<Coded>) -> Option<Coded> {
@@ -60,7 +77,7 @@ fn smaller(a: Option<Coded>, b: Option<Coded>) -> Option<Coded> {
 /// QEMU XBZRLE: zero page, else delta against the cached previous version, else raw.
 pub fn xbzrle(c: &Ctx<'_>, pfn: u64, new: &[u8], pre: &Pre) -> Coded {
     if pre.zero {
-        return (Base::Zero, Body::Same, Vec::new());
+        return (Base::Zero, Body::Same, Payload::Own(Vec::new()));
     }
     match c.prev.and_then(|p| p.get(pfn)) {
         Some(old) => runs_vs(Base::Mirror(pfn), old, new, 1, PAGE).unwrap_or_else(|| raw(new)),
@@ -79,7 +96,7 @@ pub fn fitdoc(c: &Ctx<'_>, pfn: u64, new: &[u8]) -> Coded {
 /// FGBI: only the 64-byte blocks whose hash changed, each shared / zero / sparse / WKdm / raw.
 pub fn fgbi(c: &Ctx<'_>, i: usize, pfn: u64, new: &[u8], pre: &Pre) -> Coded {
     let mut out = Vec::new();
-    let refs = &c.block_refs[i];
+    let refs: &[(u8, u64)] = c.block_refs.get(i).map_or(&[], |v| v.as_slice());
     for b in (0..64).filter(|b| pre.mask & (1 << b) != 0) {
         let blk = &new[b * 64..(b + 1) * 64];
         if let Some(&(_, r)) = refs.iter().find(|(rb, _)| *rb as usize == b) {
@@ -110,7 +127,7 @@ pub fn fgbi(c: &Ctx<'_>, i: usize, pfn: u64, new: &[u8], pre: &Pre) -> Coded {
             out.extend_from_slice(blk);
         }
     }
-    (Base::Mirror(pfn), Body::Blocks(pre.mask), out)
+    (Base::Mirror(pfn), Body::Blocks(pre.mask), Payload::Own(out))
 }
 
 /// Gerofi et al.: per 512-byte area, the most similar area among the recently dirtied pages
@@ -119,7 +136,7 @@ pub fn fgbi(c: &Ctx<'_>, i: usize, pfn: u64, new: &[u8], pre: &Pre) -> Coded {
 pub fn gerofi(c: &Ctx<'_>, pfn: u64, new: &[u8], pre: &Pre) -> Coded {
     const A: usize = 512;
     if pre.zero {
-        return (Base::Zero, Body::Same, Vec::new());
+        return (Base::Zero, Body::Same, Payload::Own(Vec::new()));
     }
     let own = c.prev.and_then(|p| p.get(pfn));
     let base = if own.is_some() {
@@ -178,21 +195,21 @@ pub fn gerofi(c: &Ctx<'_>, pfn: u64, new: &[u8], pre: &Pre) -> Coded {
             }
         }
     }
-    (base, Body::Areas, out)
+    (base, Body::Areas, Payload::Own(out))
 }
 
 /// Compressed literal page: the smaller of LZ4 and WKdm, or raw.
 fn literal(new: &[u8], wkdm: bool) -> Coded {
     let lz = lz4_flex::block::compress(new);
     let mut best = if lz.len() < PAGE {
-        (Base::Zero, Body::Xor(Method::Lz4), lz)
+        (Base::Zero, Body::Xor(Method::Lz4), Payload::Own(lz))
     } else {
         raw(new)
     };
     if wkdm {
         let wk = crate::wkdm::compress(new);
         if wk.len() < best.2.len() {
-            best = (Base::Zero, Body::Xor(Method::Wkdm), wk);
+            best = (Base::Zero, Body::Xor(Method::Wkdm), Payload::Own(wk));
         }
     }
     best
@@ -201,17 +218,17 @@ fn literal(new: &[u8], wkdm: bool) -> Coded {
 /// Identical page among held references (hash hint, byte-verified).
 fn identical(c: &Ctx<'_>, new: &[u8], pre: &Pre) -> Option<Coded> {
     let q = c.page_index?.get(pre.hash)?;
-    (c.prev?.get(q)? == new).then(|| (Base::Mirror(q), Body::Same, Vec::new()))
+    (c.prev?.get(q)? == new).then(|| (Base::Mirror(q), Body::Same, Payload::Own(Vec::new())))
 }
 
 /// Difference Engine: share identical pages, patch against a similar page found by
 /// HashSimilarityDetector(2,1), else compress (LZ4 standing in for LZO, or WKdm).
 pub fn de(c: &Ctx<'_>, new: &[u8], pre: &Pre) -> Coded {
     if pre.zero {
-        return (Base::Zero, Body::Same, Vec::new());
+        return (Base::Zero, Body::Same, Payload::Own(Vec::new()));
     }
     if let Some(j) = pre.dup_of {
-        return (Base::Epoch(j), Body::Same, Vec::new());
+        return (Base::Epoch(j), Body::Same, Payload::Own(Vec::new()));
     }
     if let Some(s) = identical(c, new, pre) {
         return s;
@@ -226,7 +243,7 @@ pub fn de(c: &Ctx<'_>, new: &[u8], pre: &Pre) -> Coded {
                     let x: Vec<u8> = r.iter().zip(new).map(|(a, b)| a ^ b).collect();
                     let z = zstd::bulk::compress(&x, 1).unwrap_or_default();
                     if !z.is_empty() && z.len() < best.as_ref().map(|b| b.2.len()).unwrap_or(PAGE) {
-                        best = Some((Base::Mirror(q), Body::Xor(Method::Zstd), z));
+                        best = Some((Base::Mirror(q), Body::Xor(Method::Zstd), Payload::Own(z)));
                     }
                 }
             }
@@ -235,13 +252,29 @@ pub fn de(c: &Ctx<'_>, new: &[u8], pre: &Pre) -> Coded {
     best.unwrap_or_else(|| raw(new))
 }
 
+/// Changed 64-byte blocks only (zero blocks tagged, others raw; the record's zstd pass
+/// compresses them together).
+fn blocks_only(pfn: u64, new: &[u8], mask: u64) -> Coded {
+    let mut out = Vec::with_capacity(mask.count_ones() as usize * 65);
+    for b in (0..64).filter(|b| mask & (1 << b) != 0) {
+        let blk = &new[b * 64..(b + 1) * 64];
+        if is_zero(blk) {
+            out.push(block::ZERO);
+        } else {
+            out.push(block::RAW);
+            out.extend_from_slice(blk);
+        }
+    }
+    (Base::Mirror(pfn), Body::Blocks(mask), Payload::Own(out))
+}
+
 /// tandem's default: cheapest first, stop early when the result is already small.
 pub fn tandem(c: &Ctx<'_>, pfn: u64, new: &[u8], pre: &Pre, budget: &Budget) -> Coded {
     if pre.zero {
-        return (Base::Zero, Body::Same, Vec::new());
+        return (Base::Zero, Body::Same, Payload::Own(Vec::new()));
     }
     if let Some(j) = pre.dup_of {
-        return (Base::Epoch(j), Body::Same, Vec::new());
+        return (Base::Epoch(j), Body::Same, Payload::Own(Vec::new()));
     }
     let mut best: Option<Coded> = None;
     if let Some(old) = c.prev.and_then(|p| p.get(pfn)) {
@@ -257,6 +290,16 @@ pub fn tandem(c: &Ctx<'_>, pfn: u64, new: &[u8], pre: &Pre, budget: &Budget) -> 
     }
     if let Some(s) = identical(c, new, pre) {
         return s;
+    }
+    if best.is_none() && budget.blocks && pre.mask != u64::MAX {
+        // Not held: FGBI's block hashes still tell which 64-byte blocks changed.
+        best = Some(blocks_only(pfn, new, pre.mask));
+        if best
+            .as_ref()
+            .is_some_and(|b| b.2.len() <= budget.good_enough)
+        {
+            return best.unwrap_or_else(|| raw(new));
+        }
     }
     if budget.similarity {
         if let (Some(tables), Some(prev)) = (c.de, c.prev) {
@@ -290,6 +333,9 @@ pub struct Budget {
     pub literal_above: usize,
     /// Also try WKdm for literals (slower than LZ4, sometimes smaller).
     pub wkdm: bool,
+    /// Keep FGBI's 64-byte block hashes of every page (1/8 of guest memory) so pages missing
+    /// from the bounded store still send only their changed blocks.
+    pub blocks: bool,
 }
 
 impl Default for Budget {
@@ -299,6 +345,7 @@ impl Default for Budget {
             similarity: true,
             literal_above: 1024,
             wkdm: false,
+            blocks: true,
         }
     }
 }

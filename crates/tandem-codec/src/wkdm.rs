@@ -43,7 +43,7 @@ impl Bits {
 /// Compresses `data` (length a multiple of 4, at most 4 × 65535 bytes).
 pub fn compress(data: &[u8]) -> Vec<u8> {
     assert!(
-        data.len() % 4 == 0 && data.len() / 4 <= u16::MAX as usize,
+        data.len().is_multiple_of(4) && data.len() / 4 <= u16::MAX as usize,
         "wkdm input size"
     );
     let n = data.len() / 4;

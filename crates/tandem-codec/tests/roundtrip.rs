@@ -72,7 +72,7 @@ fn initial() -> Vec<u8> {
     let mut r = rng(0x9e3779b97f4a7c15);
     (0..PAGES * P)
         .map(|i| {
-            if (i / P) % 4 == 0 {
+            if (i / P).is_multiple_of(4) {
                 0
             } else if (i / P) % 4 == 1 {
                 (i / 8) as u8
@@ -222,6 +222,6 @@ fn bad_encoder_input_is_an_error() {
     assert!(enc
         .encode(1, &[PAGES as u64], &vec![0; P], &mut rec)
         .is_err());
-    assert!(enc.encode(1, &[1], &vec![0; 10], &mut rec).is_err());
+    assert!(enc.encode(1, &[1], &[0; 10], &mut rec).is_err());
     assert!(Encoder::new(Codec::Remus, &[0; 100], Config::default()).is_err());
 }
