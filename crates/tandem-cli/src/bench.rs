@@ -25,6 +25,15 @@ pub struct Args {
     /// zstd level of record data sections (tandem, fgbi, zstd1); negative levels are faster.
     #[arg(long, default_value_t = 1, allow_hyphen_values = true)]
     pub zstd_level: i32,
+    /// tandem strategy knobs for --trace, e.g. `good_enough=64,similarity=off` (docs/CODEC.md).
+    #[arg(long, default_value = "")]
+    pub budget: String,
+    /// Bound of the codecs' previous-version stores, MiB.
+    #[arg(long, default_value_t = 64)]
+    pub cache_mib: usize,
+    /// Keep every page's previous version instead of a bounded store.
+    #[arg(long)]
+    pub full_mirror: bool,
     /// Encoder threads for --trace (throughput is reported per core).
     #[arg(long, default_value_t = 1)]
     pub threads: usize,
@@ -146,7 +155,15 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         if a.threads == 0 {
             bail!("--threads must be at least 1");
         }
-        return crate::codecbench::run(&a.trace, &codecs, a.threads, a.zstd_level, a.json);
+        let mut cfg = tandem_codec::Config {
+            threads: a.threads,
+            zstd_level: a.zstd_level,
+            cache_bytes: a.cache_mib << 20,
+            full_mirror: a.full_mirror,
+            ..Default::default()
+        };
+        crate::codecbench::parse_budget(&a.budget, &mut cfg)?;
+        return crate::codecbench::run(&a.trace, &codecs, &cfg, a.json);
     }
     if !a.lab {
         bail!("choose what to measure: --lab (VM lab on real guests) or --trace FILE... (codecs over recorded traces)");

@@ -37,13 +37,7 @@ fn open(path: &Path) -> anyhow::Result<TraceReader<BufReader<File>>> {
         .with_context(|| format!("reading {}", path.display()))
 }
 
-fn run_one(
-    path: &Path,
-    codec: Codec,
-    threads: usize,
-    zstd_level: i32,
-    pb: &ProgressBar,
-) -> anyhow::Result<CodecRow> {
+fn run_one(path: &Path, codec: Codec, cfg: &Config, pb: &ProgressBar) -> anyhow::Result<CodecRow> {
     let mut r = open(path)?;
     let h = r.header().clone();
     let workload = h.meta["workload"].as_str().unwrap_or("?").to_string();
@@ -73,15 +67,7 @@ fn run_one(
                     Some(x) => x,
                     None => {
                         mirror = truth.clone();
-                        enc.insert(Encoder::new(
-                            codec,
-                            &truth,
-                            Config {
-                                threads,
-                                zstd_level,
-                                ..Config::default()
-                            },
-                        )?)
+                        enc.insert(Encoder::new(codec, &truth, *cfg)?)
                     }
                 };
                 rec.clear();
@@ -139,12 +125,41 @@ fn run_one(
         bytes_per_epoch_mean: mean(&sizes),
         bytes_per_epoch_p99: quantile(&sizes, 0.99),
         ratio_to_remus_raw: sizes.iter().sum::<f64>() / raw.max(1) as f64,
-        encode_gbps_per_core: gb / enc_t.as_secs_f64().max(1e-9) / threads as f64,
+        encode_gbps_per_core: gb / enc_t.as_secs_f64().max(1e-9) / cfg.threads as f64,
         decode_gbps_per_core: gb / dec_t.as_secs_f64().max(1e-9),
         state_bytes: state,
         roundtrip_ok: ok,
         encode_phase_ms: phases.map(|v| v as f64 / 1000.0),
     })
+}
+
+/// Parses `key=value,...` budget overrides onto `cfg`.
+pub fn parse_budget(spec: &str, cfg: &mut Config) -> anyhow::Result<()> {
+    for kv in spec.split(',').filter(|s| !s.is_empty()) {
+        let (k, v) = kv
+            .split_once('=')
+            .with_context(|| format!("--budget: {kv:?} is not key=value"))?;
+        let flag = |v: &str| match v {
+            "on" | "true" | "1" => Ok(true),
+            "off" | "false" | "0" => Ok(false),
+            _ => bail!("--budget {k}: expected on or off, got {v:?}"),
+        };
+        let num = |v: &str| {
+            v.parse::<usize>()
+                .with_context(|| format!("--budget {k}: {v:?} is not a number"))
+        };
+        match k {
+            "good_enough" => cfg.budget.good_enough = num(v)?,
+            "literal_above" => cfg.budget.literal_above = num(v)?,
+            "similar_above" => cfg.budget.similar_above = num(v)?,
+            "similarity" => cfg.budget.similarity = flag(v)?,
+            "wkdm" => cfg.budget.wkdm = flag(v)?,
+            "blocks" => cfg.budget.blocks = flag(v)?,
+            "word_runs" => cfg.budget.word_runs = flag(v)?,
+            _ => bail!("--budget: unknown knob {k:?} (good_enough, similar_above, literal_above, similarity, wkdm, blocks, word_runs)"),
+        }
+    }
+    Ok(())
 }
 
 #[derive(Serialize)]
@@ -154,13 +169,7 @@ pub struct Summary {
     pub tandem_vs_best_baseline: Vec<(String, String, f64)>,
 }
 
-pub fn run(
-    traces: &[PathBuf],
-    codecs: &[Codec],
-    threads: usize,
-    zstd_level: i32,
-    json: bool,
-) -> anyhow::Result<()> {
+pub fn run(traces: &[PathBuf], codecs: &[Codec], cfg: &Config, json: bool) -> anyhow::Result<()> {
     let mut rows = Vec::new();
     for path in traces {
         let epochs = {
@@ -185,7 +194,7 @@ pub fn run(
                 path.file_name().unwrap_or_default().to_string_lossy(),
                 c.name()
             ));
-            let row = run_one(path, c, threads, zstd_level, &pb)?;
+            let row = run_one(path, c, cfg, &pb)?;
             pb.finish_and_clear();
             rows.push(row);
         }

@@ -4,8 +4,8 @@ use std::collections::HashMap;
 
 use crate::code::PageCode;
 use crate::format::{Header, FLAG_LZ4, FLAG_ZSTD, MAX_DATA, PAGE};
-use crate::simhash::{de_hashes, popcount_hash};
-use crate::state::{Buckets, Lru, PageIndex, PrevStore};
+use crate::simhash::{de_hashes, popcount_hash, DE_BLOCKS};
+use crate::state::{Buckets, FxMap, Lru, PageIndex, PrevStore};
 use crate::strategies::{self as st, Budget, Coded, Ctx, Pre};
 use crate::EncodeError;
 
@@ -82,6 +82,8 @@ impl std::str::FromStr for Codec {
 pub struct Config {
     /// Worker threads (output does not depend on it).
     pub threads: usize,
+    /// Fewest pages per worker thread before an epoch is split across threads.
+    pub min_pages_per_thread: usize,
     /// Bound of the previous-version store (XBZRLE cache, FITDOC buffer, DE and tandem store).
     pub cache_bytes: usize,
     /// Gerofi's recently-dirtied-pages cache, in pages.
@@ -98,6 +100,7 @@ impl Default for Config {
     fn default() -> Self {
         Config {
             threads: 1,
+            min_pages_per_thread: 512,
             cache_bytes: 64 << 20,
             rdp_pages: 5120,
             full_mirror: false,
@@ -191,7 +194,7 @@ impl Encoder {
             // Index the base so identical and similar pages can be found from epoch 1.
             for (pfn, p) in base.chunks_exact(PAGE).enumerate() {
                 if !st::is_zero(p) {
-                    e.index_page(pfn as u64, p, xxhash_rust::xxh3::xxh3_64(p));
+                    e.index_page(pfn as u64, p, xxhash_rust::xxh3::xxh3_64(p), None);
                 }
             }
         }
@@ -212,12 +215,12 @@ impl Encoder {
             + self.block_hashes.capacity() * 8
     }
 
-    fn index_page(&mut self, pfn: u64, p: &[u8], hash: u64) {
+    fn index_page(&mut self, pfn: u64, p: &[u8], hash: u64, de: Option<[u64; 2]>) {
         if let Some(ix) = self.page_index.as_mut() {
             ix.put(hash, pfn);
         }
         if let Some(t) = self.de.as_mut() {
-            for (k, h) in de_hashes(p).into_iter().enumerate() {
+            for (k, h) in de.unwrap_or_else(|| de_hashes(p)).into_iter().enumerate() {
                 t[k].put(h, pfn << 8);
             }
         }
@@ -231,7 +234,14 @@ impl Encoder {
     }
 
     fn par_map<T: Send, F: Fn(usize) -> T + Sync>(&self, n: usize, f: F) -> Vec<T> {
-        let threads = self.cfg.threads.max(1).min(n.max(1));
+        // Spawning threads costs more than encoding a small epoch: fan out only when every
+        // thread gets at least `min_pages_per_thread` pages.
+        let threads = self
+            .cfg
+            .threads
+            .max(1)
+            .min(n / self.cfg.min_pages_per_thread.max(1))
+            .max(1);
         if threads <= 1 {
             return (0..n).map(f).collect();
         }
@@ -284,7 +294,7 @@ impl Encoder {
         };
 
         // 1. Pre-pass (parallel): zero / unchanged / hashes / FGBI masks.
-        let mut pre: Vec<Pre> = {
+        let mut pre: Vec<(Pre, [u64; 64])> = {
             let prev = self.prev.as_ref();
             let bh = &self.block_hashes;
             self.par_map(n, |i| {
@@ -293,6 +303,7 @@ impl Encoder {
                     zero: st::is_zero(p),
                     ..Default::default()
                 };
+                let mut h = [0u64; 64];
                 let skips = !matches!(codec, Codec::Remus | Codec::Zstd | Codec::Lz4 | Codec::Fgbi);
                 if skips {
                     x.unchanged = prev.and_then(|s| s.get(pfn)).is_some_and(|o| o == p);
@@ -301,22 +312,22 @@ impl Encoder {
                     x.hash = xxhash_rust::xxh3::xxh3_64(p);
                 }
                 if blocks_on {
-                    let mut h = [0u64; 64];
                     block_hashes(p, &mut h);
                     let old = &bh[pfn as usize * 64..pfn as usize * 64 + 64];
                     x.mask = (0..64)
                         .filter(|&b| h[b] != old[b])
                         .fold(0, |m, b| m | 1 << b);
-                    x.unchanged = x.mask == 0;
+                    x.unchanged |= x.mask == 0;
                 }
-                x
+                (x, h)
             })
         };
+        let (mut pre, block_new): (Vec<Pre>, Vec<[u64; 64]>) = pre.drain(..).unzip();
 
         lap(0, &mut t);
         // 2. Sequential: entry numbers, intra-epoch identical pages and blocks (byte-verified).
         let mut entry = 0u32;
-        let mut first: HashMap<u64, usize> = HashMap::new();
+        let mut first: FxMap<u64, usize> = FxMap::default();
         let mut blocks: HashMap<&[u8], u64> = HashMap::new();
         let mut block_refs = vec![Vec::new(); if codec == Codec::Fgbi { n } else { 0 }];
         for i in 0..n {
@@ -471,13 +482,12 @@ impl Encoder {
                 s.put(pfn, p);
             }
             if blocks_on {
-                block_hashes(
-                    p,
-                    &mut self.block_hashes[pfn as usize * 64..pfn as usize * 64 + 64],
-                );
+                self.block_hashes[pfn as usize * 64..pfn as usize * 64 + 64]
+                    .copy_from_slice(&block_new[i]);
             }
             if !pre[i].zero && (hashing || codec == Codec::Gerofi) {
-                self.index_page(pfn, p, pre[i].hash);
+                let de = blocks_on.then(|| DE_BLOCKS.map(|b| block_new[i][b]));
+                self.index_page(pfn, p, pre[i].hash, de);
             }
         }
         lap(4, &mut t);

@@ -40,6 +40,10 @@ fn word(b: &[u8], i: usize) -> u64 {
 #[inline]
 fn first_diff(old: &[u8], new: &[u8], mut i: usize) -> usize {
     let n = new.len();
+    // Skip equal 64-byte stretches with the library's vectorised comparison.
+    while i + 64 <= n && old[i..i + 64] == new[i..i + 64] {
+        i += 64;
+    }
     while i + 8 <= n {
         let x = word(old, i) ^ word(new, i);
         if x != 0 {
@@ -77,6 +81,11 @@ fn first_same(old: &[u8], new: &[u8], mut i: usize) -> usize {
 /// First 8-byte-aligned word index `>= i` (a byte offset) whose words differ / are equal.
 #[inline]
 fn first_word(old: &[u8], new: &[u8], mut i: usize, differ: bool) -> usize {
+    if differ {
+        while i + 64 <= new.len() && old[i..i + 64] == new[i..i + 64] {
+            i += 64;
+        }
+    }
     while i < new.len() && ((word(old, i) != word(new, i)) != differ) {
         i += 8;
     }

@@ -6,8 +6,31 @@
 //! held is simply sent without a delta (the full-page fallback), which also resynchronises it.
 
 use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
 
 use crate::format::PAGE;
+
+/// Multiplicative hasher for u64 keys (page numbers, content hashes): SipHash costs more than
+/// the rest of a lookup and these maps are not exposed to untrusted keys.
+#[derive(Default)]
+pub struct FxHasher(u64);
+
+impl Hasher for FxHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for b in bytes {
+            self.write_u64(*b as u64);
+        }
+    }
+    fn write_u64(&mut self, v: u64) {
+        self.0 = (self.0.rotate_left(5) ^ v).wrapping_mul(0x517c_c1b7_2722_0a95);
+    }
+}
+
+/// A `HashMap` with [`FxHasher`].
+pub type FxMap<K, V> = HashMap<K, V, BuildHasherDefault<FxHasher>>;
 
 const NIL: u32 = u32::MAX;
 
@@ -28,7 +51,7 @@ pub enum PrevStore {
 
 /// A slab of pages with an intrusive LRU list.
 pub struct Lru {
-    map: HashMap<u64, u32>,
+    map: FxMap<u64, u32>,
     pfn: Vec<u64>,
     data: Vec<u8>,
     prev: Vec<u32>,
@@ -43,7 +66,7 @@ impl Lru {
     pub fn new(cap: usize) -> Self {
         let cap = cap.max(1);
         Lru {
-            map: HashMap::new(),
+            map: FxMap::default(),
             pfn: Vec::new(),
             data: Vec::new(),
             prev: Vec::new(),
@@ -168,7 +191,7 @@ impl PrevStore {
 /// xxh3 of whole pages → page number, for identical-page sharing (verified by byte compare).
 #[derive(Default)]
 pub struct PageIndex {
-    map: HashMap<u64, u64>,
+    map: FxMap<u64, u64>,
     cap: usize,
 }
 
@@ -177,7 +200,7 @@ impl PageIndex {
     /// hints, always verified).
     pub fn new(cap: usize) -> Self {
         PageIndex {
-            map: HashMap::new(),
+            map: FxMap::default(),
             cap: cap.max(16),
         }
     }

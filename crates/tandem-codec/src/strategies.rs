@@ -278,9 +278,11 @@ pub fn tandem(c: &Ctx<'_>, pfn: u64, new: &[u8], pre: &Pre, budget: &Budget) -> 
     }
     let mut best: Option<Coded> = None;
     if let Some(old) = c.prev.and_then(|p| p.get(pfn)) {
-        best = runs_vs(Base::Mirror(pfn), old, new, 8, PAGE);
-        let limit = best.as_ref().map(|b| b.2.len()).unwrap_or(PAGE);
-        best = smaller(best, runs_vs(Base::Mirror(pfn), old, new, 1, limit));
+        best = runs_vs(Base::Mirror(pfn), old, new, 1, PAGE);
+        if budget.word_runs {
+            let limit = best.as_ref().map(|b| b.2.len()).unwrap_or(PAGE);
+            best = smaller(best, runs_vs(Base::Mirror(pfn), old, new, 8, limit));
+        }
         if best
             .as_ref()
             .is_some_and(|b| b.2.len() <= budget.good_enough)
@@ -301,7 +303,11 @@ pub fn tandem(c: &Ctx<'_>, pfn: u64, new: &[u8], pre: &Pre, budget: &Budget) -> 
             return best.unwrap_or_else(|| raw(new));
         }
     }
-    if budget.similarity {
+    if budget.similarity
+        && best
+            .as_ref()
+            .is_none_or(|b| b.2.len() > budget.similar_above)
+    {
         if let (Some(tables), Some(prev)) = (c.de, c.prev) {
             for (t, h) in tables.iter().zip(de_hashes(new)) {
                 if let Some(q) = t.get(h).next().map(|v| v >> 8) {
@@ -329,10 +335,14 @@ pub struct Budget {
     pub good_enough: usize,
     /// Look for similar pages (DE 2,1 index) when no small delta was found.
     pub similarity: bool,
+    /// ... and only when the best code so far is larger than this many bytes.
+    pub similar_above: usize,
     /// Try a compressed literal when the best delta is larger than this.
     pub literal_above: usize,
     /// Also try WKdm for literals (slower than LZ4, sometimes smaller).
     pub wkdm: bool,
+    /// Also try FITDOC's 8-byte-word runs against the previous version (a second scan).
+    pub word_runs: bool,
     /// Keep FGBI's 64-byte block hashes of every page (1/8 of guest memory) so pages missing
     /// from the bounded store still send only their changed blocks.
     pub blocks: bool,
@@ -343,9 +353,11 @@ impl Default for Budget {
         Budget {
             good_enough: 64,
             similarity: true,
+            similar_above: 512,
             literal_above: 1024,
             wkdm: false,
             blocks: true,
+            word_runs: false,
         }
     }
 }

@@ -136,7 +136,7 @@ proptest! {
     #[test]
     fn full_mirror_and_threads(epochs in proptest::collection::vec(proptest::collection::vec((any::<u8>(), edit()), 0..40), 1..4)) {
         for codec in [Codec::Tandem, Codec::Fitdoc, Codec::De, Codec::Xbzrle] {
-            run(codec, Config { full_mirror: true, threads: 3, ..Config::default() }, &epochs);
+            run(codec, Config { full_mirror: true, threads: 3, min_pages_per_thread: 1, ..Config::default() }, &epochs);
         }
     }
 
@@ -172,6 +172,7 @@ fn output_does_not_depend_on_threads() {
                 &truth,
                 Config {
                     threads,
+                    min_pages_per_thread: 1,
                     ..Config::default()
                 },
             )
