@@ -88,6 +88,9 @@ pub struct Config {
     pub cache_bytes: usize,
     /// Gerofi's recently-dirtied-pages cache, in pages.
     pub rdp_pages: usize,
+    /// Bits of the similarity tables (Gerofi's content table, DE's two detector tables): 18 as
+    /// in both papers.
+    pub index_bits: u32,
     /// Keep every page's previous version (memory = guest size) instead of a bounded store.
     pub full_mirror: bool,
     /// tandem strategy knobs.
@@ -103,6 +106,7 @@ impl Default for Config {
             min_pages_per_thread: 512,
             cache_bytes: 64 << 20,
             rdp_pages: 5120,
+            index_bits: 18,
             full_mirror: false,
             budget: Budget::default(),
             zstd_level: 1,
@@ -172,8 +176,8 @@ impl Encoder {
             cfg,
             pages,
             page_index: shares.then(|| PageIndex::new(4 * cfg.cache_bytes / PAGE)),
-            de: shares.then(|| [Buckets::new(18), Buckets::new(18)]),
-            areas: (codec == Codec::Gerofi).then(|| Buckets::new(18)),
+            de: shares.then(|| [Buckets::new(cfg.index_bits), Buckets::new(cfg.index_bits)]),
+            areas: (codec == Codec::Gerofi).then(|| Buckets::new(cfg.index_bits)),
             block_hashes: Vec::new(),
             prev,
             ops: Vec::new(),

@@ -40,7 +40,14 @@ pub fn roundtrip_structured(data: &[u8]) {
         content.extend_from_slice(&pg);
     }
     for codec in Codec::ALL {
-        let Ok(mut enc) = Encoder::new(codec, &base, Config::default()) else {
+        // Small stores (a few pages), so eviction and resynchronisation happen too.
+        let cfg = Config {
+            cache_bytes: 4 * P,
+            rdp_pages: 4,
+            index_bits: 6,
+            ..Config::default()
+        };
+        let Ok(mut enc) = Encoder::new(codec, &base, cfg) else {
             continue;
         };
         let mut rec = Vec::new();

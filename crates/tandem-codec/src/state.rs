@@ -230,6 +230,7 @@ pub struct Buckets {
 impl Buckets {
     /// 2^bits buckets of 4 entries.
     pub fn new(bits: u32) -> Self {
+        let bits = bits.clamp(1, 28);
         Buckets {
             slots: vec![[u64::MAX; 4]; 1 << bits],
             bits,
