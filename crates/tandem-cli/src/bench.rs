@@ -176,14 +176,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     };
     let mut harvest: Vec<(u64, f64)> = Vec::new();
     for w in &a.workloads {
-        let args = VmArgs {
-            workload: w.clone(),
-            mem: a.mem,
-            dirty_log: tandem_vm::DirtyMode::Auto,
-            qemu: "qemu-system-x86_64".into(),
-            accel: "tcg".into(),
-            image: None,
-        };
+        let args = VmArgs::for_workload(w, a.mem);
         let cfg = args.config("bench")?;
         eprintln!("bench: booting {w}...");
         let (mut vm, ready, load) = boot(&cfg)?;

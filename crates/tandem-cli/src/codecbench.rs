@@ -1,8 +1,6 @@
 //! `tandem bench --trace FILE...`: every codec over real recorded epochs, each epoch encoded,
 //! decoded on a separate mirror and verified.
 
-use std::fs::File;
-use std::io::BufReader;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -10,7 +8,6 @@ use anyhow::{bail, Context};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 use tandem_codec::{decode, Codec, Config, Encoder, Plan};
-use tandem_trace::{Frame, TraceReader};
 
 use crate::stats::{mean, quantile};
 
@@ -31,83 +28,52 @@ pub struct CodecRow {
     pub encode_phase_ms: [f64; 5],
 }
 
-fn open(path: &Path) -> anyhow::Result<TraceReader<BufReader<File>>> {
-    let f = File::open(path).with_context(|| format!("opening trace {}", path.display()))?;
-    TraceReader::new(BufReader::with_capacity(1 << 20, f))
-        .with_context(|| format!("reading {}", path.display()))
-}
-
 fn run_one(path: &Path, codec: Codec, cfg: &Config, pb: &ProgressBar) -> anyhow::Result<CodecRow> {
-    let mut r = open(path)?;
-    let h = r.header().clone();
-    let workload = h.meta["workload"].as_str().unwrap_or("?").to_string();
-    let mut truth = vec![0u8; h.mem_bytes as usize];
-    let ps = h.page_size as usize;
-    if ps != tandem_codec::format::PAGE {
-        bail!("trace page size {ps} is not supported by the codec");
-    }
-    let (mut enc, mut mirror) = (None, Vec::new());
-    let (mut sizes, mut raw, mut enc_t, mut dec_t, mut ok) =
-        (Vec::new(), 0u64, Duration::ZERO, Duration::ZERO, 0);
-    let mut plan = Plan::default();
-    let mut rec = Vec::new();
-    let mut state = 0;
-    let mut phases = [0u64; 5];
-    while let Some(frame) = r
-        .next_frame()
-        .with_context(|| format!("reading {}", path.display()))?
-    {
-        match frame {
-            Frame::Base { first_pfn, data } => {
-                let o = first_pfn as usize * ps;
-                truth[o..o + data.len()].copy_from_slice(&data);
-            }
-            Frame::Epoch(e) => {
-                let enc = match enc.as_mut() {
-                    Some(x) => x,
-                    None => {
-                        mirror = truth.clone();
-                        enc.insert(Encoder::new(codec, &truth, *cfg)?)
-                    }
-                };
-                rec.clear();
-                let t = Instant::now();
-                let st = enc.encode(e.epoch as u64, &e.pfns, &e.data, &mut rec)?;
-                for (p, v) in phases.iter_mut().zip(st.phase_us) {
-                    *p += v;
-                }
-                enc_t += t.elapsed();
-                let t = Instant::now();
-                decode(&rec, &mirror, &mut plan).with_context(|| {
-                    format!("{} epoch {}: own record rejected", codec.name(), e.epoch)
-                })?;
-                plan.commit(&mut mirror);
-                dec_t += t.elapsed();
-                for (i, &pfn) in e.pfns.iter().enumerate() {
-                    truth[pfn as usize * ps..(pfn as usize + 1) * ps]
-                        .copy_from_slice(&e.data[i * ps..(i + 1) * ps]);
-                }
-                let same = e.pfns.iter().all(|&p| {
-                    mirror[p as usize * ps..(p as usize + 1) * ps]
-                        == truth[p as usize * ps..(p as usize + 1) * ps]
-                });
-                if !same {
-                    bail!(
-                        "{} epoch {}: decoded memory differs from the trace",
-                        codec.name(),
-                        e.epoch
-                    );
-                }
-                ok += 1;
-                sizes.push(rec.len() as f64);
-                raw += e.data.len() as u64;
-                state = state.max(enc.state_bytes());
-                pb.inc(1);
-            }
-            Frame::End { .. } => {}
+    let ps = tandem_codec::format::PAGE;
+    let (mut enc, mut mirror): (Option<Encoder>, Vec<u8>) = (None, Vec::new());
+    let (mut sizes, mut raw) = (Vec::new(), 0u64);
+    let (mut enc_t, mut dec_t) = (Duration::ZERO, Duration::ZERO);
+    let (mut plan, mut rec, mut state, mut phases) = (Plan::default(), Vec::new(), 0, [0u64; 5]);
+    let (h, truth) = crate::record::replay(path, |before, e| {
+        if e.data.len() != e.pfns.len() * ps {
+            bail!("trace page size is not the codec's {ps}");
         }
-    }
-    if mirror != truth {
+        let enc = match enc.as_mut() {
+            Some(x) => x,
+            None => {
+                mirror = before.to_vec();
+                enc.insert(Encoder::new(codec, before, *cfg)?)
+            }
+        };
+        rec.clear();
+        let t = Instant::now();
+        let st = enc.encode(e.epoch as u64, &e.pfns, &e.data, &mut rec)?;
+        enc_t += t.elapsed();
+        for (p, v) in phases.iter_mut().zip(st.phase_us) {
+            *p += v;
+        }
+        let t = Instant::now();
+        decode(&rec, &mirror, &mut plan)
+            .with_context(|| format!("{} epoch {}: own record rejected", codec.name(), e.epoch))?;
+        plan.commit(&mut mirror);
+        dec_t += t.elapsed();
+        let same = e.pfns.iter().enumerate().all(|(i, &p)| {
+            mirror[p as usize * ps..(p as usize + 1) * ps] == e.data[i * ps..(i + 1) * ps]
+        });
+        if !same {
+            bail!(
+                "{} epoch {}: decoded memory differs from the trace",
+                codec.name(),
+                e.epoch
+            );
+        }
+        sizes.push(rec.len() as f64);
+        raw += e.data.len() as u64;
+        state = state.max(enc.state_bytes());
+        pb.inc(1);
+        Ok(())
+    })?;
+    if !mirror.is_empty() && mirror != truth {
         bail!(
             "{}: final decoded memory differs from the trace",
             codec.name()
@@ -119,7 +85,7 @@ fn run_one(path: &Path, codec: Codec, cfg: &Config, pb: &ProgressBar) -> anyhow:
             .file_name()
             .map(|f| f.to_string_lossy().into_owned())
             .unwrap_or_default(),
-        workload,
+        workload: h.meta["workload"].as_str().unwrap_or("?").to_string(),
         codec: codec.name().into(),
         epochs: sizes.len(),
         bytes_per_epoch_mean: mean(&sizes),
@@ -128,7 +94,7 @@ fn run_one(path: &Path, codec: Codec, cfg: &Config, pb: &ProgressBar) -> anyhow:
         encode_gbps_per_core: gb / enc_t.as_secs_f64().max(1e-9) / cfg.threads as f64,
         decode_gbps_per_core: gb / dec_t.as_secs_f64().max(1e-9),
         state_bytes: state,
-        roundtrip_ok: ok,
+        roundtrip_ok: sizes.len(),
         encode_phase_ms: phases.map(|v| v as f64 / 1000.0),
     })
 }
@@ -172,21 +138,10 @@ pub struct Summary {
 pub fn run(traces: &[PathBuf], codecs: &[Codec], cfg: &Config, json: bool) -> anyhow::Result<()> {
     let mut rows = Vec::new();
     for path in traces {
-        let epochs = {
-            let mut r = open(path)?;
-            let mut n = 0u64;
-            while let Some(f) = r
-                .next_frame()
-                .with_context(|| format!("reading {}", path.display()))?
-            {
-                n += matches!(f, Frame::Epoch(_)) as u64;
-            }
-            n
-        };
         for &c in codecs {
-            let pb = ProgressBar::new(epochs);
+            let pb = ProgressBar::no_length();
             pb.set_style(
-                ProgressStyle::with_template("{msg:40} {bar:30} {pos}/{len} epochs")
+                ProgressStyle::with_template("{spinner} {msg:40} {pos} epochs [{elapsed}]")
                     .unwrap_or_else(|_| ProgressStyle::default_bar()),
             );
             pb.set_message(format!(

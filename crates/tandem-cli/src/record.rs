@@ -205,14 +205,7 @@ pub fn traces(a: TracesArgs) -> anyhow::Result<()> {
             println!("{w}: {} exists (use --force to re-record)", out.display());
             continue;
         }
-        let vm = VmArgs {
-            workload: w.clone(),
-            mem: a.mem,
-            dirty_log: tandem_vm::DirtyMode::Auto,
-            qemu: "qemu-system-x86_64".into(),
-            accel: "tcg".into(),
-            image: None,
-        };
+        let vm = VmArgs::for_workload(w, a.mem);
         record(RecordArgs {
             vm,
             epoch_ms: a.epoch_ms,
@@ -252,19 +245,18 @@ fn is_zero(p: &[u8]) -> bool {
     p.chunks_exact(8).all(|w| w == [0u8; 8])
 }
 
-/// Reads a whole trace, replaying it on a memory image to classify pages.
-pub fn analyse(path: &Path) -> anyhow::Result<TraceInfo> {
+/// Replays a trace: for each epoch calls `on_epoch(memory before the epoch, epoch)`, then
+/// applies the epoch. Returns the header and the final memory.
+pub fn replay(
+    path: &Path,
+    mut on_epoch: impl FnMut(&[u8], &EpochRecord) -> anyhow::Result<()>,
+) -> anyhow::Result<(TraceHeader, Vec<u8>)> {
     let f = File::open(path).with_context(|| format!("opening trace {}", path.display()))?;
     let mut r = TraceReader::new(BufReader::with_capacity(1 << 20, f))
         .with_context(|| format!("reading {}", path.display()))?;
     let h = r.header().clone();
-    let mut mem = vec![0u8; h.mem_bytes as usize];
     let ps = h.page_size as usize;
-    let mut info = TraceInfo {
-        file: path.display().to_string(),
-        guest_memory_bytes: h.mem_bytes,
-        ..Default::default()
-    };
+    let mut mem = vec![0u8; h.mem_bytes as usize];
     while let Some(frame) = r
         .next_frame()
         .with_context(|| format!("reading {}", path.display()))?
@@ -275,36 +267,48 @@ pub fn analyse(path: &Path) -> anyhow::Result<TraceInfo> {
                 mem[o..o + data.len()].copy_from_slice(&data);
             }
             Frame::Epoch(e) => {
-                let mut ei = EpochInfo {
-                    epoch: e.epoch,
-                    at_ms: e.at_us as f64 / 1000.0,
-                    dirty_pages: e.pfns.len() as u64,
-                    pause_us: e.timing.total_us(),
-                    timing: e.timing,
-                    device_state_bytes: e.device_state_len,
-                    ..Default::default()
-                };
+                on_epoch(&mem, &e)?;
                 for (i, &pfn) in e.pfns.iter().enumerate() {
-                    let new = &e.data[i * ps..(i + 1) * ps];
-                    let old = &mut mem[pfn as usize * ps..(pfn as usize + 1) * ps];
-                    if is_zero(new) {
-                        ei.zero_pages += 1;
-                    }
-                    if new == old {
-                        ei.unchanged_pages += 1;
-                    } else {
-                        old.copy_from_slice(new);
-                    }
+                    let o = pfn as usize * ps;
+                    mem[o..o + ps].copy_from_slice(&e.data[i * ps..(i + 1) * ps]);
                 }
-                info.epochs += 1;
-                info.dirty_pages += ei.dirty_pages;
-                info.zero_pages += ei.zero_pages;
-                info.unchanged_pages += ei.unchanged_pages;
-                info.per_epoch.push(ei);
             }
             Frame::End { .. } => {}
         }
     }
+    Ok((h, mem))
+}
+
+/// Per-epoch and total page classification of a trace.
+pub fn analyse(path: &Path) -> anyhow::Result<TraceInfo> {
+    let mut info = TraceInfo {
+        file: path.display().to_string(),
+        ..Default::default()
+    };
+    let (h, _) = replay(path, |mem, e| {
+        let ps = e.data.len() / e.pfns.len().max(1);
+        let mut ei = EpochInfo {
+            epoch: e.epoch,
+            at_ms: e.at_us as f64 / 1000.0,
+            dirty_pages: e.pfns.len() as u64,
+            pause_us: e.timing.total_us(),
+            timing: e.timing,
+            device_state_bytes: e.device_state_len,
+            ..Default::default()
+        };
+        for (i, &pfn) in e.pfns.iter().enumerate() {
+            let new = &e.data[i * ps..(i + 1) * ps];
+            ei.zero_pages += is_zero(new) as u64;
+            ei.unchanged_pages += (new == &mem[pfn as usize * ps..(pfn as usize + 1) * ps]) as u64;
+        }
+        info.epochs += 1;
+        info.dirty_pages += ei.dirty_pages;
+        info.zero_pages += ei.zero_pages;
+        info.unchanged_pages += ei.unchanged_pages;
+        info.per_epoch.push(ei);
+        Ok(())
+    })?;
+    info.guest_memory_bytes = h.mem_bytes;
     info.header = Some(h);
     Ok(info)
 }

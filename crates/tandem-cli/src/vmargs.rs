@@ -29,6 +29,18 @@ pub struct VmArgs {
 }
 
 impl VmArgs {
+    /// The defaults for `workload` at `mem` MiB (what the flags default to).
+    pub fn for_workload(workload: &str, mem: u64) -> Self {
+        VmArgs {
+            workload: workload.into(),
+            mem,
+            dirty_log: DirtyMode::Auto,
+            qemu: "qemu-system-x86_64".into(),
+            accel: "tcg".into(),
+            image: None,
+        }
+    }
+
     pub fn config(&self, name: &str) -> anyhow::Result<VmConfig> {
         tandem_vm::image::check_workload(&self.workload)?;
         if !(16..=65536).contains(&self.mem) {

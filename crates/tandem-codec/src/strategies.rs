@@ -221,6 +221,19 @@ fn identical(c: &Ctx<'_>, new: &[u8], pre: &Pre) -> Option<Coded> {
     (c.prev?.get(q)? == new).then(|| (Base::Mirror(q), Body::Same, Payload::Own(Vec::new())))
 }
 
+/// Held pages that HashSimilarityDetector(2,1) proposes for `new` (one per table).
+fn de_candidates<'a>(c: &'a Ctx<'_>, new: &[u8]) -> impl Iterator<Item = (u64, &'a [u8])> + 'a {
+    let hashes = de_hashes(new);
+    c.de.into_iter()
+        .zip(c.prev)
+        .flat_map(move |(tables, prev)| {
+            tables.iter().zip(hashes).filter_map(move |(t, h)| {
+                let q = t.get(h).next()? >> 8;
+                Some((q, prev.get(q)?))
+            })
+        })
+}
+
 /// Difference Engine: share identical pages, patch against a similar page found by
 /// HashSimilarityDetector(2,1), else compress (LZ4 standing in for LZO, or WKdm).
 pub fn de(c: &Ctx<'_>, new: &[u8], pre: &Pre) -> Coded {
@@ -234,19 +247,13 @@ pub fn de(c: &Ctx<'_>, new: &[u8], pre: &Pre) -> Coded {
         return s;
     }
     let mut best = Some(literal(new, true));
-    if let (Some(tables), Some(prev)) = (c.de, c.prev) {
-        for (t, h) in tables.iter().zip(de_hashes(new)) {
-            if let Some(q) = t.get(h).next().map(|v| v >> 8) {
-                if let Some(r) = prev.get(q) {
-                    let limit = best.as_ref().map(|b| b.2.len()).unwrap_or(PAGE);
-                    best = smaller(best, runs_vs(Base::Mirror(q), r, new, 1, limit));
-                    let x: Vec<u8> = r.iter().zip(new).map(|(a, b)| a ^ b).collect();
-                    let z = zstd::bulk::compress(&x, 1).unwrap_or_default();
-                    if !z.is_empty() && z.len() < best.as_ref().map(|b| b.2.len()).unwrap_or(PAGE) {
-                        best = Some((Base::Mirror(q), Body::Xor(Method::Zstd), Payload::Own(z)));
-                    }
-                }
-            }
+    for (q, r) in de_candidates(c, new) {
+        let limit = best.as_ref().map(|b| b.2.len()).unwrap_or(PAGE);
+        best = smaller(best, runs_vs(Base::Mirror(q), r, new, 1, limit));
+        let x: Vec<u8> = r.iter().zip(new).map(|(a, b)| a ^ b).collect();
+        let z = zstd::bulk::compress(&x, 1).unwrap_or_default();
+        if !z.is_empty() && z.len() < best.as_ref().map(|b| b.2.len()).unwrap_or(PAGE) {
+            best = Some((Base::Mirror(q), Body::Xor(Method::Zstd), Payload::Own(z)));
         }
     }
     best.unwrap_or_else(|| raw(new))
@@ -308,15 +315,9 @@ pub fn tandem(c: &Ctx<'_>, pfn: u64, new: &[u8], pre: &Pre, budget: &Budget) -> 
             .as_ref()
             .is_none_or(|b| b.2.len() > budget.similar_above)
     {
-        if let (Some(tables), Some(prev)) = (c.de, c.prev) {
-            for (t, h) in tables.iter().zip(de_hashes(new)) {
-                if let Some(q) = t.get(h).next().map(|v| v >> 8) {
-                    if let Some(r) = prev.get(q) {
-                        let limit = best.as_ref().map(|b| b.2.len()).unwrap_or(PAGE);
-                        best = smaller(best, runs_vs(Base::Mirror(q), r, new, 1, limit));
-                    }
-                }
-            }
+        for (q, r) in de_candidates(c, new) {
+            let limit = best.as_ref().map(|b| b.2.len()).unwrap_or(PAGE);
+            best = smaller(best, runs_vs(Base::Mirror(q), r, new, 1, limit));
         }
     }
     if best
