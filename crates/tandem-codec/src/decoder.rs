@@ -47,26 +47,18 @@ struct Ctx<'a> {
 }
 
 impl Ctx<'_> {
-    fn base_into(
-        &self,
-        base: Base,
-        i: usize,
-        done: &[u8],
-        out: &mut [u8],
-    ) -> Result<(), DecodeError> {
+    fn push_base(&self, base: Base, i: usize, data: &mut Vec<u8>) -> Result<(), DecodeError> {
         match base {
-            Base::Zero => out.fill(0),
+            Base::Zero => data.resize(data.len() + PAGE, 0),
             Base::Mirror(p) => {
                 if p >= self.pages {
-                    return Err(bad(
-                        i,
-                        format!(
-                            "references page {p} outside the guest's {} pages",
-                            self.pages
-                        ),
-                    ));
+                    let what = format!(
+                        "references page {p} outside the guest's {} pages",
+                        self.pages
+                    );
+                    return Err(bad(i, what));
                 }
-                out.copy_from_slice(&self.mirror[p as usize * PAGE..(p as usize + 1) * PAGE]);
+                data.extend_from_slice(&self.mirror[p as usize * PAGE..(p as usize + 1) * PAGE]);
             }
             Base::Epoch(j) => {
                 if j as usize >= i {
@@ -75,7 +67,7 @@ impl Ctx<'_> {
                         format!("references entry {j}, which is not earlier"),
                     ));
                 }
-                out.copy_from_slice(&done[j as usize * PAGE..(j as usize + 1) * PAGE]);
+                data.extend_from_within(j as usize * PAGE..(j as usize + 1) * PAGE);
             }
         }
         Ok(())
@@ -164,16 +156,17 @@ fn decode_with(
     plan.epoch = h.epoch;
     plan.pfns.clear();
     plan.data.clear();
-    plan.data.resize(n * PAGE, 0);
+    plan.data.reserve(n * PAGE);
     let ctx = Ctx { mirror, pages };
     let mut at = 0usize;
     let mut tmp = vec![0u8; PAGE];
     for (i, c) in codes.iter().enumerate() {
         let payload = &data[at..at + c.len as usize];
         at += c.len as usize;
+        // Append the base (one copy; no separate zeroing pass over the plan).
+        ctx.push_base(c.base, i, &mut plan.data)?;
         let (done, rest) = plan.data.split_at_mut(i * PAGE);
         let out = &mut rest[..PAGE];
-        ctx.base_into(c.base, i, done, out)?;
         match c.body {
             Body::Same => {}
             Body::Runs { unit } => {
@@ -182,26 +175,30 @@ fn decode_with(
                 }
             }
             Body::Xor(m) => {
+                // On a zero base the XOR image is the page itself: decode in place.
+                let dst: &mut [u8] = if c.base == Base::Zero { out } else { &mut tmp };
                 let ok = match m {
                     Method::Raw => {
                         payload.len() == PAGE && {
-                            tmp.copy_from_slice(payload);
+                            dst.copy_from_slice(payload);
                             true
                         }
                     }
                     Method::Lz4 => {
-                        lz4_flex::block::decompress_into(payload, &mut tmp).ok() == Some(PAGE)
+                        lz4_flex::block::decompress_into(payload, dst).ok() == Some(PAGE)
                     }
                     Method::Zstd => {
-                        zstd::bulk::decompress_to_buffer(payload, &mut tmp[..]).ok() == Some(PAGE)
+                        zstd::bulk::decompress_to_buffer(payload, dst).ok() == Some(PAGE)
                     }
-                    Method::Wkdm => crate::wkdm::decompress(payload, &mut tmp),
+                    Method::Wkdm => crate::wkdm::decompress(payload, dst),
                 };
                 if !ok {
                     return Err(bad(i, format!("{m:?} payload does not decode to one page")));
                 }
-                for (o, t) in out.iter_mut().zip(tmp.iter()) {
-                    *o ^= t;
+                if c.base != Base::Zero {
+                    for (o, t) in rest[..PAGE].iter_mut().zip(tmp.iter()) {
+                        *o ^= t;
+                    }
                 }
             }
             Body::Blocks(mask) => decode_blocks(i, mask, payload, done, out)?,

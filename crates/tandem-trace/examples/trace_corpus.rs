@@ -3,7 +3,7 @@
 use tandem_trace::{EpochRecord, Timing, TraceHeader, TraceWriter};
 
 fn main() {
-    let dir = std::path::PathBuf::from(std::env::args().nth(1).expect("usage: make_corpus DIR"));
+    let dir = std::path::PathBuf::from(std::env::args().nth(1).expect("usage: trace_corpus DIR"));
     std::fs::create_dir_all(&dir).expect("create corpus dir");
     let header = |pages: u64| TraceHeader {
         page_size: 4096,

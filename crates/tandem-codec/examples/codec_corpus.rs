@@ -1,9 +1,13 @@
-//! Writes seed inputs for the codec's fuzz targets: `make_corpus FUZZ_CORPUS_DIR`.
+//! Writes seed inputs for the codec's fuzz targets: `codec_corpus FUZZ_CORPUS_DIR`.
 
 use tandem_codec::{Codec, Config, Encoder};
 
 fn main() {
-    let root = std::path::PathBuf::from(std::env::args().nth(1).expect("usage: make_corpus DIR"));
+    let root = std::path::PathBuf::from(
+        std::env::args()
+            .nth(1)
+            .expect("usage: codec_corpus FUZZ_CORPUS_DIR"),
+    );
     let dec = root.join("epoch_decode");
     let rt = root.join("epoch_roundtrip");
     std::fs::create_dir_all(&dec).unwrap();
