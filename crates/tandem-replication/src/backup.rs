@@ -1,0 +1,207 @@
+//! The backup's side of an epoch: verify everything, then commit memory and device state
+//! together, or change nothing.
+
+use tandem_codec::{decode, DecodeError, Plan};
+
+use crate::wire::{section, sections, Frame, Kind};
+
+/// Why the backup refused a frame. The mirror and the committed epoch are unchanged.
+#[derive(Debug, thiserror::Error)]
+pub enum ApplyError {
+    /// The frame belongs to another VM.
+    #[error("frame for VM {got:#x}, this backup protects VM {expected:#x}")]
+    WrongVm {
+        /// Protected VM.
+        expected: u64,
+        /// VM in the frame.
+        got: u64,
+    },
+    /// An epoch was skipped or repeated.
+    #[error("epoch sequence gap: expected epoch {expected}, got {got}")]
+    SeqGap {
+        /// Next epoch expected.
+        expected: u64,
+        /// Epoch received.
+        got: u64,
+    },
+    /// Something arrived before `hello`.
+    #[error("{0:?} frame before hello")]
+    BeforeHello(Kind),
+    /// Guest geometry does not match the mirror.
+    #[error("guest geometry mismatch: {0}")]
+    Geometry(String),
+    /// Structure is wrong.
+    #[error("malformed {0}")]
+    Malformed(String),
+    /// The memory record failed verification.
+    #[error("epoch memory record rejected")]
+    Decode(#[from] DecodeError),
+}
+
+/// What a handled frame did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Applied {
+    /// Session established.
+    Hello,
+    /// Initial memory chunk stored.
+    Base,
+    /// Epoch committed; acknowledge it.
+    Committed(u64),
+    /// Liveness only.
+    Heartbeat,
+}
+
+const PAGE: usize = tandem_codec::format::PAGE;
+
+/// Backup state: the RAM mirror (any byte buffer or mapping of the guest's size), the
+/// device state of the last committed epoch, and its sequence number.
+pub struct Backup<M> {
+    vm_id: Option<u64>,
+    mirror: M,
+    committed: u64,
+    device_state: Vec<u8>,
+    plan: Plan,
+}
+
+impl<M: AsRef<[u8]> + AsMut<[u8]>> Backup<M> {
+    /// A backup writing into `mirror` (guest-sized).
+    pub fn new(mirror: M) -> Self {
+        Backup {
+            vm_id: None,
+            mirror,
+            committed: 0,
+            device_state: Vec::new(),
+            plan: Plan::default(),
+        }
+    }
+
+    /// Last committed epoch (0 = none).
+    pub fn committed(&self) -> u64 {
+        self.committed
+    }
+
+    /// Device state of the last committed epoch.
+    pub fn device_state(&self) -> &[u8] {
+        &self.device_state
+    }
+
+    /// The mirror.
+    pub fn mirror(&self) -> &[u8] {
+        self.mirror.as_ref()
+    }
+
+    /// Handles one frame from the primary.
+    pub fn handle(&mut self, f: &Frame) -> Result<Applied, ApplyError> {
+        let vm = match (self.vm_id, f.kind) {
+            (None, Kind::Hello) => f.vm_id,
+            (None, k) => return Err(ApplyError::BeforeHello(k)),
+            (Some(v), _) => v,
+        };
+        if f.vm_id != vm {
+            return Err(ApplyError::WrongVm {
+                expected: vm,
+                got: f.vm_id,
+            });
+        }
+        match f.kind {
+            Kind::Hello => {
+                let p = &f.payload;
+                if p.len() != 12 {
+                    return Err(ApplyError::Malformed("hello payload".into()));
+                }
+                let mem = u64::from_le_bytes(p[..8].try_into().unwrap_or_default());
+                let ps = u32::from_le_bytes(p[8..12].try_into().unwrap_or_default());
+                if ps as usize != PAGE || mem != self.mirror.as_ref().len() as u64 {
+                    return Err(ApplyError::Geometry(format!(
+                        "primary has {mem} bytes in {ps}-byte pages, mirror has {} in {PAGE}",
+                        self.mirror.as_ref().len()
+                    )));
+                }
+                if self.vm_id.is_some() && f.seq != self.committed {
+                    return Err(ApplyError::SeqGap {
+                        expected: self.committed,
+                        got: f.seq,
+                    });
+                }
+                self.vm_id = Some(vm);
+                Ok(Applied::Hello)
+            }
+            Kind::Base => {
+                if self.committed != 0 {
+                    return Err(ApplyError::Malformed(
+                        "base chunk after the first epoch".into(),
+                    ));
+                }
+                let p = &f.payload;
+                let first = p
+                    .get(..8)
+                    .map(|b| u64::from_le_bytes(b.try_into().unwrap_or_default()));
+                let data = p.get(8..).unwrap_or_default();
+                let m = self.mirror.as_mut();
+                match first {
+                    Some(first)
+                        if data.len() % PAGE == 0
+                            && (first as usize)
+                                .checked_mul(PAGE)
+                                .and_then(|o| o.checked_add(data.len()))
+                                .is_some_and(|end| end <= m.len()) =>
+                    {
+                        let o = first as usize * PAGE;
+                        m[o..o + data.len()].copy_from_slice(data);
+                        Ok(Applied::Base)
+                    }
+                    _ => Err(ApplyError::Malformed("base chunk outside the guest".into())),
+                }
+            }
+            Kind::Epoch => {
+                if f.seq != self.committed + 1 {
+                    return Err(ApplyError::SeqGap {
+                        expected: self.committed + 1,
+                        got: f.seq,
+                    });
+                }
+                let secs = sections(&f.payload)
+                    .ok_or_else(|| ApplyError::Malformed("epoch sections".into()))?;
+                let (mut memory, mut dev) = (None, None);
+                for (k, b) in secs {
+                    let slot = match k {
+                        section::MEMORY => &mut memory,
+                        section::DEVICE_STATE => &mut dev,
+                        section::DISK => {
+                            return Err(ApplyError::Malformed(
+                                "disk writes are not supported by this backup yet".into(),
+                            ))
+                        }
+                        other => {
+                            return Err(ApplyError::Malformed(format!(
+                                "unknown epoch section {other}"
+                            )))
+                        }
+                    };
+                    if slot.replace(b).is_some() {
+                        return Err(ApplyError::Malformed(format!("section {k} repeated")));
+                    }
+                }
+                let memory =
+                    memory.ok_or_else(|| ApplyError::Malformed("epoch without memory".into()))?;
+                let dev =
+                    dev.ok_or_else(|| ApplyError::Malformed("epoch without device state".into()))?;
+                decode(memory, self.mirror.as_ref(), &mut self.plan)?;
+                if self.plan.epoch != f.seq {
+                    return Err(ApplyError::Malformed(format!(
+                        "memory record of epoch {} in frame of epoch {}",
+                        self.plan.epoch, f.seq
+                    )));
+                }
+                // Everything verified: commit memory and device state together.
+                self.plan.commit(self.mirror.as_mut());
+                self.device_state.clear();
+                self.device_state.extend_from_slice(dev);
+                self.committed = f.seq;
+                Ok(Applied::Committed(f.seq))
+            }
+            Kind::Heartbeat => Ok(Applied::Heartbeat),
+            Kind::Ack => Err(ApplyError::Malformed("ack sent to a backup".into())),
+        }
+    }
+}

@@ -1,0 +1,13 @@
+//! Entry point shared by the cargo-fuzz target and the corpus replay test.
+
+use crate::{Backup, Frame};
+
+/// Reads frames from `data` and feeds them to a backup with a 16-page mirror: every input
+/// must be refused or applied, never panic.
+pub fn frames_into_backup(data: &[u8]) {
+    let mut bk = Backup::new(vec![0u8; 16 * tandem_codec::format::PAGE]);
+    let mut r = data;
+    while let Ok(Some(f)) = Frame::read_from(&mut r) {
+        let _ = bk.handle(&f);
+    }
+}

@@ -1,0 +1,191 @@
+//! Frames on the replication link.
+//!
+//! ```text
+//! +--------------------------------------------------------------------+
+//! | header (32 bytes, little-endian)                                   |
+//! |   0 magic "TNDR"   4 version u16 = 1   6 kind u8   7 flags u8 = 0   |
+//! |   8 vm_id u64     16 seq u64          24 len u32                    |
+//! |  28 crc32c u32 over header bytes 0..28 and the payload              |
+//! | payload: len bytes (≤ 1 GiB)                                        |
+//! +--------------------------------------------------------------------+
+//! kinds: 1 hello (payload: mem_bytes u64, page_size u32)
+//!        2 base chunk (payload: first_pfn u64 + pages) — initial copy of guest memory
+//!        3 epoch (payload: sections, each kind u8 + len u32 + bytes:
+//!                 1 memory record (tandem-codec), 2 device state, 3 disk writes)
+//!        4 ack (backup → primary, seq = committed epoch)
+//!        5 heartbeat (either way, no payload)
+//! ```
+//! `seq` numbers epochs from 1; base chunks and hello carry 0. A reader checks magic, version,
+//! kind, flags, length limit and checksum before returning a frame.
+
+use std::io::{Read, Write};
+
+/// Frame magic.
+pub const MAGIC: &[u8; 4] = b"TNDR";
+/// Protocol version.
+pub const VERSION: u16 = 1;
+/// Header length.
+pub const HEADER_LEN: usize = 32;
+/// Largest payload accepted.
+pub const MAX_PAYLOAD: u32 = 1 << 30;
+
+/// Frame kinds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    /// Session start: guest geometry.
+    Hello = 1,
+    /// Initial guest memory chunk.
+    Base = 2,
+    /// One epoch's checkpoint.
+    Epoch = 3,
+    /// Backup committed `seq`.
+    Ack = 4,
+    /// Liveness.
+    Heartbeat = 5,
+}
+
+impl Kind {
+    fn from_u8(v: u8) -> Option<Kind> {
+        Some(match v {
+            1 => Kind::Hello,
+            2 => Kind::Base,
+            3 => Kind::Epoch,
+            4 => Kind::Ack,
+            5 => Kind::Heartbeat,
+            _ => return None,
+        })
+    }
+}
+
+/// Section kinds inside an epoch payload.
+pub mod section {
+    /// A tandem-codec epoch record (guest memory).
+    pub const MEMORY: u8 = 1;
+    /// QEMU device state (migration stream without RAM).
+    pub const DEVICE_STATE: u8 = 2;
+    /// Disk writes of the epoch.
+    pub const DISK: u8 = 3;
+}
+
+/// A frame.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Frame {
+    /// Kind.
+    pub kind: Kind,
+    /// The protected VM.
+    pub vm_id: u64,
+    /// Epoch sequence number (0 for hello and base chunks).
+    pub seq: u64,
+    /// Payload.
+    pub payload: Vec<u8>,
+}
+
+/// Errors reading a frame.
+#[derive(Debug, thiserror::Error)]
+pub enum WireError {
+    /// The connection failed or closed.
+    #[error("replication link I/O")]
+    Io(#[from] std::io::Error),
+    /// Not a tandem frame.
+    #[error("bad frame magic (not a tandem replication peer?)")]
+    Magic,
+    /// Another protocol version.
+    #[error("replication protocol version {0} is not supported (this tandem speaks {VERSION})")]
+    Version(u16),
+    /// Unknown kind or flags.
+    #[error("malformed frame: {0}")]
+    Malformed(String),
+    /// Checksum mismatch.
+    #[error("frame checksum mismatch (corrupted on the link)")]
+    Checksum,
+}
+
+impl Frame {
+    /// Serialises the frame.
+    pub fn write_to(&self, w: &mut impl Write) -> std::io::Result<()> {
+        let mut h = [0u8; HEADER_LEN];
+        h[..4].copy_from_slice(MAGIC);
+        h[4..6].copy_from_slice(&VERSION.to_le_bytes());
+        h[6] = self.kind as u8;
+        h[8..16].copy_from_slice(&self.vm_id.to_le_bytes());
+        h[16..24].copy_from_slice(&self.seq.to_le_bytes());
+        h[24..28].copy_from_slice(&(self.payload.len() as u32).to_le_bytes());
+        let crc = crc32c::crc32c_append(crc32c::crc32c(&h[..28]), &self.payload);
+        h[28..32].copy_from_slice(&crc.to_le_bytes());
+        w.write_all(&h)?;
+        w.write_all(&self.payload)
+    }
+
+    /// Reads one frame; `Ok(None)` on a clean end of stream before a header.
+    pub fn read_from(r: &mut impl Read) -> Result<Option<Frame>, WireError> {
+        let mut h = [0u8; HEADER_LEN];
+        let mut got = 0;
+        while got < HEADER_LEN {
+            match r.read(&mut h[got..]) {
+                Ok(0) if got == 0 => return Ok(None),
+                Ok(0) => return Err(WireError::Io(std::io::ErrorKind::UnexpectedEof.into())),
+                Ok(n) => got += n,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+        if &h[..4] != MAGIC {
+            return Err(WireError::Magic);
+        }
+        let version = u16::from_le_bytes([h[4], h[5]]);
+        if version != VERSION {
+            return Err(WireError::Version(version));
+        }
+        let kind = Kind::from_u8(h[6])
+            .ok_or_else(|| WireError::Malformed(format!("unknown kind {}", h[6])))?;
+        if h[7] != 0 {
+            return Err(WireError::Malformed(format!("unknown flags {:#x}", h[7])));
+        }
+        let len = u32::from_le_bytes([h[24], h[25], h[26], h[27]]);
+        if len > MAX_PAYLOAD {
+            return Err(WireError::Malformed(format!(
+                "payload of {len} bytes exceeds {MAX_PAYLOAD}"
+            )));
+        }
+        let mut payload = Vec::new();
+        r.take(len as u64).read_to_end(&mut payload)?;
+        if payload.len() != len as usize {
+            return Err(WireError::Io(std::io::ErrorKind::UnexpectedEof.into()));
+        }
+        let crc = crc32c::crc32c_append(crc32c::crc32c(&h[..28]), &payload);
+        if crc != u32::from_le_bytes([h[28], h[29], h[30], h[31]]) {
+            return Err(WireError::Checksum);
+        }
+        Ok(Some(Frame {
+            kind,
+            vm_id: u64::from_le_bytes(h[8..16].try_into().unwrap_or_default()),
+            seq: u64::from_le_bytes(h[16..24].try_into().unwrap_or_default()),
+            payload,
+        }))
+    }
+}
+
+/// Builds an epoch payload from sections.
+pub fn epoch_payload(sections: &[(u8, &[u8])]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(sections.iter().map(|s| s.1.len() + 5).sum());
+    for (k, b) in sections {
+        out.push(*k);
+        out.extend_from_slice(&(b.len() as u32).to_le_bytes());
+        out.extend_from_slice(b);
+    }
+    out
+}
+
+/// Splits an epoch payload into sections; `None` if malformed.
+pub fn sections(p: &[u8]) -> Option<Vec<(u8, &[u8])>> {
+    let mut out = Vec::new();
+    let mut pos = 0;
+    while pos < p.len() {
+        let k = *p.get(pos)?;
+        let len = u32::from_le_bytes(p.get(pos + 1..pos + 5)?.try_into().ok()?) as usize;
+        let body = p.get(pos + 5..pos + 5 + len)?;
+        out.push((k, body));
+        pos += 5 + len;
+    }
+    Some(out)
+}
