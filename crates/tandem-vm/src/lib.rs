@@ -15,5 +15,5 @@ pub mod vm;
 
 pub use dirty::{DirtyLog, HashLog, UffdWpLog};
 pub use image::GuestImage;
-pub use ram::{GuestRam, PAGE_SIZE};
+pub use ram::{GuestRam, MirrorFile, PAGE_SIZE};
 pub use vm::{DirtyMode, PauseTiming, Vm, VmConfig, VmError};

@@ -152,3 +152,37 @@ impl GuestRam {
         }
     }
 }
+
+/// A guest RAM file used as a backup's mirror, written only by tandem until failover.
+pub struct MirrorFile(GuestRam);
+
+impl MirrorFile {
+    /// Creates a zeroed mirror of `len` bytes at `path` (e.g. in `/dev/shm`).
+    ///
+    /// # Safety
+    /// While the returned value is used, nothing else may write the file: a standby QEMU may
+    /// map it (it neither runs vCPUs nor touches RAM before its incoming migration), but
+    /// [`crate::Vm::resume`] must only be called once the mirror is no longer written.
+    pub unsafe fn create(path: &Path, len: u64) -> Result<Self, RamError> {
+        GuestRam::create(path, len).map(MirrorFile)
+    }
+
+    /// The underlying mapping.
+    pub fn ram(&self) -> &GuestRam {
+        &self.0
+    }
+}
+
+impl AsRef<[u8]> for MirrorFile {
+    fn as_ref(&self) -> &[u8] {
+        // SAFETY: `create`'s contract: tandem is the only writer of the file.
+        unsafe { self.0.as_slice() }
+    }
+}
+
+impl AsMut<[u8]> for MirrorFile {
+    fn as_mut(&mut self) -> &mut [u8] {
+        // SAFETY: `create`'s contract, and `&mut self` makes this the only live slice.
+        unsafe { self.0.as_mut_slice() }
+    }
+}

@@ -164,6 +164,17 @@ pub fn preload_path() -> Option<PathBuf> {
 
 static COUNTER: AtomicU32 = AtomicU32::new(0);
 
+/// Where a VM's guest RAM file comes from.
+#[derive(Clone, Copy)]
+enum RamSource<'a> {
+    /// A new zeroed file, removed on drop.
+    Fresh,
+    /// A new file copied from a saved image, removed on drop.
+    Copy(&'a Path),
+    /// An existing file used as is and kept (a backup's mirror).
+    InPlace(&'a Path),
+}
+
 /// A running (or paused) QEMU with its QMP session, RAM mapping and dirty log.
 pub struct Vm {
     child: Child,
@@ -182,8 +193,7 @@ pub struct Vm {
 impl Vm {
     /// Boots a fresh guest: QEMU starts paused (`-S`), the dirty log is armed, then it runs.
     pub fn launch(config: &VmConfig) -> Result<Vm, VmError> {
-        let vm = Self::start(config, None, true)?;
-        Ok(vm)
+        Self::start(config, RamSource::Fresh, true)
     }
 
     /// Starts a QEMU that resumes from a checkpoint: `ram_image` is copied into its RAM file
@@ -193,32 +203,60 @@ impl Vm {
         ram_image: &Path,
         device_state: &[u8],
     ) -> Result<Vm, VmError> {
-        let mut vm = Self::start(config, Some(ram_image), false)?;
+        let mut vm = Self::start(config, RamSource::Copy(ram_image), false)?;
         devstate::restore(&mut vm.qmp, device_state)?;
         Ok(vm)
     }
 
-    fn start(config: &VmConfig, ram_image: Option<&Path>, run: bool) -> Result<Vm, VmError> {
+    /// Starts a standby QEMU (`-incoming defer -S`) whose guest RAM is `ram_file` itself —
+    /// the backup's mirror — so failover needs no copy: [`Vm::resume`] loads a device state
+    /// and runs the guest from whatever the file holds then. The file is kept on drop.
+    pub fn standby(config: &VmConfig, ram_file: &Path) -> Result<Vm, VmError> {
+        Self::start(config, RamSource::InPlace(ram_file), false)
+    }
+
+    /// Loads `device_state` into a standby or restored QEMU and runs the guest.
+    pub fn resume(&mut self, device_state: &[u8]) -> Result<(), VmError> {
+        devstate::restore(&mut self.qmp, device_state)?;
+        self.cont()
+    }
+
+    fn start(config: &VmConfig, ram: RamSource<'_>, run: bool) -> Result<Vm, VmError> {
         check_workload(&config.workload)?;
         config.image.check()?;
         let runtime = tempfile::Builder::new().prefix("tandem-vm-").tempdir()?;
         let n = COUNTER.fetch_add(1, Ordering::Relaxed);
-        let ram_path = PathBuf::from(format!(
-            "/dev/shm/tandem-{}-{}-{n}.ram",
-            config.name,
-            std::process::id()
-        ));
         let bytes = config.mem_mib << 20;
-        match ram_image {
-            Some(img) => {
-                fs::copy(img, &ram_path)?;
-                if fs::metadata(&ram_path)?.len() != bytes {
-                    let _ = fs::remove_file(&ram_path);
+        let fresh_path = || {
+            PathBuf::from(format!(
+                "/dev/shm/tandem-{}-{}-{n}.ram",
+                config.name,
+                std::process::id()
+            ))
+        };
+        let (ram_path, keep_ram) = match ram {
+            RamSource::Fresh => {
+                let p = fresh_path();
+                drop(GuestRam::create(&p, bytes)?);
+                (p, false)
+            }
+            RamSource::Copy(img) => {
+                let p = fresh_path();
+                fs::copy(img, &p)?;
+                if fs::metadata(&p)?.len() != bytes {
+                    let _ = fs::remove_file(&p);
                     return Err(VmError::Ram(RamError::BadSize(fs::metadata(img)?.len())));
                 }
+                (p, false)
             }
-            None => drop(GuestRam::create(&ram_path, bytes)?),
-        }
+            RamSource::InPlace(p) => {
+                if fs::metadata(p)?.len() != bytes {
+                    return Err(VmError::Ram(RamError::BadSize(fs::metadata(p)?.len())));
+                }
+                (p.to_path_buf(), true)
+            }
+        };
+        let incoming = !matches!(ram, RamSource::Fresh);
         let mode = match config.dirty {
             DirtyMode::Auto => match probe_pagemap_scan() {
                 Ok(()) => DirtyMode::Uffd,
@@ -234,13 +272,7 @@ impl Vm {
         let status = runtime.path().join("uffd.status");
         let log = fs::File::create(runtime.path().join("qemu.log"))?;
         let mut cmd = Command::new(&config.qemu);
-        cmd.args(qemu_args(
-            config,
-            &ram_path,
-            &qmp_path,
-            &serial,
-            ram_image.is_some(),
-        ));
+        cmd.args(qemu_args(config, &ram_path, &qmp_path, &serial, incoming));
         cmd.stdin(Stdio::null())
             .stdout(log.try_clone()?)
             .stderr(log);
@@ -254,13 +286,23 @@ impl Vm {
         }
         let ram = match GuestRam::open(&ram_path) {
             Ok(r) => Arc::new(r),
-            Err(e) => return Err(Self::fail_early(runtime, &ram_path, e.into())),
+            Err(e) => {
+                return Err(Self::fail_early(
+                    runtime,
+                    (!keep_ram).then_some(ram_path.as_path()),
+                    e.into(),
+                ))
+            }
         };
         let mut child = match cmd.spawn() {
             Ok(c) => c,
             Err(e) => {
                 let e = VmError::Spawn(config.qemu.display().to_string(), e);
-                return Err(Self::fail_early(runtime, &ram_path, e));
+                return Err(Self::fail_early(
+                    runtime,
+                    (!keep_ram).then_some(ram_path.as_path()),
+                    e,
+                ));
             }
         };
         let qmp = match Qmp::connect(&qmp_path, Duration::from_secs(20)) {
@@ -268,7 +310,11 @@ impl Vm {
             Err(e) => {
                 let _ = child.kill();
                 let _ = child.wait();
-                return Err(Self::fail_early(runtime, &ram_path, e.into()));
+                return Err(Self::fail_early(
+                    runtime,
+                    (!keep_ram).then_some(ram_path.as_path()),
+                    e.into(),
+                ));
             }
         };
         // From here on `vm` owns the child and the RAM file: errors clean both up in Drop.
@@ -280,7 +326,7 @@ impl Vm {
             console: Console::new(&serial),
             runtime,
             ram_path,
-            keep_ram: false,
+            keep_ram,
             config: config.clone(),
         };
         devstate::prepare(&mut vm.qmp)?;
@@ -303,8 +349,10 @@ impl Vm {
         Ok(vm)
     }
 
-    fn fail_early(runtime: tempfile::TempDir, ram_path: &Path, e: VmError) -> VmError {
-        let _ = fs::remove_file(ram_path);
+    fn fail_early(runtime: tempfile::TempDir, remove: Option<&Path>, e: VmError) -> VmError {
+        if let Some(p) = remove {
+            let _ = fs::remove_file(p);
+        }
         let log = fs::read_to_string(runtime.path().join("qemu.log")).unwrap_or_default();
         if log.trim().is_empty() {
             e

@@ -1,0 +1,154 @@
+//! Replication against real QEMU: a primary guest's epochs go through the codec and the
+//! replication protocol into a backup mirror file; after k epochs the mirror equals the
+//! primary's RAM (checksums taken while stopped); then the primary is killed and a standby
+//! QEMU, pre-started on the mirror file, resumes the guest from the last committed epoch.
+
+use std::time::Duration;
+
+use tandem_codec::{Codec, Config, Encoder};
+use tandem_replication::wire::{epoch_payload, section};
+use tandem_replication::{base_payload, hello_payload, Applied, Backup, Frame, Kind};
+use tandem_vm::kv::wait_for_server;
+use tandem_vm::{DirtyMode, MirrorFile, Vm, VmConfig, PAGE_SIZE};
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Ships a frame through the wire format (as the link would) into the backup.
+fn ship(bk: &mut Backup<MirrorFile>, f: Frame) -> Applied {
+    let mut bytes = Vec::new();
+    f.write_to(&mut bytes).unwrap();
+    let f = Frame::read_from(&mut &bytes[..]).unwrap().unwrap();
+    bk.handle(&f).unwrap()
+}
+
+#[test]
+fn mirror_matches_primary_and_standby_takes_over() {
+    const VM_ID: u64 = 42;
+    let mut cfg = VmConfig::new("repl-primary", "kv");
+    cfg.dirty = DirtyMode::Uffd;
+    cfg.kv_port = Some(free_port());
+    let mut primary = Vm::launch(&cfg).unwrap();
+    primary.wait_ready(Duration::from_secs(120)).unwrap();
+    let mut client = wait_for_server(cfg.kv_port.unwrap(), Duration::from_secs(60)).unwrap();
+
+    let dir = tempfile::tempdir_in("/dev/shm").unwrap();
+    let mirror_path = dir.path().join("mirror.ram");
+    let bytes = cfg.mem_mib << 20;
+    // SAFETY: only this test writes the file; the standby QEMU maps it but does not run until
+    // `resume`, which happens after the last write.
+    let mirror = unsafe { MirrorFile::create(&mirror_path, bytes) }.unwrap();
+    let mut backup = Backup::new(mirror);
+    let mut standby_cfg = cfg.clone();
+    standby_cfg.name = "repl-standby".into();
+    standby_cfg.dirty = DirtyMode::None;
+    standby_cfg.kv_port = Some(free_port());
+    let mut standby = Vm::standby(&standby_cfg, &mirror_path).unwrap();
+
+    // Initial copy, taken while stopped, with the dirty log reset in the same pause.
+    ship(
+        &mut backup,
+        Frame {
+            kind: Kind::Hello,
+            vm_id: VM_ID,
+            seq: 0,
+            payload: hello_payload(bytes),
+        },
+    );
+    primary.stop().unwrap();
+    let mut pfns = Vec::new();
+    primary.harvest(&mut pfns).unwrap();
+    // SAFETY: the primary is stopped.
+    let base = unsafe { primary.ram().as_slice() }.to_vec();
+    primary.cont().unwrap();
+    for (i, c) in base.chunks(1024 * PAGE_SIZE).enumerate() {
+        ship(
+            &mut backup,
+            Frame {
+                kind: Kind::Base,
+                vm_id: VM_ID,
+                seq: 0,
+                payload: base_payload((i * 1024) as u64, c),
+            },
+        );
+    }
+    let mut enc = Encoder::new(Codec::Tandem, &base, Config::default()).unwrap();
+    drop(base);
+
+    let (mut pages, mut dev, mut rec) = (Vec::new(), Vec::new(), Vec::new());
+    let epochs = 20u64;
+    for seq in 1..=epochs {
+        std::thread::sleep(Duration::from_millis(100));
+        if seq == epochs {
+            client.set(b"committed", b"before-failover").unwrap();
+        }
+        // The last checkpoint keeps the primary stopped so its RAM can be compared.
+        primary.stop().unwrap();
+        pfns.clear();
+        primary.harvest(&mut pfns).unwrap();
+        pages.resize(pfns.len() * PAGE_SIZE, 0);
+        for (i, &p) in pfns.iter().enumerate() {
+            primary
+                .ram()
+                .copy_page(p, &mut pages[i * PAGE_SIZE..(i + 1) * PAGE_SIZE]);
+        }
+        primary.capture_device_state(&mut dev).unwrap();
+        if seq < epochs {
+            primary.cont().unwrap();
+        }
+        rec.clear();
+        enc.encode(seq, &pfns, &pages, &mut rec).unwrap();
+        let payload = epoch_payload(&[(section::MEMORY, &rec), (section::DEVICE_STATE, &dev)]);
+        assert_eq!(
+            ship(
+                &mut backup,
+                Frame {
+                    kind: Kind::Epoch,
+                    vm_id: VM_ID,
+                    seq,
+                    payload
+                }
+            ),
+            Applied::Committed(seq)
+        );
+    }
+    // SAFETY: the primary is stopped.
+    let primary_sum = xxhash_rust::xxh3::xxh3_128(unsafe { primary.ram().as_slice() });
+    assert_eq!(
+        xxhash_rust::xxh3::xxh3_128(backup.mirror()),
+        primary_sum,
+        "mirror differs from the primary at epoch {epochs}"
+    );
+    primary.console.poll().unwrap();
+    let tick = primary.console.last_tick().unwrap();
+
+    // Host failure: the primary's QEMU dies; the standby resumes from the committed epoch.
+    primary.kill();
+    drop(client);
+    let state = backup.device_state().to_vec();
+    drop(backup);
+    standby.resume(&state).unwrap();
+    let line = standby
+        .console
+        .wait_for("tandem-tick", 0, Duration::from_secs(30))
+        .unwrap();
+    let first: u64 = line.split_whitespace().nth(1).unwrap().parse().unwrap();
+    assert!(
+        first >= tick,
+        "standby restarted the guest: tick {first} after checkpoint tick {tick}"
+    );
+    assert!(
+        !standby.console.text().contains("Linux version"),
+        "guest rebooted"
+    );
+    let mut c = wait_for_server(standby_cfg.kv_port.unwrap(), Duration::from_secs(60)).unwrap();
+    assert_eq!(
+        c.get(b"committed").unwrap().as_deref(),
+        Some(&b"before-failover"[..])
+    );
+}
