@@ -5,6 +5,7 @@ mod codecbench;
 mod demo;
 mod doctor;
 mod record;
+mod replicate;
 mod setup;
 mod stats;
 mod vmargs;
@@ -40,6 +41,10 @@ enum Cmd {
     /// Inspect traces.
     #[command(subcommand)]
     Trace(record::TraceCmd),
+    /// Replicate a VM to a backup (epochs over TCP; output commit not yet implemented).
+    Primary(replicate::PrimaryArgs),
+    /// Receive epochs into a mirror and fail over onto a standby QEMU when the primary is lost.
+    Backup(replicate::BackupArgs),
     /// Measure: --lab (boot, pause breakdown, harvest, hash scan, dirty rates) or --trace (codecs).
     Bench(bench::Args),
 }
@@ -63,6 +68,8 @@ fn main() {
         Cmd::Traces(a) => record::traces(a),
         Cmd::Trace(c) => record::trace_cmd(c),
         Cmd::Bench(a) => bench::run(a),
+        Cmd::Primary(a) => replicate::primary(a),
+        Cmd::Backup(a) => replicate::backup(a),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

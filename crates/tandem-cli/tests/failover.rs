@@ -1,0 +1,113 @@
+//! `tandem backup` + `tandem primary` as real processes: the primary replicates a kv guest,
+//! then it and its QEMU are SIGKILLed as a host failure would; the backup must resume the guest
+//! on its standby QEMU from the last committed epoch, and redis must answer there.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc::{channel, Receiver};
+use std::time::{Duration, Instant};
+
+fn spawn(args: &[&str]) -> (Child, Receiver<String>) {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_tandem"))
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("spawn tandem");
+    let out = c.stdout.take().unwrap();
+    let (tx, rx) = channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(out).lines().map_while(Result::ok) {
+            eprintln!("  | {line}");
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    (c, rx)
+}
+
+fn wait_line(rx: &Receiver<String>, pat: &str, timeout: Duration) -> String {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match rx.recv_timeout(left) {
+            Ok(l) if l.contains(pat) => return l,
+            Ok(_) => {}
+            Err(_) => panic!("no line containing {pat:?} within {timeout:?}"),
+        }
+    }
+}
+
+fn number_after(line: &str, key: &str) -> u64 {
+    let rest = &line[line
+        .find(key)
+        .unwrap_or_else(|| panic!("{key:?} in {line:?}"))
+        + key.len()..];
+    rest.chars()
+        .take_while(|c| c.is_ascii_digit())
+        .collect::<String>()
+        .parse()
+        .unwrap()
+}
+
+#[test]
+fn primary_killed_backup_resumes_the_guest() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let addr = format!("127.0.0.1:{port}");
+    let dir = tempfile::tempdir_in("/dev/shm").unwrap();
+    let (mut backup, brx) = spawn(&[
+        "backup",
+        "--listen",
+        &addr,
+        "--dir",
+        dir.path().to_str().unwrap(),
+        "--workload",
+        "kv",
+        "--timeout-ms",
+        "500",
+    ]);
+    wait_line(&brx, "listening on", Duration::from_secs(60));
+    let (mut primary, prx) = spawn(&[
+        "primary",
+        "--backup",
+        &addr,
+        "--workload",
+        "kv",
+        "--duration",
+        "120",
+    ]);
+    let ready = wait_line(&prx, "QEMU pid", Duration::from_secs(180));
+    let qemu = number_after(&ready, "QEMU pid ");
+    // Let some epochs commit.
+    loop {
+        let l = wait_line(&prx, "acked", Duration::from_secs(60));
+        if number_after(&l, "acked ") >= 10 {
+            break;
+        }
+    }
+    // Host failure: the primary's tandem process and its QEMU die at once.
+    primary.kill().unwrap();
+    // SAFETY: plain kill(2) of a process id we read from the primary's output.
+    unsafe { libc::kill(qemu as i32, libc::SIGKILL) };
+    primary.wait().unwrap();
+    let line = wait_line(&brx, "failover:", Duration::from_secs(30));
+    let epoch = number_after(&line, "from epoch ");
+    assert!(epoch >= 10, "resumed from epoch {epoch}");
+    let kv = number_after(&line, "kv port Some(");
+    let mut c = tandem_vm::kv::wait_for_server(kv as u16, Duration::from_secs(60))
+        .expect("redis on the standby");
+    c.set(b"after-failover", b"ok").unwrap();
+    assert_eq!(
+        c.get(b"after-failover").unwrap().as_deref(),
+        Some(&b"ok"[..])
+    );
+    // SAFETY: SIGTERM to our own child asks it to shut its standby QEMU down.
+    unsafe { libc::kill(backup.id() as i32, libc::SIGTERM) };
+    let st = backup.wait().unwrap();
+    assert!(st.success(), "backup exited with {st}");
+}
