@@ -4,6 +4,7 @@ mod bench;
 mod codecbench;
 mod demo;
 mod doctor;
+mod metrics;
 mod record;
 mod replicate;
 mod setup;

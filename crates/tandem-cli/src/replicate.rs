@@ -2,11 +2,12 @@
 //! standby QEMU pre-started on the backup's mirror file. Network and disk output commit are not
 //! implemented yet (see docs/REPLICATION.md).
 
+use std::collections::HashMap;
 use std::io::{BufReader, BufWriter, Write};
 use std::net::{TcpListener, TcpStream};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
@@ -16,6 +17,7 @@ use tandem_replication::{base_payload, hello_payload, Applied, Backup, Frame, Ki
 use tandem_vm::epoch::{run_epochs, Fixed};
 use tandem_vm::{DirtyMode, MirrorFile, Vm, PAGE_SIZE};
 
+use crate::metrics::{EpochMetrics, Registry};
 use crate::stats::quantile;
 use crate::vmargs::{boot, VmArgs};
 
@@ -38,6 +40,12 @@ pub struct PrimaryArgs {
     /// Identifier of the protected VM (the backup refuses frames of any other).
     #[arg(long, default_value_t = 1)]
     pub vm_id: u64,
+    /// Append one JSON line per acknowledged epoch to this file.
+    #[arg(long)]
+    pub metrics_jsonl: Option<PathBuf>,
+    /// Serve Prometheus metrics on this address (GET /metrics).
+    #[arg(long)]
+    pub metrics_listen: Option<String>,
 }
 
 #[derive(clap::Args)]
@@ -122,17 +130,56 @@ pub fn primary(a: PrimaryArgs) -> anyhow::Result<()> {
     let mut enc = Encoder::new(a.codec, &base, Config::default())?;
     drop(base);
     let acked = Arc::new(AtomicU64::new(0));
+    let registry = Registry::default();
+    if let Some(addr) = &a.metrics_listen {
+        let bound = crate::metrics::serve(addr, registry.clone())
+            .with_context(|| format!("metrics endpoint {addr}"))?;
+        println!("primary: metrics on http://{bound}/metrics");
+    }
+    let mut jsonl = match &a.metrics_jsonl {
+        Some(p) => {
+            Some(std::fs::File::create(p).with_context(|| format!("creating {}", p.display()))?)
+        }
+        None => None,
+    };
+    // The reader only timestamps acknowledgements; the epoch loop, which owns each epoch's
+    // record, turns them into metrics (no race between sending and a fast ack).
+    let ack_at: Arc<Mutex<HashMap<u64, Instant>>> = Arc::default();
     let reader = {
-        let acked = acked.clone();
+        let (acked, ack_at) = (acked.clone(), ack_at.clone());
         let mut r = BufReader::new(stream);
         std::thread::spawn(move || {
             while let Ok(Some(f)) = Frame::read_from(&mut r) {
                 if f.kind == Kind::Ack {
+                    ack_at
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .insert(f.seq, Instant::now());
                     acked.store(f.seq, Ordering::SeqCst);
                 }
             }
         })
     };
+    let mut pending: std::collections::VecDeque<(EpochMetrics, Instant)> = Default::default();
+    let mut drain =
+        |pending: &mut std::collections::VecDeque<(EpochMetrics, Instant)>| -> anyhow::Result<()> {
+            let mut acks = ack_at.lock().unwrap_or_else(|e| e.into_inner());
+            while let Some((m, sent_at)) = pending.front() {
+                let Some(at) = acks.remove(&m.epoch) else {
+                    break;
+                };
+                let mut m = m.clone();
+                let us = at.saturating_duration_since(*sent_at).as_micros() as u64;
+                m.ack_latency_us = Some(us);
+                registry.acked(m.epoch, us);
+                if let Some(out) = jsonl.as_mut() {
+                    serde_json::to_writer(&mut *out, &m)?;
+                    out.write_all(b"\n")?;
+                }
+                pending.pop_front();
+            }
+            Ok(())
+        };
     let ops = load.as_ref().map(|l| l.ops.clone());
     let (mut raw, mut sent, mut pauses) = (0u64, 0u64, Vec::new());
     let mut rec = Vec::new();
@@ -145,18 +192,43 @@ pub fn primary(a: PrimaryArgs) -> anyhow::Result<()> {
         |cp| {
             rec.clear();
             let seq = cp.epoch as u64;
+            let t = Instant::now();
             if let Err(e) = enc.encode(seq, cp.pfns, cp.pages, &mut rec) {
                 err = Some(anyhow::Error::new(e));
                 return false;
             }
+            let encode_us = t.elapsed().as_micros() as u64;
             let payload = epoch_payload(&[
                 (section::MEMORY, &rec),
                 (section::DEVICE_STATE, cp.device_state),
             ]);
-            sent += payload.len() as u64;
-            raw += (cp.pages.len() + cp.device_state.len()) as u64;
-            pauses.push(cp.timing.total_us() as f64 / 1000.0);
+            let tm = cp.timing;
+            let mut m = EpochMetrics {
+                epoch: seq,
+                stop_us: tm.stop_us,
+                harvest_us: tm.harvest_us,
+                copy_us: tm.copy_us,
+                devstate_us: tm.devstate_us,
+                cont_us: tm.cont_us,
+                pause_us: tm.total_us(),
+                dirty_pages: cp.pfns.len() as u64,
+                raw_bytes: (cp.pages.len() + cp.device_state.len()) as u64,
+                sent_bytes: (payload.len() + tandem_replication::wire::HEADER_LEN) as u64,
+                encode_us,
+                ..Default::default()
+            };
+            sent += m.sent_bytes;
+            raw += m.raw_bytes;
+            pauses.push(tm.total_us() as f64 / 1000.0);
+            let t = Instant::now();
             if let Err(e) = send(&mut w, &frame(Kind::Epoch, seq, payload)) {
+                err = Some(e);
+                return false;
+            }
+            m.transfer_us = t.elapsed().as_micros() as u64;
+            registry.sent(&m);
+            pending.push_back((m, t));
+            if let Err(e) = drain(&mut pending) {
                 err = Some(e);
                 return false;
             }
@@ -177,6 +249,12 @@ pub fn primary(a: PrimaryArgs) -> anyhow::Result<()> {
     )?;
     if let Some(e) = err {
         return Err(e);
+    }
+    // Collect the last acknowledgements (up to a second) before reporting.
+    let wait_until = Instant::now() + Duration::from_secs(1);
+    while !pending.is_empty() && Instant::now() < wait_until {
+        std::thread::sleep(Duration::from_millis(10));
+        drain(&mut pending)?;
     }
     drop(w);
     drop(reader);

@@ -69,11 +69,16 @@ fn primary_killed_backup_resumes_the_guest() {
         "--workload",
         "kv",
         "--timeout-ms",
-        "500",
+        "2000", // detection time is not what this test checks; avoid spurious failover under load
     ]);
     wait_line(&brx, "listening on", Duration::from_secs(60));
+    let jsonl = dir.path().join("epochs.jsonl");
     let (mut primary, prx) = spawn(&[
         "primary",
+        "--metrics-jsonl",
+        jsonl.to_str().unwrap(),
+        "--metrics-listen",
+        "127.0.0.1:0",
         "--backup",
         &addr,
         "--workload",
@@ -83,12 +88,48 @@ fn primary_killed_backup_resumes_the_guest() {
     ]);
     let ready = wait_line(&prx, "QEMU pid", Duration::from_secs(180));
     let qemu = number_after(&ready, "QEMU pid ");
+    let metrics = wait_line(&prx, "metrics on http://", Duration::from_secs(30));
+    let metrics_addr = metrics
+        .split("http://")
+        .nth(1)
+        .unwrap()
+        .trim_end_matches("/metrics")
+        .to_string();
     // Let some epochs commit.
     loop {
         let l = wait_line(&prx, "acked", Duration::from_secs(60));
         if number_after(&l, "acked ") >= 10 {
             break;
         }
+    }
+    // Metrics: Prometheus text on the endpoint, one JSON line per acknowledged epoch.
+    let mut c = std::net::TcpStream::connect(&metrics_addr).unwrap();
+    std::io::Write::write_all(&mut c, b"GET /metrics HTTP/1.0\r\n\r\n").unwrap();
+    let mut text = String::new();
+    std::io::Read::read_to_string(&mut c, &mut text).unwrap();
+    assert!(
+        text.contains("tandem_pause_seconds{quantile=\"0.5\"}")
+            && text.contains("tandem_acked_epoch"),
+        "{text}"
+    );
+    let lines = std::fs::read_to_string(&jsonl).unwrap();
+    let first: serde_json::Value =
+        serde_json::from_str(lines.lines().next().expect("no JSON lines")).unwrap();
+    for k in [
+        "pause_us",
+        "harvest_us",
+        "devstate_us",
+        "dirty_pages",
+        "raw_bytes",
+        "sent_bytes",
+        "encode_us",
+        "transfer_us",
+        "ack_latency_us",
+    ] {
+        assert!(
+            first.get(k).is_some_and(|v| v.is_number()),
+            "{k} missing in {first}"
+        );
     }
     // Host failure: the primary's tandem process and its QEMU die at once.
     primary.kill().unwrap();
