@@ -59,6 +59,10 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         a.epoch_ms,
         a.duration
     );
+    // Start from a clean dirty log: the first epoch should not carry every page the boot wrote.
+    vm.stop()?;
+    vm.harvest(&mut Vec::new())?;
+    vm.cont()?;
     let ops = load.as_ref().map(|l| l.ops.clone());
     let (mut dirty, mut pause, mut comps, mut dev) =
         (Vec::new(), Vec::new(), vec![Vec::new(); 5], 0usize);
