@@ -271,6 +271,107 @@ pub fn primary(a: PrimaryArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+enum LinkEnd {
+    /// Ctrl-C / SIGTERM.
+    Stop,
+    /// The primary is gone (closed, silent, broken link).
+    Lost(String),
+    /// We refused a frame and dropped the link.
+    Dropped(String),
+}
+
+/// Applies and acknowledges frames from one connection until it ends.
+fn serve_link(
+    bk: &mut Backup<MirrorFile>,
+    stream: TcpStream,
+    timeout: Duration,
+) -> anyhow::Result<LinkEnd> {
+    // Until the first epoch commits there is nothing to fail over to: allow the initial copy
+    // time; afterwards silence beyond the timeout means the primary is gone.
+    const SETUP: Duration = Duration::from_secs(60);
+    let silence = if bk.committed() == 0 { SETUP } else { timeout };
+    stream.set_read_timeout(Some(silence))?;
+    stream.set_nodelay(true)?;
+    let mut r = BufReader::with_capacity(1 << 20, stream.try_clone()?);
+    let mut w = BufWriter::new(stream);
+    loop {
+        if STOP.load(Ordering::SeqCst) {
+            return Ok(LinkEnd::Stop);
+        }
+        let f = match Frame::read_from(&mut r) {
+            Ok(Some(f)) => f,
+            Ok(None) => return Ok(LinkEnd::Lost("the primary closed the link".into())),
+            Err(WireError::Io(e))
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) =>
+            {
+                let t = if bk.committed() == 0 { SETUP } else { timeout };
+                return Ok(LinkEnd::Lost(format!(
+                    "the primary was silent for {} ms",
+                    t.as_millis()
+                )));
+            }
+            Err(WireError::Io(e)) => return Ok(LinkEnd::Lost(format!("link error: {e}"))),
+            Err(e) => {
+                eprintln!(
+                    "backup: refusing input: {e}; link dropped, mirror stays at epoch {}",
+                    bk.committed()
+                );
+                return Ok(LinkEnd::Dropped(format!("refused input ({e})")));
+            }
+        };
+        match bk.handle(&f) {
+            Ok(Applied::Committed(seq)) => {
+                if seq == 1 {
+                    r.get_ref().set_read_timeout(Some(timeout))?;
+                }
+                let ack = Frame {
+                    kind: Kind::Ack,
+                    vm_id: f.vm_id,
+                    seq,
+                    payload: Vec::new(),
+                };
+                if send(&mut w, &ack).is_err() {
+                    return Ok(LinkEnd::Lost("the link broke while acknowledging".into()));
+                }
+            }
+            Ok(_) => {}
+            Err(e) => {
+                eprintln!(
+                    "backup: refusing frame {:?} #{}: {e}; link dropped, mirror stays at epoch {}",
+                    f.kind,
+                    f.seq,
+                    bk.committed()
+                );
+                return Ok(LinkEnd::Dropped(format!("refused a bad frame ({e})")));
+            }
+        }
+    }
+}
+
+/// Waits up to `timeout` for a new connection.
+fn accept_within(l: &TcpListener, timeout: Duration) -> anyhow::Result<Option<TcpStream>> {
+    l.set_nonblocking(true)?;
+    let deadline = Instant::now() + timeout;
+    let r = loop {
+        match l.accept() {
+            Ok((s, _)) => {
+                s.set_nonblocking(false)?;
+                break Some(s);
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock && Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(10))
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break None,
+            Err(e) => return Err(e.into()),
+        }
+    };
+    l.set_nonblocking(false)?;
+    Ok(r)
+}
+
 pub fn backup(a: BackupArgs) -> anyhow::Result<()> {
     install_stop_handler();
     let mut cfg = a.vm.config("standby")?;
@@ -290,56 +391,29 @@ pub fn backup(a: BackupArgs) -> anyhow::Result<()> {
         standby.pid(),
         mirror_path.display()
     );
-    let (stream, peer) = listener.accept()?;
-    // Until the first epoch commits there is nothing to fail over to: allow the initial copy
-    // time; afterwards silence beyond the timeout means the primary is gone.
-    const SETUP: Duration = Duration::from_secs(60);
-    stream.set_read_timeout(Some(SETUP))?;
-    stream.set_nodelay(true)?;
     let timeout = Duration::from_millis(a.timeout_ms);
+    let (mut stream, peer) = listener.accept()?;
     println!("backup: primary connected from {peer}");
-    let mut r = BufReader::with_capacity(1 << 20, stream.try_clone()?);
-    let mut w = BufWriter::new(stream);
     let why = loop {
-        match Frame::read_from(&mut r) {
-            Ok(Some(f)) => {
-                match bk.handle(&f) {
-                    Ok(Applied::Committed(seq)) => {
-                        if seq == 1 {
-                            r.get_ref().set_read_timeout(Some(timeout))?;
-                        }
-                        let ack = Frame {
-                            kind: Kind::Ack,
-                            vm_id: f.vm_id,
-                            seq,
-                            payload: Vec::new(),
-                        };
-                        if send(&mut w, &ack).is_err() {
-                            break "the link broke while acknowledging".to_string();
-                        }
+        match serve_link(&mut bk, stream, timeout)? {
+            LinkEnd::Stop => return Ok(()),
+            LinkEnd::Lost(why) => break why,
+            LinkEnd::Dropped(why) => {
+                // Refused input: drop the link but do not fail over while the primary may be
+                // alive; it is lost only if it does not come back within the timeout.
+                match accept_within(&listener, timeout)? {
+                    Some(s) => {
+                        println!("backup: primary reconnected");
+                        stream = s;
                     }
-                    Ok(_) => {}
-                    Err(e) => {
-                        tracing::error!("refusing frame {:?} #{}: {e}; dropping the link, mirror stays at epoch {}", f.kind, f.seq, bk.committed());
-                        eprintln!("backup: refusing frame {:?} #{}: {e}; link dropped, mirror stays at epoch {}", f.kind, f.seq, bk.committed());
-                        break format!("refused a bad frame ({e})");
+                    None => {
+                        break format!(
+                            "{why}; the primary did not reconnect within {} ms",
+                            a.timeout_ms
+                        )
                     }
                 }
             }
-            Ok(None) => break "the primary closed the link".into(),
-            Err(WireError::Io(e))
-                if matches!(
-                    e.kind(),
-                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
-                ) =>
-            {
-                let t = if bk.committed() == 0 { SETUP } else { timeout };
-                break format!("the primary was silent for {} ms", t.as_millis());
-            }
-            Err(e) => break format!("link error: {e}"),
-        }
-        if STOP.load(Ordering::SeqCst) {
-            return Ok(());
         }
     };
     let detected = Instant::now();

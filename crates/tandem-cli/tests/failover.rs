@@ -7,23 +7,28 @@ use std::process::{Child, Command, Stdio};
 use std::sync::mpsc::{channel, Receiver};
 use std::time::{Duration, Instant};
 
+/// Runs tandem with stdout and stderr merged, line by line, into a channel.
 fn spawn(args: &[&str]) -> (Child, Receiver<String>) {
     let mut c = Command::new(env!("CARGO_BIN_EXE_tandem"))
         .args(args)
         .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
+        .stderr(Stdio::piped())
         .spawn()
         .expect("spawn tandem");
-    let out = c.stdout.take().unwrap();
     let (tx, rx) = channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(out).lines().map_while(Result::ok) {
-            eprintln!("  | {line}");
-            if tx.send(line).is_err() {
-                break;
+    let out: Box<dyn std::io::Read + Send> = Box::new(c.stdout.take().unwrap());
+    let err: Box<dyn std::io::Read + Send> = Box::new(c.stderr.take().unwrap());
+    for stream in [out, err] {
+        let tx = tx.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stream).lines().map_while(Result::ok) {
+                eprintln!("  | {line}");
+                if tx.send(line).is_err() {
+                    break;
+                }
             }
-        }
-    });
+        });
+    }
     (c, rx)
 }
 
@@ -151,4 +156,47 @@ fn primary_killed_backup_resumes_the_guest() {
     unsafe { libc::kill(backup.id() as i32, libc::SIGTERM) };
     let st = backup.wait().unwrap();
     assert!(st.success(), "backup exited with {st}");
+}
+
+#[test]
+fn refused_input_drops_the_link_without_failing_over() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let addr = format!("127.0.0.1:{port}");
+    let dir = tempfile::tempdir_in("/dev/shm").unwrap();
+    let (mut backup, brx) = spawn(&[
+        "backup",
+        "--listen",
+        &addr,
+        "--dir",
+        dir.path().to_str().unwrap(),
+        "--workload",
+        "idle",
+        "--timeout-ms",
+        "3000",
+    ]);
+    wait_line(&brx, "listening on", Duration::from_secs(60));
+    // A peer that does not speak the protocol.
+    let mut s = std::net::TcpStream::connect(&addr).unwrap();
+    std::io::Write::write_all(
+        &mut s,
+        b"GET / HTTP/1.0\r\n\r\n0123456789abcdefghijklmnopqrstuv",
+    )
+    .unwrap();
+    let refused = wait_line(&brx, "refusing", Duration::from_secs(10));
+    assert!(
+        refused.contains("link dropped") && refused.contains("mirror stays at epoch 0"),
+        "{refused}"
+    );
+    // The backup waits for the primary to come back instead of failing over at once.
+    let _again = std::net::TcpStream::connect(&addr).unwrap();
+    wait_line(&brx, "primary reconnected", Duration::from_secs(10));
+    drop(_again);
+    // Nothing was ever committed: the backup must say so and not resume anything.
+    let lost = wait_line(&brx, "nothing to resume", Duration::from_secs(80));
+    assert!(lost.starts_with("error:"), "{lost}");
+    assert_eq!(backup.wait().unwrap().code(), Some(1));
 }
