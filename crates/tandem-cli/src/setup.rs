@@ -12,6 +12,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 /// Debian packages tandem needs on the host (and copies into the guest image).
 pub const PACKAGES: &[&str] = &[
     "qemu-system-x86",
+    "qemu-utils",
     "linux-image-cloud-amd64",
     "busybox-static",
     "cpio",
