@@ -178,15 +178,10 @@ fn selftest(qemu: &std::path::Path) -> Result<String, (Status, String, String)> 
     let mut r = Vm::restore(&cfg, img.path(), &dev).map_err(|e| fail(format!("restore: {e}")))?;
     r.cont().map_err(|e| fail(e.to_string()))?;
     let restore = t.elapsed();
-    let line = r
+    let after = r
         .console
-        .wait_for("tandem-tick", 0, Duration::from_secs(30))
+        .wait_tick(Duration::from_secs(30))
         .map_err(|e| fail(format!("restored guest: {e}")))?;
-    let after: u64 = line
-        .split_whitespace()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(0);
     if after < tick {
         return Err(fail(format!(
             "restored guest restarted its counter ({after} < {tick})"

@@ -56,8 +56,12 @@ fn number_after(line: &str, key: &str) -> u64 {
         .unwrap()
 }
 
-#[test]
-fn primary_killed_backup_resumes_the_guest() {
+/// Starts `tandem backup` for `workload` on a free port with its mirror in a fresh /dev/shm
+/// directory, and waits until it listens. Returns the child, its output, address and directory.
+fn start_backup(
+    workload: &str,
+    timeout_ms: u64,
+) -> (Child, Receiver<String>, String, tempfile::TempDir) {
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
@@ -65,18 +69,26 @@ fn primary_killed_backup_resumes_the_guest() {
         .port();
     let addr = format!("127.0.0.1:{port}");
     let dir = tempfile::tempdir_in("/dev/shm").unwrap();
-    let (mut backup, brx) = spawn(&[
+    let timeout = timeout_ms.to_string();
+    let (backup, brx) = spawn(&[
         "backup",
         "--listen",
         &addr,
         "--dir",
         dir.path().to_str().unwrap(),
         "--workload",
-        "kv",
+        workload,
         "--timeout-ms",
-        "2000", // detection time is not what this test checks; avoid spurious failover under load
+        &timeout,
     ]);
     wait_line(&brx, "listening on", Duration::from_secs(60));
+    (backup, brx, addr, dir)
+}
+
+#[test]
+fn primary_killed_backup_resumes_the_guest() {
+    // Detection time is not what this test checks: a long timeout avoids spurious failover under load.
+    let (mut backup, brx, addr, dir) = start_backup("kv", 2000);
     let jsonl = dir.path().join("epochs.jsonl");
     let (mut primary, prx) = spawn(&[
         "primary",
@@ -160,25 +172,7 @@ fn primary_killed_backup_resumes_the_guest() {
 
 #[test]
 fn refused_input_drops_the_link_without_failing_over() {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let addr = format!("127.0.0.1:{port}");
-    let dir = tempfile::tempdir_in("/dev/shm").unwrap();
-    let (mut backup, brx) = spawn(&[
-        "backup",
-        "--listen",
-        &addr,
-        "--dir",
-        dir.path().to_str().unwrap(),
-        "--workload",
-        "idle",
-        "--timeout-ms",
-        "3000",
-    ]);
-    wait_line(&brx, "listening on", Duration::from_secs(60));
+    let (mut backup, brx, addr, _dir) = start_backup("idle", 3000);
     // A peer that does not speak the protocol.
     let mut s = std::net::TcpStream::connect(&addr).unwrap();
     std::io::Write::write_all(

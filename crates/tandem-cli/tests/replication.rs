@@ -133,11 +133,7 @@ fn mirror_matches_primary_and_standby_takes_over() {
     let state = backup.device_state().to_vec();
     drop(backup);
     standby.resume(&state).unwrap();
-    let line = standby
-        .console
-        .wait_for("tandem-tick", 0, Duration::from_secs(30))
-        .unwrap();
-    let first: u64 = line.split_whitespace().nth(1).unwrap().parse().unwrap();
+    let first = standby.console.wait_tick(Duration::from_secs(30)).unwrap();
     assert!(
         first >= tick,
         "standby restarted the guest: tick {first} after checkpoint tick {tick}"

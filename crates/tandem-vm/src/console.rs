@@ -102,6 +102,20 @@ impl Console {
         }
     }
 
+    /// Waits for the guest's next `tandem-tick N` line and returns N (after a restore: the
+    /// counter it continues from).
+    pub fn wait_tick(&mut self, timeout: Duration) -> Result<u64, ConsoleError> {
+        let line = self.wait_for("tandem-tick", 0, timeout)?;
+        line.split_whitespace()
+            .nth(1)
+            .and_then(|n| n.parse().ok())
+            .ok_or(ConsoleError::Timeout {
+                needle: "a tandem-tick counter".into(),
+                timeout,
+                tail: line,
+            })
+    }
+
     /// The highest `tandem-tick N` counter printed so far.
     pub fn last_tick(&self) -> Option<u64> {
         self.text.lines().rev().find_map(|l| {

@@ -61,14 +61,10 @@ fn restore_continues_from_checkpoint() {
     let mut restored = Vm::restore(&cfg, image.path(), &state).unwrap();
     assert_eq!(restored.qmp.status().unwrap(), "paused");
     restored.cont().unwrap();
-    let line = restored
-        .console
-        .wait_for("tandem-tick", 0, Duration::from_secs(30))
-        .unwrap();
-    let first: u64 = line.split_whitespace().nth(1).unwrap().parse().unwrap();
+    let first = restored.console.wait_tick(Duration::from_secs(30)).unwrap();
     assert!(
         first == tick_at_checkpoint + 1 || first == tick_at_checkpoint,
-        "console counter restarted: checkpoint at tick {tick_at_checkpoint}, restored guest printed {line:?}"
+        "console counter restarted: checkpoint at tick {tick_at_checkpoint}, restored guest printed tick {first}"
     );
     assert!(
         !restored.console.text().contains("Linux version"),
