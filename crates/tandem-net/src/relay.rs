@@ -1,0 +1,287 @@
+//! The relay between QEMU's `-netdev stream` socket and the outside (a tap device).
+//!
+//! QEMU's stream netdev frames each Ethernet frame as a 4-byte big-endian length followed by
+//! the frame. The outside is any descriptor with datagram semantics: a tap (one read or write
+//! per frame) or, in tests, a unix datagram socket.
+//!
+//! Policies:
+//! - [`Policy::Hold`] (primary): frames from the guest are queued; [`Relay::seal`] closes the
+//!   queue of the epoch being checkpointed and [`Relay::release`] writes every sealed queue up
+//!   to an acknowledged epoch to the outside. Frames to the guest pass at once.
+//! - [`Policy::Standby`] (backup before failover): nothing passes either way; the standby QEMU
+//!   may connect, its guest is not running.
+//! - [`Policy::Pass`] (after failover, or unprotected): both ways at once.
+
+use std::collections::VecDeque;
+use std::fs::File;
+use std::io::{Read, Write};
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+/// What the relay lets through.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Policy {
+    /// Hold guest output until its epoch is acknowledged.
+    Hold,
+    /// Pass nothing (standby).
+    Standby,
+    /// Pass everything at once.
+    Pass,
+}
+
+/// Relay errors.
+#[derive(Debug, thiserror::Error)]
+pub enum RelayError {
+    /// The unix socket could not be created.
+    #[error("cannot listen on {0}")]
+    Listen(PathBuf, #[source] std::io::Error),
+    /// Writing a released frame to the outside failed.
+    #[error("writing a guest frame to the outside")]
+    Outside(#[source] std::io::Error),
+}
+
+/// Counters, for metrics.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RelayStats {
+    /// Guest frames held now (unsealed and sealed).
+    pub held_frames: u64,
+    /// Their bytes.
+    pub held_bytes: u64,
+    /// Guest frames released to the outside so far.
+    pub released_frames: u64,
+    /// Frames delivered to the guest so far.
+    pub inbound_frames: u64,
+    /// Frames dropped because the relay was on standby.
+    pub dropped_frames: u64,
+}
+
+#[derive(Default)]
+struct Queues {
+    open: Vec<Vec<u8>>,
+    sealed: VecDeque<(u64, Vec<Vec<u8>>)>,
+    held_bytes: u64,
+}
+
+struct Shared {
+    policy: Mutex<Policy>,
+    queues: Mutex<Queues>,
+    guest: Mutex<Option<UnixStream>>,
+    outside: File,
+    stop: AtomicBool,
+    released: AtomicU64,
+    inbound: AtomicU64,
+    dropped: AtomicU64,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// A running relay. Dropping it stops its threads.
+pub struct Relay {
+    shared: Arc<Shared>,
+    path: PathBuf,
+}
+
+impl Relay {
+    /// Listens on `socket` for QEMU's stream netdev and relays to and from `outside` (a tap).
+    /// Start it before QEMU: QEMU connects once, at start-up.
+    pub fn listen(socket: &Path, outside: OwnedFd, policy: Policy) -> Result<Relay, RelayError> {
+        let _ = std::fs::remove_file(socket);
+        let listener =
+            UnixListener::bind(socket).map_err(|e| RelayError::Listen(socket.into(), e))?;
+        let shared = Arc::new(Shared {
+            policy: Mutex::new(policy),
+            queues: Mutex::default(),
+            guest: Mutex::new(None),
+            outside: File::from(outside),
+            stop: AtomicBool::new(false),
+            released: AtomicU64::new(0),
+            inbound: AtomicU64::new(0),
+            dropped: AtomicU64::new(0),
+        });
+        let s = shared.clone();
+        std::thread::spawn(move || accept_loop(listener, s));
+        let s = shared.clone();
+        std::thread::spawn(move || outside_loop(s));
+        Ok(Relay {
+            shared,
+            path: socket.into(),
+        })
+    }
+
+    /// The socket QEMU connects to.
+    pub fn socket(&self) -> &Path {
+        &self.path
+    }
+
+    /// Closes the current queue of guest frames as belonging to `epoch`. Call it while the guest
+    /// is stopped for that epoch's checkpoint: everything read so far was produced before it.
+    pub fn seal(&self, epoch: u64) {
+        let mut q = lock(&self.shared.queues);
+        let frames = std::mem::take(&mut q.open);
+        if !frames.is_empty() {
+            q.sealed.push_back((epoch, frames));
+        }
+    }
+
+    /// Writes every frame sealed with an epoch `<= epoch` to the outside, in order.
+    pub fn release(&self, epoch: u64) -> Result<u64, RelayError> {
+        let mut n = 0;
+        let mut q = lock(&self.shared.queues);
+        while q.sealed.front().is_some_and(|(e, _)| *e <= epoch) {
+            let Some((_, frames)) = q.sealed.pop_front() else {
+                break;
+            };
+            for f in frames {
+                q.held_bytes -= f.len() as u64;
+                write_outside(&self.shared, &f)?;
+                n += 1;
+            }
+        }
+        self.shared.released.fetch_add(n, Ordering::Relaxed);
+        Ok(n)
+    }
+
+    /// Switches policy. Switching to [`Policy::Pass`] releases everything still held (use it
+    /// when the guest runs unprotected, or after failover on the backup).
+    pub fn set_policy(&self, policy: Policy) -> Result<(), RelayError> {
+        *lock(&self.shared.policy) = policy;
+        if policy == Policy::Pass {
+            self.seal(u64::MAX);
+            self.release(u64::MAX)?;
+        }
+        Ok(())
+    }
+
+    /// Whether QEMU is connected.
+    pub fn guest_connected(&self) -> bool {
+        lock(&self.shared.guest).is_some()
+    }
+
+    /// Current counters.
+    pub fn stats(&self) -> RelayStats {
+        let q = lock(&self.shared.queues);
+        RelayStats {
+            held_frames: (q.open.len() + q.sealed.iter().map(|s| s.1.len()).sum::<usize>()) as u64,
+            held_bytes: q.held_bytes,
+            released_frames: self.shared.released.load(Ordering::Relaxed),
+            inbound_frames: self.shared.inbound.load(Ordering::Relaxed),
+            dropped_frames: self.shared.dropped.load(Ordering::Relaxed),
+        }
+    }
+}
+
+impl Drop for Relay {
+    fn drop(&mut self) {
+        self.shared.stop.store(true, Ordering::SeqCst);
+        if let Some(g) = lock(&self.shared.guest).take() {
+            let _ = g.shutdown(std::net::Shutdown::Both);
+        }
+        // Wake the acceptor so it sees `stop`.
+        let _ = UnixStream::connect(&self.path);
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+fn write_outside(s: &Shared, frame: &[u8]) -> Result<(), RelayError> {
+    // One write per frame: a tap takes exactly one Ethernet frame per write.
+    (&s.outside).write(frame).map_err(RelayError::Outside)?;
+    Ok(())
+}
+
+fn accept_loop(listener: UnixListener, s: Arc<Shared>) {
+    for conn in listener.incoming() {
+        if s.stop.load(Ordering::SeqCst) {
+            return;
+        }
+        let Ok(conn) = conn else { continue };
+        let Ok(reader) = conn.try_clone() else {
+            continue;
+        };
+        *lock(&s.guest) = Some(conn);
+        let s2 = s.clone();
+        std::thread::spawn(move || guest_loop(reader, s2));
+    }
+}
+
+/// Frames from the guest.
+fn guest_loop(mut r: UnixStream, s: Arc<Shared>) {
+    let mut len = [0u8; 4];
+    loop {
+        if r.read_exact(&mut len).is_err() {
+            break;
+        }
+        let n = u32::from_be_bytes(len) as usize;
+        if n > 65_536 + 64 {
+            tracing::warn!("relay: frame of {n} bytes from QEMU; closing its connection");
+            break;
+        }
+        let mut frame = vec![0u8; n];
+        if r.read_exact(&mut frame).is_err() {
+            break;
+        }
+        match *lock(&s.policy) {
+            Policy::Hold => {
+                let mut q = lock(&s.queues);
+                q.held_bytes += n as u64;
+                q.open.push(frame);
+            }
+            Policy::Pass => {
+                if let Err(e) = write_outside(&s, &frame) {
+                    tracing::warn!("relay: {e}: {:?}", std::error::Error::source(&e));
+                } else {
+                    s.released.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+            Policy::Standby => {
+                s.dropped.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+    tracing::debug!("relay: QEMU disconnected");
+    *lock(&s.guest) = None;
+}
+
+/// Frames to the guest.
+fn outside_loop(s: Arc<Shared>) {
+    let mut buf = vec![0u8; 65_536 + 4];
+    let fd = s.outside.as_raw_fd();
+    while !s.stop.load(Ordering::SeqCst) {
+        let mut pfd = libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: `pfd` is a valid pollfd for one descriptor that `s` keeps open.
+        let r = unsafe { libc::poll(&mut pfd, 1, 100) };
+        if r <= 0 {
+            continue;
+        }
+        let n = match (&s.outside).read(&mut buf[4..]) {
+            Ok(0) => break,
+            Ok(n) => n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => {
+                tracing::warn!("relay: reading the outside: {e}");
+                break;
+            }
+        };
+        if *lock(&s.policy) == Policy::Standby {
+            s.dropped.fetch_add(1, Ordering::Relaxed);
+            continue;
+        }
+        buf[..4].copy_from_slice(&(n as u32).to_be_bytes());
+        let mut g = lock(&s.guest);
+        if let Some(stream) = g.as_mut() {
+            if stream.write_all(&buf[..4 + n]).is_ok() {
+                s.inbound.fetch_add(1, Ordering::Relaxed);
+            } else {
+                *g = None;
+            }
+        }
+    }
+}
