@@ -9,7 +9,10 @@ case "$wl" in
     # 64 MiB buffer, 256 pages every 20 ms, known pattern (see guest/memtouch.c)
     exec /usr/lib/tandem/memtouch 64 256 20 ;;
   kv)
-    redis-server --bind 0.0.0.0 --port 6379 --protected-mode no --save "" --appendonly no \
+    # With a data disk, redis also keeps an append-only file there (disk writes every second).
+    aof="--appendonly no"
+    mountpoint -q /data 2>/dev/null && aof="--appendonly yes --appendfsync everysec --dir /data"
+    redis-server --bind 0.0.0.0 --port 6379 --protected-mode no --save "" $aof \
       --maxmemory 64mb --maxmemory-policy allkeys-lru --logfile /tmp/redis.log --daemonize no &
     i=0
     while ! grep -q ':18EB 00000000:0000 0A' /proc/net/tcp 2>/dev/null && [ $i -lt 600 ]; do

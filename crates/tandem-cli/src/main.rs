@@ -4,12 +4,14 @@ mod bench;
 mod codecbench;
 mod demo;
 mod doctor;
+mod lab;
 mod metrics;
 mod record;
 mod replicate;
 mod setup;
 mod stats;
 mod vmargs;
+mod watch;
 
 use clap::{Parser, Subcommand};
 
@@ -33,8 +35,10 @@ enum Cmd {
     Setup(setup::Args),
     /// Check kernel, QEMU, /dev/shm and the guest image; run a boot/log/checkpoint/restore self-test.
     Doctor(doctor::Args),
-    /// Boot the default guest with a workload and show live dirty-memory statistics.
+    /// The main job: replicate a redis guest to a backup, kill the primary, fail over, verify.
     Demo(demo::Args),
+    /// Boot a guest, checkpoint it every epoch (no replication) and show live statistics.
+    Watch(watch::Args),
     /// Record a memory trace of a real guest run.
     Record(record::RecordArgs),
     /// Record the standard traces (idle, compile, sqlite, kv) into the cache.
@@ -42,7 +46,10 @@ enum Cmd {
     /// Inspect traces.
     #[command(subcommand)]
     Trace(record::TraceCmd),
-    /// Replicate a VM to a backup (epochs over TCP; output commit not yet implemented).
+    /// Create or remove the network lab (clients' bridge, primary and backup hosts).
+    #[command(subcommand)]
+    Lab(lab::Cmd),
+    /// Replicate a VM to a backup: epochs over TCP, network and disk output commit.
     Primary(replicate::PrimaryArgs),
     /// Receive epochs into a mirror and fail over onto a standby QEMU when the primary is lost.
     Backup(replicate::BackupArgs),
@@ -65,10 +72,12 @@ fn main() {
         Cmd::Setup(a) => setup::run(a),
         Cmd::Doctor(a) => doctor::run(a),
         Cmd::Demo(a) => demo::run(a),
+        Cmd::Watch(a) => watch::run(a),
         Cmd::Record(a) => record::record(a),
         Cmd::Traces(a) => record::traces(a),
         Cmd::Trace(c) => record::trace_cmd(c),
         Cmd::Bench(a) => bench::run(a),
+        Cmd::Lab(c) => lab::run(c),
         Cmd::Primary(a) => replicate::primary(a),
         Cmd::Backup(a) => replicate::backup(a),
     };

@@ -28,6 +28,15 @@ pub struct EpochMetrics {
     pub transfer_us: u64,
     /// From handing the epoch to the link to the backup's acknowledgement.
     pub ack_latency_us: Option<u64>,
+    /// Guest frames the relay held when this epoch was sealed (waiting for acknowledgements).
+    pub held_frames: u64,
+    /// Their bytes.
+    pub held_bytes: u64,
+    /// Guest frames released to the outside so far.
+    pub released_frames: u64,
+    /// Disk writes of this epoch and their bytes.
+    pub disk_writes: u64,
+    pub disk_bytes: u64,
 }
 
 #[derive(Default)]
@@ -41,6 +50,8 @@ struct State {
     transfer_us: u64,
     pauses_ms: Vec<f64>,
     ack_ms: Vec<f64>,
+    disk_bytes: u64,
+    released: u64,
     last: EpochMetrics,
 }
 
@@ -58,14 +69,16 @@ impl Registry {
         s.sent += m.sent_bytes;
         s.encode_us += m.encode_us;
         s.transfer_us += m.transfer_us;
+        s.disk_bytes += m.disk_bytes;
         s.pauses_ms.push(m.pause_us as f64 / 1000.0);
         s.last = m.clone();
     }
 
     /// Records an acknowledgement and its latency.
-    pub fn acked(&self, epoch: u64, latency_us: u64) {
+    pub fn acked(&self, epoch: u64, latency_us: u64, released_frames: u64) {
         let mut s = self.0.lock().unwrap_or_else(|e| e.into_inner());
         s.acked = s.acked.max(epoch);
+        s.released = s.released.max(released_frames);
         s.ack_ms.push(latency_us as f64 / 1000.0);
     }
 
@@ -121,6 +134,24 @@ impl Registry {
             "counter",
             "Time spent writing epochs to the link.",
             one(s.transfer_us as f64 / 1e6),
+        );
+        metric(
+            "tandem_disk_bytes_total",
+            "counter",
+            "Guest disk-write bytes shipped with epochs.",
+            one(s.disk_bytes as f64),
+        );
+        metric(
+            "tandem_held_frames",
+            "gauge",
+            "Guest network frames held at the last seal, waiting for acknowledgements.",
+            one(s.last.held_frames as f64),
+        );
+        metric(
+            "tandem_released_frames_total",
+            "counter",
+            "Guest network frames released after their epoch was acknowledged.",
+            one(s.released as f64),
         );
         let summary = |v: &[f64]| {
             let mut l: Vec<(String, f64)> = [0.5, 0.9, 0.99]
@@ -204,7 +235,7 @@ mod tests {
             sent_bytes: 900,
             ..Default::default()
         });
-        r.acked(1, 1500);
+        r.acked(1, 1500, 0);
         let text = r.render();
         assert!(text.contains("tandem_epochs_total 1\n"));
         assert!(text.contains("tandem_pause_seconds{quantile=\"0.5\"} 0.007\n"));

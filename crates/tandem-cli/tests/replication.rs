@@ -57,7 +57,7 @@ fn mirror_matches_primary_and_standby_takes_over() {
             kind: Kind::Hello,
             vm_id: VM_ID,
             seq: 0,
-            payload: hello_payload(bytes),
+            payload: hello_payload(bytes, 0),
         },
     );
     primary.stop().unwrap();

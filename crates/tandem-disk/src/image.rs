@@ -13,6 +13,7 @@ pub struct Image {
     file: File,
     size: u64,
     log: Mutex<Vec<Write>>,
+    logging: bool,
 }
 
 impl Image {
@@ -27,6 +28,15 @@ impl Image {
             file,
             size,
             log: Mutex::new(Vec::new()),
+            logging: true,
+        })
+    }
+
+    /// Opens a raw image read-write without a write log (a backup's disk after failover).
+    pub fn open_unlogged(path: &Path) -> std::io::Result<Self> {
+        Ok(Image {
+            logging: false,
+            ..Self::open(path)?
         })
     }
 
@@ -43,6 +53,9 @@ impl Image {
     /// Writes and logs.
     pub fn write_at(&self, data: &[u8], offset: u64) -> std::io::Result<()> {
         self.file.write_all_at(data, offset)?;
+        if !self.logging {
+            return Ok(());
+        }
         self.log
             .lock()
             .unwrap_or_else(|e| e.into_inner())

@@ -165,6 +165,18 @@ impl NetLab {
         Ok(shaping)
     }
 
+    /// Leaves the namespaces in place when dropped (`tandem lab up`).
+    pub fn keep(self) {
+        std::mem::forget(self);
+    }
+
+    /// Deletes the namespaces of the lab with `prefix`, if any.
+    pub fn remove(prefix: &str) {
+        for suffix in ["cl", "pr", "bk"] {
+            let _ = ip(None, &["netns", "del", &format!("{prefix}-{suffix}")]);
+        }
+    }
+
     fn delete(&self) {
         for ns in [&self.clients, &self.primary, &self.backup] {
             let _ = ip(None, &["netns", "del", ns]);

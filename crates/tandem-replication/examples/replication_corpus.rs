@@ -20,7 +20,7 @@ fn main() {
         payload,
     };
     let mut stream = Vec::new();
-    f(Kind::Hello, 0, hello_payload(mem.len() as u64))
+    f(Kind::Hello, 0, hello_payload(mem.len() as u64, 0))
         .write_to(&mut stream)
         .unwrap();
     f(Kind::Base, 0, base_payload(0, &mem))
@@ -37,7 +37,7 @@ fn main() {
     std::fs::write(dir.join("session"), &stream).unwrap();
     std::fs::write(dir.join("session-cut"), &stream[..stream.len() - 40]).unwrap();
     let mut hello_only = Vec::new();
-    f(Kind::Hello, 0, hello_payload(mem.len() as u64))
+    f(Kind::Hello, 0, hello_payload(mem.len() as u64, 0))
         .write_to(&mut hello_only)
         .unwrap();
     std::fs::write(dir.join("hello"), &hello_only).unwrap();

@@ -1,5 +1,5 @@
-//! The backup's side of an epoch: verify everything, then commit memory and device state
-//! together, or change nothing.
+//! The backup's side of an epoch: verify everything, then commit disk writes, memory and
+//! device state together, or change nothing.
 
 use tandem_codec::{decode, DecodeError, Plan};
 
@@ -36,6 +36,51 @@ pub enum ApplyError {
     /// The memory record failed verification.
     #[error("epoch memory record rejected")]
     Decode(#[from] DecodeError),
+    /// Writing the backup's disk copy failed (a local I/O error: this backup can no longer
+    /// guarantee a consistent failover).
+    #[error("writing the backup's disk copy failed; this backup is no longer consistent")]
+    DiskIo(#[source] std::io::Error),
+}
+
+/// The backup's copy of the guest's data disk.
+pub trait DiskCopy {
+    /// Size in bytes.
+    fn size(&self) -> u64;
+    /// Writes `data` at `offset` (inside the size; checked by the caller).
+    fn write_at(&mut self, offset: u64, data: &[u8]) -> std::io::Result<()>;
+}
+
+impl DiskCopy for Vec<u8> {
+    fn size(&self) -> u64 {
+        self.len() as u64
+    }
+    fn write_at(&mut self, offset: u64, data: &[u8]) -> std::io::Result<()> {
+        self[offset as usize..offset as usize + data.len()].copy_from_slice(data);
+        Ok(())
+    }
+}
+
+/// A disk copy in a raw image file.
+pub struct FileDisk {
+    file: std::fs::File,
+    size: u64,
+}
+
+impl FileDisk {
+    /// Uses `file` (its current length is the disk size).
+    pub fn new(file: std::fs::File) -> std::io::Result<Self> {
+        let size = file.metadata()?.len();
+        Ok(FileDisk { file, size })
+    }
+}
+
+impl DiskCopy for FileDisk {
+    fn size(&self) -> u64 {
+        self.size
+    }
+    fn write_at(&mut self, offset: u64, data: &[u8]) -> std::io::Result<()> {
+        std::os::unix::fs::FileExt::write_all_at(&self.file, data, offset)
+    }
 }
 
 /// What a handled frame did.
@@ -49,6 +94,10 @@ pub enum Applied {
     Committed(u64),
     /// Liveness only.
     Heartbeat,
+    /// Initial disk chunk stored.
+    DiskBase,
+    /// The primary ended replication on purpose.
+    Bye,
 }
 
 const PAGE: usize = tandem_codec::format::PAGE;
@@ -58,6 +107,7 @@ const PAGE: usize = tandem_codec::format::PAGE;
 pub struct Backup<M> {
     vm_id: Option<u64>,
     mirror: M,
+    disk: Option<Box<dyn DiskCopy + Send>>,
     committed: u64,
     device_state: Vec<u8>,
     plan: Plan,
@@ -69,10 +119,21 @@ impl<M: AsRef<[u8]> + AsMut<[u8]>> Backup<M> {
         Backup {
             vm_id: None,
             mirror,
+            disk: None,
             committed: 0,
             device_state: Vec::new(),
             plan: Plan::default(),
         }
+    }
+
+    /// Also keeps a copy of the guest's data disk.
+    pub fn with_disk(mut self, disk: Box<dyn DiskCopy + Send>) -> Self {
+        self.disk = Some(disk);
+        self
+    }
+
+    fn disk_size(&self) -> u64 {
+        self.disk.as_ref().map_or(0, |d| d.size())
     }
 
     /// Last committed epoch (0 = none).
@@ -106,15 +167,22 @@ impl<M: AsRef<[u8]> + AsMut<[u8]>> Backup<M> {
         match f.kind {
             Kind::Hello => {
                 let p = &f.payload;
-                if p.len() != 12 {
+                if p.len() != 20 {
                     return Err(ApplyError::Malformed("hello payload".into()));
                 }
                 let mem = u64::from_le_bytes(p[..8].try_into().unwrap_or_default());
                 let ps = u32::from_le_bytes(p[8..12].try_into().unwrap_or_default());
+                let disk = u64::from_le_bytes(p[12..20].try_into().unwrap_or_default());
                 if ps as usize != PAGE || mem != self.mirror.as_ref().len() as u64 {
                     return Err(ApplyError::Geometry(format!(
                         "primary has {mem} bytes in {ps}-byte pages, mirror has {} in {PAGE}",
                         self.mirror.as_ref().len()
+                    )));
+                }
+                if disk != self.disk_size() {
+                    return Err(ApplyError::Geometry(format!(
+                        "primary has a {disk}-byte data disk, this backup keeps {} bytes (start both with the same --disk-mib)",
+                        self.disk_size()
                     )));
                 }
                 if self.vm_id.is_some() && f.seq != self.committed {
@@ -153,6 +221,30 @@ impl<M: AsRef<[u8]> + AsMut<[u8]>> Backup<M> {
                     _ => Err(ApplyError::Malformed("base chunk outside the guest".into())),
                 }
             }
+            Kind::DiskBase => {
+                if self.committed != 0 {
+                    return Err(ApplyError::Malformed(
+                        "disk base chunk after the first epoch".into(),
+                    ));
+                }
+                let size = self.disk_size();
+                let p = &f.payload;
+                let off = p
+                    .get(..8)
+                    .map(|b| u64::from_le_bytes(b.try_into().unwrap_or_default()));
+                let data = p.get(8..).unwrap_or_default();
+                match (off, self.disk.as_mut()) {
+                    (Some(off), Some(d))
+                        if off
+                            .checked_add(data.len() as u64)
+                            .is_some_and(|end| end <= size) =>
+                    {
+                        d.write_at(off, data).map_err(ApplyError::DiskIo)?;
+                        Ok(Applied::DiskBase)
+                    }
+                    _ => Err(ApplyError::Malformed("disk chunk outside the disk".into())),
+                }
+            }
             Kind::Epoch => {
                 if f.seq != self.committed + 1 {
                     return Err(ApplyError::SeqGap {
@@ -162,16 +254,12 @@ impl<M: AsRef<[u8]> + AsMut<[u8]>> Backup<M> {
                 }
                 let secs = sections(&f.payload)
                     .ok_or_else(|| ApplyError::Malformed("epoch sections".into()))?;
-                let (mut memory, mut dev) = (None, None);
+                let (mut memory, mut dev, mut disk) = (None, None, None);
                 for (k, b) in secs {
                     let slot = match k {
                         section::MEMORY => &mut memory,
                         section::DEVICE_STATE => &mut dev,
-                        section::DISK => {
-                            return Err(ApplyError::Malformed(
-                                "disk writes are not supported by this backup yet".into(),
-                            ))
-                        }
+                        section::DISK => &mut disk,
                         other => {
                             return Err(ApplyError::Malformed(format!(
                                 "unknown epoch section {other}"
@@ -186,6 +274,19 @@ impl<M: AsRef<[u8]> + AsMut<[u8]>> Backup<M> {
                     memory.ok_or_else(|| ApplyError::Malformed("epoch without memory".into()))?;
                 let dev =
                     dev.ok_or_else(|| ApplyError::Malformed("epoch without device state".into()))?;
+                let writes = match disk {
+                    None => Vec::new(),
+                    Some(_) if self.disk.is_none() => {
+                        return Err(ApplyError::Malformed(
+                            "disk writes for a backup without a disk copy".into(),
+                        ))
+                    }
+                    Some(b) => {
+                        tandem_disk::decode_writes(b, self.disk_size()).ok_or_else(|| {
+                            ApplyError::Malformed("disk section (a write outside the disk?)".into())
+                        })?
+                    }
+                };
                 decode(memory, self.mirror.as_ref(), &mut self.plan)?;
                 if self.plan.epoch != f.seq {
                     return Err(ApplyError::Malformed(format!(
@@ -193,7 +294,12 @@ impl<M: AsRef<[u8]> + AsMut<[u8]>> Backup<M> {
                         self.plan.epoch, f.seq
                     )));
                 }
-                // Everything verified: commit memory and device state together.
+                // Everything verified: commit disk writes, memory and device state together.
+                if let Some(d) = self.disk.as_mut() {
+                    for (off, data) in writes {
+                        d.write_at(off, data).map_err(ApplyError::DiskIo)?;
+                    }
+                }
                 self.plan.commit(self.mirror.as_mut());
                 self.device_state.clear();
                 self.device_state.extend_from_slice(dev);
@@ -201,6 +307,7 @@ impl<M: AsRef<[u8]> + AsMut<[u8]>> Backup<M> {
                 Ok(Applied::Committed(f.seq))
             }
             Kind::Heartbeat => Ok(Applied::Heartbeat),
+            Kind::Bye => Ok(Applied::Bye),
             Kind::Ack => Err(ApplyError::Malformed("ack sent to a backup".into())),
         }
     }

@@ -1,6 +1,6 @@
 //! tandem's replication link: the primary ships each epoch (memory record, device state) as a
 //! framed, checksummed message; the backup verifies it completely, commits it to its RAM mirror
-//! and acknowledges. No QEMU here: callers bring the mirror (a buffer or a mapping of the
+//! and disk copy and acknowledges. No QEMU here: callers bring the mirror (a buffer or a mapping of the
 //! standby's RAM file) and the transport (any `Read`/`Write`).
 
 #![warn(missing_docs)]
@@ -9,13 +9,14 @@ pub mod backup;
 pub mod fuzz;
 pub mod wire;
 
-pub use backup::{Applied, ApplyError, Backup};
+pub use backup::{Applied, ApplyError, Backup, DiskCopy, FileDisk};
 pub use wire::{Frame, Kind, WireError};
 
-/// The hello payload for a guest of `mem_bytes`.
-pub fn hello_payload(mem_bytes: u64) -> Vec<u8> {
+/// The hello payload for a guest of `mem_bytes` with a data disk of `disk_bytes` (0 = none).
+pub fn hello_payload(mem_bytes: u64, disk_bytes: u64) -> Vec<u8> {
     let mut p = mem_bytes.to_le_bytes().to_vec();
     p.extend_from_slice(&(tandem_codec::format::PAGE as u32).to_le_bytes());
+    p.extend_from_slice(&disk_bytes.to_le_bytes());
     p
 }
 

@@ -8,12 +8,14 @@
 //! |  28 crc32c u32 over header bytes 0..28 and the payload              |
 //! | payload: len bytes (≤ 1 GiB)                                        |
 //! +--------------------------------------------------------------------+
-//! kinds: 1 hello (payload: mem_bytes u64, page_size u32)
+//! kinds: 1 hello (payload: mem_bytes u64, page_size u32, disk_bytes u64)
 //!        2 base chunk (payload: first_pfn u64 + pages) — initial copy of guest memory
 //!        3 epoch (payload: sections, each kind u8 + len u32 + bytes:
 //!                 1 memory record (tandem-codec), 2 device state, 3 disk writes)
 //!        4 ack (backup → primary, seq = committed epoch)
 //!        5 heartbeat (either way, no payload)
+//!        6 disk base chunk (payload: offset u64 + bytes) — initial copy of the data disk
+//!        7 bye (primary → backup: replication ends on purpose, do not fail over)
 //! ```
 //! `seq` numbers epochs from 1; base chunks and hello carry 0. A reader checks magic, version,
 //! kind, flags, length limit and checksum before returning a frame.
@@ -42,6 +44,10 @@ pub enum Kind {
     Ack = 4,
     /// Liveness.
     Heartbeat = 5,
+    /// Initial data-disk chunk.
+    DiskBase = 6,
+    /// The primary ends replication on purpose (the VM is shut down): no failover.
+    Bye = 7,
 }
 
 impl Kind {
@@ -52,6 +58,8 @@ impl Kind {
             3 => Kind::Epoch,
             4 => Kind::Ack,
             5 => Kind::Heartbeat,
+            6 => Kind::DiskBase,
+            7 => Kind::Bye,
             _ => return None,
         })
     }

@@ -41,7 +41,7 @@ fn frame(kind: Kind, seq: u64, payload: Vec<u8>) -> Frame {
 
 /// Encodes `epochs` epochs from `mem`, returning the frames a primary would send.
 fn primary_frames(mem: &mut [u8], epochs: u64) -> Vec<Frame> {
-    let mut out = vec![frame(Kind::Hello, 0, hello_payload(mem.len() as u64))];
+    let mut out = vec![frame(Kind::Hello, 0, hello_payload(mem.len() as u64, 0))];
     for (i, c) in mem.chunks(64 * P).enumerate() {
         out.push(frame(Kind::Base, 0, base_payload((i * 64) as u64, c)));
     }
@@ -209,11 +209,11 @@ fn nothing_before_hello_and_geometry_must_match() {
         bk.handle(&frame(
             Kind::Hello,
             0,
-            hello_payload(2 * (PAGES * P) as u64)
+            hello_payload(2 * (PAGES * P) as u64, 0)
         )),
         Err(ApplyError::Geometry(_))
     ));
-    bk.handle(&frame(Kind::Hello, 0, hello_payload((PAGES * P) as u64)))
+    bk.handle(&frame(Kind::Hello, 0, hello_payload((PAGES * P) as u64, 0)))
         .unwrap();
     assert!(matches!(
         bk.handle(&frame(Kind::Base, 0, base_payload(PAGES as u64, &[0; P]))),
@@ -226,4 +226,58 @@ proptest::proptest! {
     fn any_bytes_never_panic_the_reader(bytes in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..200)) {
         let _ = Frame::read_from(&mut &bytes[..]);
     }
+}
+
+#[test]
+fn disk_writes_commit_with_their_epoch_or_not_at_all() {
+    const DISK: usize = 64 * 1024;
+    let mut mem = initial();
+    let mut bk = Backup::new(mem.clone()).with_disk(Box::new(vec![0u8; DISK]));
+    // Geometry: the disk size must match.
+    assert!(matches!(
+        bk.handle(&frame(
+            Kind::Hello,
+            0,
+            hello_payload(mem.len() as u64, 4096)
+        )),
+        Err(ApplyError::Geometry(_))
+    ));
+    bk.handle(&frame(
+        Kind::Hello,
+        0,
+        hello_payload(mem.len() as u64, DISK as u64),
+    ))
+    .unwrap();
+    let mut base = 8u64.to_le_bytes().to_vec();
+    base.extend_from_slice(b"base");
+    assert_eq!(
+        bk.handle(&frame(Kind::DiskBase, 0, base)).unwrap(),
+        Applied::DiskBase
+    );
+    let mut enc = Encoder::new(Codec::Tandem, &mem, Config::default()).unwrap();
+    let mut epoch = |mem: &mut Vec<u8>, e: u64, disk: &[u8]| {
+        let (pfns, data) = step(mem, e);
+        let mut rec = Vec::new();
+        enc.encode(e, &pfns, &data, &mut rec).unwrap();
+        frame(
+            Kind::Epoch,
+            e,
+            epoch_payload(&[
+                (section::MEMORY, &rec),
+                (section::DEVICE_STATE, b"dev"),
+                (section::DISK, disk),
+            ]),
+        )
+    };
+    let good =
+        tandem_disk::encode_writes(&[(100, b"hello".to_vec()), (DISK as u64 - 2, b"zz".to_vec())]);
+    let f1 = epoch(&mut mem, 1, &good);
+    assert_eq!(bk.handle(&f1).unwrap(), Applied::Committed(1));
+    // A write past the end of the disk: the whole epoch is refused, memory included.
+    let bad = tandem_disk::encode_writes(&[(DISK as u64 - 1, b"xx".to_vec())]);
+    let before = bk.mirror().to_vec();
+    let f2 = epoch(&mut mem, 2, &bad);
+    assert!(matches!(bk.handle(&f2), Err(ApplyError::Malformed(_))));
+    assert_eq!(bk.mirror(), &before[..]);
+    assert_eq!(bk.committed(), 1);
 }

@@ -42,6 +42,18 @@ pub fn run_epochs(
     vm: &mut Vm,
     schedule: &mut dyn Schedule,
     duration: Duration,
+    on_checkpoint: impl FnMut(&Checkpoint<'_>) -> bool,
+) -> Result<u32, VmError> {
+    run_epochs_with(vm, schedule, duration, |_| {}, on_checkpoint)
+}
+
+/// [`run_epochs`] with `in_pause(epoch)` called while the guest is stopped for each checkpoint
+/// (see [`Vm::checkpoint_with`]).
+pub fn run_epochs_with(
+    vm: &mut Vm,
+    schedule: &mut dyn Schedule,
+    duration: Duration,
+    mut in_pause: impl FnMut(u32),
     mut on_checkpoint: impl FnMut(&Checkpoint<'_>) -> bool,
 ) -> Result<u32, VmError> {
     let (mut pfns, mut pages, mut dev) = (Vec::new(), Vec::new(), Vec::new());
@@ -54,7 +66,7 @@ pub fn run_epochs(
             std::thread::sleep(next - now);
         }
         let timing = vm
-            .checkpoint(&mut pfns, &mut pages, &mut dev)
+            .checkpoint_with(&mut pfns, &mut pages, &mut dev, &mut || in_pause(epoch + 1))
             .map_err(|e| vm.explain(e))?;
         epoch += 1;
         // The next epoch starts when the guest resumed.

@@ -27,7 +27,16 @@ pub struct KvClient {
 impl KvClient {
     /// Connects to `127.0.0.1:port`.
     pub fn connect(port: u16, timeout: Duration) -> Result<Self, KvError> {
-        let s = TcpStream::connect_timeout(&([127, 0, 0, 1], port).into(), timeout)?;
+        Self::connect_addr(([127, 0, 0, 1], port).into(), timeout)
+    }
+
+    /// Connects to `addr`; `timeout` also bounds each reply.
+    pub fn connect_addr(addr: std::net::SocketAddr, timeout: Duration) -> Result<Self, KvError> {
+        Self::from_stream(TcpStream::connect_timeout(&addr, timeout)?, timeout)
+    }
+
+    /// Uses a connected stream (e.g. one opened inside another network namespace).
+    pub fn from_stream(s: TcpStream, timeout: Duration) -> Result<Self, KvError> {
         s.set_read_timeout(Some(timeout))?;
         s.set_nodelay(true)?;
         Ok(KvClient {
@@ -37,13 +46,42 @@ impl KvClient {
     }
 
     fn command(&mut self, args: &[&[u8]]) -> Result<Option<Vec<u8>>, KvError> {
-        let mut buf = format!("*{}\r\n", args.len()).into_bytes();
-        for a in args {
-            buf.extend_from_slice(format!("${}\r\n", a.len()).as_bytes());
-            buf.extend_from_slice(a);
-            buf.extend_from_slice(b"\r\n");
+        let mut buf = Vec::new();
+        encode_command(&mut buf, args);
+        self.w.write_all(&buf)?;
+        self.reply()
+    }
+
+    /// Sends every command at once (one write), then reads one reply per command.
+    pub fn pipeline(&mut self, cmds: &[Vec<&[u8]>]) -> Result<Vec<Option<Vec<u8>>>, KvError> {
+        self.send_pipeline(cmds)?;
+        cmds.iter().map(|_| self.reply()).collect()
+    }
+
+    /// Sends commands without reading replies (read them with [`KvClient::read_reply`]).
+    pub fn send_pipeline(&mut self, cmds: &[Vec<&[u8]>]) -> Result<(), KvError> {
+        let mut buf = Vec::new();
+        for c in cmds {
+            encode_command(&mut buf, c);
         }
         self.w.write_all(&buf)?;
+        Ok(())
+    }
+
+    /// Reads one reply (simple string, integer or bulk string; `None` for a nil bulk).
+    pub fn read_reply(&mut self) -> Result<Option<Vec<u8>>, KvError> {
+        self.reply()
+    }
+
+    /// `INFO section` as text.
+    pub fn info(&mut self, section: &str) -> Result<String, KvError> {
+        let r = self
+            .command(&[b"INFO", section.as_bytes()])?
+            .unwrap_or_default();
+        Ok(String::from_utf8_lossy(&r).into_owned())
+    }
+
+    fn reply(&mut self) -> Result<Option<Vec<u8>>, KvError> {
         let mut line = String::new();
         if self.r.read_line(&mut line)? == 0 {
             return Err(KvError::Io(std::io::ErrorKind::UnexpectedEof.into()));
@@ -79,6 +117,15 @@ impl KvClient {
     /// `GET key`.
     pub fn get(&mut self, key: &[u8]) -> Result<Option<Vec<u8>>, KvError> {
         self.command(&[b"GET", key])
+    }
+}
+
+fn encode_command(buf: &mut Vec<u8>, args: &[&[u8]]) {
+    buf.extend_from_slice(format!("*{}\r\n", args.len()).as_bytes());
+    for a in args {
+        buf.extend_from_slice(format!("${}\r\n", a.len()).as_bytes());
+        buf.extend_from_slice(a);
+        buf.extend_from_slice(b"\r\n");
     }
 }
 

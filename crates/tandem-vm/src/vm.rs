@@ -63,6 +63,11 @@ pub struct VmConfig {
     pub kv_port: Option<u16>,
     /// Threads for the hash fallback.
     pub hash_threads: usize,
+    /// Guest NIC on QEMU's stream netdev connected to this unix socket (tandem's relay), with
+    /// this address (CIDR) in the guest; `None` = QEMU user networking.
+    pub relay_net: Option<(PathBuf, String)>,
+    /// A writable data disk served over NBD on this unix socket (guest `/dev/vdb`, `/data`).
+    pub data_disk: Option<PathBuf>,
 }
 
 impl VmConfig {
@@ -80,6 +85,8 @@ impl VmConfig {
             hash_threads: std::thread::available_parallelism()
                 .map(|n| n.get())
                 .unwrap_or(2),
+            relay_net: None,
+            data_disk: None,
         }
     }
 }
@@ -449,6 +456,19 @@ impl Vm {
         pages: &mut Vec<u8>,
         device_state: &mut Vec<u8>,
     ) -> Result<PauseTiming, VmError> {
+        self.checkpoint_with(dirty, pages, device_state, &mut || {})
+    }
+
+    /// [`Vm::checkpoint`] calling `in_pause` while the guest is stopped (after the copy), for
+    /// state that must share the memory checkpoint's boundary: the epoch's disk writes (QEMU
+    /// drains block I/O on `stop`) and the network relay's epoch seal.
+    pub fn checkpoint_with(
+        &mut self,
+        dirty: &mut Vec<u64>,
+        pages: &mut Vec<u8>,
+        device_state: &mut Vec<u8>,
+        in_pause: &mut dyn FnMut(),
+    ) -> Result<PauseTiming, VmError> {
         let mut t = PauseTiming::default();
         let us = |i: Instant| i.elapsed().as_micros().min(u32::MAX as u128) as u32;
         let s = Instant::now();
@@ -464,6 +484,7 @@ impl Vm {
             self.ram
                 .copy_page(pfn, &mut pages[i * PAGE_SIZE..(i + 1) * PAGE_SIZE]);
         }
+        in_pause();
         t.copy_us = us(s);
         let s = Instant::now();
         self.capture_device_state(device_state)?;
@@ -553,8 +574,23 @@ pub fn qemu_args(
 ) -> Vec<String> {
     let mem = format!("{}M", config.mem_mib);
     let mut net = String::from("user,id=n0");
-    if let Some(p) = config.kv_port {
-        net.push_str(&format!(",hostfwd=tcp:127.0.0.1:{p}-10.0.2.15:6379"));
+    let mut append = format!(
+        "console=ttyS0 quiet panic=-1 tandem.workload={}",
+        config.workload
+    );
+    match &config.relay_net {
+        Some((sock, cidr)) => {
+            net = format!(
+                "stream,id=n0,server=off,addr.type=unix,addr.path={}",
+                sock.display()
+            );
+            append.push_str(&format!(" tandem.ip={cidr}"));
+        }
+        None => {
+            if let Some(p) = config.kv_port {
+                net.push_str(&format!(",hostfwd=tcp:127.0.0.1:{p}-10.0.2.15:6379"));
+            }
+        }
     }
     let mut a: Vec<String> = vec![
         "-name".into(),
@@ -582,10 +618,7 @@ pub fn qemu_args(
         "-initrd".into(),
         config.image.initrd().display().to_string(),
         "-append".into(),
-        format!(
-            "console=ttyS0 quiet panic=-1 tandem.workload={}",
-            config.workload
-        ),
+        append,
         "-drive".into(),
         format!(
             "file={},format=raw,if=none,id=apps,readonly=on",
@@ -604,6 +637,17 @@ pub fn qemu_args(
         "-qmp".into(),
         format!("unix:{},server=on,wait=off", qmp.display()),
     ];
+    if let Some(sock) = &config.data_disk {
+        a.extend([
+            "-drive".into(),
+            format!(
+                "file=nbd+unix:///?socket={},format=raw,if=none,id=data",
+                sock.display()
+            ),
+            "-device".into(),
+            "virtio-blk-pci,drive=data".into(),
+        ]);
+    }
     if incoming {
         a.extend(["-incoming".into(), "defer".into()]);
     }

@@ -1,6 +1,5 @@
-//! `tandem demo`: the README's main job. Until replication lands it boots the default guest
-//! (redis driven by a host client), checkpoints it every epoch and shows live dirty-memory
-//! statistics, then a summary.
+//! `tandem watch`: boots a guest (redis driven by a host client by default), checkpoints it
+//! every epoch without replicating and shows live dirty-memory statistics, then a summary.
 
 use std::io::Write;
 use std::sync::atomic::Ordering;
@@ -46,9 +45,9 @@ struct Summary {
 }
 
 pub fn run(a: Args) -> anyhow::Result<()> {
-    let cfg = a.vm.config("demo")?;
+    let cfg = a.vm.config("watch")?;
     eprintln!(
-        "tandem demo: booting a {} MiB Linux guest under QEMU ({}) running `{}`...",
+        "tandem watch: booting a {} MiB Linux guest under QEMU ({}) running `{}`...",
         cfg.mem_mib, cfg.accel, cfg.workload
     );
     let (mut vm, ready, load) = boot(&cfg)?;

@@ -1,0 +1,132 @@
+//! tandem daemons started by the demo inside a network namespace, each in its own process
+//! group so that one `kill` takes down the daemon and its QEMU together, as a host failure.
+
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc::{channel, Receiver};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+
+pub struct Daemon {
+    pub name: &'static str,
+    child: Child,
+    lines: Receiver<String>,
+    pub log: PathBuf,
+}
+
+impl Daemon {
+    /// Runs `exe args` in network namespace `ns`; output goes to `log` (and to `wait_line`).
+    pub fn spawn(
+        name: &'static str,
+        ns: &str,
+        exe: &Path,
+        args: &[String],
+        log: PathBuf,
+    ) -> anyhow::Result<Daemon> {
+        let mut child = Command::new("ip")
+            .args(["netns", "exec", ns])
+            .arg(exe)
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .process_group(0)
+            .spawn()
+            .with_context(|| format!("starting the {name} (ip netns exec {ns} ...)"))?;
+        let (tx, rx) = channel();
+        let file =
+            std::fs::File::create(&log).with_context(|| format!("creating {}", log.display()))?;
+        let out: Box<dyn std::io::Read + Send> = Box::new(child.stdout.take().context("stdout")?);
+        let err: Box<dyn std::io::Read + Send> = Box::new(child.stderr.take().context("stderr")?);
+        for stream in [out, err] {
+            let (tx, mut file) = (tx.clone(), file.try_clone()?);
+            std::thread::spawn(move || {
+                for line in BufReader::new(stream).lines().map_while(Result::ok) {
+                    let _ = writeln!(file, "{line}");
+                    let _ = tx.send(line);
+                }
+            });
+        }
+        Ok(Daemon {
+            name,
+            child,
+            lines: rx,
+            log,
+        })
+    }
+
+    /// Waits for a line containing `pat`; fails with the daemon's log if it exits first.
+    pub fn wait_line(&mut self, pat: &str, timeout: Duration) -> anyhow::Result<String> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            match self.lines.recv_timeout(Duration::from_millis(200)) {
+                Ok(l) if l.contains(pat) => return Ok(l),
+                Ok(_) => {}
+                Err(_) => {
+                    if let Ok(Some(st)) = self.child.try_wait() {
+                        std::thread::sleep(Duration::from_millis(200));
+                        bail!(
+                            "the {} exited ({st}) before printing {pat:?}; its log ({}):\n{}",
+                            self.name,
+                            self.log.display(),
+                            std::fs::read_to_string(&self.log).unwrap_or_default()
+                        );
+                    }
+                    if Instant::now() > deadline {
+                        bail!(
+                            "the {} did not print {pat:?} within {timeout:?}; see {}",
+                            self.name,
+                            self.log.display()
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    /// Whether a line containing `pat` arrived (non-blocking).
+    pub fn saw(&mut self, pat: &str) -> bool {
+        while let Ok(l) = self.lines.try_recv() {
+            if l.contains(pat) {
+                return true;
+            }
+        }
+        false
+    }
+
+    pub fn exited(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(Some(_)))
+    }
+
+    /// SIGKILL to the whole process group (the daemon and its QEMU), as a host failure.
+    pub fn kill_host(&mut self) {
+        // SAFETY: kill(2) on our child's process group (it was started with process_group(0)).
+        unsafe { libc::kill(-(self.child.id() as i32), libc::SIGKILL) };
+        let _ = self.child.wait();
+    }
+
+    /// SIGTERM, then SIGKILL to the group if it does not exit within `grace`.
+    pub fn terminate(&mut self, grace: Duration) {
+        // SAFETY: kill(2) on our own child.
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        let t = Instant::now();
+        while t.elapsed() < grace {
+            if self.exited() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        self.kill_host();
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        if !self.exited() {
+            self.kill_host();
+        }
+    }
+}

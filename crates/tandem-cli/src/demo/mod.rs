@@ -1,0 +1,199 @@
+//! `tandem demo`: the README's main job. On one machine, in network namespaces that stand in
+//! for three hosts, it starts `tandem backup` and `tandem primary` running the `kv` guest
+//! (redis), drives a real client from the clients' bridge with live progress, kills the
+//! primary (its tandem process and QEMU together, SIGKILL, as a host failure), lets the backup
+//! fail over, keeps the client going, and checks that every write the client saw acknowledged
+//! before the kill is readable afterwards and that the guest did not reboot.
+
+mod client;
+mod daemon;
+mod round;
+
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use serde::Serialize;
+use tandem_net::NetLab;
+
+use crate::stats::quantile;
+use round::{Opts, RoundResult};
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// Failover rounds (each boots a fresh primary and backup and kills the primary once).
+    #[arg(long, default_value_t = 1)]
+    pub rounds: usize,
+    /// Seconds of replicated client load before the kill (a random 0–50 % is added per round).
+    #[arg(long, default_value_t = 10)]
+    pub before: u64,
+    /// Seconds of client load after failover.
+    #[arg(long, default_value_t = 5)]
+    pub after: u64,
+    /// In this round (1-based), kill the primary in the middle of an epoch's transfer.
+    #[arg(long)]
+    pub mid_transfer_round: Option<usize>,
+    /// Epoch length in milliseconds.
+    #[arg(long, default_value_t = 100)]
+    pub epoch_ms: u64,
+    /// Backup's failover timeout when the link goes silent.
+    #[arg(long, default_value_t = 500)]
+    pub timeout_ms: u64,
+    /// Replication link rate in Mbit/s (0 = unlimited).
+    #[arg(long, default_value_t = 1000)]
+    pub rate_mbit: u64,
+    /// Guest RAM in MiB.
+    #[arg(long, default_value_t = 256)]
+    pub mem: u64,
+    /// Memory codec.
+    #[arg(long, default_value = "tandem")]
+    pub codec: String,
+    /// Client connections and pipelined writes per round trip.
+    #[arg(long, default_value_t = 8)]
+    pub conns: usize,
+    #[arg(long, default_value_t = 32)]
+    pub batch: usize,
+    /// Seed for the kill times (default: from the clock).
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Print the summary as JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Serialize)]
+struct Summary {
+    ok: bool,
+    rounds: Vec<RoundResult>,
+    acked_writes_checked: u64,
+    acked_writes_lost: u64,
+    guest_rebooted: bool,
+    link: String,
+    epoch_ms: u64,
+    mem_mib: u64,
+    codec: String,
+}
+
+fn next(seed: &mut u64) -> u64 {
+    // xorshift64*: only jitters the kill times.
+    *seed ^= *seed >> 12;
+    *seed ^= *seed << 25;
+    *seed ^= *seed >> 27;
+    seed.wrapping_mul(0x2545_f491_4f6c_dd1d)
+}
+
+pub fn run(a: Args) -> anyhow::Result<()> {
+    if a.rounds == 0 {
+        bail!("--rounds must be at least 1");
+    }
+    let exe = std::env::current_exe().context("locating the tandem binary")?;
+    let lab = NetLab::create(&format!("td{}", std::process::id() % 100_000), a.rate_mbit)
+        .context("creating the network lab (tandem demo needs root for network namespaces)")?;
+    let dir = tempfile::Builder::new()
+        .prefix("tandem-demo-")
+        .tempdir_in("/dev/shm")?;
+    let mut seed = a.seed.unwrap_or_else(crate::replicate::unix_ms) | 1;
+    eprintln!(
+        "tandem demo: clients on bridge br0 in netns {}, primary host {}, backup host {} (link {}); logs in {}",
+        lab.clients, lab.primary, lab.backup, lab.shaping, dir.path().display()
+    );
+    let pb = indicatif::ProgressBar::new_spinner();
+    pb.enable_steady_tick(Duration::from_millis(200));
+    let mut results = Vec::new();
+    for r in 1..=a.rounds {
+        let jitter = next(&mut seed) % (a.before * 500 + 1);
+        let stall = (a.mid_transfer_round == Some(r)).then(|| 20 + next(&mut seed) % 40);
+        let o = Opts {
+            exe: exe.clone(),
+            lab: &lab,
+            dir: dir.path().to_path_buf(),
+            mem: a.mem,
+            epoch_ms: a.epoch_ms,
+            timeout_ms: a.timeout_ms,
+            codec: a.codec.clone(),
+            conns: a.conns,
+            batch: a.batch,
+            before: Duration::from_millis(a.before * 1000 + jitter),
+            after: Duration::from_secs(a.after),
+            stall_epoch: stall,
+        };
+        let res = round::run(r, &o, &pb)
+            .with_context(|| format!("round {r} (logs in {})", dir.path().display()))?;
+        pb.println(format!(
+            "round {r}: killed {}; backup resumed epoch {} {:.0} ms after the kill ({:.0} ms detection + {:.1} ms resume); {} acknowledged writes read back, {} lost; redis {}",
+            res.kill_point,
+            res.failover_epoch,
+            res.kill_to_running_ms,
+            res.detection_ms,
+            res.resume_after_detection_ms,
+            res.acked_writes_checked,
+            res.acked_writes_lost,
+            if res.redis_same_process { "kept running (same process, no reboot)" } else { "RESTARTED" }
+        ));
+        results.push(res);
+    }
+    pb.finish_and_clear();
+    let s = Summary {
+        ok: results.iter().all(|r| r.ok()),
+        acked_writes_checked: results.iter().map(|r| r.acked_writes_checked).sum(),
+        acked_writes_lost: results.iter().map(|r| r.acked_writes_lost).sum(),
+        guest_rebooted: results
+            .iter()
+            .any(|r| !r.redis_same_process || r.redis_uptime_after_s < r.redis_uptime_before_s),
+        link: lab.shaping.clone(),
+        epoch_ms: a.epoch_ms,
+        mem_mib: a.mem,
+        codec: a.codec.clone(),
+        rounds: results,
+    };
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&s)?);
+    } else {
+        print_summary(&s);
+    }
+    if !s.ok {
+        bail!("the checks failed (see the summary above)");
+    }
+    Ok(())
+}
+
+fn print_summary(s: &Summary) {
+    let col = |f: &dyn Fn(&RoundResult) -> f64| s.rounds.iter().map(f).collect::<Vec<f64>>();
+    let med = |f: &dyn Fn(&RoundResult) -> f64| quantile(&col(f), 0.5);
+    println!(
+        "summary: {} failover round(s), {} MiB guest, {} ms epochs, codec {}, link {}",
+        s.rounds.len(),
+        s.mem_mib,
+        s.epoch_ms,
+        s.codec,
+        s.link
+    );
+    println!(
+        "  replication      {:.1} MiB raw -> {:.2} MiB sent ({:.3}x); pause p50 {:.1} ms, p99 {:.1} ms",
+        col(&|r| r.raw_mib).iter().sum::<f64>(),
+        col(&|r| r.sent_mib).iter().sum::<f64>(),
+        med(&|r| r.sent_over_raw),
+        med(&|r| r.pause_ms_p50),
+        med(&|r| r.pause_ms_p99)
+    );
+    println!(
+        "  client           {:.0} ops/s replicated (latency p50 {:.0} ms, p99 {:.0} ms), {:.0} ops/s on the backup after failover",
+        med(&|r| r.ops_per_s_replicated),
+        med(&|r| r.client_latency_ms_p50),
+        med(&|r| r.client_latency_ms_p99),
+        med(&|r| r.ops_per_s_after_failover)
+    );
+    println!(
+        "  failover         kill -> guest running {:.0} ms (median; detection {:.0} ms, resume {:.1} ms); client gap {:.0} ms",
+        med(&|r| r.kill_to_running_ms),
+        med(&|r| r.detection_ms),
+        med(&|r| r.resume_after_detection_ms),
+        med(&|r| r.client_gap_ms)
+    );
+    println!(
+        "  checks           {} acknowledged writes read back, {} lost; guest rebooted: {}  =>  {}",
+        s.acked_writes_checked,
+        s.acked_writes_lost,
+        if s.guest_rebooted { "YES" } else { "no" },
+        if s.ok { "OK" } else { "FAILED" }
+    );
+}

@@ -1,0 +1,318 @@
+//! One demo round: backup and primary in their namespaces, a real client on the clients'
+//! bridge, a host failure of the primary, failover, and the checks.
+
+use std::io::{Read, Seek, SeekFrom};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use anyhow::bail;
+use indicatif::ProgressBar;
+use serde::Serialize;
+use tandem_net::lab::{BACKUP_IP, GUEST_IP};
+use tandem_net::NetLab;
+
+use super::client::{self, Writers};
+use super::daemon::Daemon;
+use crate::stats::quantile;
+
+pub struct Opts<'a> {
+    pub exe: PathBuf,
+    pub lab: &'a NetLab,
+    pub dir: PathBuf,
+    pub mem: u64,
+    pub epoch_ms: u64,
+    pub timeout_ms: u64,
+    pub codec: String,
+    pub conns: usize,
+    pub batch: usize,
+    /// Client time before the kill.
+    pub before: Duration,
+    /// Client time after failover.
+    pub after: Duration,
+    /// Stall the primary in the middle of this epoch's transfer, then kill it.
+    pub stall_epoch: Option<u64>,
+}
+
+#[derive(Serialize, Clone, Debug)]
+pub struct RoundResult {
+    pub round: usize,
+    pub kill_point: String,
+    pub epochs_acked: u64,
+    pub raw_mib: f64,
+    pub sent_mib: f64,
+    pub sent_over_raw: f64,
+    pub pause_ms_p50: f64,
+    pub pause_ms_p99: f64,
+    pub ops_per_s_replicated: f64,
+    pub ops_per_s_after_failover: f64,
+    pub client_latency_ms_p50: f64,
+    pub client_latency_ms_p99: f64,
+    pub failover_epoch: u64,
+    pub failover_reason: String,
+    pub detection_ms: f64,
+    pub resume_after_detection_ms: f64,
+    pub kill_to_running_ms: f64,
+    pub client_gap_ms: f64,
+    pub acked_writes_checked: u64,
+    pub acked_writes_lost: u64,
+    pub first_lost_key: Option<String>,
+    pub client_reconnects: u64,
+    pub redis_same_process: bool,
+    pub redis_uptime_before_s: u64,
+    pub redis_uptime_after_s: u64,
+}
+
+impl RoundResult {
+    pub fn ok(&self) -> bool {
+        self.acked_writes_lost == 0
+            && self.acked_writes_checked > 0
+            && self.redis_same_process
+            && self.redis_uptime_after_s >= self.redis_uptime_before_s
+    }
+}
+
+/// The primary's per-epoch JSON lines, read as they grow.
+#[derive(Default)]
+struct Epochs {
+    pos: u64,
+    partial: String,
+    acked: u64,
+    raw: u64,
+    sent: u64,
+    pauses: Vec<f64>,
+}
+
+impl Epochs {
+    fn poll(&mut self, path: &Path) {
+        let Ok(mut f) = std::fs::File::open(path) else {
+            return;
+        };
+        if f.seek(SeekFrom::Start(self.pos)).is_err() {
+            return;
+        }
+        let mut s = String::new();
+        if let Ok(n) = f.read_to_string(&mut s) {
+            self.pos += n as u64;
+        }
+        self.partial.push_str(&s);
+        while let Some(i) = self.partial.find('\n') {
+            let line: String = self.partial.drain(..=i).collect();
+            if let Ok(v) = serde_json::from_str::<serde_json::Value>(&line) {
+                let g = |k: &str| v.get(k).and_then(|x| x.as_u64()).unwrap_or(0);
+                self.acked = self.acked.max(g("epoch"));
+                self.raw += g("raw_bytes");
+                self.sent += g("sent_bytes");
+                self.pauses.push(g("pause_us") as f64 / 1000.0);
+            }
+        }
+    }
+}
+
+const MIB: f64 = (1 << 20) as f64;
+
+pub fn run(round: usize, o: &Opts<'_>, pb: &ProgressBar) -> anyhow::Result<RoundResult> {
+    let rdir = o.dir.join(format!("round{round}"));
+    std::fs::create_dir_all(&rdir)?;
+    let s = |x: &dyn ToString| x.to_string();
+    let common = |v: &mut Vec<String>| {
+        v.extend(["--workload", "kv", "--tap-netns", &o.lab.clients].map(String::from));
+        v.extend([s(&"--mem"), s(&o.mem)]);
+    };
+    let report = rdir.join("failover.json");
+    let mut bargs = vec![
+        s(&"backup"),
+        s(&"--listen"),
+        format!("{BACKUP_IP}:7000"),
+        s(&"--dir"),
+    ];
+    bargs.push(rdir.join("backup").display().to_string());
+    bargs.extend([
+        s(&"--timeout-ms"),
+        s(&o.timeout_ms),
+        s(&"--report"),
+        report.display().to_string(),
+    ]);
+    common(&mut bargs);
+    pb.set_message(format!(
+        "round {round}: starting the backup (standby QEMU, relay, NBD)"
+    ));
+    let mut backup = Daemon::spawn(
+        "backup",
+        &o.lab.backup,
+        &o.exe,
+        &bargs,
+        rdir.join("backup.log"),
+    )?;
+    backup.wait_line("listening on", Duration::from_secs(60))?;
+    let jsonl = rdir.join("epochs.jsonl");
+    let mut pargs = vec![
+        s(&"primary"),
+        s(&"--backup"),
+        format!("{BACKUP_IP}:7000"),
+        s(&"--dir"),
+    ];
+    pargs.push(rdir.join("primary").display().to_string());
+    pargs.extend([
+        s(&"--epoch-ms"),
+        s(&o.epoch_ms),
+        s(&"--duration"),
+        s(&3600),
+        s(&"--codec"),
+        o.codec.clone(),
+    ]);
+    pargs.extend([s(&"--metrics-jsonl"), jsonl.display().to_string()]);
+    if let Some(e) = o.stall_epoch {
+        pargs.extend([s(&"--fault-stall-epoch"), s(&e)]);
+    }
+    common(&mut pargs);
+    pb.set_message(format!(
+        "round {round}: booting the primary guest (redis) and copying it to the backup"
+    ));
+    let mut primary = Daemon::spawn(
+        "primary",
+        &o.lab.primary,
+        &o.exe,
+        &pargs,
+        rdir.join("primary.log"),
+    )?;
+    primary.wait_line("guest ready", Duration::from_secs(240))?;
+    let addr: SocketAddr = format!("{GUEST_IP}:6379").parse()?;
+    let mut probe = client::wait_ready(&o.lab.clients, addr, Duration::from_secs(60))?;
+    let (run_id, uptime_before) = client::server_identity(&mut probe)?;
+    let writers = Writers::start(&o.lab.clients, addr, o.conns, o.batch);
+    let started = Instant::now();
+    let mut ep = Epochs::default();
+    let mut last = Instant::now();
+    let mut last_ops = 0u64;
+    // Replicated phase.
+    loop {
+        std::thread::sleep(Duration::from_millis(50));
+        ep.poll(&jsonl);
+        if last.elapsed() >= Duration::from_secs(1) {
+            let ops = writers.ops.load(Ordering::Relaxed);
+            let rate = (ops - last_ops) as f64 / last.elapsed().as_secs_f64();
+            last_ops = ops;
+            last = Instant::now();
+            pb.set_message(format!(
+                "round {round}: replicating | epoch {} acked | raw {:.1} MiB sent {:.2} MiB | pause p50 {:.1} ms p99 {:.1} ms | client {rate:.0} ops/s",
+                ep.acked, ep.raw as f64 / MIB, ep.sent as f64 / MIB, quantile(&ep.pauses, 0.5), quantile(&ep.pauses, 0.99)
+            ));
+        }
+        if primary.exited() || backup.exited() {
+            bail!(
+                "a daemon exited during replication; logs in {}",
+                rdir.display()
+            );
+        }
+        match o.stall_epoch {
+            Some(_) if primary.saw("stalled in the middle") => break,
+            Some(_) if started.elapsed() > Duration::from_secs(120) => {
+                bail!("the primary never reached the stall epoch")
+            }
+            None if started.elapsed() >= o.before && ep.acked >= 3 => break,
+            _ => {}
+        }
+    }
+    // Host failure.
+    let ops_at_kill = writers.ops.load(Ordering::Relaxed);
+    let replicated_s = started.elapsed().as_secs_f64();
+    let kill_at = Instant::now();
+    let kill_unix = crate::replicate::unix_ms();
+    primary.kill_host();
+    ep.poll(&jsonl);
+    pb.set_message(format!(
+        "round {round}: primary host killed (tandem + QEMU, SIGKILL); waiting for failover"
+    ));
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let rep: serde_json::Value = loop {
+        if let Ok(t) = std::fs::read_to_string(&report) {
+            if let Ok(v) = serde_json::from_str(&t) {
+                break v;
+            }
+        }
+        if backup.exited() || Instant::now() > deadline {
+            bail!(
+                "the backup did not fail over; its log:\n{}",
+                std::fs::read_to_string(&backup.log).unwrap_or_default()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let g = |k: &str| rep.get(k).and_then(|v| v.as_u64()).unwrap_or(0);
+    let ops_at_running = writers.ops.load(Ordering::Relaxed);
+    // After failover: the guest runs on the backup, unprotected (native speed).
+    let t = Instant::now();
+    while t.elapsed() < o.after {
+        std::thread::sleep(Duration::from_millis(200));
+        pb.set_message(format!(
+            "round {round}: running on the backup | client {} ops since failover",
+            writers.ops.load(Ordering::Relaxed) - ops_at_running
+        ));
+    }
+    let after_ops = writers.ops.load(Ordering::Relaxed) - ops_at_running;
+    let after_s = t.elapsed().as_secs_f64();
+    let latencies = writers.latencies.clone();
+    let reconnects = writers.reconnects.load(Ordering::Relaxed);
+    let acked = writers.stop();
+    pb.set_message(format!(
+        "round {round}: reading back every acknowledged write"
+    ));
+    let mut verifier = match client::connect(&o.lab.clients, addr) {
+        Ok(c) => c,
+        Err(_) => client::wait_ready(&o.lab.clients, addr, Duration::from_secs(30))?,
+    };
+    let (checked, lost, first_lost) = client::verify(&mut verifier, &acked)?;
+    let (run_id_after, uptime_after) = client::server_identity(&mut verifier)?;
+    let lat = latencies.lock().unwrap_or_else(|e| e.into_inner());
+    let before_kill: Vec<f64> = lat
+        .iter()
+        .filter(|(at, _)| *at < kill_at)
+        .map(|x| x.1)
+        .collect();
+    let gap = lat
+        .iter()
+        .find(|(at, _)| *at > kill_at)
+        .map(|(at, _)| at.duration_since(kill_at).as_secs_f64() * 1000.0)
+        .unwrap_or(f64::NAN);
+    backup.terminate(Duration::from_secs(15));
+    let detected = g("detected_at_ms");
+    Ok(RoundResult {
+        round,
+        kill_point: match o.stall_epoch {
+            Some(e) => format!("in the middle of epoch {e}'s transfer"),
+            None => format!("at a random time, {:.1} s into replication", replicated_s),
+        },
+        epochs_acked: ep.acked,
+        raw_mib: ep.raw as f64 / MIB,
+        sent_mib: ep.sent as f64 / MIB,
+        sent_over_raw: ep.sent as f64 / ep.raw.max(1) as f64,
+        pause_ms_p50: quantile(&ep.pauses, 0.5),
+        pause_ms_p99: quantile(&ep.pauses, 0.99),
+        ops_per_s_replicated: ops_at_kill as f64 / replicated_s,
+        ops_per_s_after_failover: after_ops as f64 / after_s,
+        client_latency_ms_p50: quantile(&before_kill, 0.5),
+        client_latency_ms_p99: quantile(&before_kill, 0.99),
+        failover_epoch: g("epoch"),
+        failover_reason: rep
+            .get("reason")
+            .and_then(|v| v.as_str())
+            .unwrap_or("")
+            .into(),
+        detection_ms: detected.saturating_sub(kill_unix) as f64,
+        resume_after_detection_ms: rep
+            .get("resume_ms")
+            .and_then(|v| v.as_f64())
+            .unwrap_or(f64::NAN),
+        kill_to_running_ms: g("running_at_ms").saturating_sub(kill_unix) as f64,
+        client_gap_ms: gap,
+        acked_writes_checked: checked,
+        acked_writes_lost: lost,
+        first_lost_key: first_lost,
+        client_reconnects: reconnects,
+        redis_same_process: !run_id.is_empty() && run_id == run_id_after,
+        redis_uptime_before_s: uptime_before,
+        redis_uptime_after_s: uptime_after,
+    })
+}
