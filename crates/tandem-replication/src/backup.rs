@@ -254,11 +254,12 @@ impl<M: AsRef<[u8]> + AsMut<[u8]>> Backup<M> {
                 }
                 let secs = sections(&f.payload)
                     .ok_or_else(|| ApplyError::Malformed("epoch sections".into()))?;
-                let (mut memory, mut dev, mut disk) = (None, None, None);
+                let (mut memory, mut dev, mut dev_delta, mut disk) = (None, None, None, None);
                 for (k, b) in secs {
                     let slot = match k {
                         section::MEMORY => &mut memory,
                         section::DEVICE_STATE => &mut dev,
+                        section::DEVICE_STATE_DELTA => &mut dev_delta,
                         section::DISK => &mut disk,
                         other => {
                             return Err(ApplyError::Malformed(format!(
@@ -272,8 +273,16 @@ impl<M: AsRef<[u8]> + AsMut<[u8]>> Backup<M> {
                 }
                 let memory =
                     memory.ok_or_else(|| ApplyError::Malformed("epoch without memory".into()))?;
-                let dev =
-                    dev.ok_or_else(|| ApplyError::Malformed("epoch without device state".into()))?;
+                let dev = match (dev, dev_delta) {
+                    (Some(d), None) => d.to_vec(),
+                    (None, Some(d)) => crate::devstate::decode_delta(&self.device_state, d)
+                        .map_err(|e| ApplyError::Malformed(e.to_string()))?,
+                    _ => {
+                        return Err(ApplyError::Malformed(
+                            "epoch needs exactly one device-state section".into(),
+                        ))
+                    }
+                };
                 let writes = match disk {
                     None => Vec::new(),
                     Some(_) if self.disk.is_none() => {
@@ -301,8 +310,7 @@ impl<M: AsRef<[u8]> + AsMut<[u8]>> Backup<M> {
                     }
                 }
                 self.plan.commit(self.mirror.as_mut());
-                self.device_state.clear();
-                self.device_state.extend_from_slice(dev);
+                self.device_state = dev;
                 self.committed = f.seq;
                 Ok(Applied::Committed(f.seq))
             }

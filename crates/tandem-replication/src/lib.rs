@@ -6,6 +6,7 @@
 #![warn(missing_docs)]
 
 pub mod backup;
+pub mod devstate;
 pub mod fuzz;
 pub mod wire;
 

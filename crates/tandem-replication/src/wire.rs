@@ -11,7 +11,8 @@
 //! kinds: 1 hello (payload: mem_bytes u64, page_size u32, disk_bytes u64)
 //!        2 base chunk (payload: first_pfn u64 + pages) — initial copy of guest memory
 //!        3 epoch (payload: sections, each kind u8 + len u32 + bytes:
-//!                 1 memory record (tandem-codec), 2 device state, 3 disk writes)
+//!                 1 memory record (tandem-codec), 2 device state, 3 disk writes,
+//!                 4 device state as a delta against the previous epoch's)
 //!        4 ack (backup → primary, seq = committed epoch)
 //!        5 heartbeat (either way, no payload)
 //!        6 disk base chunk (payload: offset u64 + bytes) — initial copy of the data disk
@@ -73,6 +74,8 @@ pub mod section {
     pub const DEVICE_STATE: u8 = 2;
     /// Disk writes of the epoch.
     pub const DISK: u8 = 3;
+    /// Device state as a delta against the previous epoch's (see [`crate::devstate`]).
+    pub const DEVICE_STATE_DELTA: u8 = 4;
 }
 
 /// A frame.

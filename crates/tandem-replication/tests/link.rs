@@ -281,3 +281,46 @@ fn disk_writes_commit_with_their_epoch_or_not_at_all() {
     assert_eq!(bk.mirror(), &before[..]);
     assert_eq!(bk.committed(), 1);
 }
+
+#[test]
+fn device_state_deltas_chain_and_bad_ones_are_refused() {
+    use tandem_replication::devstate::encode_delta;
+    let mut mem = initial();
+    let mut bk = Backup::new(mem.clone());
+    bk.handle(&frame(Kind::Hello, 0, hello_payload(mem.len() as u64, 0)))
+        .unwrap();
+    let mut enc = Encoder::new(Codec::Tandem, &mem, Config::default()).unwrap();
+    let mut prev = Vec::new();
+    for e in 1..=5u64 {
+        let (pfns, data) = step(&mut mem, e);
+        let mut rec = Vec::new();
+        enc.encode(e, &pfns, &data, &mut rec).unwrap();
+        let mut dev: Vec<u8> = (0..5000 + e as usize * 10).map(|i| (i % 97) as u8).collect();
+        dev[e as usize * 3] = 0xee;
+        let mut delta = Vec::new();
+        encode_delta(&prev, &dev, &mut delta);
+        if e == 5 {
+            // A delta that does not decompress: refused whole, state unchanged.
+            let mut bad = delta.clone();
+            bad.truncate(bad.len() - 3);
+            let before = bk.device_state().to_vec();
+            let f = frame(
+                Kind::Epoch,
+                e,
+                epoch_payload(&[(section::MEMORY, &rec), (section::DEVICE_STATE_DELTA, &bad)]),
+            );
+            assert!(matches!(bk.handle(&f), Err(ApplyError::Malformed(_))));
+            assert_eq!(bk.device_state(), &before[..]);
+            assert_eq!(bk.committed(), 4);
+            return;
+        }
+        let f = frame(
+            Kind::Epoch,
+            e,
+            epoch_payload(&[(section::MEMORY, &rec), (section::DEVICE_STATE_DELTA, &delta)]),
+        );
+        assert_eq!(bk.handle(&f).unwrap(), Applied::Committed(e));
+        assert_eq!(bk.device_state(), &dev[..]);
+        prev = dev;
+    }
+}

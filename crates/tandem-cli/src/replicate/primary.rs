@@ -16,6 +16,7 @@ use anyhow::Context;
 use tandem_codec::{Codec, Config, Encoder};
 use tandem_net::Policy;
 use tandem_replication::wire::{epoch_payload, section, HEADER_LEN};
+use tandem_replication::devstate::encode_delta;
 use tandem_replication::{base_payload, hello_payload, Frame, Kind};
 use tandem_vm::epoch::{run_epochs_with, Fixed};
 use tandem_vm::PAGE_SIZE;
@@ -280,6 +281,7 @@ pub fn primary(a: PrimaryArgs) -> anyhow::Result<()> {
     };
 
     let disk_writes = RefCell::new(Vec::new());
+    let (mut prev_dev, mut dev_delta) = (Vec::new(), Vec::new());
     let (mut raw, mut sent, mut pauses) = (0u64, 0u64, Vec::new());
     let mut rec = Vec::new();
     let mut err = None;
@@ -312,9 +314,12 @@ pub fn primary(a: PrimaryArgs) -> anyhow::Result<()> {
             let writes = std::mem::take(&mut *disk_writes.borrow_mut());
             let disk_bytes: u64 = writes.iter().map(|w| w.1.len() as u64).sum();
             let disk = tandem_disk::encode_writes(&writes);
+            encode_delta(&prev_dev, cp.device_state, &mut dev_delta);
+            prev_dev.clear();
+            prev_dev.extend_from_slice(cp.device_state);
             let mut secs: Vec<(u8, &[u8])> = vec![
                 (section::MEMORY, &rec),
-                (section::DEVICE_STATE, cp.device_state),
+                (section::DEVICE_STATE_DELTA, &dev_delta),
             ];
             if site.disk.is_some() {
                 secs.push((section::DISK, &disk));
