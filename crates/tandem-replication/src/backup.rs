@@ -191,6 +191,11 @@ impl<M: AsRef<[u8]> + AsMut<[u8]>> Backup<M> {
                         got: f.seq,
                     });
                 }
+                if self.vm_id.is_some() && self.committed == 0 {
+                    // A new initial copy after an interrupted one: the primary sends only
+                    // non-zero pages, so start again from zeros.
+                    self.mirror.as_mut().fill(0);
+                }
                 self.vm_id = Some(vm);
                 Ok(Applied::Hello)
             }

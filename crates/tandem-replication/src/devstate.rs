@@ -83,9 +83,15 @@ mod tests {
         assert!(d.len() < 200, "{}", d.len());
         let mut huge = (MAX_DEVICE_STATE as u32 + 1).to_le_bytes().to_vec();
         huge.extend_from_slice(&d[4..]);
-        assert!(matches!(decode_delta(&s, &huge), Err(DeviceStateError::Header)));
+        assert!(matches!(
+            decode_delta(&s, &huge),
+            Err(DeviceStateError::Header)
+        ));
         let mut short = ((s.len() + 1) as u32).to_le_bytes().to_vec();
         short.extend_from_slice(&d[4..]);
-        assert!(matches!(decode_delta(&s, &short), Err(DeviceStateError::Body)));
+        assert!(matches!(
+            decode_delta(&s, &short),
+            Err(DeviceStateError::Body)
+        ));
     }
 }

@@ -295,7 +295,9 @@ fn device_state_deltas_chain_and_bad_ones_are_refused() {
         let (pfns, data) = step(&mut mem, e);
         let mut rec = Vec::new();
         enc.encode(e, &pfns, &data, &mut rec).unwrap();
-        let mut dev: Vec<u8> = (0..5000 + e as usize * 10).map(|i| (i % 97) as u8).collect();
+        let mut dev: Vec<u8> = (0..5000 + e as usize * 10)
+            .map(|i| (i % 97) as u8)
+            .collect();
         dev[e as usize * 3] = 0xee;
         let mut delta = Vec::new();
         encode_delta(&prev, &dev, &mut delta);
@@ -317,7 +319,10 @@ fn device_state_deltas_chain_and_bad_ones_are_refused() {
         let f = frame(
             Kind::Epoch,
             e,
-            epoch_payload(&[(section::MEMORY, &rec), (section::DEVICE_STATE_DELTA, &delta)]),
+            epoch_payload(&[
+                (section::MEMORY, &rec),
+                (section::DEVICE_STATE_DELTA, &delta),
+            ]),
         );
         assert_eq!(bk.handle(&f).unwrap(), Applied::Committed(e));
         assert_eq!(bk.device_state(), &dev[..]);

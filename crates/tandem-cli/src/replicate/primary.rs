@@ -15,8 +15,8 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use tandem_codec::{Codec, Config, Encoder};
 use tandem_net::Policy;
-use tandem_replication::wire::{epoch_payload, section, HEADER_LEN};
 use tandem_replication::devstate::encode_delta;
+use tandem_replication::wire::{epoch_payload, section, HEADER_LEN};
 use tandem_replication::{base_payload, hello_payload, Frame, Kind};
 use tandem_vm::epoch::{run_epochs_with, Fixed};
 use tandem_vm::PAGE_SIZE;
@@ -142,12 +142,17 @@ pub fn primary(a: PrimaryArgs) -> anyhow::Result<()> {
     // SAFETY: the guest is stopped while its memory is copied.
     let base = unsafe { vm.ram().as_slice() }.to_vec();
     vm.cont()?;
-    for (i, c) in base.chunks(1024 * PAGE_SIZE).enumerate() {
-        send(
-            &mut w,
-            &frame(Kind::Base, 0, base_payload((i * 1024) as u64, c)),
-        )?;
+    // The backup's mirror starts zeroed: send only runs of non-zero pages.
+    let mut base_sent = 0usize;
+    for (first, run) in nonzero_runs(&base, 1024) {
+        base_sent += run.len();
+        send(&mut w, &frame(Kind::Base, 0, base_payload(first, run)))?;
     }
+    println!(
+        "primary: initial copy sent: {} of {} MiB non-zero",
+        base_sent >> 20,
+        base.len() >> 20
+    );
     const CHUNK: usize = 1 << 16;
     for (i, c) in disk_base.chunks(CHUNK).enumerate() {
         if c.iter().any(|&b| b != 0) {
@@ -399,4 +404,46 @@ pub fn primary(a: PrimaryArgs) -> anyhow::Result<()> {
     );
     vm.quit();
     Ok(())
+}
+
+/// Runs of consecutive non-zero pages of `mem` (at most `max_pages` each), with their first
+/// page number.
+fn nonzero_runs(mem: &[u8], max_pages: usize) -> impl Iterator<Item = (u64, &[u8])> {
+    let pages = mem.len() / PAGE_SIZE;
+    let zero = |p: usize| {
+        mem[p * PAGE_SIZE..(p + 1) * PAGE_SIZE]
+            .iter()
+            .all(|&b| b == 0)
+    };
+    let mut p = 0;
+    std::iter::from_fn(move || {
+        while p < pages && zero(p) {
+            p += 1;
+        }
+        if p >= pages {
+            return None;
+        }
+        let start = p;
+        while p < pages && p - start < max_pages && !zero(p) {
+            p += 1;
+        }
+        Some((start as u64, &mem[start * PAGE_SIZE..p * PAGE_SIZE]))
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nonzero_runs_cover_exactly_the_nonzero_pages() {
+        let mut mem = vec![0u8; 20 * PAGE_SIZE];
+        for p in [0usize, 1, 2, 5, 9, 10, 19] {
+            mem[p * PAGE_SIZE + 7] = 1;
+        }
+        let runs: Vec<(u64, usize)> = nonzero_runs(&mem, 2)
+            .map(|(f, r)| (f, r.len() / PAGE_SIZE))
+            .collect();
+        assert_eq!(runs, vec![(0, 2), (2, 1), (5, 1), (9, 2), (19, 1)]);
+    }
 }
