@@ -38,11 +38,14 @@ case "$wl" in
     done ;;
   compile)
     rm -rf /tmp/build && cp -r /usr/src /tmp/build && cd /tmp/build || exit 1
+    # A compiler wrapper counts compiled objects (the workload's throughput unit).
+    printf '#!/bin/sh\ngcc "$@" || exit 1\nn=$(( $(cat /tmp/objs 2>/dev/null || echo 0) + 1 ))\necho $n > /tmp/objs\n[ $((n %% 10)) -eq 0 ] && echo "compile objs=$n" >/dev/console\nexit 0\n' > /tmp/cc
+    chmod +x /tmp/cc
     ready
     n=0
     while :; do
       make -s clean >/dev/null 2>&1
-      if make -s >/tmp/make.log 2>&1; then
+      if make -s CC=/tmp/cc >/tmp/make.log 2>&1; then
         n=$((n+1)); echo "compile rounds=$n $(./luarun)"
       else
         echo "TANDEM-ERROR compile failed"; tail -5 /tmp/make.log; sleep 5

@@ -37,16 +37,25 @@ pub struct Args {
     /// Encoder threads for --trace (throughput is reported per core).
     #[arg(long, default_value_t = 1)]
     pub threads: usize,
-    /// Workloads for --lab.
-    #[arg(
-        long,
-        value_delimiter = ',',
-        default_value = "idle,memtouch,compile,sqlite,kv"
-    )]
+    /// Measure replication end to end (primary + backup in namespaces, a real client, a host
+    /// failure): throughput replicated vs native, bytes, pauses, failover time.
+    #[arg(long)]
+    pub replication: bool,
+    /// Workloads (--lab default: idle,memtouch,compile,sqlite,kv; --replication default:
+    /// kv,sqlite,compile,idle).
+    #[arg(long, value_delimiter = ',')]
     pub workloads: Vec<String>,
-    /// Epoch lengths (ms) for --lab.
-    #[arg(long, value_delimiter = ',', default_value = "25,100,500")]
+    /// Epoch lengths in ms (--lab default: 25,100,500; --replication default: 25,100).
+    #[arg(long, value_delimiter = ',')]
     pub epochs_ms: Vec<u64>,
+    /// Replication link rate in Mbit/s for --replication (0 = unlimited).
+    #[arg(long, default_value_t = 1000)]
+    pub rate_mbit: u64,
+    /// kv client connections and pipelined writes per round trip for --replication.
+    #[arg(long, default_value_t = 16)]
+    pub conns: usize,
+    #[arg(long, default_value_t = 256)]
+    pub batch: usize,
     /// Seconds per workload and epoch length.
     #[arg(long, default_value_t = 10)]
     pub seconds: u64,
@@ -165,8 +174,20 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         crate::codecbench::parse_budget(&a.budget, &mut cfg)?;
         return crate::codecbench::run(&a.trace, &codecs, &cfg, a.json);
     }
+    if a.replication {
+        return crate::repbench::run(&a);
+    }
     if !a.lab {
-        bail!("choose what to measure: --lab (VM lab on real guests) or --trace FILE... (codecs over recorded traces)");
+        bail!("choose what to measure: --lab (VM lab on real guests), --replication (end to end) or --trace FILE... (codecs over recorded traces)");
+    }
+    let mut a = a;
+    if a.workloads.is_empty() {
+        a.workloads = ["idle", "memtouch", "compile", "sqlite", "kv"]
+            .map(String::from)
+            .to_vec();
+    }
+    if a.epochs_ms.is_empty() {
+        a.epochs_ms = vec![25, 100, 500];
     }
     let mut report = Report {
         boot_to_ready_ms: Vec::new(),

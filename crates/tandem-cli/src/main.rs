@@ -7,6 +7,7 @@ mod doctor;
 mod lab;
 mod metrics;
 mod record;
+mod repbench;
 mod replicate;
 mod setup;
 mod stats;
@@ -53,7 +54,7 @@ enum Cmd {
     Primary(replicate::PrimaryArgs),
     /// Receive epochs into a mirror and fail over onto a standby QEMU when the primary is lost.
     Backup(replicate::BackupArgs),
-    /// Measure: --lab (boot, pause breakdown, harvest, hash scan, dirty rates) or --trace (codecs).
+    /// Measure: --lab (boot, pause breakdown, harvest, hash scan, dirty rates), --replication (end to end) or --trace (codecs).
     Bench(bench::Args),
 }
 

@@ -381,6 +381,11 @@ impl Vm {
         &self.ram
     }
 
+    /// Path of the guest's serial console log.
+    pub fn serial_path(&self) -> PathBuf {
+        self.runtime.path().join("serial.log")
+    }
+
     /// Path of the shared RAM file.
     pub fn ram_path(&self) -> &Path {
         &self.ram_path

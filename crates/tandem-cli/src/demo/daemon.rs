@@ -6,6 +6,7 @@ use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc::{channel, Receiver};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
@@ -15,6 +16,17 @@ pub struct Daemon {
     child: Child,
     lines: Receiver<String>,
     pub log: PathBuf,
+    /// Guest workload progress (`guest: ... txns=N` / `objs=N`) with arrival times.
+    pub progress: Arc<Mutex<Vec<(Instant, u64)>>>,
+}
+
+/// The counter of a `guest: sqlite txns=N ...` or `guest: compile objs=N` line.
+fn progress_value(line: &str) -> Option<u64> {
+    let rest = line.split("guest: ").nth(1)?;
+    let v = rest
+        .split_whitespace()
+        .find_map(|f| f.strip_prefix("txns=").or_else(|| f.strip_prefix("objs=")))?;
+    v.parse().ok()
 }
 
 impl Daemon {
@@ -41,11 +53,18 @@ impl Daemon {
             std::fs::File::create(&log).with_context(|| format!("creating {}", log.display()))?;
         let out: Box<dyn std::io::Read + Send> = Box::new(child.stdout.take().context("stdout")?);
         let err: Box<dyn std::io::Read + Send> = Box::new(child.stderr.take().context("stderr")?);
+        let progress: Arc<Mutex<Vec<(Instant, u64)>>> = Arc::default();
         for stream in [out, err] {
-            let (tx, mut file) = (tx.clone(), file.try_clone()?);
+            let (tx, mut file, progress) = (tx.clone(), file.try_clone()?, progress.clone());
             std::thread::spawn(move || {
                 for line in BufReader::new(stream).lines().map_while(Result::ok) {
                     let _ = writeln!(file, "{line}");
+                    if let Some(v) = progress_value(&line) {
+                        progress
+                            .lock()
+                            .unwrap_or_else(|e| e.into_inner())
+                            .push((Instant::now(), v));
+                    }
                     let _ = tx.send(line);
                 }
             });
@@ -55,6 +74,7 @@ impl Daemon {
             child,
             lines: rx,
             log,
+            progress,
         })
     }
 
@@ -128,5 +148,32 @@ impl Drop for Daemon {
         if !self.exited() {
             self.kill_host();
         }
+    }
+}
+
+/// Progress per second between the first and last sample inside `[from, to)`.
+pub fn rate(samples: &[(Instant, u64)], from: Instant, to: Instant) -> Option<f64> {
+    let inside: Vec<&(Instant, u64)> = samples
+        .iter()
+        .filter(|(t, _)| *t >= from && *t < to)
+        .collect();
+    let (a, b) = (inside.first()?, inside.last()?);
+    let secs = b.0.duration_since(a.0).as_secs_f64();
+    (secs > 0.5 && b.1 >= a.1).then(|| (b.1 - a.1) as f64 / secs)
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn progress_lines_parse() {
+        assert_eq!(
+            super::progress_value("primary: guest: sqlite txns=120 rows=33"),
+            Some(120)
+        );
+        assert_eq!(
+            super::progress_value("backup: guest: compile objs=40"),
+            Some(40)
+        );
+        assert_eq!(super::progress_value("primary: epoch 3 acked 2"), None);
     }
 }

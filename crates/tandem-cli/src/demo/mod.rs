@@ -7,7 +7,7 @@
 
 mod client;
 mod daemon;
-mod round;
+pub(crate) mod round;
 
 use std::time::Duration;
 
@@ -104,6 +104,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         let stall = (a.mid_transfer_round == Some(r)).then(|| 20 + next(&mut seed) % 40);
         let o = Opts {
             exe: exe.clone(),
+            workload: "kv".into(),
             lab: &lab,
             dir: dir.path().to_path_buf(),
             mem: a.mem,
@@ -127,7 +128,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             res.resume_after_detection_ms,
             res.acked_writes_checked,
             res.acked_writes_lost,
-            if res.redis_same_process { "kept running (same process, no reboot)" } else { "RESTARTED" }
+            if res.guest_continued == Some(true) { "kept running (same process, no reboot)" } else { "RESTARTED" }
         ));
         results.push(res);
     }
@@ -136,9 +137,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         ok: results.iter().all(|r| r.ok()),
         acked_writes_checked: results.iter().map(|r| r.acked_writes_checked).sum(),
         acked_writes_lost: results.iter().map(|r| r.acked_writes_lost).sum(),
-        guest_rebooted: results
-            .iter()
-            .any(|r| !r.redis_same_process || r.redis_uptime_after_s < r.redis_uptime_before_s),
+        guest_rebooted: results.iter().any(|r| r.guest_continued != Some(true)),
         link: lab.shaping.clone(),
         epoch_ms: a.epoch_ms,
         mem_mib: a.mem,
@@ -177,10 +176,10 @@ fn print_summary(s: &Summary) {
     );
     println!(
         "  client           {:.0} ops/s replicated (latency p50 {:.0} ms, p99 {:.0} ms), {:.0} ops/s on the backup after failover",
-        med(&|r| r.ops_per_s_replicated),
+        med(&|r| r.rate_replicated.unwrap_or(f64::NAN)),
         med(&|r| r.client_latency_ms_p50),
         med(&|r| r.client_latency_ms_p99),
-        med(&|r| r.ops_per_s_after_failover)
+        med(&|r| r.rate_after_failover.unwrap_or(f64::NAN))
     );
     println!(
         "  failover         kill -> guest running {:.0} ms (median; detection {:.0} ms, resume {:.1} ms); client gap {:.0} ms",

@@ -230,6 +230,7 @@ pub fn backup(a: BackupArgs) -> anyhow::Result<()> {
     }
     standby.resume(&state).context("resuming the standby")?;
     let resume = detected.elapsed();
+    super::echo_guest_progress(standby.serial_path(), "backup");
     let running_at_ms = unix_ms();
     // Move the guest's MAC to this side of the bridge at once (QEMU also announces after an
     // incoming migration; this makes it explicit).

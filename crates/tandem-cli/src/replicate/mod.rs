@@ -44,3 +44,23 @@ pub(crate) fn unix_ms() -> u64 {
         .map(|d| d.as_millis() as u64)
         .unwrap_or(0)
 }
+
+/// Echoes the guest's workload progress lines (`sqlite txns=N`, `compile objs=N`) from its
+/// serial console as `guest: ...` lines, for benchmarks and operators.
+pub(crate) fn echo_guest_progress(serial: std::path::PathBuf, who: &'static str) {
+    std::thread::spawn(move || {
+        let mut console = tandem_vm::console::Console::new(&serial);
+        let mut done = 0;
+        loop {
+            std::thread::sleep(std::time::Duration::from_millis(250));
+            let Ok(text) = console.poll() else { continue };
+            let complete = text.rfind('\n').map_or(0, |i| i + 1);
+            for line in text[done.min(complete)..complete].lines() {
+                if line.contains(" txns=") || line.contains(" objs=") {
+                    println!("{who}: guest: {}", line.trim());
+                }
+            }
+            done = complete;
+        }
+    });
+}

@@ -97,6 +97,7 @@ pub fn primary(a: PrimaryArgs) -> anyhow::Result<()> {
         },
         a.site.disk_mib
     );
+    super::echo_guest_progress(vm.serial_path(), "primary");
     let deadline = Instant::now() + Duration::from_secs(30);
     let stream = loop {
         match TcpStream::connect(&a.backup) {

@@ -1,0 +1,110 @@
+//! `tandem bench --replication`: for each workload and epoch length, one demo round (backup and
+//! primary in namespaces, rate-limited link, host failure of the primary at the end of the
+//! measured window). The guest's throughput on the backup after failover — the same guest,
+//! same network path, no replication — is the native baseline of the same run; bytes on the
+//! link are compared with the Remus baseline of the same epochs (raw dirty pages + device
+//! state + disk writes).
+
+use std::time::Duration;
+
+use anyhow::Context;
+use tandem_net::NetLab;
+
+use crate::bench::Args;
+use crate::demo::round::{self, Opts, RoundResult};
+
+pub fn run(a: &Args) -> anyhow::Result<()> {
+    let workloads = if a.workloads.is_empty() {
+        ["kv", "sqlite", "compile", "idle"]
+            .map(String::from)
+            .to_vec()
+    } else {
+        a.workloads.clone()
+    };
+    for w in &workloads {
+        tandem_vm::image::check_workload(w)?;
+    }
+    let epochs = if a.epochs_ms.is_empty() {
+        vec![25, 100]
+    } else {
+        a.epochs_ms.clone()
+    };
+    let exe = std::env::current_exe().context("locating the tandem binary")?;
+    let lab = NetLab::create(&format!("tb{}", std::process::id() % 100_000), a.rate_mbit)
+        .context("creating the network lab (needs root)")?;
+    let dir = tempfile::Builder::new()
+        .prefix("tandem-bench-")
+        .tempdir_in("/dev/shm")?;
+    let pb = indicatif::ProgressBar::new_spinner();
+    pb.enable_steady_tick(Duration::from_millis(200));
+    let mut rows: Vec<RoundResult> = Vec::new();
+    let mut n = 0;
+    for w in &workloads {
+        for &ms in &epochs {
+            n += 1;
+            let o = Opts {
+                exe: exe.clone(),
+                workload: w.clone(),
+                lab: &lab,
+                dir: dir.path().to_path_buf(),
+                mem: a.mem,
+                epoch_ms: ms,
+                timeout_ms: 1000,
+                codec: "tandem".into(),
+                conns: a.conns,
+                batch: a.batch,
+                before: Duration::from_secs(a.seconds),
+                after: Duration::from_secs(a.seconds),
+                stall_epoch: None,
+            };
+            let r = round::run(n, &o, &pb).with_context(|| format!("{w} at {ms} ms"))?;
+            pb.println(line(&r));
+            rows.push(r);
+        }
+    }
+    pb.finish_and_clear();
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&rows)?);
+    } else {
+        println!(
+            "replication, {} MiB guest, link {}, {} s replicated + {} s after failover per row",
+            a.mem, lab.shaping, a.seconds, a.seconds
+        );
+        for r in &rows {
+            println!("{}", line(r));
+        }
+    }
+    Ok(())
+}
+
+fn line(r: &RoundResult) -> String {
+    let thr = match (r.rate_replicated, r.rate_after_failover) {
+        (Some(x), Some(y)) => format!(
+            "{x:.0} vs native {y:.0} {}/s ({:.0} %)",
+            r.unit,
+            100.0 * x / y
+        ),
+        _ => "throughput n/a".into(),
+    };
+    let lat = if r.client_latency_ms_p50.is_nan() {
+        String::new()
+    } else {
+        format!(
+            " | latency p50 {:.0} ms p99 {:.0} ms",
+            r.client_latency_ms_p50, r.client_latency_ms_p99
+        )
+    };
+    format!(
+        "{:<8} {:>3} ms | {thr}{lat} | link {:.2} MiB vs Remus {:.1} MiB ({:.3}x) | pause p50 {:.1} ms p99 {:.1} ms | failover {:.0} ms after kill ({:.0} detection + {:.1} resume)",
+        r.workload,
+        r.epoch_ms,
+        r.sent_mib,
+        r.raw_mib,
+        r.sent_over_raw,
+        r.pause_ms_p50,
+        r.pause_ms_p99,
+        r.kill_to_running_ms,
+        r.detection_ms,
+        r.resume_after_detection_ms
+    )
+}
