@@ -168,7 +168,7 @@ fn selftest(qemu: &std::path::Path) -> Result<String, (Status, String, String)> 
     vm.capture_device_state(&mut dev)
         .map_err(|e| fail(format!("device state: {e}")))?;
     let img = tempfile::NamedTempFile::new_in("/dev/shm").map_err(|e| fail(e.to_string()))?;
-    std::fs::copy(vm.ram_path(), img.path()).map_err(|e| fail(e.to_string()))?;
+    vm.save_ram(img.path()).map_err(|e| fail(e.to_string()))?;
     let _ = vm.console.poll();
     let tick = vm.console.last_tick().unwrap_or(0);
     let log = vm.dirty_log_name().unwrap_or("none");

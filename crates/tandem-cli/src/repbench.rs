@@ -58,7 +58,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
                 stall_epoch: None,
             };
             let r = round::run(n, &o, &pb).with_context(|| format!("{w} at {ms} ms"))?;
-            pb.println(line(&r));
+            crate::demo::say(&pb, line(&r));
             rows.push(r);
         }
     }

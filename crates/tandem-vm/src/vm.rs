@@ -350,6 +350,12 @@ impl Vm {
             DirtyMode::Hash => Some(Box::new(HashLog::new(vm.ram.clone(), config.hash_threads))),
             _ => None,
         };
+        if !vm.keep_ram {
+            // QEMU and this process have the file mapped (the in-band QMP commands above ran
+            // after QEMU's memory backends exist, and the dirty log is registered): unlink it
+            // now so that nothing is left in /dev/shm when QEMU and tandem are killed.
+            let _ = fs::remove_file(&vm.ram_path);
+        }
         if run {
             vm.cont()?;
         }
@@ -386,7 +392,8 @@ impl Vm {
         self.runtime.path().join("serial.log")
     }
 
-    /// Path of the shared RAM file.
+    /// Path QEMU was given for the shared RAM file. A fresh or copied file is unlinked once
+    /// QEMU runs (both keep it mapped); a standby's mirror file stays.
     pub fn ram_path(&self) -> &Path {
         &self.ram_path
     }
@@ -500,10 +507,11 @@ impl Vm {
         Ok(t)
     }
 
-    /// Keeps the RAM file when this VM is dropped (for a later restore); returns its path.
-    pub fn keep_ram_file(&mut self) -> PathBuf {
-        self.keep_ram = true;
-        self.ram_path.clone()
+    /// Writes guest RAM to a new file at `path` (stop the guest first for a consistent image).
+    pub fn save_ram(&self, path: &Path) -> Result<(), VmError> {
+        // SAFETY: read-only view of the guest's RAM; callers stop the guest for consistency.
+        fs::write(path, unsafe { self.ram.as_slice() })?;
+        Ok(())
     }
 
     /// Kills QEMU at once (SIGKILL), as a host failure would.

@@ -46,7 +46,7 @@ fn restore_continues_from_checkpoint() {
         state.len()
     );
     let image = tempfile::NamedTempFile::new_in("/dev/shm").unwrap();
-    std::fs::copy(vm.ram_path(), image.path()).unwrap();
+    vm.save_ram(image.path()).unwrap();
     vm.console.poll().unwrap();
     let tick_at_checkpoint = vm.console.last_tick().expect("guest printed no tick");
     vm.cont().unwrap();

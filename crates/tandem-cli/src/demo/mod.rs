@@ -119,7 +119,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         };
         let res = round::run(r, &o, &pb)
             .with_context(|| format!("round {r} (logs in {})", dir.path().display()))?;
-        pb.println(format!(
+        say(&pb, format!(
             "round {r}: killed {}; backup resumed epoch {} {:.0} ms after the kill ({:.0} ms detection + {:.1} ms resume); {} acknowledged writes read back, {} lost; redis {}",
             res.kill_point,
             res.failover_epoch,
@@ -195,4 +195,14 @@ fn print_summary(s: &Summary) {
         if s.guest_rebooted { "YES" } else { "no" },
         if s.ok { "OK" } else { "FAILED" }
     );
+}
+
+/// Prints a line above the progress spinner, or to stderr when there is no terminal (the
+/// spinner is hidden then and would swallow it).
+pub(crate) fn say(pb: &indicatif::ProgressBar, line: String) {
+    if pb.is_hidden() {
+        eprintln!("{line}");
+    } else {
+        pb.println(line);
+    }
 }
