@@ -52,7 +52,7 @@ pub struct Args {
     #[arg(long, default_value_t = 1000)]
     pub rate_mbit: u64,
     /// kv client connections and pipelined writes per round trip for --replication.
-    #[arg(long, default_value_t = 16)]
+    #[arg(long, default_value_t = 32)]
     pub conns: usize,
     #[arg(long, default_value_t = 256)]
     pub batch: usize,

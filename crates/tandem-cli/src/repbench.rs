@@ -79,11 +79,14 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
 
 fn line(r: &RoundResult) -> String {
     let thr = match (r.rate_replicated, r.rate_after_failover) {
-        (Some(x), Some(y)) => format!(
-            "{x:.0} vs native {y:.0} {}/s ({:.0} %)",
-            r.unit,
-            100.0 * x / y
-        ),
+        (Some(x), Some(y)) => {
+            let p = if y < 10.0 { 2 } else { 0 };
+            format!(
+                "{x:.p$} vs native {y:.p$} {}/s ({:.0} %)",
+                r.unit,
+                100.0 * x / y
+            )
+        }
         _ => "throughput n/a".into(),
     };
     let lat = if r.client_latency_ms_p50.is_nan() {

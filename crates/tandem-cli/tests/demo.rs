@@ -21,13 +21,13 @@ fn demo(args: &[&str]) -> serde_json::Value {
 
 fn check_rounds(v: &serde_json::Value, n: usize) {
     assert_eq!(v["ok"], true, "{v:#}");
-    assert_eq!(v["acked_writes_lost"], 0, "{v:#}");
+    assert_eq!(v["acked_keys_lost"], 0, "{v:#}");
     assert_eq!(v["guest_rebooted"], false, "{v:#}");
     let rounds = v["rounds"].as_array().unwrap();
     assert_eq!(rounds.len(), n);
     for r in rounds {
-        assert!(r["acked_writes_checked"].as_u64().unwrap() > 0, "{r:#}");
-        assert_eq!(r["acked_writes_lost"], 0, "{r:#}");
+        assert!(r["acked_keys_checked"].as_u64().unwrap() > 0, "{r:#}");
+        assert_eq!(r["acked_keys_lost"], 0, "{r:#}");
         assert_eq!(r["guest_continued"], true, "{r:#}");
         assert!(r["failover_epoch"].as_u64().unwrap() >= 1, "{r:#}");
         assert!(

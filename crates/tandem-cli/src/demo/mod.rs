@@ -64,8 +64,8 @@ pub struct Args {
 struct Summary {
     ok: bool,
     rounds: Vec<RoundResult>,
-    acked_writes_checked: u64,
-    acked_writes_lost: u64,
+    acked_keys_checked: u64,
+    acked_keys_lost: u64,
     guest_rebooted: bool,
     link: String,
     epoch_ms: u64,
@@ -120,14 +120,14 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         let res = round::run(r, &o, &pb)
             .with_context(|| format!("round {r} (logs in {})", dir.path().display()))?;
         say(&pb, format!(
-            "round {r}: killed {}; backup resumed epoch {} {:.0} ms after the kill ({:.0} ms detection + {:.1} ms resume); {} acknowledged writes read back, {} lost; redis {}",
+            "round {r}: killed {}; backup resumed epoch {} {:.0} ms after the kill ({:.0} ms detection + {:.1} ms resume); {} keys read back, {} missing an acknowledged write; redis {}",
             res.kill_point,
             res.failover_epoch,
             res.kill_to_running_ms,
             res.detection_ms,
             res.resume_after_detection_ms,
-            res.acked_writes_checked,
-            res.acked_writes_lost,
+            res.acked_keys_checked,
+            res.acked_keys_lost,
             if res.guest_continued == Some(true) { "kept running (same process, no reboot)" } else { "RESTARTED" }
         ));
         results.push(res);
@@ -135,8 +135,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     pb.finish_and_clear();
     let s = Summary {
         ok: results.iter().all(|r| r.ok()),
-        acked_writes_checked: results.iter().map(|r| r.acked_writes_checked).sum(),
-        acked_writes_lost: results.iter().map(|r| r.acked_writes_lost).sum(),
+        acked_keys_checked: results.iter().map(|r| r.acked_keys_checked).sum(),
+        acked_keys_lost: results.iter().map(|r| r.acked_keys_lost).sum(),
         guest_rebooted: results.iter().any(|r| r.guest_continued != Some(true)),
         link: lab.shaping.clone(),
         epoch_ms: a.epoch_ms,
@@ -189,9 +189,9 @@ fn print_summary(s: &Summary) {
         med(&|r| r.client_gap_ms)
     );
     println!(
-        "  checks           {} acknowledged writes read back, {} lost; guest rebooted: {}  =>  {}",
-        s.acked_writes_checked,
-        s.acked_writes_lost,
+        "  checks           {} keys read back, {} missing an acknowledged write; guest rebooted: {}  =>  {}",
+        s.acked_keys_checked,
+        s.acked_keys_lost,
         if s.guest_rebooted { "YES" } else { "no" },
         if s.ok { "OK" } else { "FAILED" }
     );

@@ -63,8 +63,8 @@ pub struct RoundResult {
     pub resume_after_detection_ms: f64,
     pub kill_to_running_ms: f64,
     pub client_gap_ms: f64,
-    pub acked_writes_checked: u64,
-    pub acked_writes_lost: u64,
+    pub acked_keys_checked: u64,
+    pub acked_keys_lost: u64,
     pub first_lost_key: Option<String>,
     pub client_reconnects: u64,
     /// The guest continued without rebooting (kv: same redis run_id and growing uptime;
@@ -77,8 +77,8 @@ pub struct RoundResult {
 
 impl RoundResult {
     pub fn ok(&self) -> bool {
-        self.acked_writes_lost == 0
-            && (self.workload != "kv" || self.acked_writes_checked > 0)
+        self.acked_keys_lost == 0
+            && (self.workload != "kv" || self.acked_keys_checked > 0)
             && self.guest_continued != Some(false)
     }
 }
@@ -384,8 +384,8 @@ pub fn run(round: usize, o: &Opts<'_>, pb: &ProgressBar) -> anyhow::Result<Round
             .unwrap_or(f64::NAN),
         kill_to_running_ms: g("running_at_ms").saturating_sub(kill_unix) as f64,
         client_gap_ms: gap,
-        acked_writes_checked: checked,
-        acked_writes_lost: lost,
+        acked_keys_checked: checked,
+        acked_keys_lost: lost,
         first_lost_key: first_lost,
         client_reconnects: reconnects,
         guest_continued: continued,
