@@ -1,9 +1,9 @@
 //! Writes seed inputs for the `replication_frames` fuzz target: `replication_corpus DIR`.
 
 use tandem_codec::{Codec, Config, Encoder};
-use tandem_replication::wire::{epoch_payload, section};
 use tandem_replication::devstate::encode_delta;
 use tandem_replication::fuzz::FUZZ_DISK;
+use tandem_replication::wire::{epoch_payload, section};
 use tandem_replication::{base_payload, hello_payload, Frame, Kind};
 
 fn main() {
@@ -22,9 +22,13 @@ fn main() {
         payload,
     };
     let mut stream = Vec::new();
-    f(Kind::Hello, 0, hello_payload(mem.len() as u64, FUZZ_DISK as u64))
-        .write_to(&mut stream)
-        .unwrap();
+    f(
+        Kind::Hello,
+        0,
+        hello_payload(mem.len() as u64, FUZZ_DISK as u64),
+    )
+    .write_to(&mut stream)
+    .unwrap();
     f(Kind::Base, 0, base_payload(0, &mem))
         .write_to(&mut stream)
         .unwrap();
@@ -56,9 +60,13 @@ fn main() {
     std::fs::write(dir.join("session"), &stream).unwrap();
     std::fs::write(dir.join("session-cut"), &stream[..stream.len() - 40]).unwrap();
     let mut hello_only = Vec::new();
-    f(Kind::Hello, 0, hello_payload(mem.len() as u64, FUZZ_DISK as u64))
-        .write_to(&mut hello_only)
-        .unwrap();
+    f(
+        Kind::Hello,
+        0,
+        hello_payload(mem.len() as u64, FUZZ_DISK as u64),
+    )
+    .write_to(&mut hello_only)
+    .unwrap();
     std::fs::write(dir.join("hello"), &hello_only).unwrap();
     std::fs::write(dir.join("garbage"), b"TNDR\x01\x00\x07\x00").unwrap();
     std::fs::write(dir.join("empty"), b"").unwrap();

@@ -168,7 +168,9 @@ pub fn verify(c: &mut KvClient, acked: &[u64]) -> anyhow::Result<(u64, u64, Opti
         for chunk in seqs.chunks(500) {
             let keys: Vec<Vec<u8>> = chunk.iter().map(|&s| key(conn, s)).collect();
             let cmds: Vec<Vec<&[u8]>> = keys.iter().map(|k| vec![&b"GET"[..], k]).collect();
-            let replies = c.pipeline(&cmds).context("reading back acknowledged writes")?;
+            let replies = c
+                .pipeline(&cmds)
+                .context("reading back acknowledged writes")?;
             for (&s, r) in chunk.iter().zip(replies) {
                 checked += 1;
                 let ok = r
@@ -178,26 +180,16 @@ pub fn verify(c: &mut KvClient, acked: &[u64]) -> anyhow::Result<(u64, u64, Opti
                 if !ok {
                     lost += 1;
                     first.get_or_insert_with(|| {
-                        format!("{} (acknowledged write {s})", String::from_utf8_lossy(&key(conn, s)))
+                        format!(
+                            "{} (acknowledged write {s})",
+                            String::from_utf8_lossy(&key(conn, s))
+                        )
                     });
                 }
             }
         }
     }
     Ok((checked, lost, first))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn values_carry_their_sequence() {
-        assert_eq!(seq_of(3, &value(3, 12345)), Some(12345));
-        assert_eq!(seq_of(4, &value(3, 12345)), None);
-        assert_eq!(seq_of(3, b"3-12-garbage"), None);
-        assert_eq!(key(1, 5), key(1, 5 + SLOTS));
-    }
 }
 
 /// redis `run_id` and `uptime_in_seconds`.
@@ -213,4 +205,17 @@ pub fn server_identity(c: &mut KvClient) -> anyhow::Result<(String, u64)> {
         field("run_id:"),
         field("uptime_in_seconds:").parse().unwrap_or(0),
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn values_carry_their_sequence() {
+        assert_eq!(seq_of(3, &value(3, 12345)), Some(12345));
+        assert_eq!(seq_of(4, &value(3, 12345)), None);
+        assert_eq!(seq_of(3, b"3-12-garbage"), None);
+        assert_eq!(key(1, 5), key(1, 5 + SLOTS));
+    }
 }
