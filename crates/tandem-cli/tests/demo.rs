@@ -31,7 +31,7 @@ fn check_rounds(v: &serde_json::Value, n: usize) {
         assert_eq!(r["guest_continued"], true, "{r:#}");
         assert!(r["failover_epoch"].as_u64().unwrap() >= 1, "{r:#}");
         assert!(
-            r["ops_per_s_after_failover"].as_f64().unwrap() > 0.0,
+            r["rate_after_failover"].as_f64().unwrap() > 0.0,
             "{r:#}"
         );
         assert!(
