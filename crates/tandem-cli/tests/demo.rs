@@ -30,10 +30,7 @@ fn check_rounds(v: &serde_json::Value, n: usize) {
         assert_eq!(r["acked_keys_lost"], 0, "{r:#}");
         assert_eq!(r["guest_continued"], true, "{r:#}");
         assert!(r["failover_epoch"].as_u64().unwrap() >= 1, "{r:#}");
-        assert!(
-            r["rate_after_failover"].as_f64().unwrap() > 0.0,
-            "{r:#}"
-        );
+        assert!(r["rate_after_failover"].as_f64().unwrap() > 0.0, "{r:#}");
         assert!(
             r["sent_mib"].as_f64().unwrap() < r["raw_mib"].as_f64().unwrap(),
             "{r:#}"
