@@ -1,6 +1,7 @@
 //! `tandem`: the command-line front end. Thin glue over the library crates.
 
 mod bench;
+mod checkpoint;
 mod codecbench;
 mod demo;
 mod doctor;
@@ -54,6 +55,9 @@ enum Cmd {
     Primary(replicate::PrimaryArgs),
     /// Receive epochs into a mirror and fail over onto a standby QEMU when the primary is lost.
     Backup(replicate::BackupArgs),
+    /// Incremental checkpoints on disk: save, list, restore, verify.
+    #[command(subcommand)]
+    Checkpoint(checkpoint::Cmd),
     /// Measure: --lab (boot, pause breakdown, harvest, hash scan, dirty rates), --replication (end to end) or --trace (codecs).
     Bench(bench::Args),
 }
@@ -78,6 +82,7 @@ fn main() {
         Cmd::Traces(a) => record::traces(a),
         Cmd::Trace(c) => record::trace_cmd(c),
         Cmd::Bench(a) => bench::run(a),
+        Cmd::Checkpoint(c) => checkpoint::run(c),
         Cmd::Lab(c) => lab::run(c),
         Cmd::Primary(a) => replicate::primary(a),
         Cmd::Backup(a) => replicate::backup(a),

@@ -21,14 +21,14 @@ extern "C" fn on_signal(_: libc::c_int) {
     STOP.store(true, Ordering::SeqCst);
 }
 
-fn install_stop_handler() {
+pub(crate) fn install_stop_handler() {
     for sig in [libc::SIGINT, libc::SIGTERM] {
         // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
         unsafe { libc::signal(sig, on_signal as *const () as libc::sighandler_t) };
     }
 }
 
-fn stopping() -> bool {
+pub(crate) fn stopping() -> bool {
     STOP.load(Ordering::SeqCst)
 }
 

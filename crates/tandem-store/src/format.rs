@@ -1,0 +1,275 @@
+//! On-disk formats of the checkpoint store.
+//!
+//! ```text
+//! index (file `index`):
+//!   header 32 bytes: magic "TNDMIDX1" | version u32 = 1 | page_size u32 | mem_bytes u64 |
+//!                    reserved u32 | crc32c u32 over bytes 0..28
+//!   entries, 64 bytes each, appended in checkpoint order:
+//!      0 magic "TIDX"   4 kind u8 (1 base, 2 delta)   5..8 zero
+//!      8 id u64        16 segment u32   20 len u32 (record bytes)   24 offset u64
+//!     32 ram_hash u64 (xxh3 over the per-page xxh3 of guest RAM at the checkpoint)
+//!     40 time_ms u64 (Unix)   48 pause_us u32   52 dirty_pages u32   56 reserved u32
+//!     60 crc32c u32 over bytes 0..60
+//!
+//! segment record (file `seg-NNNNNNNN.tseg`, records back to back):
+//!   header 32 bytes: magic "TSEG" | kind u8 | 3 zero | id u64 | mem_len u32 | dev_len u32 |
+//!                    reserved u32 | crc32c u32 over header bytes 0..28 and the payload
+//!   payload: memory record (tandem-codec epoch record; a base is a record against an all-zero
+//!            image) | device state, zstd-compressed
+//! ```
+//! Limits: a record's memory part ≤ 4 GiB − 1, device state ≤ 64 MiB compressed.
+
+/// Index header magic.
+pub const INDEX_MAGIC: &[u8; 8] = b"TNDMIDX1";
+/// Index format version.
+pub const INDEX_VERSION: u32 = 1;
+/// Index header length.
+pub const INDEX_HEADER: usize = 32;
+/// Index entry length.
+pub const ENTRY_LEN: usize = 64;
+/// Segment record header length.
+pub const RECORD_HEADER: usize = 32;
+/// Largest compressed device state accepted.
+pub const MAX_DEVICE_STATE: u32 = 64 << 20;
+
+/// What a record holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RecordKind {
+    /// The whole guest RAM (against zeros).
+    Base = 1,
+    /// Changes since the previous checkpoint.
+    Delta = 2,
+}
+
+impl RecordKind {
+    fn from_u8(v: u8) -> Option<Self> {
+        match v {
+            1 => Some(RecordKind::Base),
+            2 => Some(RecordKind::Delta),
+            _ => None,
+        }
+    }
+}
+
+/// One committed checkpoint in the index.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct Entry {
+    /// Base or delta.
+    pub kind: RecordKind,
+    /// Checkpoint id (increasing by one).
+    pub id: u64,
+    /// Segment number.
+    pub segment: u32,
+    /// Record offset in the segment.
+    pub offset: u64,
+    /// Record length.
+    pub len: u32,
+    /// Checksum of guest RAM at the checkpoint (see [`crate::ramhash`]).
+    pub ram_hash: u64,
+    /// Wall-clock time of the checkpoint (Unix ms).
+    pub time_ms: u64,
+    /// Guest pause of the checkpoint in µs.
+    pub pause_us: u32,
+    /// Dirty pages in the checkpoint.
+    pub dirty_pages: u32,
+}
+
+fn u32_at(b: &[u8], o: usize) -> u32 {
+    u32::from_le_bytes([b[o], b[o + 1], b[o + 2], b[o + 3]])
+}
+
+fn u64_at(b: &[u8], o: usize) -> u64 {
+    let mut a = [0u8; 8];
+    a.copy_from_slice(&b[o..o + 8]);
+    u64::from_le_bytes(a)
+}
+
+/// The index header for a guest of `mem_bytes`.
+pub fn index_header(mem_bytes: u64) -> [u8; INDEX_HEADER] {
+    let mut h = [0u8; INDEX_HEADER];
+    h[..8].copy_from_slice(INDEX_MAGIC);
+    h[8..12].copy_from_slice(&INDEX_VERSION.to_le_bytes());
+    h[12..16].copy_from_slice(&(tandem_codec::format::PAGE as u32).to_le_bytes());
+    h[16..24].copy_from_slice(&mem_bytes.to_le_bytes());
+    let crc = crc32c::crc32c(&h[..28]);
+    h[28..32].copy_from_slice(&crc.to_le_bytes());
+    h
+}
+
+/// Parses the index header; returns the guest size or what is wrong.
+pub fn parse_index_header(h: &[u8]) -> Result<u64, String> {
+    if h.len() < INDEX_HEADER || &h[..8] != INDEX_MAGIC {
+        return Err("not a tandem checkpoint index (bad magic)".into());
+    }
+    if crc32c::crc32c(&h[..28]) != u32_at(h, 28) {
+        return Err("index header checksum mismatch".into());
+    }
+    let v = u32_at(h, 8);
+    if v != INDEX_VERSION {
+        return Err(format!(
+            "index version {v} is not supported (this tandem reads {INDEX_VERSION})"
+        ));
+    }
+    if u32_at(h, 12) as usize != tandem_codec::format::PAGE {
+        return Err(format!("page size {} is not supported", u32_at(h, 12)));
+    }
+    Ok(u64_at(h, 16))
+}
+
+impl Entry {
+    /// Serialises the entry.
+    pub fn encode(&self) -> [u8; ENTRY_LEN] {
+        let mut b = [0u8; ENTRY_LEN];
+        b[..4].copy_from_slice(b"TIDX");
+        b[4] = self.kind as u8;
+        b[8..16].copy_from_slice(&self.id.to_le_bytes());
+        b[16..20].copy_from_slice(&self.segment.to_le_bytes());
+        b[20..24].copy_from_slice(&self.len.to_le_bytes());
+        b[24..32].copy_from_slice(&self.offset.to_le_bytes());
+        b[32..40].copy_from_slice(&self.ram_hash.to_le_bytes());
+        b[40..48].copy_from_slice(&self.time_ms.to_le_bytes());
+        b[48..52].copy_from_slice(&self.pause_us.to_le_bytes());
+        b[52..56].copy_from_slice(&self.dirty_pages.to_le_bytes());
+        let crc = crc32c::crc32c(&b[..60]);
+        b[60..64].copy_from_slice(&crc.to_le_bytes());
+        b
+    }
+
+    /// Parses an entry; `None` if the magic, kind or checksum is wrong (a torn or damaged
+    /// entry).
+    pub fn decode(b: &[u8]) -> Option<Entry> {
+        if b.len() < ENTRY_LEN || &b[..4] != b"TIDX" || crc32c::crc32c(&b[..60]) != u32_at(b, 60) {
+            return None;
+        }
+        Some(Entry {
+            kind: RecordKind::from_u8(b[4])?,
+            id: u64_at(b, 8),
+            segment: u32_at(b, 16),
+            len: u32_at(b, 20),
+            offset: u64_at(b, 24),
+            ram_hash: u64_at(b, 32),
+            time_ms: u64_at(b, 40),
+            pause_us: u32_at(b, 48),
+            dirty_pages: u32_at(b, 52),
+        })
+    }
+}
+
+/// Builds a segment record.
+pub fn encode_record(kind: RecordKind, id: u64, memory: &[u8], device_state: &[u8]) -> Vec<u8> {
+    let dev = zstd::bulk::compress(device_state, 1).unwrap_or_default();
+    let mut out = Vec::with_capacity(RECORD_HEADER + memory.len() + dev.len());
+    out.extend_from_slice(b"TSEG");
+    out.push(kind as u8);
+    out.extend_from_slice(&[0; 3]);
+    out.extend_from_slice(&id.to_le_bytes());
+    out.extend_from_slice(&(memory.len() as u32).to_le_bytes());
+    out.extend_from_slice(&(dev.len() as u32).to_le_bytes());
+    out.extend_from_slice(&[0; 4]);
+    out.extend_from_slice(&[0; 4]);
+    out.extend_from_slice(memory);
+    out.extend_from_slice(&dev);
+    let crc = crc32c::crc32c_append(crc32c::crc32c(&out[..28]), &out[RECORD_HEADER..]);
+    out[28..32].copy_from_slice(&crc.to_le_bytes());
+    out
+}
+
+/// A parsed segment record.
+#[derive(Debug)]
+pub struct Record<'a> {
+    /// Base or delta.
+    pub kind: RecordKind,
+    /// Checkpoint id.
+    pub id: u64,
+    /// The codec record.
+    pub memory: &'a [u8],
+    /// Compressed device state.
+    pub device_state_zstd: &'a [u8],
+}
+
+/// Parses and checks a segment record (whole buffer).
+pub fn decode_record(b: &[u8]) -> Result<Record<'_>, String> {
+    if b.len() < RECORD_HEADER || &b[..4] != b"TSEG" {
+        return Err("bad record magic".into());
+    }
+    let kind = RecordKind::from_u8(b[4]).ok_or_else(|| format!("unknown record kind {}", b[4]))?;
+    let mem_len = u32_at(b, 16) as usize;
+    let dev_len = u32_at(b, 20);
+    if dev_len > MAX_DEVICE_STATE {
+        return Err(format!("device state of {dev_len} bytes exceeds the limit"));
+    }
+    if RECORD_HEADER + mem_len + dev_len as usize != b.len() {
+        return Err("record length does not match its header".into());
+    }
+    let crc = crc32c::crc32c_append(crc32c::crc32c(&b[..28]), &b[RECORD_HEADER..]);
+    if crc != u32_at(b, 28) {
+        return Err("record checksum mismatch".into());
+    }
+    Ok(Record {
+        kind,
+        id: u64_at(b, 8),
+        memory: &b[RECORD_HEADER..RECORD_HEADER + mem_len],
+        device_state_zstd: &b[RECORD_HEADER + mem_len..],
+    })
+}
+
+/// Decompresses a record's device state.
+pub fn device_state(r: &Record<'_>) -> Result<Vec<u8>, String> {
+    zstd::bulk::decompress(r.device_state_zstd, 64 << 20)
+        .map_err(|e| format!("device state does not decompress: {e}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    proptest::proptest! {
+        #[test]
+        fn records_round_trip(mem in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..2000),
+                              dev in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..2000),
+                              id in 0u64..1000, base in proptest::prelude::any::<bool>()) {
+            let kind = if base { RecordKind::Base } else { RecordKind::Delta };
+            let r = encode_record(kind, id, &mem, &dev);
+            let p = decode_record(&r).unwrap();
+            proptest::prop_assert_eq!((p.kind, p.id, p.memory), (kind, id, &mem[..]));
+            proptest::prop_assert_eq!(device_state(&p).unwrap(), dev);
+        }
+
+        #[test]
+        fn entries_round_trip(id in proptest::prelude::any::<u64>(), seg in proptest::prelude::any::<u32>(),
+                              off in proptest::prelude::any::<u64>(), h in proptest::prelude::any::<u64>()) {
+            let e = Entry { kind: RecordKind::Delta, id, segment: seg, offset: off, len: 77, ram_hash: h,
+                            time_ms: 5, pause_us: 6, dirty_pages: 7 };
+            proptest::prop_assert_eq!(Entry::decode(&e.encode()), Some(e));
+        }
+    }
+
+    #[test]
+    fn any_flipped_byte_is_detected() {
+        let r = encode_record(RecordKind::Delta, 3, b"memory-record", b"device");
+        for i in 0..r.len() {
+            let mut b = r.clone();
+            b[i] ^= 0x40;
+            assert!(decode_record(&b).is_err(), "flip at {i}");
+        }
+        let e = Entry {
+            kind: RecordKind::Base,
+            id: 1,
+            segment: 1,
+            offset: 0,
+            len: 9,
+            ram_hash: 1,
+            time_ms: 2,
+            pause_us: 3,
+            dirty_pages: 4,
+        }
+        .encode();
+        for i in 0..ENTRY_LEN {
+            let mut b = e;
+            b[i] ^= 1;
+            assert_eq!(Entry::decode(&b), None, "flip at {i}");
+        }
+        assert!(parse_index_header(&index_header(1 << 28)).is_ok());
+    }
+}

@@ -1,0 +1,13 @@
+//! Replays the committed corpus of the `store_files` fuzz target.
+
+#[test]
+fn replay_store_files() {
+    let dir =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fuzz/corpus/store_files");
+    let mut n = 0;
+    for e in std::fs::read_dir(&dir).expect("corpus directory") {
+        tandem_store::fuzz::store_files(&std::fs::read(e.unwrap().path()).unwrap());
+        n += 1;
+    }
+    assert!(n >= 3, "corpus has {n} inputs");
+}
