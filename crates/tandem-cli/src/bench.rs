@@ -48,6 +48,18 @@ pub struct Args {
     /// Epoch lengths in ms (--lab default: 25,100,500; --replication default: 25,100).
     #[arg(long, value_delimiter = ',')]
     pub epochs_ms: Vec<u64>,
+    /// Measure the checkpoint store against QEMU's full save and page-granular increments.
+    #[arg(long)]
+    pub store: bool,
+    /// Guest sizes in MiB for --store.
+    #[arg(long, value_delimiter = ',', default_value = "256,1024")]
+    pub mems: Vec<u64>,
+    /// Checkpoints per run for --store (the first is a base, the rest one delta chain).
+    #[arg(long, default_value_t = 101)]
+    pub count: u64,
+    /// Checkpoint interval in ms for --store.
+    #[arg(long, default_value_t = 200)]
+    pub interval: u64,
     /// Replication link rate in Mbit/s for --replication (0 = unlimited).
     #[arg(long, default_value_t = 1000)]
     pub rate_mbit: u64,
@@ -176,6 +188,9 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     }
     if a.replication {
         return crate::repbench::run(&a);
+    }
+    if a.store {
+        return crate::storebench::run(&a);
     }
     if !a.lab {
         bail!("choose what to measure: --lab (VM lab on real guests), --replication (end to end) or --trace FILE... (codecs over recorded traces)");

@@ -95,6 +95,8 @@ struct SaveSummary {
     base_bytes: u64,
     compactions: u64,
     kept: usize,
+    device_state_bytes: u64,
+    dirty_pages_mean: f64,
 }
 
 fn unix_ms() -> u64 {
@@ -164,6 +166,7 @@ fn save(a: SaveArgs) -> anyhow::Result<()> {
     )?;
     let mut enc = Encoder::new(a.codec, &shadow, codec_cfg)?;
     let (mut pauses, mut totals, mut deltas) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut dirty, mut dev_len) = (Vec::new(), dev.len() as u64);
     let mut compactions = 0;
     let mut taken = 1u64;
     let mut err = None;
@@ -213,6 +216,8 @@ fn save(a: SaveArgs) -> anyhow::Result<()> {
                     return false;
                 }
                 pauses.push(cp.timing.total_us() as f64 / 1000.0);
+                dirty.push(cp.pfns.len() as f64);
+                dev_len = cp.device_state.len() as u64;
                 totals.push(
                     cp.timing.total_us() as f64 / 1000.0 + t.elapsed().as_secs_f64() * 1000.0,
                 );
@@ -255,6 +260,8 @@ fn save(a: SaveArgs) -> anyhow::Result<()> {
         base_bytes,
         compactions,
         kept: store.entries().len(),
+        device_state_bytes: dev_len,
+        dirty_pages_mean: dirty.iter().sum::<f64>() / dirty.len().max(1) as f64,
     };
     if a.json {
         println!("{}", serde_json::to_string_pretty(&s)?);
@@ -372,7 +379,7 @@ fn restore(a: RestoreArgs) -> anyhow::Result<()> {
     ));
     // SAFETY: this process is the file's only writer until QEMU starts on it below.
     let mut ram = unsafe { MirrorFile::create(&path, s.mem_bytes()) }?;
-    let dev = match s.materialize(a.id, ram.as_mut()) {
+    let dev = match s.materialize_zeroed(a.id, ram.as_mut()) {
         Ok(d) => d,
         Err(e) => {
             let _ = std::fs::remove_file(&path);

@@ -12,6 +12,7 @@ mod repbench;
 mod replicate;
 mod setup;
 mod stats;
+mod storebench;
 mod vmargs;
 mod watch;
 

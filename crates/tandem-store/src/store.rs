@@ -325,13 +325,19 @@ impl Store {
     }
 
     /// Applies one record of `e` onto `ram`; returns its device state.
-    fn apply(&self, e: &Entry, ram: &mut [u8], plan: &mut Plan) -> Result<Vec<u8>, StoreError> {
+    fn apply(
+        &self,
+        e: &Entry,
+        ram: &mut [u8],
+        plan: &mut Plan,
+        zeroed: bool,
+    ) -> Result<Vec<u8>, StoreError> {
         let bytes = self.read(e)?;
         let r = decode_record(&bytes).map_err(|w| self.damaged(e, w))?;
         if r.id != e.id || r.kind != e.kind {
             return Err(self.damaged(e, format!("record is checkpoint {} ({:?})", r.id, r.kind)));
         }
-        if e.kind == RecordKind::Base {
+        if e.kind == RecordKind::Base && !zeroed {
             ram.fill(0);
         }
         decode(r.memory, ram, plan).map_err(|d: DecodeError| self.damaged(e, d.to_string()))?;
@@ -365,6 +371,16 @@ impl Store {
     /// Rebuilds guest RAM of checkpoint `id` into `ram` (guest-sized) and returns its device
     /// state. Every record of the chain is checked, and so is the RAM checksum at the end.
     pub fn materialize(&self, id: u64, ram: &mut [u8]) -> Result<Vec<u8>, StoreError> {
+        self.materialize_into(id, ram, false)
+    }
+
+    /// [`Store::materialize`] into memory known to be all zeros (a fresh file or allocation):
+    /// the base is written without clearing first, which keeps a tmpfs file sparse.
+    pub fn materialize_zeroed(&self, id: u64, ram: &mut [u8]) -> Result<Vec<u8>, StoreError> {
+        self.materialize_into(id, ram, true)
+    }
+
+    fn materialize_into(&self, id: u64, ram: &mut [u8], zeroed: bool) -> Result<Vec<u8>, StoreError> {
         if ram.len() as u64 != self.mem_bytes {
             return Err(StoreError::Geometry {
                 expected: self.mem_bytes,
@@ -374,8 +390,8 @@ impl Store {
         let chain = self.chain(id)?;
         let mut plan = Plan::default();
         let mut dev = Vec::new();
-        for e in chain {
-            dev = self.apply(e, ram, &mut plan).map_err(|err| match err {
+        for (i, e) in chain.iter().enumerate() {
+            dev = self.apply(e, ram, &mut plan, zeroed && i == 0).map_err(|err| match err {
                 StoreError::Damaged {
                     id: d,
                     segment,
@@ -412,7 +428,8 @@ impl Store {
             if broken {
                 continue;
             }
-            match self.apply(e, &mut ram, &mut plan) {
+            let fresh = std::ptr::eq(e, &self.entries[0]);
+            match self.apply(e, &mut ram, &mut plan, fresh) {
                 Err(err) => {
                     out.push(err);
                     broken = true;
@@ -451,7 +468,7 @@ impl Store {
         let first = self.entries.len() - keep;
         let r = self.entries[first];
         let mut ram = vec![0u8; self.mem_bytes as usize];
-        let dev = self.materialize(r.id, &mut ram)?;
+        let dev = self.materialize_zeroed(r.id, &mut ram)?;
         let base = encode_base(r.id, &ram, codec, cfg)?;
         drop(ram);
         let n = self.entries.iter().map(|e| e.segment).max().unwrap_or(0) + 1;

@@ -63,6 +63,20 @@ pub fn capture(qmp: &mut Qmp, out: &mut Vec<u8>) -> Result<(), DeviceStateError>
     Ok(())
 }
 
+/// QEMU's own save of the whole VM (RAM included) into `file`, as `virsh save` / `savevm`
+/// to a file would do; the guest must be stopped. Returns the bytes written.
+pub fn full_save(qmp: &mut Qmp, file: &std::fs::File) -> Result<u64, DeviceStateError> {
+    qmp.set_migrate_caps(&[("x-ignore-shared", false)])?;
+    let r = (|| {
+        qmp.getfd(FD_NAME, file.as_fd())?;
+        qmp.execute("migrate", Some(json!({ "uri": format!("fd:{FD_NAME}") })))?;
+        qmp.wait_migration(Duration::from_secs(300))?;
+        Ok::<_, DeviceStateError>(file.metadata()?.len())
+    })();
+    qmp.set_migrate_caps(&[("x-ignore-shared", true)])?;
+    r
+}
+
 /// Feeds `state` to a QEMU started with `-incoming defer -S` and waits until it is paused.
 pub fn restore(qmp: &mut Qmp, state: &[u8]) -> Result<(), DeviceStateError> {
     let (r, mut w) = pipe()?;

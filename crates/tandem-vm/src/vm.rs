@@ -507,6 +507,14 @@ impl Vm {
         Ok(t)
     }
 
+    /// QEMU's own full save of the stopped VM (RAM and devices, its migration format) into a
+    /// new file at `path`; returns its size. The baseline the checkpoint store is measured
+    /// against.
+    pub fn full_save(&mut self, path: &Path) -> Result<u64, VmError> {
+        let f = fs::File::create(path)?;
+        Ok(devstate::full_save(&mut self.qmp, &f)?)
+    }
+
     /// Writes guest RAM to a new file at `path` (stop the guest first for a consistent image).
     pub fn save_ram(&self, path: &Path) -> Result<(), VmError> {
         // SAFETY: read-only view of the guest's RAM; callers stop the guest for consistency.
