@@ -38,7 +38,10 @@ struct Row {
 
 fn json(args: &[String]) -> anyhow::Result<serde_json::Value> {
     let exe = std::env::current_exe()?;
-    let out = Command::new(exe).args(args).output().context("running tandem")?;
+    let out = Command::new(exe)
+        .args(args)
+        .output()
+        .context("running tandem")?;
     if !out.status.success() {
         bail!(
             "tandem {} failed: {}",
@@ -84,19 +87,43 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     for &mem in &a.mems {
         for w in &workloads {
             // On disk (not tmpfs): the fsyncs are part of what is measured.
-            let tmp = tempfile::Builder::new().prefix("tandem-storebench-").tempdir_in("/var/tmp")?;
+            let tmp = tempfile::Builder::new()
+                .prefix("tandem-storebench-")
+                .tempdir_in("/var/tmp")?;
             let store = tmp.path().join("store");
             let s = |x: &dyn ToString| x.to_string();
             pb.set_message(format!("{mem} MiB {w}: saving {} checkpoints", a.count));
             let save = json(&[
-                s(&"checkpoint"), s(&"save"), s(&"--dir"), store.display().to_string(), s(&"--workload"), w.clone(),
-                s(&"--mem"), s(&mem), s(&"--interval"), s(&a.interval), s(&"--count"), s(&a.count),
-                s(&"--base-every"), s(&1_000_000), s(&"--json"),
+                s(&"checkpoint"),
+                s(&"save"),
+                s(&"--dir"),
+                store.display().to_string(),
+                s(&"--workload"),
+                w.clone(),
+                s(&"--mem"),
+                s(&mem),
+                s(&"--interval"),
+                s(&a.interval),
+                s(&"--count"),
+                s(&a.count),
+                s(&"--base-every"),
+                s(&1_000_000),
+                s(&"--json"),
             ])?;
             let restore = |id: u64| {
                 json(&[
-                    s(&"checkpoint"), s(&"restore"), store.display().to_string(), s(&"--id"), s(&id),
-                    s(&"--workload"), w.clone(), s(&"--mem"), s(&mem), s(&"--run-seconds"), s(&0), s(&"--json"),
+                    s(&"checkpoint"),
+                    s(&"restore"),
+                    store.display().to_string(),
+                    s(&"--id"),
+                    s(&id),
+                    s(&"--workload"),
+                    w.clone(),
+                    s(&"--mem"),
+                    s(&mem),
+                    s(&"--run-seconds"),
+                    s(&0),
+                    s(&"--json"),
                 ])
             };
             pb.set_message(format!("{mem} MiB {w}: restoring"));

@@ -26,6 +26,59 @@ pub struct VmArgs {
     /// Guest image directory (default: the cache that `tandem setup` fills).
     #[arg(long)]
     pub image: Option<PathBuf>,
+    /// VM description file (TOML with any of: workload, mem, dirty_log, qemu, accel, image);
+    /// its keys override the flags.
+    #[arg(long)]
+    pub vm_config: Option<PathBuf>,
+}
+
+/// The TOML form of the VM flags.
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct VmFile {
+    workload: Option<String>,
+    mem: Option<u64>,
+    dirty_log: Option<String>,
+    qemu: Option<PathBuf>,
+    accel: Option<String>,
+    image: Option<PathBuf>,
+}
+
+impl VmArgs {
+    /// These flags with the `--vm-config` file's keys applied.
+    fn resolved(&self) -> anyhow::Result<VmArgs> {
+        let mut a = self.clone();
+        let Some(p) = &self.vm_config else {
+            return Ok(a);
+        };
+        let text = std::fs::read_to_string(p)
+            .with_context(|| format!("reading the VM description {}", p.display()))?;
+        let f: VmFile = toml::from_str(&text).with_context(|| {
+            format!(
+                "VM description {} (keys: workload, mem, dirty_log, qemu, accel, image)",
+                p.display()
+            )
+        })?;
+        if let Some(v) = f.workload {
+            a.workload = v;
+        }
+        if let Some(v) = f.mem {
+            a.mem = v;
+        }
+        if let Some(v) = f.dirty_log {
+            a.dirty_log = v.parse().map_err(anyhow::Error::msg)?;
+        }
+        if let Some(v) = f.qemu {
+            a.qemu = v;
+        }
+        if let Some(v) = f.accel {
+            a.accel = v;
+        }
+        if f.image.is_some() {
+            a.image = f.image;
+        }
+        Ok(a)
+    }
 }
 
 impl VmArgs {
@@ -38,10 +91,17 @@ impl VmArgs {
             qemu: "qemu-system-x86_64".into(),
             accel: "tcg".into(),
             image: None,
+            vm_config: None,
         }
     }
 
     pub fn config(&self, name: &str) -> anyhow::Result<VmConfig> {
+        let r = self.resolved()?;
+        let this = &r;
+        this.config_resolved(name)
+    }
+
+    fn config_resolved(&self, name: &str) -> anyhow::Result<VmConfig> {
         tandem_vm::image::check_workload(&self.workload)?;
         if !(16..=65536).contains(&self.mem) {
             anyhow::bail!("--mem {} MiB is out of range (16..=65536)", self.mem);

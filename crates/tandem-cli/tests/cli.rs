@@ -146,3 +146,45 @@ fn doctor_fails_clearly_without_prerequisites() {
         text(&o)
     );
 }
+
+#[test]
+fn vm_description_files_are_checked() {
+    let d = tempfile::tempdir().unwrap();
+    let bad = d.path().join("bad.toml");
+    std::fs::write(&bad, "workload = \"kv\"\nmemory = 256\n").unwrap();
+    let o = tandem(&[
+        "checkpoint",
+        "save",
+        "--dir",
+        d.path().join("s").to_str().unwrap(),
+        "--vm-config",
+        bad.to_str().unwrap(),
+    ]);
+    assert_eq!(o.status.code(), Some(1));
+    let t = text(&o);
+    assert!(t.contains("bad.toml") && t.contains("memory"), "{t}");
+    // A valid file is applied: its workload name is checked like the flag's.
+    let wrong = d.path().join("wrong.toml");
+    std::fs::write(&wrong, "workload = \"nope\"\nmem = 128\n").unwrap();
+    let o = tandem(&[
+        "checkpoint",
+        "save",
+        "--dir",
+        d.path().join("s2").to_str().unwrap(),
+        "--vm-config",
+        wrong.to_str().unwrap(),
+    ]);
+    assert!(text(&o).contains("unknown workload"), "{}", text(&o));
+}
+
+#[test]
+fn stores_that_are_not_stores_are_named() {
+    let d = tempfile::tempdir().unwrap();
+    let o = tandem(&["checkpoint", "list", d.path().to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(
+        text(&o).contains("not a usable checkpoint store"),
+        "{}",
+        text(&o)
+    );
+}

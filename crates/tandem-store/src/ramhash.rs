@@ -14,14 +14,18 @@ pub struct RamHash {
 impl RamHash {
     /// Hashes every page of `ram`.
     pub fn of(ram: &[u8]) -> Self {
-        let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(8);
+        let threads = std::thread::available_parallelism()
+            .map_or(1, |n| n.get())
+            .min(8);
         let per = (ram.len() / PAGE).div_ceil(threads).max(1) * PAGE;
         let parts: Vec<Vec<u64>> = std::thread::scope(|s| {
             let hs: Vec<_> = ram
                 .chunks(per)
                 .map(|part| s.spawn(move || part.chunks(PAGE).map(xxh3_64).collect::<Vec<u64>>()))
                 .collect();
-            hs.into_iter().map(|h| h.join().unwrap_or_default()).collect()
+            hs.into_iter()
+                .map(|h| h.join().unwrap_or_default())
+                .collect()
         });
         RamHash {
             pages: parts.concat(),

@@ -380,7 +380,12 @@ impl Store {
         self.materialize_into(id, ram, true)
     }
 
-    fn materialize_into(&self, id: u64, ram: &mut [u8], zeroed: bool) -> Result<Vec<u8>, StoreError> {
+    fn materialize_into(
+        &self,
+        id: u64,
+        ram: &mut [u8],
+        zeroed: bool,
+    ) -> Result<Vec<u8>, StoreError> {
         if ram.len() as u64 != self.mem_bytes {
             return Err(StoreError::Geometry {
                 expected: self.mem_bytes,
@@ -391,20 +396,22 @@ impl Store {
         let mut plan = Plan::default();
         let mut dev = Vec::new();
         for (i, e) in chain.iter().enumerate() {
-            dev = self.apply(e, ram, &mut plan, zeroed && i == 0).map_err(|err| match err {
-                StoreError::Damaged {
-                    id: d,
-                    segment,
-                    why,
-                    ..
-                } if d != id => StoreError::DependsOnDamaged {
-                    id,
-                    damaged: d,
-                    segment,
-                    why,
-                },
-                other => other,
-            })?;
+            dev = self
+                .apply(e, ram, &mut plan, zeroed && i == 0)
+                .map_err(|err| match err {
+                    StoreError::Damaged {
+                        id: d,
+                        segment,
+                        why,
+                        ..
+                    } if d != id => StoreError::DependsOnDamaged {
+                        id,
+                        damaged: d,
+                        segment,
+                        why,
+                    },
+                    other => other,
+                })?;
         }
         let last = chain[chain.len() - 1];
         if RamHash::of(ram).value() != last.ram_hash {
