@@ -138,16 +138,23 @@ fn save(a: SaveArgs) -> anyhow::Result<()> {
         a.dir.display()
     );
     let codec_cfg = Config::default();
-    // First checkpoint: a base (full RAM copy in the pause; the dirty log restarts with it).
-    let t = Instant::now();
+    // First checkpoint: a base, pre-copied while the guest runs. The dirty log restarts (a
+    // short pause), all of RAM is copied with the guest running, and the checkpoint pause then
+    // copies only the pages written meanwhile (the dirty log has every one of them).
     vm.stop()?;
     vm.harvest(&mut Vec::new())?;
-    // SAFETY: the guest is stopped while its memory is copied.
-    let mut shadow = unsafe { vm.ram().as_slice() }.to_vec();
-    let mut dev = Vec::new();
-    vm.capture_device_state(&mut dev)?;
     vm.cont()?;
-    let first_pause = t.elapsed();
+    let mut shadow = vec![0u8; bytes as usize];
+    for (pfn, page) in shadow.chunks_mut(PAGE_SIZE).enumerate() {
+        vm.ram().copy_page(pfn as u64, page);
+    }
+    let (mut pfns, mut pages, mut dev) = (Vec::new(), Vec::new(), Vec::new());
+    let timing = vm.checkpoint(&mut pfns, &mut pages, &mut dev)?;
+    for (&p, page) in pfns.iter().zip(pages.chunks(PAGE_SIZE)) {
+        let o = p as usize * PAGE_SIZE;
+        shadow[o..o + PAGE_SIZE].copy_from_slice(page);
+    }
+    let first_pause = Duration::from_micros(timing.total_us() as u64);
     let mut hash = RamHash::of(&shadow);
     let next_id = store.entries().last().map_or(1, |e| e.id + 1);
     let rec = encode_base(next_id, &shadow, a.codec, codec_cfg)?;

@@ -9,6 +9,7 @@ pub mod dirty;
 pub mod epoch;
 pub mod image;
 pub mod kv;
+pub mod qemu_args;
 pub mod qmp;
 pub mod ram;
 pub mod vm;
