@@ -54,7 +54,7 @@ pub struct RelayStats {
     pub released_frames: u64,
     /// Frames delivered to the guest so far.
     pub inbound_frames: u64,
-    /// Frames dropped because the relay was on standby.
+    /// Frames dropped: on standby, or refused by the outside.
     pub dropped_frames: u64,
 }
 
@@ -128,7 +128,8 @@ impl Relay {
         }
     }
 
-    /// Writes every frame sealed with an epoch `<= epoch` to the outside, in order.
+    /// Writes every frame sealed with an epoch `<= epoch` to the outside, in order; returns
+    /// how many were written (a frame the outside refuses is counted as dropped).
     pub fn release(&self, epoch: u64) -> Result<u64, RelayError> {
         let mut n = 0;
         let mut q = lock(&self.shared.queues);
@@ -138,8 +139,15 @@ impl Relay {
             };
             for f in frames {
                 q.held_bytes -= f.len() as u64;
-                write_outside(&self.shared, &f)?;
-                n += 1;
+                // A frame the tap refuses is lost like on a congested wire (TCP resends);
+                // it must not stop the release of the frames after it.
+                match write_outside(&self.shared, &f) {
+                    Ok(()) => n += 1,
+                    Err(e) => {
+                        tracing::warn!("relay: {e}: {:?}", std::error::Error::source(&e));
+                        self.shared.dropped.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
             }
         }
         self.shared.released.fetch_add(n, Ordering::Relaxed);
