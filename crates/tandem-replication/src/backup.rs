@@ -48,6 +48,8 @@ pub trait DiskCopy {
     fn size(&self) -> u64;
     /// Writes `data` at `offset` (inside the size; checked by the caller).
     fn write_at(&mut self, offset: u64, data: &[u8]) -> std::io::Result<()>;
+    /// Makes the whole disk zeros again (a new initial copy starts).
+    fn zero(&mut self) -> std::io::Result<()>;
 }
 
 impl DiskCopy for Vec<u8> {
@@ -56,6 +58,10 @@ impl DiskCopy for Vec<u8> {
     }
     fn write_at(&mut self, offset: u64, data: &[u8]) -> std::io::Result<()> {
         self[offset as usize..offset as usize + data.len()].copy_from_slice(data);
+        Ok(())
+    }
+    fn zero(&mut self) -> std::io::Result<()> {
+        self.fill(0);
         Ok(())
     }
 }
@@ -80,6 +86,11 @@ impl DiskCopy for FileDisk {
     }
     fn write_at(&mut self, offset: u64, data: &[u8]) -> std::io::Result<()> {
         std::os::unix::fs::FileExt::write_all_at(&self.file, data, offset)
+    }
+    fn zero(&mut self) -> std::io::Result<()> {
+        // Truncate and extend: the file becomes sparse zeros of the same size.
+        self.file.set_len(0)?;
+        self.file.set_len(self.size)
     }
 }
 
@@ -193,8 +204,11 @@ impl<M: AsRef<[u8]> + AsMut<[u8]>> Backup<M> {
                 }
                 if self.vm_id.is_some() && self.committed == 0 {
                     // A new initial copy after an interrupted one: the primary sends only
-                    // non-zero pages, so start again from zeros.
+                    // non-zero pages and disk chunks, so start again from zeros.
                     self.mirror.as_mut().fill(0);
+                    if let Some(d) = self.disk.as_mut() {
+                        d.zero().map_err(ApplyError::DiskIo)?;
+                    }
                 }
                 self.vm_id = Some(vm);
                 Ok(Applied::Hello)

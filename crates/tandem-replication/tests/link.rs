@@ -329,3 +329,26 @@ fn device_state_deltas_chain_and_bad_ones_are_refused() {
         prev = dev;
     }
 }
+
+#[test]
+fn a_repeated_initial_copy_starts_from_zeros() {
+    let disk = tempfile::NamedTempFile::new().unwrap();
+    disk.as_file().set_len(8192).unwrap();
+    let f = disk.reopen().unwrap();
+    let mut bk = Backup::new(vec![0u8; PAGES * P])
+        .with_disk(Box::new(tandem_replication::FileDisk::new(f).unwrap()));
+    let hello = frame(Kind::Hello, 0, hello_payload((PAGES * P) as u64, 8192));
+    bk.handle(&hello).unwrap();
+    bk.handle(&frame(Kind::Base, 0, base_payload(3, &[7; P])))
+        .unwrap();
+    bk.handle(&frame(Kind::DiskBase, 0, base_payload(100, &[9; 50])))
+        .unwrap();
+    assert!(bk.mirror().contains(&7));
+    assert!(std::fs::read(disk.path()).unwrap().contains(&9));
+    // The primary starts over before its first epoch committed.
+    bk.handle(&hello).unwrap();
+    assert!(bk.mirror().iter().all(|&b| b == 0));
+    let d = std::fs::read(disk.path()).unwrap();
+    assert_eq!(d.len(), 8192);
+    assert!(d.iter().all(|&b| b == 0));
+}
