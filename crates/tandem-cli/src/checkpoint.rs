@@ -6,10 +6,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use serde::Serialize;
-use tandem_codec::{Codec, Config, Encoder};
+use tandem_codec::{Codec, Config};
 use tandem_store::format::RecordKind;
-use tandem_store::ramhash::RamHash;
-use tandem_store::{encode_base, Meta, Store};
+use tandem_store::{Meta, Outcome, Saver, Store};
 use tandem_vm::epoch::{run_epochs, Fixed};
 use tandem_vm::{DirtyMode, MirrorFile, Vm, PAGE_SIZE};
 
@@ -86,7 +85,10 @@ pub struct RestoreArgs {
 #[derive(Serialize)]
 struct SaveSummary {
     dir: String,
+    /// Checkpoints taken (saved + skipped).
     checkpoints: u64,
+    /// Checkpoints the store could not take (disk full, write errors).
+    skipped: u64,
     first_pause_ms: f64,
     pause_ms_p50: f64,
     pause_ms_p99: f64,
@@ -116,7 +118,8 @@ fn save(a: SaveArgs) -> anyhow::Result<()> {
     crate::replicate::install_stop_handler();
     let cfg = a.vm.config("save")?;
     let bytes = cfg.mem_mib << 20;
-    let mut store = if a.dir.join("index").exists() {
+    // Takes the store's writer lock before the guest boots: a second saver stops here.
+    let store = if a.dir.join("index").exists() {
         let s = Store::open_append(&a.dir)?;
         if s.mem_bytes() != bytes {
             bail!(
@@ -155,26 +158,29 @@ fn save(a: SaveArgs) -> anyhow::Result<()> {
         shadow[o..o + PAGE_SIZE].copy_from_slice(page);
     }
     let first_pause = Duration::from_micros(timing.total_us() as u64);
-    let mut hash = RamHash::of(&shadow);
-    let next_id = store.entries().last().map_or(1, |e| e.id + 1);
-    let rec = encode_base(next_id, &shadow, a.codec, codec_cfg)?;
-    let base_bytes = rec.len() as u64;
-    let meta = |h: &RamHash, pause: Duration, dirty: usize| Meta {
-        ram_hash: h.value(),
+    // The saver keeps the shadow, its hashes and the encoder current from every checkpoint;
+    // a checkpoint the store could not take (disk full) is skipped and the next is a base.
+    let mut saver = Saver::new(store, shadow, a.codec, codec_cfg, a.base_every)?;
+    let meta = Meta {
         time_ms: unix_ms(),
-        pause_us: pause.as_micros() as u32,
-        dirty_pages: dirty as u32,
+        pause_us: first_pause.as_micros() as u32,
+        dirty_pages: (bytes as usize / PAGE_SIZE) as u32,
+        ..Meta::default()
     };
-    store.append(
-        RecordKind::Base,
-        &rec,
-        &dev,
-        meta(&hash, first_pause, shadow.len() / PAGE_SIZE),
-    )?;
-    let mut enc = Encoder::new(a.codec, &shadow, codec_cfg)?;
+    let mut log = SaveLog::new(&a.dir);
+    let first = saver.checkpoint(&[], &[], &dev, meta)?;
+    log.outcome(&first);
+    let base_bytes = match first {
+        Outcome::Saved { memory_bytes, .. } => memory_bytes as u64,
+        Outcome::Skipped { error, .. } if a.interval.is_none() || a.count == Some(1) => {
+            return Err(error).context("the checkpoint was not saved");
+        }
+        Outcome::Skipped { .. } => 0,
+    };
     let (mut pauses, mut totals, mut deltas) = (Vec::new(), Vec::new(), Vec::new());
     let (mut dirty, mut dev_len) = (Vec::new(), dev.len() as u64);
     let mut compactions = 0;
+    let mut compact_at = 0;
     let mut taken = 1u64;
     let mut err = None;
     if let Some(ms) = a.interval.filter(|_| a.count != Some(1)) {
@@ -186,41 +192,51 @@ fn save(a: SaveArgs) -> anyhow::Result<()> {
             Duration::from_secs(u64::MAX / 4),
             |cp| {
                 let t = Instant::now();
-                let r = (|| -> anyhow::Result<()> {
-                    let id = store.entries().last().map_or(1, |e| e.id + 1);
-                    hash.update(cp.pfns, cp.pages);
-                    for (&p, page) in cp.pfns.iter().zip(cp.pages.chunks(PAGE_SIZE)) {
-                        let o = p as usize * PAGE_SIZE;
-                        shadow[o..o + PAGE_SIZE].copy_from_slice(page);
-                    }
-                    let mut rec = Vec::new();
-                    enc.encode(id, cp.pfns, cp.pages, &mut rec)?;
-                    let pause = Duration::from_micros(cp.timing.total_us() as u64);
-                    let m = meta(&hash, pause, cp.pfns.len());
-                    if a.base_every > 0 && (id - next_id) % a.base_every == 0 {
-                        let b = encode_base(id, &shadow, a.codec, codec_cfg)?;
-                        store.append(RecordKind::Base, &b, cp.device_state, m)?;
-                    } else {
-                        store.append(RecordKind::Delta, &rec, cp.device_state, m)?;
-                        deltas.push(rec.len() as f64);
-                    }
-                    if let Some(keep) = a.keep {
-                        // Fold in batches: at most keep/2 extra checkpoints between compactions.
-                        if store.entries().len() > keep + (keep / 2).max(1) {
-                            if let Some(cp) = a.fault_compact {
-                                store.compact_until(keep, a.codec, codec_cfg, Some(cp))?;
-                                eprintln!("checkpoint: fault injection: aborting during compaction ({cp:?})");
-                                std::process::abort();
+                let meta = Meta {
+                    time_ms: unix_ms(),
+                    pause_us: cp.timing.total_us(),
+                    dirty_pages: cp.pfns.len() as u32,
+                    ..Meta::default()
+                };
+                match saver.checkpoint(cp.pfns, cp.pages, cp.device_state, meta) {
+                    Ok(o) => {
+                        log.outcome(&o);
+                        if let Outcome::Saved {
+                            entry,
+                            memory_bytes,
+                        } = o
+                        {
+                            if entry.kind == RecordKind::Delta {
+                                deltas.push(memory_bytes as f64);
                             }
-                            store.compact(keep, a.codec, codec_cfg)?;
-                            compactions += 1;
                         }
                     }
-                    Ok(())
-                })();
-                if let Err(e) = r {
-                    err = Some(e);
-                    return false;
+                    Err(e) => {
+                        err = Some(anyhow::Error::from(e));
+                        return false;
+                    }
+                }
+                if let Some(keep) = a.keep {
+                    // Fold in batches: at most keep/2 extra checkpoints between compactions.
+                    let n = saver.store().entries().len();
+                    if n > keep + (keep / 2).max(1) && n >= compact_at {
+                        if let Some(cp) = a.fault_compact {
+                            let r =
+                                saver
+                                    .store_mut()
+                                    .compact_until(keep, a.codec, codec_cfg, Some(cp));
+                            eprintln!("checkpoint: fault injection: aborting during compaction ({cp:?}): {r:?}");
+                            std::process::abort();
+                        }
+                        match saver.store_mut().compact(keep, a.codec, codec_cfg) {
+                            Ok(_) => compactions += 1,
+                            Err(e) => {
+                                // Nothing changed; try again after keep/2 more checkpoints.
+                                compact_at = n + (keep / 2).max(1);
+                                log.compaction_failed(&e);
+                            }
+                        }
+                    }
                 }
                 pauses.push(cp.timing.total_us() as f64 / 1000.0);
                 dirty.push(cp.pfns.len() as f64);
@@ -233,10 +249,10 @@ fn save(a: SaveArgs) -> anyhow::Result<()> {
                     last_print = Instant::now();
                     eprintln!(
                         "checkpoint {}: pause p50 {:.1} ms, delta {:.0} KiB (mean), {} in the store",
-                        store.entries().last().map_or(0, |e| e.id),
+                        saver.store().entries().last().map_or(0, |e| e.id),
                         quantile(&pauses, 0.5),
                         deltas.iter().sum::<f64>() / deltas.len().max(1) as f64 / 1024.0,
-                        store.entries().len()
+                        saver.store().entries().len()
                     );
                 }
                 taken < limit && !crate::replicate::stopping()
@@ -252,13 +268,16 @@ fn save(a: SaveArgs) -> anyhow::Result<()> {
     vm.quit();
     if let Some(keep) = a.keep {
         // Leave exactly the newest `keep` (between compactions up to keep/2 more exist).
-        if store.compact(keep, a.codec, codec_cfg)? > 0 {
-            compactions += 1;
+        match saver.store_mut().compact(keep, a.codec, codec_cfg) {
+            Ok(n) if n > 0 => compactions += 1,
+            Ok(_) => {}
+            Err(e) => log.compaction_failed(&e),
         }
     }
     let s = SaveSummary {
         dir: a.dir.display().to_string(),
         checkpoints: taken,
+        skipped: saver.skipped(),
         first_pause_ms: first_pause.as_secs_f64() * 1000.0,
         pause_ms_p50: quantile(&pauses, 0.5),
         pause_ms_p99: quantile(&pauses, 0.99),
@@ -266,7 +285,7 @@ fn save(a: SaveArgs) -> anyhow::Result<()> {
         delta_bytes_mean: deltas.iter().sum::<f64>() / deltas.len().max(1) as f64,
         base_bytes,
         compactions,
-        kept: store.entries().len(),
+        kept: saver.store().entries().len(),
         device_state_bytes: dev_len,
         dirty_pages_mean: dirty.iter().sum::<f64>() / dirty.len().max(1) as f64,
     };
@@ -275,11 +294,100 @@ fn save(a: SaveArgs) -> anyhow::Result<()> {
     } else {
         println!(
             "saved {} checkpoint(s) into {}: first (base, {:.1} MiB) paused {:.0} ms; then pause p50 {:.1} ms p99 {:.1} ms, checkpoint (pause + encode + fsync) p50 {:.1} ms, delta {:.0} KiB mean; {} kept ({} compactions)",
-            s.checkpoints, s.dir, s.base_bytes as f64 / (1 << 20) as f64, s.first_pause_ms, s.pause_ms_p50, s.pause_ms_p99,
+            s.checkpoints - s.skipped, s.dir, s.base_bytes as f64 / (1 << 20) as f64, s.first_pause_ms, s.pause_ms_p50, s.pause_ms_p99,
             s.checkpoint_ms_p50, s.delta_bytes_mean / 1024.0, s.kept, s.compactions
         );
     }
+    if s.skipped > 0 {
+        eprintln!(
+            "checkpoint: warning: {} of {} checkpoint(s) were not saved (see above); every checkpoint in the store is complete",
+            s.skipped, s.checkpoints
+        );
+    }
     Ok(())
+}
+
+/// Reports what became of each checkpoint: skipped ones with why and what to do (in full at
+/// the first of a run of failures, then a reminder every 5 s), and the first one saved again.
+struct SaveLog {
+    dir: String,
+    seq: u64,
+    failing: bool,
+    last_reminder: Instant,
+}
+
+impl SaveLog {
+    fn new(dir: &std::path::Path) -> Self {
+        SaveLog {
+            dir: dir.display().to_string(),
+            seq: 0,
+            failing: false,
+            last_reminder: Instant::now(),
+        }
+    }
+
+    fn outcome(&mut self, o: &Outcome) {
+        self.seq += 1;
+        match o {
+            Outcome::Saved { entry, .. } => {
+                if self.failing {
+                    eprintln!(
+                        "checkpoint: saving again: checkpoint {} (#{} of this run) is a full {}",
+                        entry.id,
+                        self.seq,
+                        format!("{:?}", entry.kind).to_lowercase()
+                    );
+                }
+                self.failing = false;
+            }
+            Outcome::Skipped {
+                would_be,
+                error,
+                streak,
+            } => {
+                self.failing = true;
+                let why = chain(error);
+                let what = if error.is_disk_full() {
+                    format!("the disk holding {} is full", self.dir)
+                } else {
+                    format!("writing to {} failed", self.dir)
+                };
+                if *streak == 1 {
+                    eprintln!(
+                        "checkpoint: {what}: checkpoint #{} of this run (it would have been checkpoint {would_be}) was NOT saved ({why}). The guest keeps running and the store is intact, ending at the last saved checkpoint. Free space there (or lower --keep); tandem retries at every checkpoint, and the next one saved will be a full base.",
+                        self.seq
+                    );
+                    self.last_reminder = Instant::now();
+                } else if self.last_reminder.elapsed() >= Duration::from_secs(5) {
+                    eprintln!(
+                        "checkpoint: {what}: still not saving ({streak} checkpoint(s) skipped in a row, latest #{}: {why})",
+                        self.seq
+                    );
+                    self.last_reminder = Instant::now();
+                }
+            }
+        }
+    }
+
+    fn compaction_failed(&self, e: &tandem_store::StoreError) {
+        let full = if e.is_disk_full() { " (disk full)" } else { "" };
+        eprintln!(
+            "checkpoint: retention could not fold old checkpoints in {}{full}: {}; nothing was dropped, the store is intact; it is tried again later",
+            self.dir,
+            chain(e)
+        );
+    }
+}
+
+/// An error with its sources, `a: b: c`.
+fn chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut src = e.source();
+    while let Some(c) = src {
+        s = format!("{s}: {c}");
+        src = c.source();
+    }
+    s
 }
 
 fn open(dir: &std::path::Path) -> anyhow::Result<Store> {

@@ -212,3 +212,187 @@ fn a_killed_saver_leaves_a_store_that_verifies_and_restores() {
         check_after_crash(&dir, &[]);
     }
 }
+
+fn wait_for(what: &str, secs: u64, mut f: impl FnMut() -> bool) {
+    let t = Instant::now();
+    while !f() {
+        assert!(t.elapsed() < Duration::from_secs(secs), "timed out: {what}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn a_second_saver_on_the_same_store_is_refused_while_the_first_continues() {
+    let d = tempfile::tempdir().unwrap();
+    let dir = d.path().join("store");
+    let mut first = saver(&dir, &[]);
+    wait_for("the first saver's checkpoints", 120, || count(&dir) >= 2);
+    let out = tandem(&[
+        "checkpoint",
+        "save",
+        "--dir",
+        dir.to_str().unwrap(),
+        "--workload",
+        "sqlite",
+        "--count",
+        "1",
+    ]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains(dir.to_str().unwrap())
+            && err.contains(&format!("pid {}", first.id()))
+            && err.contains("only one process may write a store at a time"),
+        "{err}"
+    );
+    // The first one was not disturbed: it is running and its checkpoints keep coming.
+    assert!(first.try_wait().unwrap().is_none());
+    let n = ids(&dir).last().copied().unwrap();
+    wait_for("more checkpoints", 60, || {
+        ids(&dir).last().is_some_and(|&l| l >= n + 3)
+    });
+    assert!(first.try_wait().unwrap().is_none());
+    // SAFETY: kill(2) on our child (not its group: it stops its QEMU itself).
+    unsafe { libc::kill(first.id() as i32, libc::SIGINT) };
+    let t = Instant::now();
+    while first.try_wait().unwrap().is_none() && t.elapsed() < Duration::from_secs(60) {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let status = first.try_wait().unwrap();
+    kill_group(&mut first);
+    assert!(status.is_some_and(|s| s.success()), "{status:?}");
+    check_after_crash(&dir, &[]);
+}
+
+/// A small tmpfs mounted for one test; unmounted (and its saver killed) on drop.
+struct Tmpfs {
+    path: std::path::PathBuf,
+    child: Option<std::process::Child>,
+}
+
+impl Tmpfs {
+    fn mount(path: &Path, mib: u64) -> Tmpfs {
+        std::fs::create_dir_all(path).unwrap();
+        let ok = Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={mib}m"), "tmpfs"])
+            .arg(path)
+            .status()
+            .unwrap();
+        assert!(ok.success(), "mount tmpfs (needs root)");
+        Tmpfs {
+            path: path.into(),
+            child: None,
+        }
+    }
+}
+
+impl Drop for Tmpfs {
+    fn drop(&mut self) {
+        if let Some(c) = self.child.as_mut() {
+            kill_group(c);
+        }
+        let _ = Command::new("umount").arg(&self.path).status();
+    }
+}
+
+#[test]
+fn a_full_disk_skips_checkpoints_and_the_saver_carries_on() {
+    let d = tempfile::tempdir().unwrap();
+    // 96 MiB, half of it taken by a ballast file: the first base (~31 MiB for this guest)
+    // fits, the deltas after it fill the rest; removing the ballast makes room again.
+    let mut fs = Tmpfs::mount(&d.path().join("mnt"), 96);
+    let ballast = fs.path.join("ballast");
+    std::fs::write(&ballast, vec![1u8; 48 << 20]).unwrap();
+    let dir = fs.path.join("store");
+    let mut c = Command::new(env!("CARGO_BIN_EXE_tandem"))
+        .args(["checkpoint", "save", "--dir", dir.to_str().unwrap()])
+        .args(["--workload", "sqlite", "--interval", "150", "--count", "90"])
+        .arg("--json")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .process_group(0)
+        .spawn()
+        .unwrap();
+    let (tx, rx) = std::sync::mpsc::channel::<String>();
+    let stderr = c.stderr.take().unwrap();
+    std::thread::spawn(move || {
+        use std::io::BufRead;
+        for l in std::io::BufReader::new(stderr)
+            .lines()
+            .map_while(Result::ok)
+        {
+            eprintln!("saver: {l}");
+            let _ = tx.send(l);
+        }
+    });
+    let mut stdout = c.stdout.take().unwrap();
+    fs.child = Some(c);
+    let wait_line = |pat: &str, secs: u64| -> String {
+        let t = Instant::now();
+        loop {
+            let left = Duration::from_secs(secs).saturating_sub(t.elapsed());
+            match rx.recv_timeout(left) {
+                Ok(l) if l.contains(pat) => return l,
+                Ok(_) => {}
+                Err(e) => panic!("no line with {pat:?}: {e}"),
+            }
+        }
+    };
+    let full = wait_line("is full", 240);
+    assert!(
+        full.contains(dir.to_str().unwrap())
+            && full.contains("was NOT saved")
+            && full.contains("it would have been checkpoint")
+            && full.contains("Free space")
+            && full.contains("next one saved will be a full base"),
+        "{full}"
+    );
+    let saver = fs.child.as_mut().unwrap();
+    assert!(saver.try_wait().unwrap().is_none(), "the saver must go on");
+    // Meanwhile the store is consistent.
+    assert!(tandem(&["checkpoint", "verify", dir.to_str().unwrap()])
+        .status
+        .success());
+    std::fs::remove_file(&ballast).unwrap();
+    let again = wait_line("saving again", 120);
+    let id: u64 = again
+        .split("saving again: checkpoint ")
+        .nth(1)
+        .and_then(|s| s.split_whitespace().next())
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("{again}"));
+    // The saver ends by itself after its --count, cleanly.
+    let saver = fs.child.as_mut().unwrap();
+    let t = Instant::now();
+    while saver.try_wait().unwrap().is_none() {
+        assert!(
+            t.elapsed() < Duration::from_secs(300),
+            "saver did not finish"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let status = saver.wait().unwrap();
+    assert!(status.success(), "{status:?}");
+    let mut out = String::new();
+    std::io::Read::read_to_string(&mut stdout, &mut out).unwrap();
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["checkpoints"], 90, "{v}");
+    assert!(v["skipped"].as_u64().unwrap() >= 1, "{v}");
+    // The first checkpoint saved after the failure is a base; the store verifies and its
+    // last checkpoint restores.
+    let list = tandem(&["checkpoint", "list", dir.to_str().unwrap(), "--json"]);
+    let entries: serde_json::Value = serde_json::from_slice(&list.stdout).unwrap();
+    let e = entries
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["id"] == id)
+        .unwrap_or_else(|| panic!("checkpoint {id} listed"));
+    assert_eq!(e["kind"], "base", "{e}");
+    let listed = ids(&dir);
+    assert!(listed.windows(2).all(|w| w[1] == w[0] + 1), "{listed:?}");
+    assert!(tandem(&["checkpoint", "verify", dir.to_str().unwrap()])
+        .status
+        .success());
+    restores_and_runs(&dir, *listed.last().unwrap());
+}

@@ -2,7 +2,9 @@
 //! untouched pre-epoch mirror, then commit it in one pass. A bad record changes nothing.
 
 use crate::code::{area, block, Base, Body, Method, PageCode};
-use crate::format::{Header, FLAG_LZ4, FLAG_ZSTD, HEADER_LEN, PAGE};
+use crate::format::{
+    Header, FLAG_LZ4, FLAG_ZSTD, HEADER_LEN, MAX_PAGE_PAYLOAD, MIN_CODE_LEN, PAGE,
+};
 use crate::runs;
 use crate::DecodeError;
 
@@ -75,6 +77,11 @@ impl Ctx<'_> {
 }
 
 /// Decodes `rec` against `mirror` (pre-epoch guest memory, `pages` × 4096 bytes) into `plan`.
+///
+/// Every length the record declares is checked against what it can hold before anything is
+/// allocated from it: the entry count against the ops section, each payload against
+/// [`MAX_PAGE_PAYLOAD`], the decoded data length against the sum of the payloads (and, in
+/// [`Header::read`], against the compressor's largest expansion of the stored bytes).
 pub fn decode(rec: &[u8], mirror: &[u8], plan: &mut Plan) -> Result<(), DecodeError> {
     let h = Header::read(rec)?;
     let pages = (mirror.len() / PAGE) as u64;
@@ -86,45 +93,29 @@ pub fn decode(rec: &[u8], mirror: &[u8], plan: &mut Plan) -> Result<(), DecodeEr
     if crc32c::crc32c(stored) != h.crc_data {
         return Err(DecodeError::Checksum("data section"));
     }
-    let raw_len = h.data_raw_len as usize;
+    let codes = read_codes(&h, ops, pages)?;
     let mut scratch = std::mem::take(&mut plan.scratch);
-    let r = decode_with(&h, ops, stored, raw_len, mirror, pages, plan, &mut scratch);
+    let r = decode_with(&h, &codes, stored, mirror, pages, plan, &mut scratch);
     plan.scratch = scratch;
     r
 }
 
-#[allow(clippy::too_many_arguments)]
-fn decode_with(
-    h: &Header,
-    ops: &[u8],
-    stored: &[u8],
-    raw_len: usize,
-    mirror: &[u8],
-    pages: u64,
-    plan: &mut Plan,
-    scratch: &mut Vec<u8>,
-) -> Result<(), DecodeError> {
-    let data: &[u8] = if h.flags & (FLAG_ZSTD | FLAG_LZ4) != 0 {
-        scratch.clear();
-        scratch.resize(raw_len, 0);
-        let n = if h.flags & FLAG_ZSTD != 0 {
-            zstd::bulk::decompress_to_buffer(stored, &mut scratch[..])
-                .map_err(|e| DecodeError::Malformed(format!("data section zstd: {e}")))?
-        } else {
-            lz4_flex::block::decompress_into(stored, scratch)
-                .map_err(|e| DecodeError::Malformed(format!("data section lz4: {e}")))?
-        };
-        scratch.truncate(n);
-        scratch
-    } else {
-        stored
-    };
-    // Parse every code first: the plan's shape is known before any page is built.
+/// Parses every page code (the ops section is stored as is) and checks that their payloads
+/// add up to the declared decoded data length.
+fn read_codes(h: &Header, ops: &[u8], pages: u64) -> Result<Vec<PageCode>, DecodeError> {
     let n = h.entries as usize;
     if (n as u64) > pages {
         return Err(DecodeError::Limit(format!(
             "{n} entries for a guest of {pages} pages"
         )));
+    }
+    let most = ops.len() / MIN_CODE_LEN;
+    if n > most {
+        return Err(DecodeError::Length {
+            what: format!("page codes ({n} entries)"),
+            declared: (n * MIN_CODE_LEN) as u64,
+            max: ops.len() as u64,
+        });
     }
     let mut codes = Vec::with_capacity(n);
     let (mut pos, mut prev) = (0usize, None);
@@ -137,6 +128,13 @@ fn decode_with(
                 format!("page {} outside the guest's {pages} pages", c.pfn),
             ));
         }
+        if c.len > MAX_PAGE_PAYLOAD {
+            return Err(DecodeError::Length {
+                what: format!("payload for entry {i}"),
+                declared: c.len as u64,
+                max: MAX_PAGE_PAYLOAD as u64,
+            });
+        }
         total += c.len as u64;
         prev = Some(c.pfn);
         codes.push(c);
@@ -147,12 +145,53 @@ fn decode_with(
             ops.len() - pos
         )));
     }
-    if total != data.len() as u64 {
+    let raw = h.data_raw_len as u64;
+    if raw > total {
+        return Err(DecodeError::Length {
+            what: "decoded data".into(),
+            declared: raw,
+            max: total,
+        });
+    }
+    if raw < total {
         return Err(DecodeError::Malformed(format!(
-            "payloads add up to {total} bytes, data section has {}",
-            data.len()
+            "payloads add up to {total} bytes, data section has {raw}"
         )));
     }
+    Ok(codes)
+}
+
+fn decode_with(
+    h: &Header,
+    codes: &[PageCode],
+    stored: &[u8],
+    mirror: &[u8],
+    pages: u64,
+    plan: &mut Plan,
+    scratch: &mut Vec<u8>,
+) -> Result<(), DecodeError> {
+    // The decoded length equals the payloads' sum (checked by `read_codes`).
+    let raw_len = h.data_raw_len as usize;
+    let data: &[u8] = if h.flags & (FLAG_ZSTD | FLAG_LZ4) != 0 {
+        scratch.clear();
+        scratch.resize(raw_len, 0);
+        let n = if h.flags & FLAG_ZSTD != 0 {
+            zstd::bulk::decompress_to_buffer(stored, &mut scratch[..])
+                .map_err(|e| DecodeError::Malformed(format!("data section zstd: {e}")))?
+        } else {
+            lz4_flex::block::decompress_into(stored, scratch)
+                .map_err(|e| DecodeError::Malformed(format!("data section lz4: {e}")))?
+        };
+        if n != raw_len {
+            return Err(DecodeError::Malformed(format!(
+                "data section decodes to {n} bytes, header declares {raw_len}"
+            )));
+        }
+        scratch
+    } else {
+        stored
+    };
+    let n = codes.len();
     plan.epoch = h.epoch;
     plan.pfns.clear();
     plan.data.clear();
@@ -340,4 +379,124 @@ fn decode_areas(
         return Err(bad(i, "trailing bytes after areas"));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::DecodeError;
+
+    fn record(
+        flags: u16,
+        entries: u32,
+        codes: &[PageCode],
+        stored: &[u8],
+        raw_len: u32,
+    ) -> Vec<u8> {
+        let (mut ops, mut prev) = (Vec::new(), None);
+        for c in codes {
+            c.write(prev, &mut ops);
+            prev = Some(c.pfn);
+        }
+        let h = Header {
+            flags,
+            epoch: 7,
+            entries,
+            ops_len: ops.len() as u32,
+            data_stored_len: stored.len() as u32,
+            data_raw_len: raw_len,
+            crc_ops: crc32c::crc32c(&ops),
+            crc_data: crc32c::crc32c(stored),
+        };
+        let mut out = Vec::new();
+        h.write(&mut out);
+        out.extend_from_slice(&ops);
+        out.extend_from_slice(stored);
+        out
+    }
+
+    fn raw_page(pfn: u64, len: u32) -> PageCode {
+        PageCode {
+            pfn,
+            base: Base::Zero,
+            body: Body::Xor(Method::Raw),
+            len,
+        }
+    }
+
+    /// Decodes `rec` against a 16-page mirror; the error and the scratch buffer it kept.
+    fn refuse(rec: &[u8]) -> (DecodeError, usize) {
+        let mirror = vec![0u8; 16 * PAGE];
+        let mut plan = Plan::default();
+        let e = decode(rec, &mirror, &mut plan).expect_err("must be refused");
+        (e, plan.scratch.capacity().max(plan.data.capacity()))
+    }
+
+    #[test]
+    fn a_small_record_declaring_a_huge_decoded_length_is_refused_before_allocating() {
+        let page = vec![0x5au8; PAGE];
+        let z = zstd::bulk::compress(&page, 1).unwrap_or_default();
+        // The same record with the true length decodes.
+        let ok = record(FLAG_ZSTD, 1, &[raw_page(3, PAGE as u32)], &z, PAGE as u32);
+        let mut plan = Plan::default();
+        decode(&ok, &vec![0u8; 16 * PAGE], &mut plan).unwrap();
+        assert_eq!(plan.page(0), &page[..]);
+        // ~100 bytes declaring 1 GiB of decoded data.
+        let rec = record(FLAG_ZSTD, 1, &[raw_page(3, PAGE as u32)], &z, 1 << 30);
+        assert!(rec.len() < 120, "{}", rec.len());
+        let (e, kept) = refuse(&rec);
+        assert!(
+            matches!(&e, DecodeError::Length { declared, .. } if *declared == 1 << 30),
+            "{e}"
+        );
+        assert_eq!(kept, 0, "nothing allocated from the declared length");
+        // Within zstd's expansion of 19 bytes, but more than its one page code carries.
+        let rec = record(FLAG_ZSTD, 1, &[raw_page(3, PAGE as u32)], &z, 500_000);
+        let (e, kept) = refuse(&rec);
+        assert!(
+            matches!(&e, DecodeError::Length { declared, max, .. } if *declared == 500_000 && *max == PAGE as u64),
+            "{e}"
+        );
+        assert_eq!(kept, 0);
+    }
+
+    #[test]
+    fn a_page_payload_larger_than_any_encoding_is_refused() {
+        // 16 KiB stored: zstd could expand that to 512 MiB, no page code can.
+        let stored = vec![0x33u8; 16 << 10];
+        let rec = record(FLAG_ZSTD, 1, &[raw_page(1, 1 << 29)], &stored, 1 << 29);
+        let (e, kept) = refuse(&rec);
+        assert!(
+            matches!(&e, DecodeError::Length { what, declared, .. } if what.contains("entry 0") && *declared == 1 << 29),
+            "{e}"
+        );
+        assert_eq!(kept, 0);
+    }
+
+    #[test]
+    fn decoded_lengths_beyond_the_compressors_expansion_are_refused() {
+        // Two raw pages (8 KiB) said to be LZ4 in 10 bytes: LZ4 cannot expand that far.
+        let codes = [raw_page(1, PAGE as u32), raw_page(2, PAGE as u32)];
+        let rec = record(FLAG_LZ4, 2, &codes, &[0x1f; 10], 2 * PAGE as u32);
+        let (e, kept) = refuse(&rec);
+        assert!(
+            matches!(&e, DecodeError::Length { max, .. } if *max == 10 * crate::format::MAX_LZ4_RATIO),
+            "{e}"
+        );
+        assert_eq!(kept, 0);
+        // zstd: 1 stored byte cannot hold 64 KiB.
+        let rec = record(FLAG_ZSTD, 1, &[raw_page(1, PAGE as u32)], &[0], 1 << 16);
+        assert!(matches!(refuse(&rec).0, DecodeError::Length { .. }));
+    }
+
+    #[test]
+    fn an_entry_count_beyond_the_ops_section_is_refused() {
+        // 16 entries declared, one code present: refused before sizing anything by 16.
+        let rec = record(0, 16, &[raw_page(1, PAGE as u32)], &[7; PAGE], PAGE as u32);
+        let (e, _) = refuse(&rec);
+        assert!(
+            matches!(&e, DecodeError::Length { what, .. } if what.contains("16 entries")),
+            "{e}"
+        );
+    }
 }

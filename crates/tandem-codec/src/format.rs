@@ -15,7 +15,11 @@
 //! |   flags bit 0: zstd-compressed, bit 1: LZ4-compressed (to raw_len)   |
 //! +----------------------------------------------------------------------+
 //! ```
-//! Limits: entries ≤ 2²⁴ (64 GiB of pages per epoch), ops ≤ 256 MiB, data ≤ 1 GiB decoded.
+//! Limits: entries ≤ 2²⁴ (64 GiB of pages per epoch), ops ≤ 256 MiB, data ≤ 1 GiB decoded,
+//! one page's payload ≤ [`MAX_PAGE_PAYLOAD`]. Declared lengths are checked against what the
+//! record can hold before anything is allocated from them: the decoded data length against the
+//! stored length times the compressor's largest expansion ([`MAX_ZSTD_RATIO`],
+//! [`MAX_LZ4_RATIO`]) here, and against the sum of the page codes' payloads in the decoder.
 
 use crate::DecodeError;
 
@@ -33,6 +37,16 @@ pub const MAX_ENTRIES: u32 = 1 << 24;
 pub const MAX_OPS: u32 = 256 << 20;
 /// Largest data section (decoded).
 pub const MAX_DATA: u32 = 1 << 30;
+/// Largest payload of one page code. The encoders emit at most a page and a bit (64 raw
+/// 64-byte blocks with their tags: 4160 bytes); a larger one is refused before decoding.
+pub const MAX_PAGE_PAYLOAD: u32 = 2 * PAGE as u32;
+/// Fewest ops bytes one page code takes (page number and tag).
+pub const MIN_CODE_LEN: usize = 2;
+/// zstd's largest expansion: no block is shorter than 4 bytes (3-byte header + 1 RLE byte) or
+/// decodes to more than 128 KiB.
+pub const MAX_ZSTD_RATIO: u64 = 32 * 1024;
+/// LZ4's largest expansion: one input byte adds at most 255 bytes of match length.
+pub const MAX_LZ4_RATIO: u64 = 255;
 /// Flag: data section is zstd-compressed.
 pub const FLAG_ZSTD: u16 = 1;
 /// Flag: data section is LZ4-compressed.
@@ -140,6 +154,22 @@ impl Header {
             return Err(DecodeError::Malformed(
                 "stored and raw data lengths differ without compression".into(),
             ));
+        }
+        let (ratio, name) = if h.flags & FLAG_ZSTD != 0 {
+            (MAX_ZSTD_RATIO, "zstd")
+        } else {
+            (MAX_LZ4_RATIO, "LZ4")
+        };
+        let most = h.data_stored_len as u64 * ratio;
+        if h.flags != 0 && h.data_raw_len as u64 > most {
+            return Err(DecodeError::Length {
+                what: format!(
+                    "decoded data ({} {name}-compressed bytes)",
+                    h.data_stored_len
+                ),
+                declared: h.data_raw_len as u64,
+                max: most,
+            });
         }
         let total = HEADER_LEN as u64 + h.ops_len as u64 + h.data_stored_len as u64;
         if (rec.len() as u64) < total {

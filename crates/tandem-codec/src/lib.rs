@@ -50,6 +50,16 @@ pub enum DecodeError {
     /// A size limit is exceeded.
     #[error("epoch record exceeds a limit: {0}")]
     Limit(String),
+    /// A declared length is more than the record can hold (refused before allocating it).
+    #[error("epoch record declares {declared} bytes of {what}, but can hold at most {max}")]
+    Length {
+        /// What the length is of.
+        what: String,
+        /// The length the record declares.
+        declared: u64,
+        /// The most the record can hold.
+        max: u64,
+    },
     /// One page's code is invalid.
     #[error("epoch record entry {index}: {what}")]
     Page {

@@ -17,7 +17,9 @@
 //!   payload: memory record (tandem-codec epoch record; a base is a record against an all-zero
 //!            image) | device state, zstd-compressed
 //! ```
-//! Limits: a record's memory part ≤ 4 GiB − 1, device state ≤ 64 MiB compressed.
+//! Limits: a whole record ≤ 4 GiB − 1, device state ≤ 64 MiB (compressed and raw), guest RAM
+//! a non-zero multiple of the page size ≤ 1 TiB. Every offset and length read from the index or
+//! a record is checked against these and against the file holding it before it is used.
 
 /// Index header magic.
 pub const INDEX_MAGIC: &[u8; 8] = b"TNDMIDX1";
@@ -29,8 +31,12 @@ pub const INDEX_HEADER: usize = 32;
 pub const ENTRY_LEN: usize = 64;
 /// Segment record header length.
 pub const RECORD_HEADER: usize = 32;
-/// Largest compressed device state accepted.
+/// Largest device state accepted (compressed, and decompressed).
 pub const MAX_DEVICE_STATE: u32 = 64 << 20;
+/// Largest guest RAM a store holds.
+pub const MAX_MEM: u64 = 1 << 40;
+/// zstd's largest expansion (see [`tandem_codec::format::MAX_ZSTD_RATIO`]).
+const MAX_ZSTD_RATIO: u64 = tandem_codec::format::MAX_ZSTD_RATIO;
 
 /// What a record holds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
@@ -114,7 +120,13 @@ pub fn parse_index_header(h: &[u8]) -> Result<u64, String> {
     if u32_at(h, 12) as usize != tandem_codec::format::PAGE {
         return Err(format!("page size {} is not supported", u32_at(h, 12)));
     }
-    Ok(u64_at(h, 16))
+    let mem = u64_at(h, 16);
+    if mem == 0 || mem > MAX_MEM || !mem.is_multiple_of(tandem_codec::format::PAGE as u64) {
+        return Err(format!(
+            "implausible guest size of {mem} bytes (a multiple of 4096 up to {MAX_MEM})"
+        ));
+    }
+    Ok(mem)
 }
 
 impl Entry {
@@ -156,10 +168,32 @@ impl Entry {
     }
 }
 
-/// Builds a segment record.
-pub fn encode_record(kind: RecordKind, id: u64, memory: &[u8], device_state: &[u8]) -> Vec<u8> {
-    let dev = zstd::bulk::compress(device_state, 1).unwrap_or_default();
-    let mut out = Vec::with_capacity(RECORD_HEADER + memory.len() + dev.len());
+/// Builds a segment record; fails if a part exceeds the format's limits.
+pub fn encode_record(
+    kind: RecordKind,
+    id: u64,
+    memory: &[u8],
+    device_state: &[u8],
+) -> Result<Vec<u8>, crate::StoreError> {
+    let too_large = |what, len: usize, max: u64| crate::StoreError::TooLarge {
+        what,
+        len: len as u64,
+        max,
+    };
+    let max_dev = MAX_DEVICE_STATE as u64;
+    if device_state.len() as u64 > max_dev {
+        return Err(too_large("device state", device_state.len(), max_dev));
+    }
+    let dev = zstd::bulk::compress(device_state, 1)
+        .map_err(|e| crate::StoreError::Encode(tandem_codec::EncodeError::Compress(e)))?;
+    if dev.len() as u64 > max_dev {
+        return Err(too_large("compressed device state", dev.len(), max_dev));
+    }
+    let total = RECORD_HEADER + memory.len() + dev.len();
+    if total as u64 > u32::MAX as u64 {
+        return Err(too_large("checkpoint record", total, u32::MAX as u64));
+    }
+    let mut out = Vec::with_capacity(total);
     out.extend_from_slice(b"TSEG");
     out.push(kind as u8);
     out.extend_from_slice(&[0; 3]);
@@ -172,7 +206,7 @@ pub fn encode_record(kind: RecordKind, id: u64, memory: &[u8], device_state: &[u
     out.extend_from_slice(&dev);
     let crc = crc32c::crc32c_append(crc32c::crc32c(&out[..28]), &out[RECORD_HEADER..]);
     out[28..32].copy_from_slice(&crc.to_le_bytes());
-    out
+    Ok(out)
 }
 
 /// A parsed segment record.
@@ -194,14 +228,15 @@ pub fn decode_record(b: &[u8]) -> Result<Record<'_>, String> {
         return Err("bad record magic".into());
     }
     let kind = RecordKind::from_u8(b[4]).ok_or_else(|| format!("unknown record kind {}", b[4]))?;
-    let mem_len = u32_at(b, 16) as usize;
-    let dev_len = u32_at(b, 20);
-    if dev_len > MAX_DEVICE_STATE {
+    let mem_len = u32_at(b, 16) as u64;
+    let dev_len = u32_at(b, 20) as u64;
+    if dev_len > MAX_DEVICE_STATE as u64 {
         return Err(format!("device state of {dev_len} bytes exceeds the limit"));
     }
-    if RECORD_HEADER + mem_len + dev_len as usize != b.len() {
+    if RECORD_HEADER as u64 + mem_len + dev_len != b.len() as u64 {
         return Err("record length does not match its header".into());
     }
+    let mem_len = mem_len as usize;
     let crc = crc32c::crc32c_append(crc32c::crc32c(&b[..28]), &b[RECORD_HEADER..]);
     if crc != u32_at(b, 28) {
         return Err("record checksum mismatch".into());
@@ -214,9 +249,24 @@ pub fn decode_record(b: &[u8]) -> Result<Record<'_>, String> {
     })
 }
 
-/// Decompresses a record's device state.
+/// Decompresses a record's device state (at most [`MAX_DEVICE_STATE`] bytes, and no more
+/// than its compressed size can expand to: the buffer is sized by that, not by a guess).
 pub fn device_state(r: &Record<'_>) -> Result<Vec<u8>, String> {
-    zstd::bulk::decompress(r.device_state_zstd, 64 << 20)
+    let z = r.device_state_zstd;
+    let most = (z.len() as u64)
+        .saturating_mul(MAX_ZSTD_RATIO)
+        .min(MAX_DEVICE_STATE as u64);
+    let cap = match zstd::zstd_safe::get_frame_content_size(z) {
+        Ok(Some(n)) if n > most => {
+            return Err(format!(
+                "device state declares {n} bytes, its {} compressed bytes hold at most {most}",
+                z.len()
+            ))
+        }
+        Ok(Some(n)) => n,
+        _ => most,
+    };
+    zstd::bulk::decompress(z, cap as usize)
         .map_err(|e| format!("device state does not decompress: {e}"))
 }
 
@@ -230,7 +280,7 @@ mod tests {
                               dev in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..2000),
                               id in 0u64..1000, base in proptest::prelude::any::<bool>()) {
             let kind = if base { RecordKind::Base } else { RecordKind::Delta };
-            let r = encode_record(kind, id, &mem, &dev);
+            let r = encode_record(kind, id, &mem, &dev).unwrap();
             let p = decode_record(&r).unwrap();
             proptest::prop_assert_eq!((p.kind, p.id, p.memory), (kind, id, &mem[..]));
             proptest::prop_assert_eq!(device_state(&p).unwrap(), dev);
@@ -247,7 +297,7 @@ mod tests {
 
     #[test]
     fn any_flipped_byte_is_detected() {
-        let r = encode_record(RecordKind::Delta, 3, b"memory-record", b"device");
+        let r = encode_record(RecordKind::Delta, 3, b"memory-record", b"device").unwrap();
         for i in 0..r.len() {
             let mut b = r.clone();
             b[i] ^= 0x40;

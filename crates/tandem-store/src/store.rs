@@ -1,26 +1,26 @@
-//! The store directory: `index` plus `seg-NNNNNNNN.tseg` segment files (see [`crate::format`]).
+//! The store directory: `index` plus `seg-NNNNNNNN.tseg` segment files (see [`crate::format`])
+//! and the writer's `lock` file (see [`crate::lock`]).
 //!
 //! Commit order for a checkpoint: record appended to the current segment → segment fsynced →
-//! index entry appended → index fsynced. A base starts a new segment. Compaction writes a new
-//! segment (a base for the oldest kept checkpoint, then the later records copied as they are)
-//! and a complete new index, fsyncs both, renames the index into place and fsyncs the
-//! directory; only then are unreferenced segments deleted. A crash at any point leaves either
-//! the old or the new index, each referring only to synced data.
+//! index entry appended → index fsynced. A base starts a new segment. An append that fails
+//! (disk full, I/O error) is rolled back before it returns: the index and the segment are cut
+//! back to the last committed checkpoint (a segment created for it is deleted), so the store
+//! stays as it was and later appends continue from there. Compaction: `compact.rs`; restore
+//! and verification: `replay.rs`.
 
 use std::fs::{self, File, OpenOptions};
 use std::io::Write;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
-use tandem_codec::{decode, Codec, Config, DecodeError, EncodeError, Encoder, Plan};
+use tandem_codec::EncodeError;
 
 use crate::format::{
-    decode_record, device_state, encode_record, index_header, parse_index_header, Entry,
-    RecordKind, ENTRY_LEN, INDEX_HEADER,
+    encode_record, index_header, parse_index_header, Entry, RecordKind, ENTRY_LEN, INDEX_HEADER,
 };
-use crate::ramhash::RamHash;
+use crate::lock::holder;
 
-const PAGE: usize = tandem_codec::format::PAGE;
+pub use crate::compact::{encode_base, CrashPoint};
 
 /// Store errors. Each names what is wrong and, for damage, the checkpoint and segment.
 #[derive(Debug, thiserror::Error)]
@@ -34,6 +34,14 @@ pub enum StoreError {
     /// `create` on a directory that already has a store.
     #[error("{0} already holds a checkpoint store (choose an empty directory)")]
     Exists(String),
+    /// Another process holds the store's writer lock.
+    #[error("{dir} is in use by another checkpoint saver ({}, see {dir}/lock): only one process may write a store at a time; wait for it to finish or stop it, or save into another directory", holder(.pid))]
+    Locked {
+        /// Store directory.
+        dir: String,
+        /// Pid recorded by the holder, if readable.
+        pid: Option<u32>,
+    },
     /// No such checkpoint.
     #[error("no checkpoint {0} in the store (it has {1})")]
     NoCheckpoint(u64, String),
@@ -69,27 +77,75 @@ pub enum StoreError {
         /// Caller's.
         got: u64,
     },
+    /// A checkpoint part exceeds a format limit.
+    #[error("{what} of {len} bytes exceeds the store's limit of {max}")]
+    TooLarge {
+        /// Which part.
+        what: &'static str,
+        /// Its size.
+        len: u64,
+        /// The limit.
+        max: u64,
+    },
+    /// Checkpoint ids or segment numbers are used up.
+    #[error("{0} are exhausted (start a new store)")]
+    Exhausted(&'static str),
+    /// Guest RAM for a replay could not be allocated.
+    #[error("cannot allocate {0} bytes of guest RAM")]
+    Memory(u64),
+    /// A failed append could not be rolled back; the handle refuses further appends.
+    #[error("{0}: a failed append could not be undone; reopen the store (its committed checkpoints are intact)")]
+    Poisoned(String),
     /// Encoding failed.
     #[error(transparent)]
     Encode(#[from] EncodeError),
 }
 
-fn io(path: &Path) -> impl FnOnce(std::io::Error) -> StoreError + '_ {
+impl StoreError {
+    /// Whether this is the file system running out of space (or quota).
+    pub fn is_disk_full(&self) -> bool {
+        let full = [
+            rustix::io::Errno::NOSPC.raw_os_error(),
+            rustix::io::Errno::DQUOT.raw_os_error(),
+        ];
+        matches!(self, StoreError::Io(_, e) if e.raw_os_error().is_some_and(|c| full.contains(&c)))
+    }
+}
+
+pub(crate) fn io(path: &Path) -> impl FnOnce(std::io::Error) -> StoreError + '_ {
     move |e| StoreError::Io(path.display().to_string(), e)
 }
 
-fn seg_name(n: u32) -> String {
+pub(crate) fn seg_name(n: u32) -> String {
     format!("seg-{n:08}.tseg")
 }
 
-fn sync_dir(dir: &Path) -> Result<(), StoreError> {
+pub(crate) fn sync_dir(dir: &Path) -> Result<(), StoreError> {
     File::open(dir).and_then(|d| d.sync_all()).map_err(io(dir))
+}
+
+/// A zero-filled buffer of `len` bytes, or an error if it cannot be allocated. Fresh zeroed
+/// memory from the allocator is not touched until written (large guests stay cheap).
+pub(crate) fn zeroed(len: u64) -> Result<Vec<u8>, StoreError> {
+    let n = usize::try_from(len).map_err(|_| StoreError::Memory(len))?;
+    if n == 0 {
+        return Ok(Vec::new());
+    }
+    let layout = std::alloc::Layout::array::<u8>(n).map_err(|_| StoreError::Memory(len))?;
+    // SAFETY: the layout has a non-zero size.
+    let p = unsafe { std::alloc::alloc_zeroed(layout) };
+    if p.is_null() {
+        return Err(StoreError::Memory(len));
+    }
+    // SAFETY: `p` comes from the global allocator with the layout of `[u8; n]` (size n,
+    // alignment 1), all n bytes are initialised (zero), and length = capacity = n.
+    Ok(unsafe { Vec::from_raw_parts(p, n, n) })
 }
 
 /// Metadata recorded with a checkpoint.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Meta {
-    /// RAM checksum ([`RamHash::value`]).
+    /// RAM checksum ([`crate::ramhash::RamHash::value`]).
     pub ram_hash: u64,
     /// Wall-clock time (Unix ms).
     pub time_ms: u64,
@@ -99,37 +155,107 @@ pub struct Meta {
     pub dirty_pages: u32,
 }
 
+/// Where an append can be made to fail in tests (each as the disk filling up: `ENOSPC`;
+/// the writes fail after writing half of their bytes, as a torn write would).
+#[doc(hidden)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WriteFault {
+    /// Writing the record into the segment.
+    SegmentWrite,
+    /// Syncing the segment.
+    SegmentSync,
+    /// Writing the index entry.
+    IndexWrite,
+    /// Syncing the index.
+    IndexSync,
+}
+
+/// Writes `buf` at `off`, or, if a fault is injected here, half of it and `ENOSPC`.
+fn write_at(
+    fault: &mut Option<WriteFault>,
+    at: WriteFault,
+    f: &File,
+    buf: &[u8],
+    off: u64,
+) -> std::io::Result<()> {
+    if *fault == Some(at) {
+        *fault = None;
+        f.write_all_at(&buf[..buf.len() / 2], off)?;
+        return Err(enospc());
+    }
+    f.write_all_at(buf, off)
+}
+
+/// Syncs `f`, or fails with `ENOSPC` if a fault is injected here.
+fn sync(fault: &mut Option<WriteFault>, at: WriteFault, f: &File) -> std::io::Result<()> {
+    if *fault == Some(at) {
+        *fault = None;
+        return Err(enospc());
+    }
+    f.sync_data()
+}
+
+fn enospc() -> std::io::Error {
+    std::io::Error::from_raw_os_error(rustix::io::Errno::NOSPC.raw_os_error())
+}
+
+/// Whether `e` can follow `prev` in the index: the next id, and where appends and compaction
+/// put records — right after its predecessor in the same segment (compaction copies later
+/// bases there too), or, for a base, at the start of a newer segment. Anything else is damage
+/// or a crafted entry, and trusting it would let `open_append` cut committed records off
+/// their segment.
+fn follows(prev: Option<&Entry>, e: &Entry) -> bool {
+    let base = e.kind == RecordKind::Base;
+    match prev {
+        None => base && e.offset == 0,
+        Some(p) if p.id.checked_add(1) == Some(e.id) => {
+            let after =
+                e.segment == p.segment && p.offset.checked_add(p.len as u64) == Some(e.offset);
+            after || (base && e.offset == 0 && e.segment > p.segment)
+        }
+        Some(_) => false,
+    }
+}
+
 /// An open store.
 #[derive(Debug)]
 pub struct Store {
-    dir: PathBuf,
-    mem_bytes: u64,
-    entries: Vec<Entry>,
-    torn: Option<String>,
-    index: Option<File>,
-    seg: Option<(u32, File, u64)>,
+    pub(crate) dir: PathBuf,
+    pub(crate) mem_bytes: u64,
+    pub(crate) entries: Vec<Entry>,
+    pub(crate) torn: Option<String>,
+    pub(crate) index: Option<File>,
+    /// Current segment: number, file, committed end.
+    pub(crate) seg: Option<(u32, File, u64)>,
+    /// The writer lock, held while this handle can append.
+    lock: Option<File>,
+    poisoned: Option<String>,
+    fault: Option<WriteFault>,
 }
 
 impl Store {
     /// Creates a store for a guest of `mem_bytes` in `dir` (created if missing, must not hold
-    /// a store).
+    /// a store) and takes its writer lock.
     pub fn create(dir: &Path, mem_bytes: u64) -> Result<Store, StoreError> {
         fs::create_dir_all(dir).map_err(io(dir))?;
+        let lock = crate::lock::lock(dir)?;
         let index = dir.join("index");
         if index.exists() {
             return Err(StoreError::Exists(dir.display().to_string()));
         }
+        parse_index_header(&index_header(mem_bytes))
+            .map_err(|why| StoreError::NotAStore(dir.display().to_string(), why))?;
         let tmp = dir.join("index.tmp");
         let mut f = File::create(&tmp).map_err(io(&tmp))?;
         f.write_all(&index_header(mem_bytes)).map_err(io(&tmp))?;
         f.sync_all().map_err(io(&tmp))?;
         fs::rename(&tmp, &index).map_err(io(&index))?;
         sync_dir(dir)?;
-        Self::open_append(dir)
+        Self::open_locked(dir, lock)
     }
 
-    /// Opens a store read-only. A torn or damaged tail of the index is ignored (see
-    /// [`Store::torn_tail`]).
+    /// Opens a store read-only, without the writer lock. A torn or damaged tail of the index
+    /// is ignored (see [`Store::torn_tail`]).
     pub fn open(dir: &Path) -> Result<Store, StoreError> {
         let path = dir.join("index");
         let bytes = fs::read(&path).map_err(|e| {
@@ -142,15 +268,22 @@ impl Store {
             .map_err(|why| StoreError::NotAStore(dir.display().to_string(), why))?;
         let mut entries: Vec<Entry> = Vec::new();
         let mut torn = None;
+        let mut seg_len = std::collections::HashMap::new();
         let mut pos = INDEX_HEADER;
         while pos < bytes.len() {
             let e = bytes.get(pos..pos + ENTRY_LEN).and_then(Entry::decode);
             let ok = e.filter(|e| {
-                let next = entries
-                    .last()
-                    .map_or(e.kind == RecordKind::Base, |p| e.id == p.id + 1);
-                let seg = dir.join(seg_name(e.segment));
-                let fits = fs::metadata(&seg).is_ok_and(|m| e.offset + e.len as u64 <= m.len());
+                let next = follows(entries.last(), e);
+                let len = *seg_len.entry(e.segment).or_insert_with(|| {
+                    fs::metadata(dir.join(seg_name(e.segment)))
+                        .ok()
+                        .map(|m| m.len())
+                });
+                let fits = e
+                    .offset
+                    .checked_add(e.len as u64)
+                    .zip(len)
+                    .is_some_and(|(end, len)| end <= len);
                 next && fits
             });
             match ok {
@@ -175,13 +308,23 @@ impl Store {
             torn,
             index: None,
             seg: None,
+            lock: None,
+            poisoned: None,
+            fault: None,
         })
     }
 
-    /// Opens a store for appending: a torn tail is cut off (warned) and segments no committed
-    /// entry refers to (left by a crash) are deleted.
+    /// Opens a store for appending: takes the writer lock (fails with [`StoreError::Locked`]
+    /// if another process holds it), cuts a torn tail off (warned) and deletes segments no
+    /// committed entry refers to (left by a crash).
     pub fn open_append(dir: &Path) -> Result<Store, StoreError> {
+        let lock = crate::lock::lock(dir)?;
+        Self::open_locked(dir, lock)
+    }
+
+    fn open_locked(dir: &Path, lock: File) -> Result<Store, StoreError> {
         let mut s = Self::open(dir)?;
+        s.lock = Some(lock);
         if let Some(t) = &s.torn {
             tracing::warn!("{}: {t}", dir.display());
         }
@@ -191,8 +334,7 @@ impl Store {
             .write(true)
             .open(&path)
             .map_err(io(&path))?;
-        f.set_len((INDEX_HEADER + s.entries.len() * ENTRY_LEN) as u64)
-            .map_err(io(&path))?;
+        f.set_len(s.index_len()).map_err(io(&path))?;
         f.sync_all().map_err(io(&path))?;
         s.index = Some(f);
         s.remove_unreferenced()?;
@@ -203,6 +345,7 @@ impl Store {
                 .write(true)
                 .open(&p)
                 .map_err(io(&p))?;
+            // `open` checked that the record lies inside the segment.
             let end = last.offset + last.len as u64;
             f.set_len(end).map_err(io(&p))?;
             s.seg = Some((last.segment, f, end));
@@ -210,7 +353,12 @@ impl Store {
         Ok(s)
     }
 
-    fn remove_unreferenced(&self) -> Result<(), StoreError> {
+    /// Length of the index holding exactly the committed entries.
+    pub(crate) fn index_len(&self) -> u64 {
+        (INDEX_HEADER + self.entries.len() * ENTRY_LEN) as u64
+    }
+
+    pub(crate) fn remove_unreferenced(&self) -> Result<(), StoreError> {
         let used: std::collections::HashSet<String> =
             self.entries.iter().map(|e| seg_name(e.segment)).collect();
         for d in fs::read_dir(&self.dir).map_err(io(&self.dir))?.flatten() {
@@ -223,6 +371,15 @@ impl Store {
         sync_dir(&self.dir)
     }
 
+    /// The number for a new segment.
+    pub(crate) fn next_segment(&self) -> Result<u32, StoreError> {
+        let used = self.entries.iter().map(|e| e.segment).max().unwrap_or(0);
+        let cur = self.seg.as_ref().map_or(0, |s| s.0);
+        used.max(cur)
+            .checked_add(1)
+            .ok_or(StoreError::Exhausted("segment numbers"))
+    }
+
     /// Guest RAM size of the checkpoints.
     pub fn mem_bytes(&self) -> u64 {
         self.mem_bytes
@@ -231,6 +388,17 @@ impl Store {
     /// Committed checkpoints, oldest first.
     pub fn entries(&self) -> &[Entry] {
         &self.entries
+    }
+
+    /// The id the next appended checkpoint gets.
+    pub fn next_id(&self) -> Result<u64, StoreError> {
+        match self.entries.last() {
+            None => Ok(1),
+            Some(e) => {
+                e.id.checked_add(1)
+                    .ok_or(StoreError::Exhausted("checkpoint ids"))
+            }
+        }
     }
 
     /// What was ignored at the index's tail, if anything.
@@ -248,8 +416,16 @@ impl Store {
         seg_name(e.segment)
     }
 
+    /// Makes the next append fail at `at` (tests).
+    #[doc(hidden)]
+    pub fn inject_write_fault(&mut self, at: WriteFault) {
+        self.fault = Some(at);
+    }
+
     /// Appends a checkpoint (durable and visible when this returns). A base starts a new
-    /// segment.
+    /// segment. On failure nothing is committed and the files are cut back to the last
+    /// committed checkpoint, so the store stays consistent and the next append continues
+    /// from it.
     pub fn append(
         &mut self,
         kind: RecordKind,
@@ -257,16 +433,32 @@ impl Store {
         device_state: &[u8],
         meta: Meta,
     ) -> Result<Entry, StoreError> {
-        let id = self.entries.last().map_or(1, |e| e.id + 1);
+        if let Some(why) = &self.poisoned {
+            return Err(StoreError::Poisoned(why.clone()));
+        }
+        if self.index.is_none() {
+            return Err(StoreError::NotAStore(
+                self.dir.display().to_string(),
+                "opened read-only".into(),
+            ));
+        }
+        let id = self.next_id()?;
         if self.entries.is_empty() && kind != RecordKind::Base {
             return Err(StoreError::NotAStore(
                 self.dir.display().to_string(),
                 "the first checkpoint must be a base".into(),
             ));
         }
-        let rec = encode_record(kind, id, memory, device_state);
+        let rec = encode_record(kind, id, memory, device_state)?;
+        let len = u32::try_from(rec.len()).map_err(|_| StoreError::TooLarge {
+            what: "checkpoint record",
+            len: rec.len() as u64,
+            max: u32::MAX as u64,
+        })?;
+        // A base starts a new segment; the current one is kept until the base is committed.
+        let mut previous = None;
         if kind == RecordKind::Base || self.seg.is_none() {
-            let n = self.entries.iter().map(|e| e.segment).max().unwrap_or(0) + 1;
+            let n = self.next_segment()?;
             let p = self.dir.join(seg_name(n));
             let f = OpenOptions::new()
                 .create_new(true)
@@ -274,48 +466,122 @@ impl Store {
                 .write(true)
                 .open(&p)
                 .map_err(io(&p))?;
-            sync_dir(&self.dir)?;
-            self.seg = Some((n, f, 0));
+            previous = Some(self.seg.replace((n, f, 0)));
+            if let Err(e) = sync_dir(&self.dir) {
+                self.roll_back(previous);
+                return Err(e);
+            }
         }
-        let (n, f, end) = self
-            .seg
-            .as_mut()
-            .ok_or_else(|| StoreError::NotAStore(String::new(), "no open segment".into()))?;
+        match self.commit(kind, id, &rec, len, meta) {
+            Ok(e) => {
+                if let Some((_, _, end)) = self.seg.as_mut() {
+                    *end = e.offset + len as u64;
+                }
+                self.entries.push(e);
+                Ok(e)
+            }
+            Err(err) => {
+                self.roll_back(previous);
+                Err(err)
+            }
+        }
+    }
+
+    /// Writes and syncs the record, then the index entry.
+    fn commit(
+        &mut self,
+        kind: RecordKind,
+        id: u64,
+        rec: &[u8],
+        len: u32,
+        meta: Meta,
+    ) -> Result<Entry, StoreError> {
+        let at = self.index_len();
+        let (Some((n, f, end)), Some(idx)) = (&self.seg, &self.index) else {
+            return Err(StoreError::NotAStore(
+                self.dir.display().to_string(),
+                "opened read-only".into(),
+            ));
+        };
+        let fault = &mut self.fault;
         let p = self.dir.join(seg_name(*n));
-        f.write_all_at(&rec, *end).map_err(io(&p))?;
-        f.sync_data().map_err(io(&p))?;
+        end.checked_add(len as u64)
+            .ok_or(StoreError::Exhausted("segment offsets"))?;
+        write_at(fault, WriteFault::SegmentWrite, f, rec, *end).map_err(io(&p))?;
+        sync(fault, WriteFault::SegmentSync, f).map_err(io(&p))?;
         let e = Entry {
             kind,
             id,
             segment: *n,
             offset: *end,
-            len: rec.len() as u32,
+            len,
             ram_hash: meta.ram_hash,
             time_ms: meta.time_ms,
             pause_us: meta.pause_us,
             dirty_pages: meta.dirty_pages,
         };
-        *end += rec.len() as u64;
         let ip = self.dir.join("index");
-        let idx = self.index.as_mut().ok_or_else(|| {
-            StoreError::NotAStore(ip.display().to_string(), "opened read-only".into())
-        })?;
-        let at = (INDEX_HEADER + self.entries.len() * ENTRY_LEN) as u64;
-        idx.write_all_at(&e.encode(), at).map_err(io(&ip))?;
-        idx.sync_data().map_err(io(&ip))?;
-        self.entries.push(e);
+        write_at(fault, WriteFault::IndexWrite, idx, &e.encode(), at).map_err(io(&ip))?;
+        sync(fault, WriteFault::IndexSync, idx).map_err(io(&ip))?;
         Ok(e)
     }
 
-    fn read(&self, e: &Entry) -> Result<Vec<u8>, StoreError> {
+    /// Undoes a failed append: the index and the current segment are cut back to the
+    /// committed checkpoints; a segment created for the append is deleted and the previous
+    /// one restored (`previous`). If that fails too, the handle refuses further appends.
+    fn roll_back(&mut self, previous: Option<Option<(u32, File, u64)>>) {
+        let mut failed = Vec::new();
+        let ip = self.dir.join("index");
+        if let Some(idx) = &self.index {
+            if let Err(e) = idx.set_len(self.index_len()).and_then(|()| idx.sync_data()) {
+                failed.push(format!("{}: {e}", ip.display()));
+            }
+        }
+        match previous {
+            Some(prev) => {
+                if let Some((n, f, _)) = std::mem::replace(&mut self.seg, prev) {
+                    drop(f);
+                    let p = self.dir.join(seg_name(n));
+                    if let Err(e) = fs::remove_file(&p) {
+                        failed.push(format!("{}: {e}", p.display()));
+                    }
+                    if let Err(e) = sync_dir(&self.dir) {
+                        failed.push(e.to_string());
+                    }
+                }
+            }
+            None => {
+                if let Some((n, f, end)) = &self.seg {
+                    if let Err(e) = f.set_len(*end).and_then(|()| f.sync_data()) {
+                        failed.push(format!("{}: {e}", self.dir.join(seg_name(*n)).display()));
+                    }
+                }
+            }
+        }
+        if !failed.is_empty() {
+            self.poisoned = Some(failed.join("; "));
+        }
+    }
+
+    pub(crate) fn read(&self, e: &Entry) -> Result<Vec<u8>, StoreError> {
         let p = self.dir.join(seg_name(e.segment));
         let f = File::open(&p).map_err(io(&p))?;
+        let len = f.metadata().map_err(io(&p))?.len();
+        if e.offset
+            .checked_add(e.len as u64)
+            .is_none_or(|end| end > len)
+        {
+            return Err(self.damaged(
+                e,
+                format!("record lies past the end of the {len}-byte segment"),
+            ));
+        }
         let mut b = vec![0u8; e.len as usize];
         f.read_exact_at(&mut b, e.offset).map_err(io(&p))?;
         Ok(b)
     }
 
-    fn damaged(&self, e: &Entry, why: String) -> StoreError {
+    pub(crate) fn damaged(&self, e: &Entry, why: String) -> StoreError {
         StoreError::Damaged {
             id: e.id,
             segment: seg_name(e.segment),
@@ -323,265 +589,4 @@ impl Store {
             why,
         }
     }
-
-    /// Applies one record of `e` onto `ram`; returns its device state.
-    fn apply(
-        &self,
-        e: &Entry,
-        ram: &mut [u8],
-        plan: &mut Plan,
-        zeroed: bool,
-    ) -> Result<Vec<u8>, StoreError> {
-        let bytes = self.read(e)?;
-        let r = decode_record(&bytes).map_err(|w| self.damaged(e, w))?;
-        if r.id != e.id || r.kind != e.kind {
-            return Err(self.damaged(e, format!("record is checkpoint {} ({:?})", r.id, r.kind)));
-        }
-        if e.kind == RecordKind::Base && !zeroed {
-            ram.fill(0);
-        }
-        decode(r.memory, ram, plan).map_err(|d: DecodeError| self.damaged(e, d.to_string()))?;
-        if plan.epoch != e.id {
-            return Err(self.damaged(e, format!("memory record of epoch {}", plan.epoch)));
-        }
-        plan.commit(ram);
-        device_state(&r).map_err(|w| self.damaged(e, w))
-    }
-
-    /// The chain of `id`: its base and the deltas up to it.
-    fn chain(&self, id: u64) -> Result<&[Entry], StoreError> {
-        let i = self
-            .entries
-            .iter()
-            .position(|e| e.id == id)
-            .ok_or_else(|| {
-                let have = match (self.entries.first(), self.entries.last()) {
-                    (Some(a), Some(b)) => format!("checkpoints {} to {}", a.id, b.id),
-                    _ => "no checkpoints".into(),
-                };
-                StoreError::NoCheckpoint(id, have)
-            })?;
-        let b = self.entries[..=i]
-            .iter()
-            .rposition(|e| e.kind == RecordKind::Base)
-            .unwrap_or(0);
-        Ok(&self.entries[b..=i])
-    }
-
-    /// Rebuilds guest RAM of checkpoint `id` into `ram` (guest-sized) and returns its device
-    /// state. Every record of the chain is checked, and so is the RAM checksum at the end.
-    pub fn materialize(&self, id: u64, ram: &mut [u8]) -> Result<Vec<u8>, StoreError> {
-        self.materialize_into(id, ram, false)
-    }
-
-    /// [`Store::materialize`] into memory known to be all zeros (a fresh file or allocation):
-    /// the base is written without clearing first, which keeps a tmpfs file sparse.
-    pub fn materialize_zeroed(&self, id: u64, ram: &mut [u8]) -> Result<Vec<u8>, StoreError> {
-        self.materialize_into(id, ram, true)
-    }
-
-    fn materialize_into(
-        &self,
-        id: u64,
-        ram: &mut [u8],
-        zeroed: bool,
-    ) -> Result<Vec<u8>, StoreError> {
-        if ram.len() as u64 != self.mem_bytes {
-            return Err(StoreError::Geometry {
-                expected: self.mem_bytes,
-                got: ram.len() as u64,
-            });
-        }
-        let chain = self.chain(id)?;
-        let mut plan = Plan::default();
-        let mut dev = Vec::new();
-        for (i, e) in chain.iter().enumerate() {
-            dev = self
-                .apply(e, ram, &mut plan, zeroed && i == 0)
-                .map_err(|err| match err {
-                    StoreError::Damaged {
-                        id: d,
-                        segment,
-                        why,
-                        ..
-                    } if d != id => StoreError::DependsOnDamaged {
-                        id,
-                        damaged: d,
-                        segment,
-                        why,
-                    },
-                    other => other,
-                })?;
-        }
-        let last = chain[chain.len() - 1];
-        if RamHash::of(ram).value() != last.ram_hash {
-            return Err(self.damaged(&last, "guest RAM checksum differs after replay".into()));
-        }
-        Ok(dev)
-    }
-
-    /// Checks every record and every checkpoint's RAM checksum by replaying each chain.
-    /// Returns one line per problem (empty = the store verifies).
-    pub fn verify(&self, mut progress: impl FnMut(u64)) -> Vec<StoreError> {
-        let mut out = Vec::new();
-        let mut ram = vec![0u8; self.mem_bytes as usize];
-        let mut plan = Plan::default();
-        let mut broken = false;
-        for e in &self.entries {
-            progress(e.id);
-            if e.kind == RecordKind::Base {
-                broken = false;
-            }
-            if broken {
-                continue;
-            }
-            let fresh = std::ptr::eq(e, &self.entries[0]);
-            match self.apply(e, &mut ram, &mut plan, fresh) {
-                Err(err) => {
-                    out.push(err);
-                    broken = true;
-                }
-                Ok(_) if RamHash::of(&ram).value() != e.ram_hash => {
-                    out.push(self.damaged(e, "guest RAM checksum differs after replay".into()));
-                    broken = true;
-                }
-                Ok(_) => {}
-            }
-        }
-        out
-    }
-
-    /// Keeps the newest `keep` checkpoints: the oldest kept one becomes a base in a new
-    /// segment, later records are copied after it, and a new index replaces the old one
-    /// atomically. Returns the number of checkpoints dropped.
-    pub fn compact(&mut self, keep: usize, codec: Codec, cfg: Config) -> Result<usize, StoreError> {
-        self.compact_until(keep, codec, cfg, None)
-    }
-
-    /// [`Store::compact`] that stops dead at `crash` (leaving the files as a crash there
-    /// would), for crash-safety tests.
-    #[doc(hidden)]
-    pub fn compact_until(
-        &mut self,
-        keep: usize,
-        codec: Codec,
-        cfg: Config,
-        crash: Option<CrashPoint>,
-    ) -> Result<usize, StoreError> {
-        let keep = keep.max(1);
-        if self.entries.len() <= keep {
-            return Ok(0);
-        }
-        let first = self.entries.len() - keep;
-        let r = self.entries[first];
-        let mut ram = vec![0u8; self.mem_bytes as usize];
-        let dev = self.materialize_zeroed(r.id, &mut ram)?;
-        let base = encode_base(r.id, &ram, codec, cfg)?;
-        drop(ram);
-        let n = self.entries.iter().map(|e| e.segment).max().unwrap_or(0) + 1;
-        let sp = self.dir.join(seg_name(n));
-        let seg = OpenOptions::new()
-            .create_new(true)
-            .read(true)
-            .write(true)
-            .open(&sp)
-            .map_err(io(&sp))?;
-        let rec = encode_record(RecordKind::Base, r.id, &base, &dev);
-        let mut entries = vec![Entry {
-            kind: RecordKind::Base,
-            segment: n,
-            offset: 0,
-            len: rec.len() as u32,
-            ..r
-        }];
-        seg.write_all_at(&rec, 0).map_err(io(&sp))?;
-        let mut end = rec.len() as u64;
-        for e in &self.entries[first + 1..] {
-            let b = self.read(e)?;
-            decode_record(&b).map_err(|w| self.damaged(e, w))?;
-            seg.write_all_at(&b, end).map_err(io(&sp))?;
-            entries.push(Entry {
-                segment: n,
-                offset: end,
-                ..*e
-            });
-            end += b.len() as u64;
-        }
-        if crash == Some(CrashPoint::SegmentWritten) {
-            return Ok(0);
-        }
-        seg.sync_all().map_err(io(&sp))?;
-        let tmp = self.dir.join("index.tmp");
-        let mut f = File::create(&tmp).map_err(io(&tmp))?;
-        let mut bytes = index_header(self.mem_bytes).to_vec();
-        for e in &entries {
-            bytes.extend_from_slice(&e.encode());
-        }
-        f.write_all(&bytes).map_err(io(&tmp))?;
-        f.sync_all().map_err(io(&tmp))?;
-        if crash == Some(CrashPoint::NewIndexWritten) {
-            return Ok(0);
-        }
-        let ip = self.dir.join("index");
-        fs::rename(&tmp, &ip).map_err(io(&ip))?;
-        sync_dir(&self.dir)?;
-        if crash == Some(CrashPoint::Renamed) {
-            return Ok(0);
-        }
-        // The new state is committed; old segments are garbage from here on.
-        let dropped = first;
-        self.entries = entries;
-        self.index = Some(
-            OpenOptions::new()
-                .read(true)
-                .write(true)
-                .open(&ip)
-                .map_err(io(&ip))?,
-        );
-        self.seg = Some((n, seg, end));
-        self.remove_unreferenced()?;
-        Ok(dropped)
-    }
-}
-
-/// Where a compaction can be cut short in tests.
-#[doc(hidden)]
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum CrashPoint {
-    /// New segment written, not synced, no new index.
-    SegmentWritten,
-    /// New index written and synced as `index.tmp`, not renamed.
-    NewIndexWritten,
-    /// New index in place, old segments not yet deleted.
-    Renamed,
-}
-
-impl std::str::FromStr for CrashPoint {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "segment" => Ok(CrashPoint::SegmentWritten),
-            "index" => Ok(CrashPoint::NewIndexWritten),
-            "renamed" => Ok(CrashPoint::Renamed),
-            _ => Err(format!("unknown crash point {s:?}")),
-        }
-    }
-}
-
-/// Encodes all of `ram` as a base record (a codec record against an all-zero image).
-pub fn encode_base(id: u64, ram: &[u8], codec: Codec, cfg: Config) -> Result<Vec<u8>, StoreError> {
-    let zeros = vec![0u8; ram.len()];
-    let mut enc = Encoder::new(codec, &zeros, cfg)?;
-    drop(zeros);
-    let mut pfns = Vec::new();
-    let mut pages = Vec::new();
-    for (i, p) in ram.chunks(PAGE).enumerate() {
-        if p.iter().any(|&b| b != 0) {
-            pfns.push(i as u64);
-            pages.extend_from_slice(p);
-        }
-    }
-    let mut out = Vec::new();
-    enc.encode(id, &pfns, &pages, &mut out)?;
-    Ok(out)
 }

@@ -103,6 +103,9 @@ impl<'a> Cursor<'a> {
             what: format!("{what} (payload byte {})", self.pos),
         }
     }
+    pub(crate) fn remaining(&self) -> usize {
+        self.buf.len() - self.pos
+    }
     pub(crate) fn take(&mut self, n: usize, what: &str) -> Result<&'a [u8], TraceError> {
         if self.buf.len() - self.pos < n {
             return Err(self.err(&format!("{what} runs past the end of the frame")));
@@ -181,6 +184,13 @@ impl EpochRecord {
         let n = c.u32("dirty page count")? as u64;
         if n > pages {
             return Err(c.err(&format!("{n} dirty pages in a guest of {pages} pages")));
+        }
+        // Each page takes at least one page-number byte and its contents.
+        let room = c.remaining() as u64 / (page_size as u64 + 1);
+        if n > room {
+            return Err(c.err(&format!(
+                "{n} dirty pages declared, the frame holds at most {room}"
+            )));
         }
         let mut pfns = Vec::with_capacity(n as usize);
         let mut next = 0u64;

@@ -8,6 +8,9 @@ use crate::{
     VERSION,
 };
 
+/// zstd's largest expansion: no block is shorter than 4 bytes or decodes to more than 128 KiB.
+const MAX_ZSTD_RATIO: u64 = 32 * 1024;
+
 /// Reads a trace frame by frame.
 pub struct TraceReader<R: Read> {
     r: R,
@@ -156,6 +159,14 @@ impl<R: Read> TraceReader<R> {
         if raw_len > MAX_FRAME || stored_len > MAX_FRAME || (codec == 0 && raw_len != stored_len) {
             return Err(corrupt(format!(
                 "frame lengths raw {raw_len} stored {stored_len} out of bounds"
+            )));
+        }
+        // zstd cannot expand a byte into more than 32 KiB (4-byte RLE block → 128 KiB): a
+        // larger declared length is refused before a buffer is sized by it.
+        let most = stored_len as u64 * MAX_ZSTD_RATIO;
+        if codec == 1 && raw_len as u64 > most {
+            return Err(corrupt(format!(
+                "frame declares {raw_len} decoded bytes, its {stored_len} zstd bytes hold at most {most}"
             )));
         }
         let mut stored = Vec::new();
