@@ -8,4 +8,4 @@ pub mod fuzz;
 pub mod image;
 pub mod nbd;
 
-pub use image::{decode_writes, encode_writes, Image};
+pub use image::{decode_writes, encode_writes, Image, LogUsage};

@@ -7,10 +7,17 @@
 //! Policies:
 //! - [`Policy::Hold`] (primary): frames from the guest are queued; [`Relay::seal`] closes the
 //!   queue of the epoch being checkpointed and [`Relay::release`] writes every sealed queue up
-//!   to an acknowledged epoch to the outside. Frames to the guest pass at once.
+//!   to an acknowledged epoch to the outside. Frames to the guest pass at once. The queues are
+//!   bounded ([`Relay::set_hold_limit`], default [`DEFAULT_HOLD_LIMIT`]): a guest frame that
+//!   would take the held bytes past the limit is dropped, as on a congested wire (the guest's
+//!   TCP resends it), and counted in [`RelayStats::overflow_frames`].
 //! - [`Policy::Standby`] (backup before failover): nothing passes either way; the standby QEMU
 //!   may connect, its guest is not running.
 //! - [`Policy::Pass`] (after failover, or unprotected): both ways at once.
+//!
+//! Held frames leave the relay only through [`Relay::release`] (sealed epochs up to an
+//! acknowledged one) or an explicit switch to [`Policy::Pass`]; [`Relay::discard_held`] and
+//! dropping the relay throw them away without writing them.
 
 use std::collections::VecDeque;
 use std::fs::File;
@@ -43,6 +50,9 @@ pub enum RelayError {
     Outside(#[source] std::io::Error),
 }
 
+/// Default bound of the held guest output: 64 MiB.
+pub const DEFAULT_HOLD_LIMIT: u64 = 64 << 20;
+
 /// Counters, for metrics.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct RelayStats {
@@ -54,8 +64,11 @@ pub struct RelayStats {
     pub released_frames: u64,
     /// Frames delivered to the guest so far.
     pub inbound_frames: u64,
-    /// Frames dropped: on standby, or refused by the outside.
+    /// Frames dropped: on standby, refused by the outside, or held and then discarded
+    /// ([`Relay::discard_held`]).
     pub dropped_frames: u64,
+    /// Guest frames dropped on arrival because the held bytes would exceed the hold limit.
+    pub overflow_frames: u64,
 }
 
 #[derive(Default)]
@@ -74,6 +87,8 @@ struct Shared {
     released: AtomicU64,
     inbound: AtomicU64,
     dropped: AtomicU64,
+    overflow: AtomicU64,
+    hold_limit: AtomicU64,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -102,6 +117,8 @@ impl Relay {
             released: AtomicU64::new(0),
             inbound: AtomicU64::new(0),
             dropped: AtomicU64::new(0),
+            overflow: AtomicU64::new(0),
+            hold_limit: AtomicU64::new(DEFAULT_HOLD_LIMIT),
         });
         let s = shared.clone();
         std::thread::spawn(move || accept_loop(listener, s));
@@ -154,15 +171,41 @@ impl Relay {
         Ok(n)
     }
 
-    /// Switches policy. Switching to [`Policy::Pass`] releases everything still held (use it
-    /// when the guest runs unprotected, or after failover on the backup).
+    /// Switches policy. Switching to [`Policy::Pass`] releases everything still held, sealed
+    /// or not (use it when the guest runs unprotected, or after failover on the backup); it is
+    /// the only way frames of unacknowledged epochs leave the relay.
     pub fn set_policy(&self, policy: Policy) -> Result<(), RelayError> {
-        *lock(&self.shared.policy) = policy;
+        // Hold the policy lock while releasing: a guest frame arriving meanwhile waits, so it
+        // cannot overtake the held ones.
+        let mut p = lock(&self.shared.policy);
+        *p = policy;
         if policy == Policy::Pass {
             self.seal(u64::MAX);
             self.release(u64::MAX)?;
         }
         Ok(())
+    }
+
+    /// Bounds the held guest output to `bytes` (sealed and open queues together). A guest frame
+    /// that would take the held bytes past it is dropped and counted in
+    /// [`RelayStats::overflow_frames`]. Frames already held stay held.
+    pub fn set_hold_limit(&self, bytes: u64) {
+        self.shared.hold_limit.store(bytes, Ordering::Relaxed);
+    }
+
+    /// The current hold limit in bytes.
+    pub fn hold_limit(&self) -> u64 {
+        self.shared.hold_limit.load(Ordering::Relaxed)
+    }
+
+    /// Throws away every held frame, sealed and open, without writing any of them, and
+    /// counts them as dropped; returns how many. For a primary that learns another copy of
+    /// the guest took over (it is fenced): its held output must never reach the outside.
+    /// Frames arriving later are held as usual; switch to [`Policy::Standby`] to drop them too.
+    pub fn discard_held(&self) -> u64 {
+        let n = take_all(&self.shared);
+        self.shared.dropped.fetch_add(n, Ordering::Relaxed);
+        n
     }
 
     /// Whether QEMU is connected.
@@ -179,13 +222,17 @@ impl Relay {
             released_frames: self.shared.released.load(Ordering::Relaxed),
             inbound_frames: self.shared.inbound.load(Ordering::Relaxed),
             dropped_frames: self.shared.dropped.load(Ordering::Relaxed),
+            overflow_frames: self.shared.overflow.load(Ordering::Relaxed),
         }
     }
 }
 
 impl Drop for Relay {
+    /// Stops the relay. Held frames are freed, never written out: their epochs were not
+    /// acknowledged.
     fn drop(&mut self) {
         self.shared.stop.store(true, Ordering::SeqCst);
+        take_all(&self.shared);
         if let Some(g) = lock(&self.shared.guest).take() {
             let _ = g.shutdown(std::net::Shutdown::Both);
         }
@@ -193,6 +240,14 @@ impl Drop for Relay {
         let _ = UnixStream::connect(&self.path);
         let _ = std::fs::remove_file(&self.path);
     }
+}
+
+/// Empties the hold queues without writing anything; returns how many frames they held.
+fn take_all(s: &Shared) -> u64 {
+    let mut q = lock(&s.queues);
+    let n = q.open.len() + q.sealed.iter().map(|e| e.1.len()).sum::<usize>();
+    *q = Queues::default();
+    n as u64
 }
 
 fn write_outside(s: &Shared, frame: &[u8]) -> Result<(), RelayError> {
@@ -232,15 +287,23 @@ fn guest_loop(mut r: UnixStream, s: Arc<Shared>) {
         if r.read_exact(&mut frame).is_err() {
             break;
         }
+        if s.stop.load(Ordering::SeqCst) {
+            break;
+        }
         match *lock(&s.policy) {
             Policy::Hold => {
                 let mut q = lock(&s.queues);
-                q.held_bytes += n as u64;
-                q.open.push(frame);
+                if q.held_bytes + n as u64 > s.hold_limit.load(Ordering::Relaxed) {
+                    s.overflow.fetch_add(1, Ordering::Relaxed);
+                } else {
+                    q.held_bytes += n as u64;
+                    q.open.push(frame);
+                }
             }
             Policy::Pass => {
                 if let Err(e) = write_outside(&s, &frame) {
                     tracing::warn!("relay: {e}: {:?}", std::error::Error::source(&e));
+                    s.dropped.fetch_add(1, Ordering::Relaxed);
                 } else {
                     s.released.fetch_add(1, Ordering::Relaxed);
                 }

@@ -118,6 +118,109 @@ fn switching_to_pass_releases_what_was_held() {
     assert_eq!(&buf[..n], &frame(5)[..]);
 }
 
+fn wait_stats(relay: &Relay, ok: impl Fn(&tandem_net::RelayStats) -> bool) {
+    let t = Instant::now();
+    while !ok(&relay.stats()) {
+        assert!(t.elapsed() < Duration::from_secs(5), "{:?}", relay.stats());
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// Nothing (no frame of non-zero length) reaches the outside within the read timeout.
+fn assert_nothing_leaves(world: &UnixDatagram) {
+    let mut buf = [0u8; 2048];
+    if let Ok(n) = world.recv(&mut buf) {
+        assert_eq!(n, 0, "a held frame left the relay: {:?}", &buf[..n.min(16)]);
+    }
+}
+
+#[test]
+fn hold_limit_drops_guest_frames_beyond_it() {
+    let (_d, relay, mut qemu, world) = setup(Policy::Hold);
+    assert_eq!(relay.hold_limit(), tandem_net::relay::DEFAULT_HOLD_LIMIT);
+    // Frames 0, 1, 2 are 60 + 61 + 62 = 183 bytes; 63 and 64 would take it past 200.
+    relay.set_hold_limit(200);
+    for i in 0..5 {
+        send_to_relay(&mut qemu, &frame(i));
+    }
+    wait_stats(&relay, |s| s.held_frames + s.overflow_frames == 5);
+    let s = relay.stats();
+    assert_eq!(
+        (s.held_frames, s.held_bytes, s.overflow_frames),
+        (3, 183, 2)
+    );
+    assert_eq!(s.dropped_frames, 0, "overflow is counted on its own");
+    relay.seal(1);
+    assert_eq!(relay.release(1).unwrap(), 3);
+    let mut buf = [0u8; 2048];
+    for i in 0..3 {
+        let n = world.recv(&mut buf).unwrap();
+        assert_eq!(&buf[..n], &frame(i)[..]);
+    }
+    // Released bytes make room again.
+    send_to_relay(&mut qemu, &frame(7));
+    wait_held(&relay, 1);
+    relay.seal(2);
+    assert_eq!(relay.release(2).unwrap(), 1);
+    let n = world.recv(&mut buf).unwrap();
+    assert_eq!(&buf[..n], &frame(7)[..]);
+    assert_eq!(relay.stats().overflow_frames, 2);
+}
+
+#[test]
+fn discard_held_drops_sealed_and_open_frames_without_writing_them() {
+    let (_d, relay, mut qemu, world) = setup(Policy::Hold);
+    send_to_relay(&mut qemu, &frame(1));
+    send_to_relay(&mut qemu, &frame(2));
+    wait_held(&relay, 2);
+    relay.seal(1);
+    send_to_relay(&mut qemu, &frame(3));
+    wait_held(&relay, 3);
+    assert_eq!(relay.discard_held(), 3);
+    let s = relay.stats();
+    assert_eq!(
+        (
+            s.held_frames,
+            s.held_bytes,
+            s.dropped_frames,
+            s.released_frames
+        ),
+        (0, 0, 3, 0)
+    );
+    // Neither an acknowledgement nor a switch to pass brings them back.
+    assert_eq!(relay.release(u64::MAX).unwrap(), 0);
+    relay.set_policy(Policy::Pass).unwrap();
+    assert_nothing_leaves(&world);
+    // New output passes.
+    send_to_relay(&mut qemu, &frame(4));
+    let mut buf = [0u8; 2048];
+    let n = world.recv(&mut buf).unwrap();
+    assert_eq!(&buf[..n], &frame(4)[..]);
+}
+
+#[test]
+fn only_acknowledged_epochs_leave_and_drop_writes_nothing() {
+    let (_d, relay, mut qemu, world) = setup(Policy::Hold);
+    send_to_relay(&mut qemu, &frame(1));
+    wait_held(&relay, 1);
+    relay.seal(1);
+    send_to_relay(&mut qemu, &frame(2));
+    wait_held(&relay, 2);
+    relay.seal(2);
+    send_to_relay(&mut qemu, &frame(3));
+    wait_held(&relay, 3);
+    // Standby and back, and releasing an older epoch, release nothing of epochs 1..=2 or
+    // the open queue.
+    relay.set_policy(Policy::Standby).unwrap();
+    relay.set_policy(Policy::Hold).unwrap();
+    assert_eq!(relay.release(0).unwrap(), 0);
+    assert_nothing_leaves(&world);
+    assert_eq!(relay.stats().held_frames, 3);
+    drop(relay);
+    assert_nothing_leaves(&world);
+    drop(qemu);
+}
+
 #[test]
 fn tap_on_a_lab_bridge_carries_frames() {
     // SAFETY: geteuid has no preconditions.

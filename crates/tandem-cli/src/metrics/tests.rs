@@ -1,0 +1,222 @@
+//! Tests of the histograms, the exposition and the endpoint's bounds.
+
+use super::*;
+
+#[test]
+fn histogram_buckets_and_quantile_estimates() {
+    let mut h = Histogram::new(PAUSE_BUCKETS);
+    assert_eq!(h.quantile(0.5), 0.0, "empty");
+    for _ in 0..50 {
+        h.observe(0.0015); // bucket (1 ms, 2 ms]
+    }
+    for _ in 0..50 {
+        h.observe(0.004); // bucket (3 ms, 5 ms]
+    }
+    h.observe(f64::NAN);
+    h.observe(f64::INFINITY);
+    let b: Vec<(f64, u64)> = h.buckets().collect();
+    assert_eq!(b.len(), PAUSE_BUCKETS.len() + 1);
+    assert_eq!(b[0], (0.0005, 0));
+    assert_eq!(b[1], (0.001, 0));
+    assert_eq!(b[2], (0.002, 50));
+    assert_eq!(b[3], (0.003, 50));
+    assert_eq!(b[4], (0.005, 100));
+    assert_eq!(b.last(), Some(&(f64::INFINITY, 100)));
+    assert_eq!(h.count(), 100);
+    assert!((h.sum() - 0.275).abs() < 1e-9);
+    // Linear interpolation inside the bucket holding the rank.
+    let close = |a: f64, b: f64| (a - b).abs() < 1e-9;
+    assert!(close(h.quantile(0.25), 0.0015), "{}", h.quantile(0.25));
+    assert!(close(h.quantile(0.5), 0.002), "{}", h.quantile(0.5));
+    assert!(close(h.quantile(0.75), 0.004), "{}", h.quantile(0.75));
+    // Never outside what was observed.
+    assert!(close(h.quantile(0.0), 0.0015));
+    assert!(close(h.quantile(0.99), 0.004));
+    assert!(close(h.quantile(7.0), 0.004) && close(h.quantile(f64::NAN), 0.002));
+    // Beyond the last bound: interpolated up to the largest observation.
+    let mut h = Histogram::new(ACK_BUCKETS);
+    h.observe(0.0001);
+    h.observe(50.0);
+    assert_eq!(h.buckets().next(), Some((0.001, 1)));
+    assert_eq!(h.buckets().nth(ACK_BUCKETS.len() - 1), Some((30.0, 1)));
+    assert!(close(h.quantile(1.0), 50.0) && close(h.quantile(0.75), 40.0));
+    // Exact on a bound: `le` is inclusive.
+    let mut h = Histogram::new(ACK_BUCKETS);
+    h.observe(0.001);
+    assert_eq!(h.buckets().next(), Some((0.001, 1)));
+}
+
+fn registry() -> Registry {
+    let r = Registry::default();
+    r.sent(&EpochMetrics {
+        epoch: 1,
+        pause_us: 7000,
+        stop_us: 500,
+        dirty_pages: 10,
+        raw_bytes: 40960,
+        sent_bytes: 900,
+        held_frames: 3,
+        held_bytes: 180,
+        ..Default::default()
+    });
+    r.acked(1, 1500, 0);
+    r
+}
+
+#[test]
+fn renders_prometheus_text_with_histograms_and_daemon_state() {
+    let r = registry();
+    let p = r.pause_histogram();
+    assert!((p.quantile(0.5) - 0.007).abs() < 1e-9 && p.count() == 1);
+    assert_eq!(r.ack_latency_histogram().count(), 1);
+    r.set_link_up(true);
+    r.set_protected(true);
+    r.set_backup_can_failover(true);
+    r.set_held(4, 240);
+    r.inc_reconnects();
+    r.inc_reconnects();
+    r.inc_resyncs();
+    r.set_dropped_frames(9);
+    let text = r.render();
+    for want in [
+        "tandem_epochs_total 1\n",
+        "tandem_acked_epoch 1\n",
+        "# TYPE tandem_pause_seconds histogram\n",
+        "tandem_pause_seconds_bucket{le=\"0.005\"} 0\n",
+        "tandem_pause_seconds_bucket{le=\"0.0075\"} 1\n",
+        "tandem_pause_seconds_bucket{le=\"+Inf\"} 1\n",
+        "tandem_pause_seconds_sum 0.007\n",
+        "tandem_pause_seconds_count 1\n",
+        "tandem_ack_latency_seconds_bucket{le=\"0.002\"} 1\n",
+        "tandem_ack_latency_seconds_count 1\n",
+        "tandem_link_up 1\n",
+        "tandem_protected 1\n",
+        "tandem_backup_can_failover 1\n",
+        "tandem_held_frames 4\n",
+        "tandem_held_bytes 240\n",
+        "tandem_reconnects_total 2\n",
+        "tandem_resyncs_total 1\n",
+        "tandem_hold_dropped_frames_total 9\n",
+        "tandem_raw_bytes_total 40960\n",
+        "tandem_last_pause_component_seconds{component=\"stop\"} 0.0005\n",
+    ] {
+        assert!(text.contains(want), "{want:?} missing in\n{text}");
+    }
+    let mut last_bucket = 0.0;
+    for line in text.lines() {
+        if let Some(rest) = line.strip_prefix("# TYPE ") {
+            let (name, kind) = rest.split_once(' ').unwrap();
+            match kind {
+                "counter" => assert!(name.ends_with("_total"), "{line}"),
+                "gauge" | "histogram" => assert!(!name.ends_with("_total"), "{line}"),
+                _ => panic!("{line}"),
+            }
+            last_bucket = 0.0;
+            continue;
+        }
+        if line.starts_with('#') {
+            continue;
+        }
+        let (name, value) = line.rsplit_once(' ').unwrap();
+        assert!(name.starts_with("tandem_"), "{line}");
+        let v: f64 = value.parse().unwrap();
+        if name.contains("_bucket{") {
+            assert!(v >= last_bucket, "buckets are cumulative: {line}");
+            last_bucket = v;
+        }
+    }
+}
+
+fn scrape(addr: SocketAddr) -> String {
+    let mut c = TcpStream::connect(addr).unwrap();
+    c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    c.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").unwrap();
+    let mut resp = String::new();
+    c.read_to_string(&mut resp).unwrap();
+    resp
+}
+
+fn is_scrape(resp: &str) -> bool {
+    resp.starts_with("HTTP/1.0 200 OK\r\n")
+        && resp.contains("\r\nContent-Type: text/plain; version=0.0.4\r\n")
+        && resp.contains("\ntandem_acked_epoch 1\n")
+}
+
+#[test]
+fn slow_and_silent_clients_do_not_block_a_scrape() {
+    let addr = serve("127.0.0.1:0", registry()).unwrap();
+    let t = Instant::now();
+    let mut silent = TcpStream::connect(addr).unwrap();
+    // A client dripping its request a byte at a time, never finishing it.
+    let drip = std::thread::spawn(move || {
+        let mut c = TcpStream::connect(addr).unwrap();
+        for b in b"GET /metrics HTTP/1.0\r\n".iter().cycle() {
+            if c.write_all(&[*b]).is_err() || t.elapsed() > Duration::from_secs(10) {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        t.elapsed()
+    });
+    std::thread::sleep(Duration::from_millis(100));
+    let resp = scrape(addr);
+    assert!(is_scrape(&resp), "{resp}");
+    assert!(t.elapsed() < CLIENT_TIMEOUT, "{:?}", t.elapsed());
+    // 404 for other paths, still HTTP/1.0.
+    let mut c = TcpStream::connect(addr).unwrap();
+    c.write_all(b"GET / HTTP/1.0\r\n\r\n").unwrap();
+    let mut r = String::new();
+    c.read_to_string(&mut r).unwrap();
+    assert!(r.starts_with("HTTP/1.0 404"), "{r}");
+    // Both slow clients are cut off at the timeout.
+    silent
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    let mut buf = [0u8; 64];
+    assert_eq!(silent.read(&mut buf).unwrap_or(0), 0);
+    let waited = t.elapsed();
+    assert!(
+        waited >= CLIENT_TIMEOUT && waited < Duration::from_secs(5),
+        "{waited:?}"
+    );
+    let dripped = drip.join().unwrap();
+    assert!(dripped < Duration::from_secs(6), "{dripped:?}");
+}
+
+#[test]
+fn nine_silent_clients_do_not_stop_the_endpoint() {
+    let addr = serve("127.0.0.1:0", registry()).unwrap();
+    let t = Instant::now();
+    let mut silent: Vec<TcpStream> = (0..MAX_CLIENTS + 1)
+        .map(|_| TcpStream::connect(addr).unwrap())
+        .collect();
+    // The ninth is refused at once, without waiting for its request.
+    let ninth = silent.last_mut().unwrap();
+    ninth
+        .set_read_timeout(Some(Duration::from_secs(1)))
+        .unwrap();
+    let mut resp = Vec::new();
+    let _ = ninth.read_to_end(&mut resp);
+    assert!(
+        resp.is_empty() || resp.starts_with(b"HTTP/1.0 503"),
+        "{}",
+        String::from_utf8_lossy(&resp)
+    );
+    assert!(t.elapsed() < Duration::from_secs(1), "{:?}", t.elapsed());
+    // Once the silent ones time out, scrapes are served again.
+    let resp = loop {
+        let r = scrape(addr);
+        if is_scrape(&r) {
+            break r;
+        }
+        assert!(r.is_empty() || r.starts_with("HTTP/1.0 503"), "{r}");
+        assert!(t.elapsed() < Duration::from_secs(6), "endpoint stuck");
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert!(is_scrape(&resp));
+    // Many scrapes in a row: slots are given back.
+    for _ in 0..3 * MAX_CLIENTS {
+        assert!(is_scrape(&scrape(addr)));
+    }
+    drop(silent);
+}
