@@ -1,11 +1,18 @@
 //! The backup's side of an epoch: verify everything, then commit disk writes, memory and
 //! device state together, or change nothing.
+//!
+//! The backup can resume the guest only from a *consistent* mirror: one that holds exactly a
+//! committed epoch (memory, device state and disk copy of the same checkpoint). A new session's
+//! initial copy makes it inconsistent until that session's first epoch commits.
 
 use tandem_codec::{decode, DecodeError, Plan};
 
-use crate::wire::{section, sections, Frame, Kind};
+use crate::disk::{apply_all, DiskApplyError, DiskCopy};
+use crate::wire::{heartbeat_progress, section, sections, Frame, Hello, Kind};
 
-/// Why the backup refused a frame. The mirror and the committed epoch are unchanged.
+/// Why the backup refused a frame. The mirror, the disk copy and the committed epoch are
+/// unchanged (except for [`ApplyError::DiskInconsistent`], after which the backup can no
+/// longer fail over until a new initial copy).
 #[derive(Debug, thiserror::Error)]
 pub enum ApplyError {
     /// The frame belongs to another VM.
@@ -36,92 +43,58 @@ pub enum ApplyError {
     /// The memory record failed verification.
     #[error("epoch memory record rejected")]
     Decode(#[from] DecodeError),
-    /// Writing the backup's disk copy failed (a local I/O error: this backup can no longer
-    /// guarantee a consistent failover).
-    #[error("writing the backup's disk copy failed; this backup is no longer consistent")]
+    /// Writing the backup's disk copy failed; the epoch's writes were undone.
+    #[error("the epoch's disk writes could not be applied (undone; the copy stays at the committed epoch)")]
     DiskIo(#[source] std::io::Error),
-}
-
-/// The backup's copy of the guest's data disk.
-pub trait DiskCopy {
-    /// Size in bytes.
-    fn size(&self) -> u64;
-    /// Writes `data` at `offset` (inside the size; checked by the caller).
-    fn write_at(&mut self, offset: u64, data: &[u8]) -> std::io::Result<()>;
-    /// Makes the whole disk zeros again (a new initial copy starts).
-    fn zero(&mut self) -> std::io::Result<()>;
-}
-
-impl DiskCopy for Vec<u8> {
-    fn size(&self) -> u64 {
-        self.len() as u64
-    }
-    fn write_at(&mut self, offset: u64, data: &[u8]) -> std::io::Result<()> {
-        self[offset as usize..offset as usize + data.len()].copy_from_slice(data);
-        Ok(())
-    }
-    fn zero(&mut self) -> std::io::Result<()> {
-        self.fill(0);
-        Ok(())
-    }
-}
-
-/// A disk copy in a raw image file.
-pub struct FileDisk {
-    file: std::fs::File,
-    size: u64,
-}
-
-impl FileDisk {
-    /// Uses `file` (its current length is the disk size).
-    pub fn new(file: std::fs::File) -> std::io::Result<Self> {
-        let size = file.metadata()?.len();
-        Ok(FileDisk { file, size })
-    }
-}
-
-impl DiskCopy for FileDisk {
-    fn size(&self) -> u64 {
-        self.size
-    }
-    fn write_at(&mut self, offset: u64, data: &[u8]) -> std::io::Result<()> {
-        std::os::unix::fs::FileExt::write_all_at(&self.file, data, offset)
-    }
-    fn zero(&mut self) -> std::io::Result<()> {
-        // Truncate and extend: the file becomes sparse zeros of the same size.
-        self.file.set_len(0)?;
-        self.file.set_len(self.size)
-    }
+    /// Writing the disk copy failed and could not be undone.
+    #[error(
+        "the backup's disk copy is inconsistent; it cannot fail over until a new initial copy"
+    )]
+    DiskInconsistent(#[source] DiskApplyError),
 }
 
 /// What a handled frame did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Applied {
-    /// Session established.
+    /// Session established; a new initial copy follows.
     Hello,
     /// Initial memory chunk stored.
     Base,
     /// Epoch committed; acknowledge it.
     Committed(u64),
-    /// Liveness only.
-    Heartbeat,
+    /// Liveness, with the primary's progress if it sent it.
+    Heartbeat(Option<u64>),
     /// Initial disk chunk stored.
     DiskBase,
     /// The primary ended replication on purpose.
     Bye,
+    /// The primary stopped its guest for good after the committed epoch: resume it now.
+    Handover(u64),
 }
 
 const PAGE: usize = tandem_codec::format::PAGE;
 
-/// Backup state: the RAM mirror (any byte buffer or mapping of the guest's size), the
-/// device state of the last committed epoch, and its sequence number.
+/// Backup state: the RAM mirror (any byte buffer or mapping of the guest's size), the disk
+/// copy, the device state of the last committed epoch, and its sequence number.
 pub struct Backup<M> {
     vm_id: Option<u64>,
     mirror: M,
     disk: Option<Box<dyn DiskCopy + Send>>,
     committed: u64,
+    consistent: bool,
     device_state: Vec<u8>,
     plan: Plan,
+}
+
+/// The sections of one epoch frame, parsed and checked but not applied.
+struct EpochParts<'a> {
+    memory: &'a [u8],
+    device_state: Vec<u8>,
+    writes: Vec<(u64, &'a [u8])>,
+}
+
+fn le_u64(b: Option<&[u8]>) -> Option<u64> {
+    Some(u64::from_le_bytes(b?.try_into().ok()?))
 }
 
 impl<M: AsRef<[u8]> + AsMut<[u8]>> Backup<M> {
@@ -132,6 +105,7 @@ impl<M: AsRef<[u8]> + AsMut<[u8]>> Backup<M> {
             mirror,
             disk: None,
             committed: 0,
+            consistent: false,
             device_state: Vec::new(),
             plan: Plan::default(),
         }
@@ -150,6 +124,17 @@ impl<M: AsRef<[u8]> + AsMut<[u8]>> Backup<M> {
     /// Last committed epoch (0 = none).
     pub fn committed(&self) -> u64 {
         self.committed
+    }
+
+    /// Whether mirror, device state and disk copy hold exactly the committed epoch, so the
+    /// guest can be resumed from them.
+    pub fn consistent(&self) -> bool {
+        self.consistent
+    }
+
+    /// The protected VM, once a primary said hello.
+    pub fn vm_id(&self) -> Option<u64> {
+        self.vm_id
     }
 
     /// Device state of the last committed epoch.
@@ -176,166 +161,190 @@ impl<M: AsRef<[u8]> + AsMut<[u8]>> Backup<M> {
             });
         }
         match f.kind {
-            Kind::Hello => {
-                let p = &f.payload;
-                if p.len() != 20 {
-                    return Err(ApplyError::Malformed("hello payload".into()));
-                }
-                let mem = u64::from_le_bytes(p[..8].try_into().unwrap_or_default());
-                let ps = u32::from_le_bytes(p[8..12].try_into().unwrap_or_default());
-                let disk = u64::from_le_bytes(p[12..20].try_into().unwrap_or_default());
-                if ps as usize != PAGE || mem != self.mirror.as_ref().len() as u64 {
-                    return Err(ApplyError::Geometry(format!(
-                        "primary has {mem} bytes in {ps}-byte pages, mirror has {} in {PAGE}",
-                        self.mirror.as_ref().len()
-                    )));
-                }
-                if disk != self.disk_size() {
-                    return Err(ApplyError::Geometry(format!(
-                        "primary has a {disk}-byte data disk, this backup keeps {} bytes (start both with the same --disk-mib)",
-                        self.disk_size()
-                    )));
-                }
-                if self.vm_id.is_some() && f.seq != self.committed {
-                    return Err(ApplyError::SeqGap {
-                        expected: self.committed,
-                        got: f.seq,
-                    });
-                }
-                if self.vm_id.is_some() && self.committed == 0 {
-                    // A new initial copy after an interrupted one: the primary sends only
-                    // non-zero pages and disk chunks, so start again from zeros.
-                    self.mirror.as_mut().fill(0);
-                    if let Some(d) = self.disk.as_mut() {
-                        d.zero().map_err(ApplyError::DiskIo)?;
-                    }
-                }
-                self.vm_id = Some(vm);
-                Ok(Applied::Hello)
+            Kind::Hello => self.hello(f),
+            Kind::Base => self.base(f),
+            Kind::DiskBase => self.disk_base(f),
+            Kind::Epoch => self.epoch(f),
+            Kind::Heartbeat => Ok(Applied::Heartbeat(heartbeat_progress(f))),
+            Kind::Bye => {
+                // The guest is shut down on purpose: nothing may resume it later.
+                self.consistent = false;
+                Ok(Applied::Bye)
             }
-            Kind::Base => {
-                if self.committed != 0 {
-                    return Err(ApplyError::Malformed(
-                        "base chunk after the first epoch".into(),
-                    ));
-                }
-                let p = &f.payload;
-                let first = p
-                    .get(..8)
-                    .map(|b| u64::from_le_bytes(b.try_into().unwrap_or_default()));
-                let data = p.get(8..).unwrap_or_default();
-                let m = self.mirror.as_mut();
-                match first {
-                    Some(first)
-                        if data.len() % PAGE == 0
-                            && (first as usize)
-                                .checked_mul(PAGE)
-                                .and_then(|o| o.checked_add(data.len()))
-                                .is_some_and(|end| end <= m.len()) =>
-                    {
-                        let o = first as usize * PAGE;
-                        m[o..o + data.len()].copy_from_slice(data);
-                        Ok(Applied::Base)
-                    }
-                    _ => Err(ApplyError::Malformed("base chunk outside the guest".into())),
-                }
-            }
-            Kind::DiskBase => {
-                if self.committed != 0 {
-                    return Err(ApplyError::Malformed(
-                        "disk base chunk after the first epoch".into(),
-                    ));
-                }
-                let size = self.disk_size();
-                let p = &f.payload;
-                let off = p
-                    .get(..8)
-                    .map(|b| u64::from_le_bytes(b.try_into().unwrap_or_default()));
-                let data = p.get(8..).unwrap_or_default();
-                match (off, self.disk.as_mut()) {
-                    (Some(off), Some(d))
-                        if off
-                            .checked_add(data.len() as u64)
-                            .is_some_and(|end| end <= size) =>
-                    {
-                        d.write_at(off, data).map_err(ApplyError::DiskIo)?;
-                        Ok(Applied::DiskBase)
-                    }
-                    _ => Err(ApplyError::Malformed("disk chunk outside the disk".into())),
-                }
-            }
-            Kind::Epoch => {
-                if f.seq != self.committed + 1 {
-                    return Err(ApplyError::SeqGap {
-                        expected: self.committed + 1,
-                        got: f.seq,
-                    });
-                }
-                let secs = sections(&f.payload)
-                    .ok_or_else(|| ApplyError::Malformed("epoch sections".into()))?;
-                let (mut memory, mut dev, mut dev_delta, mut disk) = (None, None, None, None);
-                for (k, b) in secs {
-                    let slot = match k {
-                        section::MEMORY => &mut memory,
-                        section::DEVICE_STATE => &mut dev,
-                        section::DEVICE_STATE_DELTA => &mut dev_delta,
-                        section::DISK => &mut disk,
-                        other => {
-                            return Err(ApplyError::Malformed(format!(
-                                "unknown epoch section {other}"
-                            )))
-                        }
-                    };
-                    if slot.replace(b).is_some() {
-                        return Err(ApplyError::Malformed(format!("section {k} repeated")));
-                    }
-                }
-                let memory =
-                    memory.ok_or_else(|| ApplyError::Malformed("epoch without memory".into()))?;
-                let dev = match (dev, dev_delta) {
-                    (Some(d), None) => d.to_vec(),
-                    (None, Some(d)) => crate::devstate::decode_delta(&self.device_state, d)
-                        .map_err(|e| ApplyError::Malformed(e.to_string()))?,
-                    _ => {
-                        return Err(ApplyError::Malformed(
-                            "epoch needs exactly one device-state section".into(),
-                        ))
-                    }
-                };
-                let writes = match disk {
-                    None => Vec::new(),
-                    Some(_) if self.disk.is_none() => {
-                        return Err(ApplyError::Malformed(
-                            "disk writes for a backup without a disk copy".into(),
-                        ))
-                    }
-                    Some(b) => {
-                        tandem_disk::decode_writes(b, self.disk_size()).ok_or_else(|| {
-                            ApplyError::Malformed("disk section (a write outside the disk?)".into())
-                        })?
-                    }
-                };
-                decode(memory, self.mirror.as_ref(), &mut self.plan)?;
-                if self.plan.epoch != f.seq {
+            Kind::Handover => {
+                if !self.consistent || f.seq != self.committed {
                     return Err(ApplyError::Malformed(format!(
-                        "memory record of epoch {} in frame of epoch {}",
-                        self.plan.epoch, f.seq
+                        "handover after epoch {}, this backup holds epoch {} ({})",
+                        f.seq,
+                        self.committed,
+                        if self.consistent {
+                            "consistent"
+                        } else {
+                            "not consistent"
+                        }
                     )));
                 }
-                // Everything verified: commit disk writes, memory and device state together.
-                if let Some(d) = self.disk.as_mut() {
-                    for (off, data) in writes {
-                        d.write_at(off, data).map_err(ApplyError::DiskIo)?;
-                    }
-                }
-                self.plan.commit(self.mirror.as_mut());
-                self.device_state = dev;
-                self.committed = f.seq;
-                Ok(Applied::Committed(f.seq))
+                Ok(Applied::Handover(f.seq))
             }
-            Kind::Heartbeat => Ok(Applied::Heartbeat),
-            Kind::Bye => Ok(Applied::Bye),
-            Kind::Ack => Err(ApplyError::Malformed("ack sent to a backup".into())),
+            Kind::Ack | Kind::Fenced => Err(ApplyError::Malformed(format!(
+                "{:?} frame sent to a backup",
+                f.kind
+            ))),
         }
+    }
+
+    fn hello(&mut self, f: &Frame) -> Result<Applied, ApplyError> {
+        let h = Hello::parse(&f.payload)
+            .ok_or_else(|| ApplyError::Malformed("hello payload".into()))?;
+        let mirror_len = self.mirror.as_ref().len() as u64;
+        if h.page_size as usize != PAGE || h.mem_bytes != mirror_len {
+            return Err(ApplyError::Geometry(format!(
+                "primary has {} bytes in {}-byte pages, mirror has {mirror_len} in {PAGE}",
+                h.mem_bytes, h.page_size
+            )));
+        }
+        if h.disk_bytes != self.disk_size() {
+            return Err(ApplyError::Geometry(format!(
+                "primary has a {}-byte data disk, this backup keeps {} bytes (start both with the same --disk-mib)",
+                h.disk_bytes,
+                self.disk_size()
+            )));
+        }
+        // A new initial copy follows; it sends only non-zero pages and disk chunks, so start
+        // again from zeros. Until its first epoch commits there is nothing to resume.
+        if self.vm_id.is_some() {
+            self.mirror.as_mut().fill(0);
+            if let Some(d) = self.disk.as_mut() {
+                d.zero().map_err(ApplyError::DiskIo)?;
+            }
+        }
+        self.consistent = false;
+        self.committed = h.start_epoch;
+        self.device_state.clear();
+        self.vm_id = Some(f.vm_id);
+        Ok(Applied::Hello)
+    }
+
+    fn base(&mut self, f: &Frame) -> Result<Applied, ApplyError> {
+        if self.consistent {
+            return Err(ApplyError::Malformed(
+                "base chunk after the session's first epoch".into(),
+            ));
+        }
+        let p = &f.payload;
+        let data = p.get(8..).unwrap_or_default();
+        let m = self.mirror.as_mut();
+        let at = le_u64(p.get(..8)).and_then(|first| {
+            let o = usize::try_from(first).ok()?.checked_mul(PAGE)?;
+            (o.checked_add(data.len())? <= m.len() && data.len() % PAGE == 0).then_some(o)
+        });
+        let o = at.ok_or_else(|| ApplyError::Malformed("base chunk outside the guest".into()))?;
+        m[o..o + data.len()].copy_from_slice(data);
+        Ok(Applied::Base)
+    }
+
+    fn disk_base(&mut self, f: &Frame) -> Result<Applied, ApplyError> {
+        if self.consistent {
+            return Err(ApplyError::Malformed(
+                "disk base chunk after the session's first epoch".into(),
+            ));
+        }
+        let size = self.disk_size();
+        let p = &f.payload;
+        let data = p.get(8..).unwrap_or_default();
+        let off = le_u64(p.get(..8)).filter(|off| {
+            off.checked_add(data.len() as u64)
+                .is_some_and(|e| e <= size)
+        });
+        match (off, self.disk.as_mut()) {
+            (Some(off), Some(d)) => {
+                d.write_at(off, data).map_err(ApplyError::DiskIo)?;
+                Ok(Applied::DiskBase)
+            }
+            _ => Err(ApplyError::Malformed("disk chunk outside the disk".into())),
+        }
+    }
+
+    /// Splits and checks an epoch's sections (nothing is applied).
+    fn parse_epoch<'a>(&self, f: &'a Frame) -> Result<EpochParts<'a>, ApplyError> {
+        let secs =
+            sections(&f.payload).ok_or_else(|| ApplyError::Malformed("epoch sections".into()))?;
+        let (mut memory, mut dev, mut dev_delta, mut disk) = (None, None, None, None);
+        for (k, b) in secs {
+            let slot = match k {
+                section::MEMORY => &mut memory,
+                section::DEVICE_STATE => &mut dev,
+                section::DEVICE_STATE_DELTA => &mut dev_delta,
+                section::DISK => &mut disk,
+                other => {
+                    return Err(ApplyError::Malformed(format!(
+                        "unknown epoch section {other}"
+                    )))
+                }
+            };
+            if slot.replace(b).is_some() {
+                return Err(ApplyError::Malformed(format!("section {k} repeated")));
+            }
+        }
+        let memory = memory.ok_or_else(|| ApplyError::Malformed("epoch without memory".into()))?;
+        let device_state = match (dev, dev_delta) {
+            (Some(d), None) => d.to_vec(),
+            (None, Some(d)) => crate::devstate::decode_delta(&self.device_state, d)
+                .map_err(|e| ApplyError::Malformed(e.to_string()))?,
+            _ => {
+                return Err(ApplyError::Malformed(
+                    "epoch needs exactly one device-state section".into(),
+                ))
+            }
+        };
+        let writes = match disk {
+            None => Vec::new(),
+            Some(_) if self.disk.is_none() => {
+                return Err(ApplyError::Malformed(
+                    "disk writes for a backup without a disk copy".into(),
+                ))
+            }
+            Some(b) => tandem_disk::decode_writes(b, self.disk_size()).ok_or_else(|| {
+                ApplyError::Malformed("disk section (a write outside the disk?)".into())
+            })?,
+        };
+        Ok(EpochParts {
+            memory,
+            device_state,
+            writes,
+        })
+    }
+
+    fn epoch(&mut self, f: &Frame) -> Result<Applied, ApplyError> {
+        if f.seq != self.committed + 1 {
+            return Err(ApplyError::SeqGap {
+                expected: self.committed + 1,
+                got: f.seq,
+            });
+        }
+        let parts = self.parse_epoch(f)?;
+        decode(parts.memory, self.mirror.as_ref(), &mut self.plan)?;
+        if self.plan.epoch != f.seq {
+            return Err(ApplyError::Malformed(format!(
+                "memory record of epoch {} in frame of epoch {}",
+                self.plan.epoch, f.seq
+            )));
+        }
+        // Everything verified: commit disk writes (all or nothing), memory and device state.
+        if let Some(d) = self.disk.as_mut() {
+            match apply_all(d.as_mut(), &parts.writes) {
+                Ok(()) => {}
+                Err(DiskApplyError::Undone(e)) => return Err(ApplyError::DiskIo(e)),
+                Err(e) => {
+                    self.consistent = false;
+                    return Err(ApplyError::DiskInconsistent(e));
+                }
+            }
+        }
+        self.plan.commit(self.mirror.as_mut());
+        self.device_state = parts.device_state;
+        self.committed = f.seq;
+        self.consistent = true;
+        Ok(Applied::Committed(f.seq))
     }
 }

@@ -7,18 +7,26 @@
 
 pub mod backup;
 pub mod devstate;
+pub mod disk;
 pub mod fuzz;
+pub mod primary;
 pub mod wire;
 
-pub use backup::{Applied, ApplyError, Backup, DiskCopy, FileDisk};
-pub use wire::{Frame, Kind, WireError};
+pub use backup::{Applied, ApplyError, Backup};
+pub use disk::{DiskCopy, FileDisk};
+pub use primary::{AckError, Acks, EpochInput, EpochSizes, Primary, PrimaryError, Reply};
+pub use wire::{Frame, Hello, Kind, WireError};
 
-/// The hello payload for a guest of `mem_bytes` with a data disk of `disk_bytes` (0 = none).
+/// The hello payload for a guest of `mem_bytes` with a data disk of `disk_bytes` (0 = none),
+/// whose initial copy belongs to epoch 0.
 pub fn hello_payload(mem_bytes: u64, disk_bytes: u64) -> Vec<u8> {
-    let mut p = mem_bytes.to_le_bytes().to_vec();
-    p.extend_from_slice(&(tandem_codec::format::PAGE as u32).to_le_bytes());
-    p.extend_from_slice(&disk_bytes.to_le_bytes());
-    p
+    Hello {
+        mem_bytes,
+        page_size: tandem_codec::format::PAGE as u32,
+        disk_bytes,
+        start_epoch: 0,
+    }
+    .encode()
 }
 
 /// A base chunk payload: `data` holds whole pages starting at `first_pfn`.
@@ -27,4 +35,48 @@ pub fn base_payload(first_pfn: u64, data: &[u8]) -> Vec<u8> {
     p.extend_from_slice(&first_pfn.to_le_bytes());
     p.extend_from_slice(data);
     p
+}
+
+/// Largest epoch payload a primary sends (the frame limit).
+pub const MAX_EPOCH_PAYLOAD: usize = wire::MAX_PAYLOAD as usize;
+
+/// Runs of consecutive non-zero pages of `mem` (at most `max_pages` each), with their first
+/// page number.
+pub fn nonzero_runs(mem: &[u8], max_pages: usize) -> impl Iterator<Item = (u64, &[u8])> {
+    const PAGE: usize = tandem_codec::format::PAGE;
+    let pages = mem.len() / PAGE;
+    let max_pages = max_pages.max(1);
+    let zero = move |p: usize| mem[p * PAGE..(p + 1) * PAGE].iter().all(|&b| b == 0);
+    let mut p = 0;
+    std::iter::from_fn(move || {
+        while p < pages && zero(p) {
+            p += 1;
+        }
+        if p >= pages {
+            return None;
+        }
+        let start = p;
+        while p < pages && p - start < max_pages && !zero(p) {
+            p += 1;
+        }
+        Some((start as u64, &mem[start * PAGE..p * PAGE]))
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nonzero_runs_cover_exactly_the_nonzero_pages() {
+        const PAGE: usize = tandem_codec::format::PAGE;
+        let mut mem = vec![0u8; 20 * PAGE];
+        for p in [0usize, 1, 2, 5, 9, 10, 19] {
+            mem[p * PAGE + 7] = 1;
+        }
+        let runs: Vec<(u64, usize)> = nonzero_runs(&mem, 2)
+            .map(|(f, r)| (f, r.len() / PAGE))
+            .collect();
+        assert_eq!(runs, vec![(0, 2), (2, 1), (5, 1), (9, 2), (19, 1)]);
+    }
 }

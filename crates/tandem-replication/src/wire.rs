@@ -8,18 +8,27 @@
 //! |  28 crc32c u32 over header bytes 0..28 and the payload              |
 //! | payload: len bytes (≤ 1 GiB)                                        |
 //! +--------------------------------------------------------------------+
-//! kinds: 1 hello (payload: mem_bytes u64, page_size u32, disk_bytes u64)
+//! kinds: 1 hello (payload: mem_bytes u64, page_size u32, disk_bytes u64
+//!                 [, start_epoch u64 — the epoch the initial copy belongs to; absent = 0])
 //!        2 base chunk (payload: first_pfn u64 + pages) — initial copy of guest memory
 //!        3 epoch (payload: sections, each kind u8 + len u32 + bytes:
 //!                 1 memory record (tandem-codec), 2 device state, 3 disk writes,
 //!                 4 device state as a delta against the previous epoch's)
-//!        4 ack (backup → primary, seq = committed epoch)
-//!        5 heartbeat (either way, no payload)
+//!        4 ack (backup → primary, seq = committed epoch
+//!               [, payload flags u8: bit 0 = the backup can fail over to it])
+//!        5 heartbeat (primary → backup [, payload progress u64: epochs the primary's loop
+//!               has completed, so a primary whose loop is stuck does not look alive])
 //!        6 disk base chunk (payload: offset u64 + bytes) — initial copy of the data disk
 //!        7 bye (primary → backup: replication ends on purpose, do not fail over)
+//!        8 handover (primary → backup: the guest stopped for good after epoch seq; resume it
+//!               now — a planned switch or a primary that is shutting down)
+//!        9 fenced (backup → primary: the guest already runs on the backup since epoch seq;
+//!               the primary must stop its copy without releasing anything)
 //! ```
-//! `seq` numbers epochs from 1; base chunks and hello carry 0. A reader checks magic, version,
-//! kind, flags, length limit and checksum before returning a frame.
+//! `seq` numbers epochs from 1 and keeps counting across sessions (a primary that reconnects
+//! sends a new hello whose start epoch is its current epoch, then a new initial copy); base
+//! chunks carry 0. A reader checks magic, version, kind, flags, length limit and checksum
+//! before returning a frame; a writer refuses a payload over the limit.
 
 use std::io::{Read, Write};
 
@@ -49,6 +58,10 @@ pub enum Kind {
     DiskBase = 6,
     /// The primary ends replication on purpose (the VM is shut down): no failover.
     Bye = 7,
+    /// The primary stopped its guest for good after epoch `seq`: the backup resumes it now.
+    Handover = 8,
+    /// The backup runs the guest (it failed over): the primary must stop its copy.
+    Fenced = 9,
 }
 
 impl Kind {
@@ -61,6 +74,8 @@ impl Kind {
             5 => Kind::Heartbeat,
             6 => Kind::DiskBase,
             7 => Kind::Bye,
+            8 => Kind::Handover,
+            9 => Kind::Fenced,
             _ => return None,
         })
     }
@@ -112,8 +127,18 @@ pub enum WireError {
 }
 
 impl Frame {
-    /// Serialises the frame.
+    /// Serialises the frame; a payload over [`MAX_PAYLOAD`] is refused (`InvalidInput`).
     pub fn write_to(&self, w: &mut impl Write) -> std::io::Result<()> {
+        if self.payload.len() > MAX_PAYLOAD as usize {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                format!(
+                    "{:?} frame payload of {} bytes exceeds the limit of {MAX_PAYLOAD}",
+                    self.kind,
+                    self.payload.len()
+                ),
+            ));
+        }
         let mut h = [0u8; HEADER_LEN];
         h[..4].copy_from_slice(MAGIC);
         h[4..6].copy_from_slice(&VERSION.to_le_bytes());
@@ -199,4 +224,140 @@ pub fn sections(p: &[u8]) -> Option<Vec<(u8, &[u8])>> {
         pos += 5 + len;
     }
     Some(out)
+}
+
+/// The hello payload: guest geometry and the epoch the following initial copy belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Hello {
+    /// Guest RAM in bytes.
+    pub mem_bytes: u64,
+    /// Page size the primary uses.
+    pub page_size: u32,
+    /// Data disk size in bytes (0 = none).
+    pub disk_bytes: u64,
+    /// Epoch number of the initial copy: the first epoch of the session is `start_epoch + 1`.
+    pub start_epoch: u64,
+}
+
+impl Hello {
+    /// Serialises (28 bytes; the 20-byte form of earlier primaries has no start epoch).
+    pub fn encode(&self) -> Vec<u8> {
+        let mut p = Vec::with_capacity(28);
+        p.extend_from_slice(&self.mem_bytes.to_le_bytes());
+        p.extend_from_slice(&self.page_size.to_le_bytes());
+        p.extend_from_slice(&self.disk_bytes.to_le_bytes());
+        p.extend_from_slice(&self.start_epoch.to_le_bytes());
+        p
+    }
+
+    /// Parses a hello payload; `None` if it has neither known length.
+    pub fn parse(p: &[u8]) -> Option<Hello> {
+        if p.len() != 20 && p.len() != 28 {
+            return None;
+        }
+        Some(Hello {
+            mem_bytes: u64::from_le_bytes(p[..8].try_into().ok()?),
+            page_size: u32::from_le_bytes(p[8..12].try_into().ok()?),
+            disk_bytes: u64::from_le_bytes(p[12..20].try_into().ok()?),
+            start_epoch: match p.get(20..28) {
+                Some(b) => u64::from_le_bytes(b.try_into().ok()?),
+                None => 0,
+            },
+        })
+    }
+}
+
+/// Ack flag: the backup can resume the guest from the acknowledged epoch (its standby QEMU
+/// is alive and its copies are consistent).
+pub const ACK_CAN_FAIL_OVER: u8 = 1;
+
+/// An acknowledgement of `seq` with the backup's status.
+pub fn ack_frame(vm_id: u64, seq: u64, can_fail_over: bool) -> Frame {
+    Frame {
+        kind: Kind::Ack,
+        vm_id,
+        seq,
+        payload: vec![if can_fail_over { ACK_CAN_FAIL_OVER } else { 0 }],
+    }
+}
+
+/// Whether an ack says the backup can fail over (an empty payload, from an earlier backup,
+/// says nothing and counts as yes).
+pub fn ack_can_fail_over(f: &Frame) -> bool {
+    f.payload.first().is_none_or(|b| b & ACK_CAN_FAIL_OVER != 0)
+}
+
+/// A heartbeat carrying the primary's progress (epochs its loop has completed).
+pub fn heartbeat_frame(vm_id: u64, progress: u64) -> Frame {
+    Frame {
+        kind: Kind::Heartbeat,
+        vm_id,
+        seq: 0,
+        payload: progress.to_le_bytes().to_vec(),
+    }
+}
+
+/// The progress a heartbeat carries, if any.
+pub fn heartbeat_progress(f: &Frame) -> Option<u64> {
+    Some(u64::from_le_bytes(f.payload.get(..8)?.try_into().ok()?))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hello_round_trips_and_accepts_the_short_form() {
+        let h = Hello {
+            mem_bytes: 1 << 28,
+            page_size: 4096,
+            disk_bytes: 1 << 26,
+            start_epoch: 77,
+        };
+        assert_eq!(Hello::parse(&h.encode()), Some(h));
+        let short = &h.encode()[..20];
+        assert_eq!(
+            Hello::parse(short),
+            Some(Hello {
+                start_epoch: 0,
+                ..h
+            })
+        );
+        assert_eq!(Hello::parse(&[0; 21]), None);
+    }
+
+    #[test]
+    fn oversized_payload_is_refused_not_truncated() {
+        struct Sink;
+        impl Write for Sink {
+            fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+                Ok(b.len())
+            }
+            fn flush(&mut self) -> std::io::Result<()> {
+                Ok(())
+            }
+        }
+        let f = Frame {
+            kind: Kind::Epoch,
+            vm_id: 1,
+            seq: 1,
+            payload: vec![0; MAX_PAYLOAD as usize + 1],
+        };
+        let e = f.write_to(&mut Sink).unwrap_err();
+        assert_eq!(e.kind(), std::io::ErrorKind::InvalidInput);
+    }
+
+    #[test]
+    fn ack_and_heartbeat_payloads() {
+        assert!(ack_can_fail_over(&ack_frame(1, 2, true)));
+        assert!(!ack_can_fail_over(&ack_frame(1, 2, false)));
+        assert_eq!(heartbeat_progress(&heartbeat_frame(1, 42)), Some(42));
+        let mut old = heartbeat_frame(1, 0);
+        old.payload.clear();
+        assert_eq!(heartbeat_progress(&old), None);
+        assert!(ack_can_fail_over(&Frame {
+            payload: vec![],
+            ..ack_frame(1, 2, false)
+        }));
+    }
 }

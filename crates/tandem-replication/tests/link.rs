@@ -7,7 +7,8 @@ use std::os::unix::net::UnixStream;
 use tandem_codec::{Codec, Config, Encoder};
 use tandem_replication::wire::{epoch_payload, section, VERSION};
 use tandem_replication::{
-    base_payload, hello_payload, Applied, ApplyError, Backup, Frame, Kind, WireError,
+    base_payload, hello_payload, Applied, ApplyError, Backup, EpochInput, Frame, Kind, Primary,
+    WireError,
 };
 
 const P: usize = 4096;
@@ -39,23 +40,23 @@ fn frame(kind: Kind, seq: u64, payload: Vec<u8>) -> Frame {
     }
 }
 
-/// Encodes `epochs` epochs from `mem`, returning the frames a primary would send.
+/// The frames a primary sends for `epochs` epochs from `mem`, built by the library's
+/// `Primary` (the daemon's own code). The initial copy goes in 64-page chunks.
 fn primary_frames(mem: &mut [u8], epochs: u64) -> Vec<Frame> {
-    let mut out = vec![frame(Kind::Hello, 0, hello_payload(mem.len() as u64, 0))];
-    for (i, c) in mem.chunks(64 * P).enumerate() {
-        out.push(frame(Kind::Base, 0, base_payload((i * 64) as u64, c)));
-    }
-    let mut enc = Encoder::new(Codec::Tandem, mem, Config::default()).unwrap();
+    let mut p = Primary::new(VM, Codec::Tandem, Config::default());
+    let mut out = vec![p.begin(0, mem, 0).unwrap()];
+    out.extend(p.base_frames(mem, 64));
     for e in 1..=epochs {
         let (pfns, data) = step(mem, e);
-        let mut rec = Vec::new();
-        enc.encode(e, &pfns, &data, &mut rec).unwrap();
         let dev = vec![e as u8; 1000];
-        out.push(frame(
-            Kind::Epoch,
-            e,
-            epoch_payload(&[(section::MEMORY, &rec), (section::DEVICE_STATE, &dev)]),
-        ));
+        let input = EpochInput {
+            seq: e,
+            pfns: &pfns,
+            pages: &data,
+            device_state: &dev,
+            disk_writes: None,
+        };
+        out.push(p.epoch(&input).unwrap().0);
     }
     out
 }

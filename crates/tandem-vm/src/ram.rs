@@ -24,6 +24,17 @@ pub enum RamError {
         #[source]
         source: std::io::Error,
     },
+    /// The file system holding the RAM file has no room for it.
+    #[error("no room for {bytes} bytes of guest RAM in {path}: free space there (e.g. a bigger tmpfs) or use a smaller guest")]
+    NoSpace {
+        /// File path.
+        path: String,
+        /// Guest RAM size.
+        bytes: u64,
+        /// Cause.
+        #[source]
+        source: std::io::Error,
+    },
     /// Size is zero or not a multiple of the page size.
     #[error("guest RAM size {0} is not a positive multiple of {PAGE_SIZE}")]
     BadSize(u64),
@@ -54,6 +65,20 @@ impl GuestRam {
             .open(path)
             .map_err(map_err)?;
         f.set_len(len).map_err(map_err)?;
+        // Allocate every page now: a file system that fills up later must fail here, with a
+        // clear error, and not turn a write through the mapping into SIGBUS.
+        match rustix::fs::fallocate(&f, rustix::fs::FallocateFlags::empty(), 0, len) {
+            Ok(()) => {}
+            Err(e) if e == rustix::io::Errno::OPNOTSUPP => {}
+            Err(e) => {
+                let _ = std::fs::remove_file(path);
+                return Err(RamError::NoSpace {
+                    path: path.display().to_string(),
+                    bytes: len,
+                    source: e.into(),
+                });
+            }
+        }
         Self::map_file(&f, path, len)
     }
 

@@ -233,6 +233,7 @@ impl Vm {
         check_workload(&config.workload)?;
         config.image.check()?;
         let runtime = tempfile::Builder::new().prefix("tandem-vm-").tempdir()?;
+        crate::stale::mark_owned(runtime.path())?;
         let n = COUNTER.fetch_add(1, Ordering::Relaxed);
         let bytes = config.mem_mib << 20;
         let fresh_path = || {
@@ -284,6 +285,22 @@ impl Vm {
         cmd.stdin(Stdio::null())
             .stdout(log.try_clone()?)
             .stderr(log);
+        // QEMU dies with the tandem thread that started it (a killed daemon must not leave a
+        // guest running that nobody checkpoints or whose output nobody holds).
+        // SAFETY: the closure runs in the child between fork and exec and only calls prctl(2)
+        // and getppid(2), both async-signal-safe; it allocates nothing.
+        unsafe {
+            std::os::unix::process::CommandExt::pre_exec(&mut cmd, || {
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                // The parent may have died before prctl took effect.
+                if libc::getppid() == 1 {
+                    return Err(std::io::Error::other("tandem exited while starting QEMU"));
+                }
+                Ok(())
+            });
+        }
         if mode == DirtyMode::Uffd {
             let so = preload_path().ok_or_else(|| {
                 VmError::Registration("libtandem_preload.so not found next to the tandem binary; build the whole workspace (cargo build --workspace) or set TANDEM_PRELOAD".into())
@@ -381,6 +398,11 @@ impl Vm {
     /// QEMU's process id.
     pub fn pid(&self) -> u32 {
         self.child.id()
+    }
+
+    /// How QEMU ended, if it has (a crash, an OOM kill, a `kill`): `None` while it runs.
+    pub fn exit_status(&mut self) -> Option<std::process::ExitStatus> {
+        self.child.try_wait().ok().flatten()
     }
 
     /// Guest RAM mapping.
@@ -482,6 +504,29 @@ impl Vm {
         device_state: &mut Vec<u8>,
         in_pause: &mut dyn FnMut(),
     ) -> Result<PauseTiming, VmError> {
+        self.pause_and_capture(dirty, pages, device_state, in_pause, true)
+    }
+
+    /// The last checkpoint of this VM: like [`Vm::checkpoint_with`] but the guest stays
+    /// stopped (a handover to the backup: this copy must never run again).
+    pub fn checkpoint_final(
+        &mut self,
+        dirty: &mut Vec<u64>,
+        pages: &mut Vec<u8>,
+        device_state: &mut Vec<u8>,
+        in_pause: &mut dyn FnMut(),
+    ) -> Result<PauseTiming, VmError> {
+        self.pause_and_capture(dirty, pages, device_state, in_pause, false)
+    }
+
+    fn pause_and_capture(
+        &mut self,
+        dirty: &mut Vec<u64>,
+        pages: &mut Vec<u8>,
+        device_state: &mut Vec<u8>,
+        in_pause: &mut dyn FnMut(),
+        cont: bool,
+    ) -> Result<PauseTiming, VmError> {
         let mut t = PauseTiming::default();
         let us = |i: Instant| i.elapsed().as_micros().min(u32::MAX as u128) as u32;
         let s = Instant::now();
@@ -502,9 +547,11 @@ impl Vm {
         let s = Instant::now();
         self.capture_device_state(device_state)?;
         t.devstate_us = us(s);
-        let s = Instant::now();
-        self.cont()?;
-        t.cont_us = us(s);
+        if cont {
+            let s = Instant::now();
+            self.cont()?;
+            t.cont_us = us(s);
+        }
         Ok(t)
     }
 

@@ -1,0 +1,343 @@
+//! The primary's side of the protocol, the mirror of [`crate::Backup`]: session start (hello
+//! and the initial copy), epoch assembly (memory record, device-state delta, disk writes) and
+//! the validation of acknowledgements. No I/O: the daemon moves the frames.
+
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+use tandem_codec::{Codec, Config, EncodeError, Encoder};
+
+use crate::devstate::encode_delta;
+use crate::wire::{ack_can_fail_over, epoch_payload, section, Frame, Hello, Kind, HEADER_LEN};
+use crate::{base_payload, MAX_EPOCH_PAYLOAD};
+
+/// Why an epoch could not be assembled.
+#[derive(Debug, thiserror::Error)]
+pub enum PrimaryError {
+    /// The memory record could not be encoded.
+    #[error("encoding the epoch's memory")]
+    Encode(#[from] EncodeError),
+    /// An epoch before the session's initial copy.
+    #[error("no session: send hello and the initial copy first")]
+    NoSession,
+    /// The epoch would not fit in one frame.
+    #[error("epoch {seq} needs {bytes} bytes, more than the frame limit of {MAX_EPOCH_PAYLOAD}")]
+    TooLarge {
+        /// Epoch.
+        seq: u64,
+        /// Payload size.
+        bytes: usize,
+    },
+}
+
+/// Why an incoming frame was refused by the primary.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum AckError {
+    /// Another VM's acknowledgement.
+    #[error("ack for VM {got:#x}, this primary runs VM {expected:#x}")]
+    WrongVm {
+        /// Our VM.
+        expected: u64,
+        /// VM in the frame.
+        got: u64,
+    },
+    /// An ack for an epoch that was never sent in this session.
+    #[error("ack for epoch {got}, which was not sent (sent up to {sent})")]
+    NotSent {
+        /// Acknowledged epoch.
+        got: u64,
+        /// Last epoch sent.
+        sent: u64,
+    },
+    /// An ack going backwards.
+    #[error("ack for epoch {got} after epoch {acked} was acknowledged")]
+    Backwards {
+        /// Acknowledged epoch.
+        got: u64,
+        /// Previously acknowledged.
+        acked: u64,
+    },
+    /// A frame the backup never sends.
+    #[error("unexpected {0:?} frame from the backup")]
+    Unexpected(Kind),
+}
+
+/// What the backup told the primary.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reply {
+    /// Epochs up to `seq` are committed; release their output.
+    Acked {
+        /// Newest committed epoch.
+        seq: u64,
+        /// Epochs this ack covers with their send time, oldest first.
+        epochs: usize,
+        /// The backup can resume the guest from it.
+        can_fail_over: bool,
+    },
+    /// The guest runs on the backup since `seq`: stop this copy without releasing anything.
+    Fenced(u64),
+    /// A heartbeat.
+    Heartbeat,
+}
+
+/// Acknowledgement bookkeeping of one session: which epochs were sent and when, which are
+/// acknowledged. Shared between the thread that sends and the one that reads acks.
+#[derive(Debug)]
+pub struct Acks {
+    vm_id: u64,
+    acked: u64,
+    sent: u64,
+    inflight: VecDeque<(u64, Instant)>,
+    can_fail_over: bool,
+}
+
+impl Acks {
+    /// A session of `vm_id` whose initial copy belongs to epoch `start`.
+    pub fn new(vm_id: u64, start: u64) -> Self {
+        Acks {
+            vm_id,
+            acked: start,
+            sent: start,
+            inflight: VecDeque::new(),
+            can_fail_over: false,
+        }
+    }
+
+    /// Records that epoch `seq` was handed to the link at `at`.
+    pub fn sent(&mut self, seq: u64, at: Instant) {
+        self.sent = self.sent.max(seq);
+        self.inflight.push_back((seq, at));
+    }
+
+    /// Newest acknowledged epoch.
+    pub fn acked(&self) -> u64 {
+        self.acked
+    }
+
+    /// Newest epoch sent.
+    pub fn last_sent(&self) -> u64 {
+        self.sent
+    }
+
+    /// Whether the backup said, in its last ack, that it can fail over.
+    pub fn can_fail_over(&self) -> bool {
+        self.can_fail_over
+    }
+
+    /// Age of the oldest unacknowledged epoch.
+    pub fn oldest_unacked(&self, now: Instant) -> Option<Duration> {
+        self.inflight
+            .front()
+            .map(|(_, t)| now.saturating_duration_since(*t))
+    }
+
+    /// Validates a frame from the backup. An ack must name this VM and an epoch that was sent
+    /// and not yet acknowledged; it acknowledges every earlier epoch too. The send times of
+    /// the epochs it covers are appended to `latencies` (send time, epoch).
+    pub fn on_frame(
+        &mut self,
+        f: &Frame,
+        latencies: &mut Vec<(u64, Instant)>,
+    ) -> Result<Reply, AckError> {
+        if f.vm_id != self.vm_id {
+            return Err(AckError::WrongVm {
+                expected: self.vm_id,
+                got: f.vm_id,
+            });
+        }
+        match f.kind {
+            Kind::Ack => {
+                if f.seq > self.sent {
+                    return Err(AckError::NotSent {
+                        got: f.seq,
+                        sent: self.sent,
+                    });
+                }
+                if f.seq <= self.acked {
+                    return Err(AckError::Backwards {
+                        got: f.seq,
+                        acked: self.acked,
+                    });
+                }
+                self.acked = f.seq;
+                self.can_fail_over = ack_can_fail_over(f);
+                let mut n = 0;
+                while self.inflight.front().is_some_and(|(s, _)| *s <= f.seq) {
+                    if let Some((s, t)) = self.inflight.pop_front() {
+                        latencies.push((s, t));
+                        n += 1;
+                    }
+                }
+                Ok(Reply::Acked {
+                    seq: f.seq,
+                    epochs: n,
+                    can_fail_over: self.can_fail_over,
+                })
+            }
+            Kind::Fenced => Ok(Reply::Fenced(f.seq)),
+            Kind::Heartbeat => Ok(Reply::Heartbeat),
+            k => Err(AckError::Unexpected(k)),
+        }
+    }
+}
+
+/// One epoch as the primary captured it.
+pub struct EpochInput<'a> {
+    /// Epoch number (the session's start epoch + 1, + 2, ...).
+    pub seq: u64,
+    /// Dirty page numbers, ascending.
+    pub pfns: &'a [u64],
+    /// Their contents.
+    pub pages: &'a [u8],
+    /// Device state at the checkpoint.
+    pub device_state: &'a [u8],
+    /// The epoch's disk writes (`None` when the VM has no replicated disk).
+    pub disk_writes: Option<&'a [(u64, Vec<u8>)]>,
+}
+
+/// Sizes of an assembled epoch.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct EpochSizes {
+    /// Bytes before encoding (pages, device state, disk writes).
+    pub raw: u64,
+    /// Bytes of the frame on the link.
+    pub sent: u64,
+    /// Disk writes and their bytes.
+    pub disk_writes: u64,
+    /// Bytes of disk writes.
+    pub disk_bytes: u64,
+}
+
+/// The primary's protocol state: VM id, codec, the encoder's reference state and the
+/// previous epoch's device state (for deltas).
+pub struct Primary {
+    vm_id: u64,
+    codec: Codec,
+    config: Config,
+    enc: Option<Encoder>,
+    prev_dev: Vec<u8>,
+    dev_delta: Vec<u8>,
+    rec: Vec<u8>,
+}
+
+impl Primary {
+    /// A primary for `vm_id` encoding memory with `codec`.
+    pub fn new(vm_id: u64, codec: Codec, config: Config) -> Self {
+        Primary {
+            vm_id,
+            codec,
+            config,
+            enc: None,
+            prev_dev: Vec::new(),
+            dev_delta: Vec::new(),
+            rec: Vec::new(),
+        }
+    }
+
+    /// The protected VM.
+    pub fn vm_id(&self) -> u64 {
+        self.vm_id
+    }
+
+    fn frame(&self, kind: Kind, seq: u64, payload: Vec<u8>) -> Frame {
+        Frame {
+            kind,
+            vm_id: self.vm_id,
+            seq,
+            payload,
+        }
+    }
+
+    /// Starts a session whose initial copy is `ram` (and the disk the caller sends) at epoch
+    /// `start`: returns the hello frame. The encoder's reference becomes `ram`.
+    pub fn begin(
+        &mut self,
+        start: u64,
+        ram: &[u8],
+        disk_bytes: u64,
+    ) -> Result<Frame, PrimaryError> {
+        self.enc = Some(Encoder::new(self.codec, ram, self.config)?);
+        self.prev_dev.clear();
+        let hello = Hello {
+            mem_bytes: ram.len() as u64,
+            page_size: tandem_codec::format::PAGE as u32,
+            disk_bytes,
+            start_epoch: start,
+        };
+        Ok(self.frame(Kind::Hello, 0, hello.encode()))
+    }
+
+    /// The initial copy of memory: runs of non-zero pages (the backup starts from zeros), at
+    /// most `max_pages` each.
+    pub fn base_frames<'a>(
+        &'a self,
+        ram: &'a [u8],
+        max_pages: usize,
+    ) -> impl Iterator<Item = Frame> + 'a {
+        crate::nonzero_runs(ram, max_pages)
+            .map(move |(first, run)| self.frame(Kind::Base, 0, base_payload(first, run)))
+    }
+
+    /// The initial copy of the data disk: its non-zero chunks of `chunk` bytes.
+    pub fn disk_base_frames<'a>(
+        &'a self,
+        disk: &'a [u8],
+        chunk: usize,
+    ) -> impl Iterator<Item = Frame> + 'a {
+        disk.chunks(chunk.max(1))
+            .enumerate()
+            .filter(|(_, c)| c.iter().any(|&b| b != 0))
+            .map(move |(i, c)| self.frame(Kind::DiskBase, 0, base_payload((i * chunk) as u64, c)))
+    }
+
+    /// Assembles epoch `e` into a frame and advances the encoder and device-state reference.
+    pub fn epoch(&mut self, e: &EpochInput<'_>) -> Result<(Frame, EpochSizes), PrimaryError> {
+        let enc = self.enc.as_mut().ok_or(PrimaryError::NoSession)?;
+        self.rec.clear();
+        enc.encode(e.seq, e.pfns, e.pages, &mut self.rec)?;
+        encode_delta(&self.prev_dev, e.device_state, &mut self.dev_delta);
+        self.prev_dev.clear();
+        self.prev_dev.extend_from_slice(e.device_state);
+        let disk = e.disk_writes.map(tandem_disk::encode_writes);
+        let mut secs: Vec<(u8, &[u8])> = vec![
+            (section::MEMORY, &self.rec),
+            (section::DEVICE_STATE_DELTA, &self.dev_delta),
+        ];
+        if let Some(d) = &disk {
+            secs.push((section::DISK, d));
+        }
+        let payload = epoch_payload(&secs);
+        if payload.len() > MAX_EPOCH_PAYLOAD {
+            // The encoder advanced past an epoch that cannot be sent: the session is over.
+            self.enc = None;
+            return Err(PrimaryError::TooLarge {
+                seq: e.seq,
+                bytes: payload.len(),
+            });
+        }
+        let writes = e.disk_writes.unwrap_or_default();
+        let disk_bytes: u64 = writes.iter().map(|w| w.1.len() as u64).sum();
+        let sizes = EpochSizes {
+            raw: (e.pages.len() + e.device_state.len()) as u64 + disk_bytes,
+            sent: (payload.len() + HEADER_LEN) as u64,
+            disk_writes: writes.len() as u64,
+            disk_bytes,
+        };
+        Ok((self.frame(Kind::Epoch, e.seq, payload), sizes))
+    }
+
+    /// A heartbeat carrying `progress` (epochs completed by the primary's loop).
+    pub fn heartbeat(&self, progress: u64) -> Frame {
+        crate::wire::heartbeat_frame(self.vm_id, progress)
+    }
+
+    /// Ends replication on purpose: the backup must not fail over.
+    pub fn bye(&self) -> Frame {
+        self.frame(Kind::Bye, 0, Vec::new())
+    }
+
+    /// The guest stopped for good after epoch `seq`: the backup resumes it.
+    pub fn handover(&self, seq: u64) -> Frame {
+        self.frame(Kind::Handover, seq, Vec::new())
+    }
+}

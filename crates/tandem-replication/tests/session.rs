@@ -1,0 +1,255 @@
+//! Sessions built with the library's `Primary` (the same code the daemon runs) and applied by
+//! `Backup`: epochs with disk writes, a re-sync after a lost link, ack validation, handover
+//! and bye, and an epoch whose disk write fails half-way.
+
+use std::time::Instant;
+
+use tandem_codec::{Codec, Config};
+use tandem_replication::{
+    AckError, Acks, Applied, ApplyError, Backup, DiskCopy, EpochInput, Frame, Kind, Primary, Reply,
+};
+
+const P: usize = 4096;
+const PAGES: usize = 128;
+const DISK: usize = 64 * 1024;
+const VM: u64 = 0x51;
+
+/// Dirty pfns, their pages and the epoch's disk writes.
+type Step = (Vec<u64>, Vec<u8>, Vec<(u64, Vec<u8>)>);
+
+struct Guest {
+    mem: Vec<u8>,
+    disk: Vec<u8>,
+}
+
+impl Guest {
+    fn new() -> Guest {
+        Guest {
+            mem: (0..PAGES * P).map(|i| (i / 7 % 253) as u8).collect(),
+            disk: (0..DISK).map(|i| (i / 3 % 13) as u8).collect(),
+        }
+    }
+
+    /// Writes some pages and disk blocks for `epoch`: returns pfns, pages, disk writes.
+    fn step(&mut self, epoch: u64) -> Step {
+        let mut pfns: Vec<u64> = (0..20)
+            .map(|k| (epoch * 31 + k * 5) % PAGES as u64)
+            .collect();
+        pfns.sort_unstable();
+        pfns.dedup();
+        let mut pages = Vec::new();
+        for &p in &pfns {
+            let pg = &mut self.mem[p as usize * P..(p as usize + 1) * P];
+            pg[(epoch as usize * 17) % P] ^= 0xa5;
+            pages.extend_from_slice(pg);
+        }
+        let mut writes = Vec::new();
+        for k in 0..3u64 {
+            let off = ((epoch * 7 + k * 13) % 60) * 1024;
+            let data = vec![(epoch + k) as u8; 1536];
+            self.disk[off as usize..off as usize + data.len()].copy_from_slice(&data);
+            writes.push((off, data));
+        }
+        (pfns, pages, writes)
+    }
+}
+
+fn epoch_frame(p: &mut Primary, g: &mut Guest, seq: u64) -> Frame {
+    let (pfns, pages, writes) = g.step(seq);
+    let dev = vec![seq as u8; 500];
+    p.epoch(&EpochInput {
+        seq,
+        pfns: &pfns,
+        pages: &pages,
+        device_state: &dev,
+        disk_writes: Some(&writes),
+    })
+    .unwrap()
+    .0
+}
+
+/// Hello and initial copy of a session starting at `start`.
+fn session_start(p: &mut Primary, g: &Guest, start: u64) -> Vec<Frame> {
+    let mut v = vec![p.begin(start, &g.mem, DISK as u64).unwrap()];
+    v.extend(p.base_frames(&g.mem, 16));
+    v.extend(p.disk_base_frames(&g.disk, 4096));
+    v
+}
+
+fn new_backup() -> Backup<Vec<u8>> {
+    Backup::new(vec![0u8; PAGES * P]).with_disk(Box::new(vec![0u8; DISK]))
+}
+
+fn apply(bk: &mut Backup<Vec<u8>>, frames: &[Frame]) {
+    for f in frames {
+        bk.handle(f).unwrap();
+    }
+}
+
+#[test]
+fn epochs_with_disk_writes_and_a_resync_reach_the_same_state() {
+    let mut g = Guest::new();
+    let mut p = Primary::new(VM, Codec::Tandem, Config::default());
+    let mut bk = new_backup();
+    apply(&mut bk, &session_start(&mut p, &g, 0));
+    assert!(!bk.consistent(), "no epoch committed yet");
+    for seq in 1..=10 {
+        let f = epoch_frame(&mut p, &mut g, seq);
+        assert_eq!(bk.handle(&f).unwrap(), Applied::Committed(seq));
+        assert!(bk.consistent());
+    }
+    assert!(bk.mirror() == &g.mem[..]);
+    // The link breaks; the primary runs epochs 11..=14 unacknowledged (they never arrive),
+    // then reconnects: a new session starts at epoch 14 and resends everything.
+    for seq in 11..=14 {
+        let _ = epoch_frame(&mut p, &mut g, seq);
+    }
+    let resync = session_start(&mut p, &g, 14);
+    assert_eq!(bk.handle(&resync[0]).unwrap(), Applied::Hello);
+    assert!(
+        !bk.consistent(),
+        "a re-sync in progress is nothing to resume"
+    );
+    apply(&mut bk, &resync[1..]);
+    let f = epoch_frame(&mut p, &mut g, 15);
+    assert_eq!(bk.handle(&f).unwrap(), Applied::Committed(15));
+    assert!(bk.consistent());
+    assert!(
+        bk.mirror() == &g.mem[..],
+        "mirror differs after the re-sync"
+    );
+    assert_eq!(bk.device_state(), &vec![15u8; 500][..]);
+}
+
+#[test]
+fn acks_are_validated() {
+    let t = Instant::now();
+    let mut acks = Acks::new(VM, 10);
+    let mut lat = Vec::new();
+    let ack = |vm, seq, ok| {
+        let mut f = tandem_replication::wire::ack_frame(vm, seq, ok);
+        f.vm_id = vm;
+        f
+    };
+    assert_eq!(
+        acks.on_frame(&ack(VM, 11, true), &mut lat),
+        Err(AckError::NotSent { got: 11, sent: 10 })
+    );
+    acks.sent(11, t);
+    acks.sent(12, t);
+    assert!(matches!(
+        acks.on_frame(&ack(VM + 1, 11, true), &mut lat),
+        Err(AckError::WrongVm { .. })
+    ));
+    assert_eq!(
+        acks.on_frame(&ack(VM, 12, false), &mut lat),
+        Ok(Reply::Acked {
+            seq: 12,
+            epochs: 2,
+            can_fail_over: false
+        })
+    );
+    assert_eq!(lat.len(), 2);
+    assert!(!acks.can_fail_over());
+    assert_eq!(
+        acks.on_frame(&ack(VM, 12, true), &mut lat),
+        Err(AckError::Backwards { got: 12, acked: 12 })
+    );
+    assert_eq!(acks.oldest_unacked(Instant::now()), None);
+    let fenced = Frame {
+        kind: Kind::Fenced,
+        vm_id: VM,
+        seq: 9,
+        payload: vec![],
+    };
+    assert_eq!(acks.on_frame(&fenced, &mut lat), Ok(Reply::Fenced(9)));
+    let epoch = Frame {
+        kind: Kind::Epoch,
+        ..fenced
+    };
+    assert_eq!(
+        acks.on_frame(&epoch, &mut lat),
+        Err(AckError::Unexpected(Kind::Epoch))
+    );
+}
+
+#[test]
+fn handover_only_from_the_committed_epoch_and_bye_forbids_failover() {
+    let mut g = Guest::new();
+    let mut p = Primary::new(VM, Codec::Tandem, Config::default());
+    let mut bk = new_backup();
+    apply(&mut bk, &session_start(&mut p, &g, 0));
+    assert!(bk.handle(&p.handover(0)).is_err(), "nothing committed yet");
+    for seq in 1..=3 {
+        bk.handle(&epoch_frame(&mut p, &mut g, seq)).unwrap();
+    }
+    assert!(
+        bk.handle(&p.handover(2)).is_err(),
+        "not the committed epoch"
+    );
+    assert_eq!(bk.handle(&p.handover(3)).unwrap(), Applied::Handover(3));
+    assert_eq!(bk.handle(&p.bye()).unwrap(), Applied::Bye);
+    assert!(
+        !bk.consistent(),
+        "a guest shut down on purpose must not be resumed"
+    );
+}
+
+/// A disk copy whose write fails once, after `budget` writes were made (rewriting bytes that
+/// were already written works again: they are allocated).
+struct Full {
+    d: Vec<u8>,
+    budget: usize,
+}
+
+impl DiskCopy for Full {
+    fn size(&self) -> u64 {
+        self.d.len() as u64
+    }
+    fn read_at(&self, o: u64, b: &mut [u8]) -> std::io::Result<()> {
+        self.d.read_at(o, b)
+    }
+    fn write_at(&mut self, o: u64, data: &[u8]) -> std::io::Result<()> {
+        if self.budget == 0 {
+            self.budget = usize::MAX;
+            return Err(std::io::Error::from_raw_os_error(28));
+        }
+        self.budget -= 1;
+        self.d.write_at(o, data)
+    }
+    fn zero(&mut self) -> std::io::Result<()> {
+        self.d.zero()
+    }
+}
+
+#[test]
+fn a_disk_write_failing_half_way_leaves_the_committed_epoch_whole() {
+    let mut g = Guest::new();
+    let mut p = Primary::new(VM, Codec::Tandem, Config::default());
+    // Initial disk chunks (16 of 4 KiB) + 3 writes per epoch for 2 epochs, then 1 more.
+    let mut bk = Backup::new(vec![0u8; PAGES * P]).with_disk(Box::new(Full {
+        d: vec![0u8; DISK],
+        budget: 16 + 3 * 2 + 1,
+    }));
+    for f in session_start(&mut p, &g, 0) {
+        bk.handle(&f).unwrap();
+    }
+    let mut mem_at_2 = Vec::new();
+    for seq in 1..=3 {
+        let f = epoch_frame(&mut p, &mut g, seq);
+        match bk.handle(&f) {
+            Ok(Applied::Committed(s)) => {
+                assert!(s <= 2);
+                mem_at_2 = bk.mirror().to_vec();
+            }
+            Err(ApplyError::DiskIo(_)) => assert_eq!(seq, 3),
+            other => panic!("epoch {seq}: {other:?}"),
+        }
+    }
+    assert_eq!(bk.committed(), 2);
+    assert!(
+        bk.consistent(),
+        "the failed epoch was undone, epoch 2 is whole"
+    );
+    assert!(bk.mirror() == &mem_at_2[..]);
+}

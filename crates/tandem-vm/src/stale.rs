@@ -1,0 +1,110 @@
+//! Files a killed tandem leaves behind, found and removed by the next one.
+//!
+//! A daemon killed with SIGKILL cannot clean up. Its large files are already gone (guest RAM
+//! files are unlinked as soon as QEMU and tandem map them; QEMU dies with its parent), but
+//! small ones remain: QEMU's runtime directory (QMP socket, console and QEMU logs) and the
+//! working directories of the daemons and the demo. Each such directory holds an
+//! [`OWNER_FILE`] with the owner's pid; [`clean_stale`] removes those whose owner is dead, and
+//! guest RAM files (`/dev/shm/tandem-NAME-PID-N.ram`) of dead processes.
+
+use std::path::{Path, PathBuf};
+
+/// Name of the file holding the pid of a directory's owner.
+pub const OWNER_FILE: &str = "owner.pid";
+
+/// Marks `dir` as owned by this process.
+pub fn mark_owned(dir: &Path) -> std::io::Result<()> {
+    std::fs::write(dir.join(OWNER_FILE), std::process::id().to_string())
+}
+
+fn alive(pid: i32) -> bool {
+    if pid <= 0 {
+        return true;
+    }
+    // SAFETY: kill(2) with signal 0 only checks whether the process exists.
+    let r = unsafe { libc::kill(pid, 0) };
+    r == 0 || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM)
+}
+
+fn owner(dir: &Path) -> Option<i32> {
+    std::fs::read_to_string(dir.join(OWNER_FILE))
+        .ok()?
+        .trim()
+        .parse()
+        .ok()
+}
+
+/// The pid in a guest RAM file name `tandem-NAME-PID-N.ram`.
+fn ram_file_pid(name: &str) -> Option<i32> {
+    let stem = name.strip_prefix("tandem-")?.strip_suffix(".ram")?;
+    let mut parts = stem.rsplit('-');
+    let _n: u64 = parts.next()?.parse().ok()?;
+    parts.next()?.parse().ok()
+}
+
+/// Removes what dead tandem processes left in `/dev/shm` and the temporary directory;
+/// returns the paths removed.
+pub fn clean_stale() -> Vec<PathBuf> {
+    let mut removed = Vec::new();
+    for root in [PathBuf::from("/dev/shm"), std::env::temp_dir()] {
+        let Ok(entries) = std::fs::read_dir(&root) else {
+            continue;
+        };
+        for e in entries.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            if !name.starts_with("tandem-") {
+                continue;
+            }
+            let path = e.path();
+            let stale = if path.is_dir() {
+                owner(&path).is_some_and(|p| !alive(p))
+            } else {
+                ram_file_pid(&name).is_some_and(|p| !alive(p))
+            };
+            if !stale {
+                continue;
+            }
+            let r = if path.is_dir() {
+                std::fs::remove_dir_all(&path)
+            } else {
+                std::fs::remove_file(&path)
+            };
+            if r.is_ok() {
+                tracing::info!("removed {} left by a dead tandem process", path.display());
+                removed.push(path);
+            }
+        }
+    }
+    removed
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ram_file_names_parse() {
+        assert_eq!(ram_file_pid("tandem-primary-1234-0.ram"), Some(1234));
+        assert_eq!(ram_file_pid("tandem-my-vm-77-3.ram"), Some(77));
+        assert_eq!(ram_file_pid("tandem-demo-x"), None);
+    }
+
+    #[test]
+    fn directories_of_dead_owners_are_removed_and_live_ones_kept() {
+        let live = tempfile::Builder::new()
+            .prefix("tandem-test-live-")
+            .tempdir()
+            .unwrap();
+        mark_owned(live.path()).unwrap();
+        let dead = tempfile::Builder::new()
+            .prefix("tandem-test-dead-")
+            .tempdir()
+            .unwrap();
+        // A pid that cannot exist (above the kernel's pid_max limit of 2^22).
+        std::fs::write(dead.path().join(OWNER_FILE), "99999999").unwrap();
+        let removed = clean_stale();
+        assert!(removed.iter().any(|p| p == dead.path()), "{removed:?}");
+        assert!(live.path().exists());
+        assert!(!dead.path().exists());
+    }
+}
