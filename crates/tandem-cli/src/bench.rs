@@ -74,6 +74,13 @@ pub struct Args {
     /// Guest RAM in MiB.
     #[arg(long, default_value_t = 256)]
     pub mem: u64,
+    /// Soak: inject at least this many random faults into replicated kv guests and check
+    /// every round (docs/BENCHMARKS.md, "Faults").
+    #[arg(long)]
+    pub faults: Option<u64>,
+    /// Seed for --faults (default: from the clock).
+    #[arg(long)]
+    pub seed: Option<u64>,
     /// Machine-readable output.
     #[arg(long)]
     pub json: bool,
@@ -185,6 +192,9 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         };
         crate::codecbench::parse_budget(&a.budget, &mut cfg)?;
         return crate::codecbench::run(&a.trace, &codecs, &cfg, a.json);
+    }
+    if let Some(n) = a.faults {
+        return crate::faultbench::run(n, a.seed, a.mem, a.json);
     }
     if a.replication {
         return crate::repbench::run(&a);

@@ -5,6 +5,7 @@ mod checkpoint;
 mod codecbench;
 mod demo;
 mod doctor;
+mod faultbench;
 mod lab;
 mod metrics;
 mod record;
@@ -74,6 +75,11 @@ fn main() {
         .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
         .with_writer(std::io::stderr)
         .init();
+    // Whatever killed tandem processes left behind (QEMU runtime directories, working
+    // directories, RAM files) goes first.
+    if !matches!(cli.cmd, Cmd::Trace(_) | Cmd::Setup(_)) {
+        tandem_vm::clean_stale();
+    }
     let result = match cli.cmd {
         Cmd::Setup(a) => setup::run(a),
         Cmd::Doctor(a) => doctor::run(a),

@@ -56,6 +56,8 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
                 before: Duration::from_secs(a.seconds),
                 after: Duration::from_secs(a.seconds),
                 stall_epoch: None,
+                faults: vec![crate::demo::fault::Fault::HostKill],
+                backup_tmpfs: false,
             };
             let r = round::run(n, &o, &pb).with_context(|| format!("{w} at {ms} ms"))?;
             crate::demo::say(&pb, line(&r));

@@ -27,6 +27,7 @@ pub const PACKAGES: &[&str] = &[
     "libc6-dev",
     "binutils",
     "iproute2",
+    "nftables", // fault tests: partitions of the replication link
     "zstd",
 ];
 

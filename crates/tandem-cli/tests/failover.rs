@@ -110,8 +110,6 @@ fn primary_killed_backup_resumes_the_guest() {
         &addr,
         "--workload",
         "kv",
-        "--duration",
-        "120",
         "--tap-netns",
         &lab.clients,
         "--disk-mib",
@@ -162,7 +160,7 @@ fn primary_killed_backup_resumes_the_guest() {
     let mut text = String::new();
     std::io::Read::read_to_string(&mut c, &mut text).unwrap();
     assert!(
-        text.contains("tandem_pause_seconds{quantile=\"0.5\"}")
+        text.contains("tandem_pause_seconds_bucket{le=\"+Inf\"}")
             && text.contains("tandem_acked_epoch"),
         "{text}"
     );
@@ -231,10 +229,15 @@ fn refused_input_drops_the_link_without_failing_over() {
     );
     // The backup waits for the primary to come back instead of failing over at once.
     let _again = std::net::TcpStream::connect(&addr).unwrap();
-    wait_line(&brx, "primary reconnected", Duration::from_secs(10));
+    wait_line(&brx, "primary connected", Duration::from_secs(10));
     drop(_again);
-    // Nothing was ever committed: the backup must say so and not resume anything.
-    let lost = wait_line(&brx, "nothing to resume", Duration::from_secs(80));
-    assert!(lost.starts_with("error:"), "{lost}");
-    assert_eq!(backup.wait().unwrap().code(), Some(1));
+    // Nothing was ever committed: the backup says so, resumes nothing, and keeps serving.
+    wait_line(&brx, "without a consistent epoch", Duration::from_secs(80));
+    assert!(
+        backup.try_wait().unwrap().is_none(),
+        "the backup must keep running"
+    );
+    // SAFETY: SIGTERM to our own child.
+    unsafe { libc::kill(backup.id() as i32, libc::SIGTERM) };
+    assert!(backup.wait().unwrap().success());
 }

@@ -117,6 +117,11 @@ impl Daemon {
         false
     }
 
+    /// The daemon's process id (`ip netns exec` execs it, so this is tandem's own pid).
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     pub fn exited(&mut self) -> bool {
         matches!(self.child.try_wait(), Ok(Some(_)))
     }

@@ -5,8 +5,10 @@
 //! fail over, keeps the client going, and checks that every write the client saw acknowledged
 //! before the kill is readable afterwards and that the guest did not reboot.
 
+mod capture;
 mod client;
 mod daemon;
+pub(crate) mod fault;
 pub(crate) mod round;
 
 use std::time::Duration;
@@ -55,6 +57,14 @@ pub struct Args {
     /// Seed for the kill times (default: from the clock).
     #[arg(long)]
     pub seed: Option<u64>,
+    /// Faults to inject in every round, in order (comma-separated): host-kill, qemu-kill,
+    /// pause-kill (QEMU killed inside a checkpoint pause), tandem-kill, qemu-stop, handover, partition:MS, corrupt-frame, backup-restart. A round
+    /// whose faults leave the primary running ends with a host kill. Default: host-kill.
+    #[arg(long, value_delimiter = ',')]
+    pub faults: Vec<fault::Fault>,
+    /// Put the backup's directory on a small tmpfs that is full while the guest writes.
+    #[arg(long)]
+    pub backup_tmpfs: bool,
     /// Print the summary as JSON.
     #[arg(long)]
     pub json: bool,
@@ -91,6 +101,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let dir = tempfile::Builder::new()
         .prefix("tandem-demo-")
         .tempdir_in("/dev/shm")?;
+    tandem_vm::stale::mark_owned(dir.path())?;
     let mut seed = a.seed.unwrap_or_else(crate::replicate::unix_ms) | 1;
     eprintln!(
         "tandem demo: clients on bridge br0 in netns {}, primary host {}, backup host {} (link {}); logs in {}",
@@ -116,18 +127,33 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             before: Duration::from_millis(a.before * 1000 + jitter),
             after: Duration::from_secs(a.after),
             stall_epoch: stall,
+            faults: if a.faults.is_empty() {
+                vec![fault::Fault::HostKill]
+            } else {
+                a.faults.clone()
+            },
+            backup_tmpfs: a.backup_tmpfs,
         };
-        let res = round::run(r, &o, &pb)
-            .with_context(|| format!("round {r} (logs in {})", dir.path().display()))?;
+        let res = match round::run(r, &o, &pb) {
+            Ok(res) => res,
+            Err(e) => {
+                // Keep the logs of a failed round for the operator.
+                let kept = dir.keep();
+                return Err(e.context(format!("round {r} (logs kept in {})", kept.display())));
+            }
+        };
         say(&pb, format!(
-            "round {r}: killed {}; backup resumed epoch {} {:.0} ms after the kill ({:.0} ms detection + {:.1} ms resume); {} keys read back, {} missing an acknowledged write; redis {}",
-            res.kill_point,
+            "round {r}: {}; backup resumed epoch {} {:.0} ms after the fault ({:.0} ms detection + {:.1} ms resume); {} keys read back, {} missing an acknowledged write; primary frames after failover: {}; primary copy stopped: {}; leftovers: {}; redis {}",
+            res.faults.join(", "),
             res.failover_epoch,
             res.kill_to_running_ms,
             res.detection_ms,
             res.resume_after_detection_ms,
             res.acked_keys_checked,
             res.acked_keys_lost,
+            res.primary_frames_after_failover,
+            if res.primary_copy_stopped { "yes" } else { "NO" },
+            if res.leftovers.is_empty() { "none".to_string() } else { res.leftovers.join(", ") },
             if res.guest_continued == Some(true) { "kept running (same process, no reboot)" } else { "RESTARTED" }
         ));
         results.push(res);
@@ -188,11 +214,15 @@ fn print_summary(s: &Summary) {
         med(&|r| r.resume_after_detection_ms),
         med(&|r| r.client_gap_ms)
     );
+    let sum = |f: &dyn Fn(&RoundResult) -> u64| s.rounds.iter().map(f).sum::<u64>();
     println!(
-        "  checks           {} keys read back, {} missing an acknowledged write; guest rebooted: {}  =>  {}",
+        "  checks           {} keys read back, {} missing an acknowledged write; guest rebooted: {}; primary frames after failover: {}; primary copies left running: {}; leftovers: {}  =>  {}",
         s.acked_keys_checked,
         s.acked_keys_lost,
         if s.guest_rebooted { "YES" } else { "no" },
+        sum(&|r| r.primary_frames_after_failover),
+        sum(&|r| u64::from(!r.primary_copy_stopped)),
+        sum(&|r| r.leftovers.len() as u64),
         if s.ok { "OK" } else { "FAILED" }
     );
 }

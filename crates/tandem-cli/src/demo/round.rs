@@ -13,8 +13,10 @@ use serde::Serialize;
 use tandem_net::lab::{BACKUP_IP, GUEST_IP};
 use tandem_net::NetLab;
 
+use super::capture::Capture;
 use super::client::{self, Writers};
 use super::daemon::{rate, Daemon};
+use super::fault::{self, Fault, Proxy};
 use crate::stats::quantile;
 
 pub struct Opts<'a> {
@@ -35,6 +37,12 @@ pub struct Opts<'a> {
     pub after: Duration,
     /// Stall the primary in the middle of this epoch's transfer, then kill it.
     pub stall_epoch: Option<u64>,
+    /// Faults injected one after the other; a round whose faults leave the primary running
+    /// ends with a host kill, so that every round ends with a failover to check.
+    pub faults: Vec<Fault>,
+    /// Put the backup's directory on a tmpfs that is full (all but the preallocated mirror
+    /// and disk copy) while the guest writes to its disk.
+    pub backup_tmpfs: bool,
 }
 
 #[derive(Serialize, Clone, Debug)]
@@ -73,6 +81,18 @@ pub struct RoundResult {
     pub redis_run_id: String,
     pub redis_uptime_before_s: u64,
     pub redis_uptime_after_s: u64,
+    /// Faults injected in this round, in order, with what each led to.
+    pub faults: Vec<String>,
+    /// Re-syncs the primary made (a new session after a lost link).
+    pub resyncs: u64,
+    /// Guest frames the primary's relay let out (captured on the clients' bridge).
+    pub primary_frames_captured: u64,
+    /// Of those, frames that arrived after the backup ran the guest (must be 0).
+    pub primary_frames_after_failover: u64,
+    /// The primary's copy of the guest was gone after the failover (exactly one copy runs).
+    pub primary_copy_stopped: bool,
+    /// Processes or files of this round left behind after it (must be empty).
+    pub leftovers: Vec<String>,
 }
 
 impl RoundResult {
@@ -80,6 +100,9 @@ impl RoundResult {
         self.acked_keys_lost == 0
             && (self.workload != "kv" || self.acked_keys_checked > 0)
             && self.guest_continued != Some(false)
+            && self.primary_frames_after_failover == 0
+            && self.primary_copy_stopped
+            && self.leftovers.is_empty()
     }
 }
 
@@ -122,61 +145,226 @@ impl Epochs {
 
 const MIB: f64 = (1 << 20) as f64;
 
+/// The daemons of a round and how to restart the backup.
+struct Pair<'a> {
+    o: &'a Opts<'a>,
+    rdir: PathBuf,
+    bargs: Vec<String>,
+    backup: Daemon,
+    backups_started: usize,
+}
+
+impl Pair<'_> {
+    fn start_backup(&mut self) -> anyhow::Result<()> {
+        self.backups_started += 1;
+        let log = self
+            .rdir
+            .join(format!("backup{}.log", self.backups_started));
+        self.backup = Daemon::spawn("backup", &self.o.lab.backup, &self.o.exe, &self.bargs, log)?;
+        self.backup
+            .wait_line("listening on", Duration::from_secs(60))?;
+        Ok(())
+    }
+}
+
+fn common(o: &Opts<'_>, v: &mut Vec<String>) {
+    v.extend(["--workload", &o.workload, "--tap-netns", &o.lab.clients].map(String::from));
+    v.extend(["--mem".to_string(), o.mem.to_string()]);
+}
+
+/// A tmpfs for the backup's directory, just big enough for the mirror, the disk copy and a
+/// little more; filled up after the backup allocated its files.
+fn mount_small_tmpfs(dir: &Path, mem_mib: u64) -> anyhow::Result<()> {
+    std::fs::create_dir_all(dir)?;
+    let size = format!("size={}m", mem_mib + 64 + 16);
+    let st = std::process::Command::new("mount")
+        .args([
+            "-t",
+            "tmpfs",
+            "-o",
+            &size,
+            "tandem-fault",
+            &dir.display().to_string(),
+        ])
+        .status()?;
+    if !st.success() {
+        bail!("mount -t tmpfs on {} failed", dir.display());
+    }
+    Ok(())
+}
+
+fn fill(dir: &Path) -> u64 {
+    use std::io::Write;
+    let Ok(mut f) = std::fs::File::create(dir.join("filler")) else {
+        return 0;
+    };
+    let chunk = vec![0x5au8; 1 << 20];
+    let mut n = 0u64;
+    while f.write_all(&chunk).is_ok() {
+        n += chunk.len() as u64;
+    }
+    let small = vec![0x5au8; 4096];
+    while f.write_all(&small).is_ok() {
+        n += small.len() as u64;
+    }
+    n
+}
+
+fn read_report(path: &Path) -> Option<serde_json::Value> {
+    serde_json::from_str(&std::fs::read_to_string(path).ok()?).ok()
+}
+
+/// Waits until the primary acknowledged `n` more epochs (replication carries on) or the
+/// backup failed over; true on failover.
+fn settle(
+    ep: &mut Epochs,
+    jsonl: &Path,
+    report: &Path,
+    n: u64,
+    timeout: Duration,
+) -> anyhow::Result<bool> {
+    ep.poll(jsonl);
+    let from = ep.acked;
+    let t = Instant::now();
+    loop {
+        if report.exists() {
+            return Ok(true);
+        }
+        ep.poll(jsonl);
+        if ep.acked >= from + n {
+            return Ok(false);
+        }
+        if t.elapsed() > timeout {
+            bail!(
+                "neither progress nor a failover within {timeout:?} after the fault (acked {})",
+                ep.acked
+            );
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Processes and files of this round still there after it.
+fn leftovers(rdir: &Path, pids: &[u32]) -> Vec<String> {
+    let mut out = Vec::new();
+    let needle = rdir.display().to_string();
+    if let Ok(procs) = std::fs::read_dir("/proc") {
+        for p in procs.flatten() {
+            let Ok(pid) = p.file_name().to_string_lossy().parse::<u32>() else {
+                continue;
+            };
+            if pid == std::process::id() || !fault::alive(pid) {
+                continue;
+            }
+            let cmd = std::fs::read(p.path().join("cmdline")).unwrap_or_default();
+            let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
+            if cmd.contains(&needle) {
+                out.push(format!("process {pid}: {}", cmd.trim()));
+            }
+        }
+    }
+    for f in ["backup/mirror.ram", "backup/disk.img", "primary/disk.img"] {
+        if rdir.join(f).exists() {
+            out.push(format!("file {}", rdir.join(f).display()));
+        }
+    }
+    if let Ok(shm) = std::fs::read_dir("/dev/shm") {
+        for e in shm.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            if name.ends_with(".ram") && pids.iter().any(|p| name.contains(&format!("-{p}-"))) {
+                out.push(format!("file /dev/shm/{name}"));
+            }
+        }
+    }
+    out
+}
+
 pub fn run(round: usize, o: &Opts<'_>, pb: &ProgressBar) -> anyhow::Result<RoundResult> {
     let rdir = o.dir.join(format!("round{round}"));
     std::fs::create_dir_all(&rdir)?;
-    let s = |x: &dyn ToString| x.to_string();
-    let common = |v: &mut Vec<String>| {
-        v.extend(["--workload", &o.workload, "--tap-netns", &o.lab.clients].map(String::from));
-        v.extend([s(&"--mem"), s(&o.mem)]);
-    };
     let report = rdir.join("failover.json");
-    let mut bargs = vec![
-        s(&"backup"),
-        s(&"--listen"),
+    let mut bargs: Vec<String> = vec![
+        "backup".into(),
+        "--listen".into(),
         format!("{BACKUP_IP}:7000"),
-        s(&"--dir"),
-    ];
-    bargs.push(rdir.join("backup").display().to_string());
-    bargs.extend([
-        s(&"--timeout-ms"),
-        s(&o.timeout_ms),
-        s(&"--report"),
+        "--dir".into(),
+        rdir.join("backup").display().to_string(),
+        "--timeout-ms".into(),
+        o.timeout_ms.to_string(),
+        "--report".into(),
         report.display().to_string(),
-    ]);
-    common(&mut bargs);
+    ];
+    common(o, &mut bargs);
+    if o.backup_tmpfs {
+        mount_small_tmpfs(&rdir.join("backup"), o.mem)?;
+    }
+    let r = run_mounted(round, o, pb, &rdir, bargs);
+    if o.backup_tmpfs {
+        let _ = std::process::Command::new("umount")
+            .arg(rdir.join("backup"))
+            .status();
+    }
+    r
+}
+
+fn run_mounted(
+    round: usize,
+    o: &Opts<'_>,
+    pb: &ProgressBar,
+    rdir: &Path,
+    bargs: Vec<String>,
+) -> anyhow::Result<RoundResult> {
+    let report = rdir.join("failover.json");
     pb.set_message(format!(
         "round {round}: starting the backup (standby QEMU, relay, NBD)"
     ));
-    let mut backup = Daemon::spawn(
+    let backup = Daemon::spawn(
         "backup",
         &o.lab.backup,
         &o.exe,
         &bargs,
         rdir.join("backup.log"),
     )?;
-    backup.wait_line("listening on", Duration::from_secs(60))?;
+    let mut pair = Pair {
+        o,
+        rdir: rdir.to_path_buf(),
+        bargs,
+        backup,
+        backups_started: 1,
+    };
+    pair.backup
+        .wait_line("listening on", Duration::from_secs(60))?;
+    let mut bpids = vec![pair.backup.pid()];
+    let filled = if o.backup_tmpfs {
+        fill(&rdir.join("backup"))
+    } else {
+        0
+    };
+    let backup_addr: SocketAddr = format!("{BACKUP_IP}:7000").parse()?;
+    let proxy = if o.faults.contains(&Fault::CorruptFrame) {
+        Some(Proxy::start(&o.lab.primary, backup_addr)?)
+    } else {
+        None
+    };
     let jsonl = rdir.join("epochs.jsonl");
-    let mut pargs = vec![
-        s(&"primary"),
-        s(&"--backup"),
-        format!("{BACKUP_IP}:7000"),
-        s(&"--dir"),
-    ];
-    pargs.push(rdir.join("primary").display().to_string());
-    pargs.extend([
-        s(&"--epoch-ms"),
-        s(&o.epoch_ms),
-        s(&"--duration"),
-        s(&3600),
-        s(&"--codec"),
+    let mut pargs: Vec<String> = vec![
+        "primary".into(),
+        "--backup".into(),
+        proxy.as_ref().map_or(backup_addr, |p| p.addr).to_string(),
+        "--dir".into(),
+        rdir.join("primary").display().to_string(),
+        "--epoch-ms".into(),
+        o.epoch_ms.to_string(),
+        "--codec".into(),
         o.codec.clone(),
-    ]);
-    pargs.extend([s(&"--metrics-jsonl"), jsonl.display().to_string()]);
+        "--metrics-jsonl".into(),
+        jsonl.display().to_string(),
+        "--fault-hooks".into(),
+    ];
     if let Some(e) = o.stall_epoch {
-        pargs.extend([s(&"--fault-stall-epoch"), s(&e)]);
+        pargs.extend(["--fault-stall-epoch".into(), e.to_string()]);
     }
-    common(&mut pargs);
+    common(o, &mut pargs);
     pb.set_message(format!(
         "round {round}: booting the primary guest (redis) and copying it to the backup"
     ));
@@ -187,7 +375,16 @@ pub fn run(round: usize, o: &Opts<'_>, pb: &ProgressBar) -> anyhow::Result<Round
         &pargs,
         rdir.join("primary.log"),
     )?;
-    primary.wait_line("guest ready", Duration::from_secs(240))?;
+    let ready = primary.wait_line("guest ready", Duration::from_secs(240))?;
+    let qemu: u32 = ready
+        .split("QEMU pid ")
+        .nth(1)
+        .and_then(|r| r.split(',').next())
+        .and_then(|p| p.trim().parse().ok())
+        .unwrap_or(0);
+    let capture = Capture::start(&o.lab.clients, "tdp0")?;
+    let (t0, t0_unix) = (Instant::now(), crate::replicate::unix_ms());
+    let at = |unix: u64| t0 + Duration::from_millis(unix.saturating_sub(t0_unix));
     let addr: SocketAddr = format!("{GUEST_IP}:6379").parse()?;
     let kv = o.workload == "kv";
     let mut identity_before = (String::new(), 0);
@@ -223,7 +420,7 @@ pub fn run(round: usize, o: &Opts<'_>, pb: &ProgressBar) -> anyhow::Result<Round
                 if kv { format!(" | client {rate:.0} ops/s") } else { String::new() }
             ));
         }
-        if primary.exited() || backup.exited() {
+        if primary.exited() || pair.backup.exited() {
             bail!(
                 "a daemon exited during replication; logs in {}",
                 rdir.display()
@@ -238,33 +435,80 @@ pub fn run(round: usize, o: &Opts<'_>, pb: &ProgressBar) -> anyhow::Result<Round
             _ => {}
         }
     }
-    // Host failure.
+    // Faults, one after the other, until one of them ends the primary's copy.
     let ops_at_kill = ops(&writers);
     let replicated_s = started.elapsed().as_secs_f64();
-    let kill_at = Instant::now();
-    let kill_unix = crate::replicate::unix_ms();
-    primary.kill_host();
-    ep.poll(&jsonl);
-    pb.set_message(format!(
-        "round {round}: primary host killed (tandem + QEMU, SIGKILL); waiting for failover"
-    ));
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let rep: serde_json::Value = loop {
-        if let Ok(t) = std::fs::read_to_string(&report) {
-            if let Ok(v) = serde_json::from_str(&t) {
-                break v;
+    let mut kill_at = Instant::now();
+    let mut kill_unix = crate::replicate::unix_ms();
+    let mut done = Vec::new();
+    let mut faults = o.faults.clone();
+    if !faults.last().is_some_and(|f| f.ends_primary()) {
+        faults.push(Fault::HostKill);
+    }
+    for f in faults {
+        pb.set_message(format!("round {round}: injecting {f}"));
+        (kill_at, kill_unix) = (Instant::now(), crate::replicate::unix_ms());
+        match f {
+            Fault::HostKill => primary.kill_host(),
+            Fault::QemuKill => fault::signal(qemu, libc::SIGKILL),
+            Fault::PauseKill => fault::signal(primary.pid(), libc::SIGUSR2),
+            Fault::TandemKill => fault::signal(primary.pid(), libc::SIGKILL),
+            Fault::QemuStop => fault::signal(qemu, libc::SIGSTOP),
+            Fault::Handover => fault::signal(primary.pid(), libc::SIGTERM),
+            Fault::Partition(ms) => {
+                fault::partition(&o.lab.primary, BACKUP_IP)?;
+                std::thread::sleep(Duration::from_millis(ms));
+                fault::heal(&o.lab.primary);
+            }
+            Fault::CorruptFrame => {
+                if let Some(p) = &proxy {
+                    p.corrupt();
+                }
+            }
+            Fault::BackupRestart => {
+                pair.backup.kill_host();
+                std::thread::sleep(Duration::from_millis(300));
+                pair.start_backup()?;
+                bpids.push(pair.backup.pid());
             }
         }
-        if backup.exited() || Instant::now() > deadline {
+        let failed_over =
+            f.ends_primary() || settle(&mut ep, &jsonl, &report, 10, Duration::from_secs(90))?;
+        done.push(format!(
+            "{f}: {}",
+            if failed_over {
+                "failover"
+            } else {
+                "replication carried on"
+            }
+        ));
+        if failed_over {
+            break;
+        }
+    }
+    pb.set_message(format!("round {round}: waiting for failover"));
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let rep: serde_json::Value = loop {
+        if let Some(v) = read_report(&report) {
+            break v;
+        }
+        if pair.backup.exited() || Instant::now() > deadline {
             bail!(
                 "the backup did not fail over; its log:\n{}",
-                std::fs::read_to_string(&backup.log).unwrap_or_default()
+                std::fs::read_to_string(&pair.backup.log).unwrap_or_default()
             );
         }
         std::thread::sleep(Duration::from_millis(20));
     };
     let g = |k: &str| rep.get(k).and_then(|v| v.as_u64()).unwrap_or(0);
     let ops_at_running = ops(&writers);
+    // Exactly one copy: the primary's QEMU must be gone (a fenced or hung primary stops its
+    // copy; give a partitioned one time to reconnect and be told).
+    let t = Instant::now();
+    while qemu != 0 && fault::alive(qemu) && t.elapsed() < Duration::from_secs(30) {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let primary_copy_stopped = qemu != 0 && !fault::alive(qemu);
     // After failover: the guest runs on the backup, unprotected (native speed).
     let t = Instant::now();
     while t.elapsed() < o.after {
@@ -327,7 +571,8 @@ pub fn run(round: usize, o: &Opts<'_>, pb: &ProgressBar) -> anyhow::Result<Round
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .clone();
-        let b = backup
+        let b = pair
+            .backup
             .progress
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -350,7 +595,24 @@ pub fn run(round: usize, o: &Opts<'_>, pb: &ProgressBar) -> anyhow::Result<Round
             continued,
         )
     };
-    backup.terminate(Duration::from_secs(15));
+    // The primary's relay let nothing out once the backup ran the guest (200 ms for frames
+    // released at the very last ack to cross the bridge).
+    let running = at(g("running_at_ms")) + Duration::from_millis(200);
+    let after_failover = capture.after(running) as u64;
+    let captured = capture.total() as u64;
+    drop(capture);
+    pair.backup.terminate(Duration::from_secs(15));
+    primary.terminate(Duration::from_secs(5));
+    let resyncs = std::fs::read_to_string(rdir.join("primary.log"))
+        .unwrap_or_default()
+        .matches("initial copy sent")
+        .count()
+        .saturating_sub(1) as u64;
+    let mut pids = bpids;
+    pids.push(primary.pid());
+    std::thread::sleep(Duration::from_millis(300));
+    let left = leftovers(rdir, &pids);
+    let _ = filled;
     let detected = g("detected_at_ms");
     Ok(RoundResult {
         round,
@@ -358,7 +620,12 @@ pub fn run(round: usize, o: &Opts<'_>, pb: &ProgressBar) -> anyhow::Result<Round
         epoch_ms: o.epoch_ms,
         kill_point: match o.stall_epoch {
             Some(e) => format!("in the middle of epoch {e}'s transfer"),
-            None => format!("at a random time, {:.1} s into replication", replicated_s),
+            None => format!(
+                "{} at a random time, {:.1} s into replication",
+                done.last()
+                    .map_or("", |d| d.split(':').next().unwrap_or("")),
+                replicated_s
+            ),
         },
         epochs_acked: ep.acked,
         raw_mib: ep.raw as f64 / MIB,
@@ -392,5 +659,11 @@ pub fn run(round: usize, o: &Opts<'_>, pb: &ProgressBar) -> anyhow::Result<Round
         redis_run_id: identity_after.0,
         redis_uptime_before_s: identity_before.1,
         redis_uptime_after_s: identity_after.1,
+        faults: done,
+        resyncs,
+        primary_frames_captured: captured,
+        primary_frames_after_failover: after_failover,
+        primary_copy_stopped,
+        leftovers: left,
     })
 }

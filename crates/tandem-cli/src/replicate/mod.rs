@@ -16,20 +16,54 @@ use anyhow::Context;
 use tandem_replication::Frame;
 
 static STOP: AtomicBool = AtomicBool::new(false);
+static SHUTDOWN: AtomicBool = AtomicBool::new(false);
+static KILL_IN_PAUSE: AtomicBool = AtomicBool::new(false);
 
-extern "C" fn on_signal(_: libc::c_int) {
+extern "C" fn on_fault_signal(_: libc::c_int) {
+    KILL_IN_PAUSE.store(true, Ordering::SeqCst);
+}
+
+/// Fault injection for tests (`tandem primary --fault-hooks`): SIGUSR2 makes the primary kill
+/// its QEMU inside the next checkpoint pause, while the guest is stopped.
+pub(crate) fn install_fault_hooks() {
+    // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
+    unsafe {
+        libc::signal(
+            libc::SIGUSR2,
+            on_fault_signal as *const () as libc::sighandler_t,
+        )
+    };
+}
+
+/// Whether a kill inside the pause was requested (and clears the request).
+pub(crate) fn take_kill_in_pause() -> bool {
+    KILL_IN_PAUSE.swap(false, Ordering::SeqCst)
+}
+
+extern "C" fn on_signal(sig: libc::c_int) {
+    if sig == libc::SIGUSR1 {
+        SHUTDOWN.store(true, Ordering::SeqCst);
+    }
     STOP.store(true, Ordering::SeqCst);
 }
 
+/// SIGINT and SIGTERM ask the process to stop ([`stopping`]); SIGUSR1 too, and also sets
+/// [`shutdown_requested`] (the primary's "end protection and shut the guest down").
 pub(crate) fn install_stop_handler() {
-    for sig in [libc::SIGINT, libc::SIGTERM] {
-        // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
+    for sig in [libc::SIGINT, libc::SIGTERM, libc::SIGUSR1] {
+        // SAFETY: the handler only stores to atomics, which is async-signal-safe.
         unsafe { libc::signal(sig, on_signal as *const () as libc::sighandler_t) };
     }
 }
 
 pub(crate) fn stopping() -> bool {
     STOP.load(Ordering::SeqCst)
+}
+
+/// The operator asked to end protection and shut the guest down (SIGUSR1), not to hand it
+/// over.
+pub(crate) fn shutdown_requested() -> bool {
+    SHUTDOWN.load(Ordering::SeqCst)
 }
 
 fn send(w: &mut impl Write, f: &Frame) -> anyhow::Result<()> {

@@ -40,9 +40,18 @@ pub enum Role {
 
 /// The relay and disk of one side. Dropping it removes the tap and stops serving.
 pub struct Site {
-    pub relay: Option<Relay>,
+    pub relay: Option<Arc<Relay>>,
     pub disk: Option<Arc<Image>>,
     pub disk_path: Option<PathBuf>,
+    nbd_sock: Option<PathBuf>,
+}
+
+impl Drop for Site {
+    fn drop(&mut self) {
+        if let Some(s) = &self.nbd_sock {
+            let _ = std::fs::remove_file(s);
+        }
+    }
 }
 
 impl Site {
@@ -69,7 +78,7 @@ impl Site {
                 let relay = Relay::listen(&sock, OwnedFd::from(tap), policy)?;
                 cfg.relay_net = Some((sock, a.guest_ip.clone()));
                 cfg.kv_port = None;
-                Some(relay)
+                Some(Arc::new(relay))
             }
             None => {
                 if role == Role::Primary {
@@ -113,6 +122,11 @@ impl Site {
                 Role::Backup => Image::open_unlogged(&path),
             }
             .with_context(|| format!("opening {}", path.display()))?;
+            if role == Role::Primary {
+                // The scratch disk lives on in the NBD server's open file: a killed primary
+                // leaves nothing behind. (The backup removes its copy once it opened it too.)
+                let _ = std::fs::remove_file(&path);
+            }
             let image = Arc::new(image);
             let sock = dir.join("nbd.sock");
             let _ = std::fs::remove_file(&sock);
@@ -120,17 +134,15 @@ impl Site {
                 .with_context(|| format!("listening on {}", sock.display()))?;
             let served = image.clone();
             std::thread::spawn(move || tandem_disk::nbd::serve(listener, served));
-            cfg.data_disk = Some(sock);
-            (Some(image), Some(path))
+            cfg.data_disk = Some(sock.clone());
+            (Some(image), Some((path, sock)))
         };
+        let (disk_path, nbd_sock) = disk_path.unzip();
         Ok(Site {
             relay,
             disk,
             disk_path,
+            nbd_sock,
         })
-    }
-
-    pub fn disk_bytes(&self) -> u64 {
-        self.disk.as_ref().map_or(0, |d| d.size())
     }
 }

@@ -1,0 +1,255 @@
+//! Faults the demo (and `tandem bench --faults`, and the fault tests) inject into a running
+//! primary/backup pair, the way they happen: a process alone, a hang, a partition, a corrupt
+//! frame on the link, a backup that restarts, a full file system, a planned handover.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::process::Command;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+
+/// One injected fault.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fault {
+    /// SIGKILL of the primary's tandem and QEMU together (a host failure).
+    HostKill,
+    /// SIGKILL of the primary's QEMU alone (a crash or an OOM kill).
+    QemuKill,
+    /// SIGKILL of the primary's tandem process alone.
+    TandemKill,
+    /// SIGKILL of the primary's QEMU while the guest is stopped in a checkpoint pause.
+    PauseKill,
+    /// SIGSTOP of the primary's QEMU (a hang).
+    QemuStop,
+    /// SIGTERM of the primary: planned handover to the backup.
+    Handover,
+    /// All replication traffic dropped for this many milliseconds.
+    Partition(u64),
+    /// One byte flipped on the link by a proxy between primary and backup.
+    CorruptFrame,
+    /// SIGKILL of the backup (tandem and standby), then a new backup on the same address.
+    BackupRestart,
+}
+
+impl Fault {
+    /// Whether the primary is certainly gone after this fault (the backup must fail over).
+    pub fn ends_primary(self) -> bool {
+        matches!(
+            self,
+            Fault::HostKill
+                | Fault::QemuKill
+                | Fault::TandemKill
+                | Fault::QemuStop
+                | Fault::Handover
+        )
+    }
+}
+
+impl std::fmt::Display for Fault {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Fault::HostKill => write!(f, "host-kill"),
+            Fault::QemuKill => write!(f, "qemu-kill"),
+            Fault::PauseKill => write!(f, "pause-kill"),
+            Fault::TandemKill => write!(f, "tandem-kill"),
+            Fault::QemuStop => write!(f, "qemu-stop"),
+            Fault::Handover => write!(f, "handover"),
+            Fault::Partition(ms) => write!(f, "partition:{ms}"),
+            Fault::CorruptFrame => write!(f, "corrupt-frame"),
+            Fault::BackupRestart => write!(f, "backup-restart"),
+        }
+    }
+}
+
+impl std::str::FromStr for Fault {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        Ok(match s {
+            "host-kill" => Fault::HostKill,
+            "qemu-kill" => Fault::QemuKill,
+            "pause-kill" => Fault::PauseKill,
+            "tandem-kill" => Fault::TandemKill,
+            "qemu-stop" => Fault::QemuStop,
+            "handover" => Fault::Handover,
+            "corrupt-frame" => Fault::CorruptFrame,
+            "backup-restart" => Fault::BackupRestart,
+            p if p.starts_with("partition:") => Fault::Partition(
+                p["partition:".len()..]
+                    .parse()
+                    .map_err(|_| format!("{p}: partition:MILLISECONDS"))?,
+            ),
+            other => {
+                return Err(format!(
+                    "unknown fault {other:?}; one of host-kill, qemu-kill, pause-kill, tandem-kill, qemu-stop, handover, partition:MS, corrupt-frame, backup-restart"
+                ))
+            }
+        })
+    }
+}
+
+/// Sends `sig` to `pid`.
+pub fn signal(pid: u32, sig: libc::c_int) {
+    // SAFETY: kill(2) of a process this harness started (or its QEMU).
+    unsafe { libc::kill(pid as i32, sig) };
+}
+
+/// Whether process `pid` exists.
+pub fn alive(pid: u32) -> bool {
+    // SAFETY: kill(2) with signal 0 only checks for existence.
+    let r = unsafe { libc::kill(pid as i32, 0) };
+    r == 0 && !is_zombie(pid)
+}
+
+fn is_zombie(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .map(|s| {
+            s.rsplit(')')
+                .next()
+                .is_some_and(|r| r.trim_start().starts_with('Z'))
+        })
+        .unwrap_or(false)
+}
+
+/// Drops every packet between the primary's namespace and the backup's address (both ways)
+/// with nftables, until [`heal`].
+pub fn partition(primary_ns: &str, backup_ip: &str) -> anyhow::Result<()> {
+    let nft = |args: &[&str]| -> anyhow::Result<()> {
+        let out = Command::new("ip")
+            .args(["netns", "exec", primary_ns, "nft"])
+            .args(args)
+            .output()
+            .context("running nft (install nftables with `tandem setup`)")?;
+        if !out.status.success() {
+            bail!(
+                "nft {}: {}",
+                args.join(" "),
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        Ok(())
+    };
+    nft(&["add", "table", "inet", "tandem_fault"])?;
+    nft(&[
+        "add chain inet tandem_fault out { type filter hook output priority 0; policy accept; }",
+    ])?;
+    nft(&["add chain inet tandem_fault in { type filter hook input priority 0; policy accept; }"])?;
+    nft(&[
+        "add",
+        "rule",
+        "inet",
+        "tandem_fault",
+        "out",
+        "ip",
+        "daddr",
+        backup_ip,
+        "drop",
+    ])?;
+    nft(&[
+        "add",
+        "rule",
+        "inet",
+        "tandem_fault",
+        "in",
+        "ip",
+        "saddr",
+        backup_ip,
+        "drop",
+    ])?;
+    Ok(())
+}
+
+/// Ends a [`partition`].
+pub fn heal(primary_ns: &str) {
+    let _ = Command::new("ip")
+        .args([
+            "netns",
+            "exec",
+            primary_ns,
+            "nft",
+            "delete",
+            "table",
+            "inet",
+            "tandem_fault",
+        ])
+        .output();
+}
+
+/// A TCP proxy inside the primary's namespace between the primary and the backup; flips one
+/// byte of the stream towards the backup when [`Proxy::corrupt`] is called.
+pub struct Proxy {
+    pub addr: SocketAddr,
+    flip: Arc<AtomicBool>,
+}
+
+impl Proxy {
+    pub fn start(primary_ns: &str, backup: SocketAddr) -> anyhow::Result<Proxy> {
+        let ns = primary_ns.to_string();
+        let listener =
+            tandem_net::netns::in_netns(Some(&ns), || TcpListener::bind("127.0.0.1:0"))??;
+        let addr = listener.local_addr()?;
+        let flip = Arc::new(AtomicBool::new(false));
+        let f = flip.clone();
+        std::thread::spawn(move || {
+            for conn in listener.incoming() {
+                let Ok(down) = conn else { continue };
+                let ns = ns.clone();
+                let up = tandem_net::netns::in_netns(Some(&ns), move || {
+                    TcpStream::connect_timeout(&backup, Duration::from_secs(2))
+                });
+                let Ok(Ok(up)) = up else {
+                    continue;
+                };
+                pipe(down, up, f.clone());
+            }
+        });
+        Ok(Proxy { addr, flip })
+    }
+
+    /// Flips one byte of the next data towards the backup.
+    pub fn corrupt(&self) {
+        self.flip.store(true, Ordering::SeqCst);
+    }
+}
+
+fn pipe(down: TcpStream, up: TcpStream, flip: Arc<AtomicBool>) {
+    let (Ok(mut d2), Ok(mut u2)) = (down.try_clone(), up.try_clone()) else {
+        return;
+    };
+    let (mut d, mut u) = (down, up);
+    std::thread::spawn(move || {
+        // Frame by frame (32-byte header, length at bytes 24..28), so the flip lands in the
+        // payload of an epoch: the backup's checksum must catch it.
+        let mut h = [0u8; 32];
+        let mut payload = Vec::new();
+        loop {
+            if d.read_exact(&mut h).is_err() {
+                break;
+            }
+            let len = u32::from_le_bytes([h[24], h[25], h[26], h[27]]) as usize;
+            payload.resize(len.min(1 << 30), 0);
+            if d.read_exact(&mut payload).is_err() {
+                break;
+            }
+            if h[6] == 3 && !payload.is_empty() && flip.swap(false, Ordering::SeqCst) {
+                let i = payload.len() / 2;
+                payload[i] ^= 0x40;
+            }
+            if u.write_all(&h)
+                .and_then(|()| u.write_all(&payload))
+                .is_err()
+            {
+                break;
+            }
+        }
+        let _ = u.shutdown(std::net::Shutdown::Both);
+        let _ = d.shutdown(std::net::Shutdown::Both);
+    });
+    std::thread::spawn(move || {
+        let _ = std::io::copy(&mut u2, &mut d2);
+        let _ = d2.shutdown(std::net::Shutdown::Both);
+        let _ = u2.shutdown(std::net::Shutdown::Both);
+    });
+}

@@ -1,0 +1,89 @@
+//! The backup's standby QEMU, watched: a standby that died (crash, OOM kill) is restarted on
+//! the same mirror, and until it runs again the backup tells the primary it cannot fail over.
+
+use std::os::fd::AsRawFd;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use tandem_vm::{Vm, VmConfig};
+
+pub struct Standby {
+    cfg: VmConfig,
+    /// The mirror, reachable through this process's descriptor once its name is removed.
+    mirror: std::fs::File,
+    vm: Option<Vm>,
+    last_try: Instant,
+}
+
+impl Standby {
+    /// Starts the standby on the mirror at `path`, then removes the file's name: the mirror
+    /// lives as long as this process or the standby maps it, and nothing is left behind.
+    pub fn start(cfg: &VmConfig, path: &std::path::Path) -> anyhow::Result<Standby> {
+        let mirror = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(path)
+            .with_context(|| format!("opening {}", path.display()))?;
+        let vm = Vm::standby(cfg, path).context("starting the standby QEMU")?;
+        let _ = std::fs::remove_file(path);
+        Ok(Standby {
+            cfg: cfg.clone(),
+            mirror,
+            vm: Some(vm),
+            last_try: Instant::now(),
+        })
+    }
+
+    fn path(&self) -> PathBuf {
+        PathBuf::from(format!(
+            "/proc/{}/fd/{}",
+            std::process::id(),
+            self.mirror.as_raw_fd()
+        ))
+    }
+
+    pub fn pid(&self) -> Option<u32> {
+        self.vm.as_ref().map(|v| v.pid())
+    }
+
+    /// Whether the standby runs; restarts a dead one (at most every 2 s).
+    pub fn check(&mut self) -> bool {
+        if let Some(vm) = self.vm.as_mut() {
+            match vm.exit_status() {
+                None => return true,
+                Some(st) => {
+                    eprintln!("backup: the standby QEMU exited ({st}); this backup CANNOT fail over until it runs again");
+                    self.vm = None;
+                    self.last_try = Instant::now();
+                }
+            }
+        }
+        if self.last_try.elapsed() < Duration::from_secs(2) {
+            return false;
+        }
+        self.last_try = Instant::now();
+        match Vm::standby(&self.cfg, &self.path()) {
+            Ok(vm) => {
+                println!("backup: standby QEMU restarted (pid {})", vm.pid());
+                self.vm = Some(vm);
+                true
+            }
+            Err(e) => {
+                eprintln!("backup: restarting the standby QEMU failed: {e:#}");
+                false
+            }
+        }
+    }
+
+    /// The standby, to resume the guest on.
+    pub fn take(&mut self) -> Option<Vm> {
+        self.vm.take()
+    }
+
+    pub fn quit(&mut self) {
+        if let Some(vm) = self.vm.take() {
+            vm.quit();
+        }
+    }
+}

@@ -1,0 +1,193 @@
+//! The primary's replication link: connecting (and reconnecting) to the backup with bounded
+//! failure detection, and the sender thread that ships epochs in order and heartbeats that
+//! carry the epoch loop's progress.
+
+use std::io::{BufWriter, Write};
+use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc::{Receiver, RecvTimeoutError};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use tandem_replication::{Acks, Frame};
+
+use crate::metrics::{EpochMetrics, Registry};
+
+/// Socket options that bound how long a dead or partitioned backup can go unnoticed:
+/// `TCP_USER_TIMEOUT` (unacknowledged data), keepalive probes (an idle link) and no Nagle.
+pub fn tune(s: &TcpStream, timeout: Duration) -> anyhow::Result<()> {
+    use rustix::net::sockopt;
+    s.set_nodelay(true)?;
+    sockopt::set_tcp_user_timeout(s, timeout.as_millis().clamp(1, u32::MAX as u128) as u32)
+        .context("TCP_USER_TIMEOUT")?;
+    sockopt::set_socket_keepalive(s, true).context("SO_KEEPALIVE")?;
+    let idle = (timeout / 3).max(Duration::from_secs(1));
+    sockopt::set_tcp_keepidle(s, idle).context("TCP_KEEPIDLE")?;
+    sockopt::set_tcp_keepintvl(s, idle).context("TCP_KEEPINTVL")?;
+    sockopt::set_tcp_keepcnt(s, 3).context("TCP_KEEPCNT")?;
+    // A write that cannot make progress for this long fails instead of blocking forever.
+    s.set_write_timeout(Some(timeout))?;
+    Ok(())
+}
+
+/// One connection attempt to `addr` within `timeout`.
+pub fn connect_once(addr: &str, timeout: Duration) -> anyhow::Result<TcpStream> {
+    let addrs: Vec<SocketAddr> = addr
+        .to_socket_addrs()
+        .with_context(|| format!("resolving the backup address {addr}"))?
+        .collect();
+    let mut last = None;
+    for a in addrs {
+        match TcpStream::connect_timeout(&a, timeout) {
+            Ok(s) => return Ok(s),
+            Err(e) => last = Some(e),
+        }
+    }
+    Err(last.map_or_else(
+        || anyhow::anyhow!("{addr} resolves to no address"),
+        |e| anyhow::Error::new(e).context(format!("connecting to the backup at {addr}")),
+    ))
+}
+
+/// What the sender sends.
+pub enum Out {
+    /// An epoch and its metrics.
+    Epoch(Frame, Box<EpochMetrics>),
+    /// A control frame (bye, handover).
+    Control(Frame),
+}
+
+/// State shared by the session's threads.
+pub struct Shared {
+    pub acks: Mutex<Acks>,
+    /// The link broke, or the backup misbehaved: end the session.
+    pub lost: AtomicBool,
+    pub lost_why: Mutex<Option<String>>,
+    /// The backup runs the guest: stop this copy.
+    pub fenced: AtomicBool,
+    /// The epoch the backup resumed the guest from, when fenced.
+    pub fenced_at: AtomicU64,
+    /// Epochs the epoch loop has completed (heartbeats carry it).
+    pub progress: AtomicU64,
+    /// Metrics of the epochs sent and not yet acknowledged (written out at their ack).
+    pub pending: Mutex<std::collections::VecDeque<EpochMetrics>>,
+}
+
+impl Shared {
+    pub fn new(acks: Acks, progress: u64) -> Self {
+        Shared {
+            acks: Mutex::new(acks),
+            lost: AtomicBool::new(false),
+            lost_why: Mutex::new(None),
+            fenced: AtomicBool::new(false),
+            fenced_at: AtomicU64::new(0),
+            progress: AtomicU64::new(progress),
+            pending: Mutex::default(),
+        }
+    }
+
+    pub fn acks(&self) -> std::sync::MutexGuard<'_, Acks> {
+        self.acks.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub fn pending(&self) -> std::sync::MutexGuard<'_, std::collections::VecDeque<EpochMetrics>> {
+        self.pending.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Marks the link lost (the first reason is kept).
+    pub fn lose(&self, why: String) {
+        let mut w = self.lost_why.lock().unwrap_or_else(|e| e.into_inner());
+        if w.is_none() {
+            *w = Some(why);
+        }
+        self.lost.store(true, Ordering::SeqCst);
+    }
+
+    pub fn why(&self) -> String {
+        self.lost_why
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+            .unwrap_or_else(|| "the link was lost".into())
+    }
+
+    pub fn is_lost(&self) -> bool {
+        self.lost.load(Ordering::SeqCst)
+    }
+}
+
+/// Fault injection for tests: after sending half of this epoch's frame, stall forever.
+pub struct SenderOpts {
+    pub heartbeat: Duration,
+    pub vm_id: u64,
+    pub stall_epoch: Option<u64>,
+}
+
+pub fn send(w: &mut impl Write, f: &Frame) -> anyhow::Result<()> {
+    f.write_to(w).context("writing to the backup")?;
+    w.flush().context("writing to the backup")
+}
+
+/// Ships frames from `rx` in order; sends a heartbeat with the loop's progress whenever
+/// nothing else was sent for `heartbeat`. Ends when `rx` closes or a write fails (then the
+/// session is marked lost). Never sends `bye` by itself: only an `Out::Control` does.
+pub fn spawn_sender(
+    stream: TcpStream,
+    rx: Receiver<Out>,
+    shared: Arc<Shared>,
+    registry: Registry,
+    o: SenderOpts,
+) -> std::thread::JoinHandle<()> {
+    std::thread::spawn(move || {
+        let mut w = BufWriter::with_capacity(1 << 20, stream);
+        loop {
+            let r = match rx.recv_timeout(o.heartbeat) {
+                Ok(Out::Epoch(f, mut m)) => {
+                    let t = Instant::now();
+                    shared.acks().sent(f.seq, t);
+                    if o.stall_epoch == Some(f.seq) {
+                        stall(&mut w, &f);
+                    }
+                    let r = send(&mut w, &f);
+                    m.transfer_us = t.elapsed().as_micros() as u64;
+                    if let Some(p) = shared.pending().iter_mut().find(|p| p.epoch == f.seq) {
+                        p.transfer_us = m.transfer_us;
+                    }
+                    registry.sent(&m);
+                    r
+                }
+                Ok(Out::Control(f)) => send(&mut w, &f),
+                Err(RecvTimeoutError::Timeout) => {
+                    let p = shared.progress.load(Ordering::SeqCst);
+                    send(
+                        &mut w,
+                        &tandem_replication::wire::heartbeat_frame(o.vm_id, p),
+                    )
+                }
+                Err(RecvTimeoutError::Disconnected) => return,
+            };
+            if let Err(e) = r {
+                shared.lose(format!("{e:#}"));
+                return;
+            }
+            if shared.is_lost() {
+                return;
+            }
+        }
+    })
+}
+
+fn stall(w: &mut impl Write, f: &Frame) -> ! {
+    let mut bytes = Vec::new();
+    let _ = f.write_to(&mut bytes);
+    let _ = w.write_all(&bytes[..bytes.len() / 2]);
+    let _ = w.flush();
+    eprintln!(
+        "primary: fault injection: stalled in the middle of epoch {}",
+        f.seq
+    );
+    loop {
+        std::thread::sleep(Duration::from_secs(3600));
+    }
+}

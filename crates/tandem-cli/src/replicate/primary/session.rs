@@ -1,0 +1,509 @@
+//! One replication session: hello and the initial copy (taken in one pause, sent while the
+//! guest runs), then the epoch loop until the link is lost, the backup fences this primary,
+//! or the operator stops it (handover or shutdown).
+
+use std::cell::RefCell;
+use std::collections::VecDeque;
+use std::io::{BufReader, BufWriter, Write};
+use std::net::TcpStream;
+use std::sync::atomic::Ordering;
+use std::sync::mpsc::{sync_channel, SyncSender, TrySendError};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use tandem_replication::{Acks, EpochInput, Frame, Primary, Reply};
+use tandem_vm::epoch::{run_epochs_with, Checkpoint, Fixed};
+use tandem_vm::Vm;
+
+use super::link::{self, Out, SenderOpts, Shared};
+use super::watchdog::Watchdog;
+use super::Opts;
+use crate::metrics::{EpochMetrics, Registry};
+use crate::replicate::site::Site;
+use crate::replicate::{shutdown_requested, stopping};
+use crate::stats::quantile;
+
+/// How a session ended (errors of the VM end the daemon instead).
+pub enum End {
+    /// The link broke or the backup misbehaved: reconnect and re-sync.
+    Lost(String),
+    /// The backup resumed the guest (it failed over): this copy must stop.
+    Fenced(u64),
+    /// The guest stopped for good after `epoch`; `acked` says whether the backup confirmed it.
+    HandedOver { epoch: u64, acked: bool },
+    /// Replication ended on purpose (`bye` sent): shut the guest down.
+    Shutdown,
+}
+
+/// What lives across sessions.
+pub struct Daemon<'a> {
+    pub vm: &'a mut Vm,
+    pub site: &'a Site,
+    pub proto: Primary,
+    pub registry: Registry,
+    pub opts: &'a Opts,
+    pub watchdog: Watchdog,
+    /// Last epoch checkpointed (numbers keep counting across sessions).
+    pub epoch: u64,
+    pub jsonl: Arc<Mutex<Option<BufWriter<std::fs::File>>>>,
+    pub pauses_ms: VecDeque<f64>,
+    pub raw: u64,
+    pub sent: u64,
+    pub deadline: Option<Instant>,
+}
+
+type Writes = Vec<(u64, Vec<u8>)>;
+
+impl Daemon<'_> {
+    /// Runs one session on `stream`.
+    pub fn session(&mut self, stream: TcpStream) -> anyhow::Result<End> {
+        link::tune(&stream, self.opts.ack_timeout)?;
+        let start = self.epoch;
+        let shared = Arc::new(Shared::new(Acks::new(self.proto.vm_id(), start), start));
+        let reader = self.spawn_reader(stream.try_clone()?, shared.clone());
+        let end = self.copy_and_run(&stream, &shared);
+        // Unblock the reader (and a sender stuck in a write), then collect them.
+        let _ = stream.shutdown(std::net::Shutdown::Both);
+        let _ = reader.join();
+        self.registry.set_link_up(false);
+        self.registry.set_protected(false);
+        end
+    }
+
+    fn copy_and_run(&mut self, stream: &TcpStream, shared: &Arc<Shared>) -> anyhow::Result<End> {
+        let start = self.epoch;
+        let mut w = BufWriter::with_capacity(1 << 20, stream.try_clone()?);
+        match self.initial_copy(&mut w, shared) {
+            Ok(()) => {}
+            Err(e) if e.downcast_ref::<tandem_vm::VmError>().is_some() => return Err(e),
+            Err(e) => return Ok(self.lost_or_fenced(shared, format!("{e:#}"))),
+        }
+        drop(w);
+        self.registry.set_link_up(true);
+        let (tx, rx) = sync_channel::<Out>(2);
+        let sender = link::spawn_sender(
+            stream.try_clone()?,
+            rx,
+            shared.clone(),
+            self.registry.clone(),
+            SenderOpts {
+                heartbeat: self.opts.heartbeat,
+                vm_id: self.proto.vm_id(),
+                stall_epoch: self.opts.stall_epoch,
+            },
+        );
+        println!("primary: protecting from epoch {} on", start + 1);
+        let r = self.epochs(&tx, shared);
+        let end = match r {
+            Err(e) => Err(e),
+            Ok(()) if shared.fenced.load(Ordering::SeqCst) => {
+                Ok(End::Fenced(shared.fenced_at.load(Ordering::SeqCst)))
+            }
+            Ok(()) if shared.is_lost() => Ok(End::Lost(shared.why())),
+            Ok(()) if stopping() && !shutdown_requested() => self.handover(&tx, shared),
+            Ok(()) => Ok(self.goodbye(&tx, shared)),
+        };
+        drop(tx);
+        let _ = sender.join();
+        end
+    }
+
+    fn lost_or_fenced(&self, shared: &Shared, why: String) -> End {
+        if shared.fenced.load(Ordering::SeqCst) {
+            End::Fenced(shared.fenced_at.load(Ordering::SeqCst))
+        } else {
+            End::Lost(why)
+        }
+    }
+
+    /// Hello, then the initial copy of RAM and disk taken in one pause and sent while the
+    /// guest runs. Network output from here on is held until the session's first ack.
+    fn initial_copy(&mut self, w: &mut impl Write, shared: &Shared) -> anyhow::Result<()> {
+        let vm = &mut *self.vm;
+        self.watchdog.beat();
+        vm.stop()?;
+        let mut scratch = Vec::new();
+        vm.harvest(&mut scratch)?;
+        if let Some(r) = &self.site.relay {
+            r.seal(self.epoch);
+        }
+        let mut disk = Vec::new();
+        if let Some(d) = &self.site.disk {
+            d.take_epoch_writes();
+            disk.resize(d.size() as usize, 0);
+            d.read_at(&mut disk, 0).context("reading the data disk")?;
+        }
+        // SAFETY: the guest is stopped while its memory is copied.
+        let ram = unsafe { vm.ram().as_slice() }.to_vec();
+        vm.cont()?;
+        self.watchdog.beat();
+        let hello = self.proto.begin(self.epoch, &ram, disk.len() as u64)?;
+        link::send(w, &hello)?;
+        let mut sent = 0usize;
+        for f in self.proto.base_frames(&ram, 1024) {
+            sent += f.payload.len() - 8;
+            link::send(w, &f)?;
+            self.watchdog.beat();
+            if shared.is_lost() {
+                anyhow::bail!("{}", shared.why());
+            }
+        }
+        for f in self.proto.disk_base_frames(&disk, 1 << 16) {
+            link::send(w, &f)?;
+            self.watchdog.beat();
+        }
+        println!(
+            "primary: initial copy sent at epoch {}: {} of {} MiB non-zero, data disk {} MiB",
+            self.epoch,
+            sent >> 20,
+            ram.len() >> 20,
+            disk.len() >> 20
+        );
+        Ok(())
+    }
+
+    /// The epoch loop of this session.
+    fn epochs(&mut self, tx: &SyncSender<Out>, shared: &Shared) -> anyhow::Result<()> {
+        let base = self.epoch;
+        let writes: RefCell<std::io::Result<Writes>> = RefCell::new(Ok(Vec::new()));
+        let mut err = None;
+        let mut last_print = Instant::now();
+        let duration = self.deadline.map_or(Duration::MAX, |d| {
+            d.saturating_duration_since(Instant::now())
+        });
+        let (site, vm) = (self.site, &mut *self.vm);
+        let qemu = vm.pid();
+        let watchdog = self.watchdog.clone();
+        let mut st = Step {
+            proto: &mut self.proto,
+            registry: &self.registry,
+            opts: self.opts,
+            site,
+            shared,
+            tx,
+            pauses_ms: &mut self.pauses_ms,
+            raw: &mut self.raw,
+            sent: &mut self.sent,
+        };
+        let mut last = base;
+        let r = run_epochs_with(
+            vm,
+            &mut Fixed(self.opts.epoch),
+            duration,
+            |e| {
+                if crate::replicate::take_kill_in_pause() {
+                    eprintln!(
+                        "primary: fault injection: killing QEMU inside the pause of epoch {}",
+                        base + e as u64
+                    );
+                    // SAFETY: kill(2) of the QEMU this daemon started.
+                    unsafe { libc::kill(qemu as i32, libc::SIGKILL) };
+                }
+                if let Some(r) = &site.relay {
+                    r.seal(base + e as u64);
+                }
+                if let Some(d) = &site.disk {
+                    *writes.borrow_mut() = d.try_take_epoch_writes();
+                }
+            },
+            |cp| {
+                watchdog.beat();
+                let seq = base + cp.epoch as u64;
+                last = seq;
+                shared.progress.store(seq, Ordering::SeqCst);
+                if shared.is_lost() {
+                    return false;
+                }
+                let w = match std::mem::replace(&mut *writes.borrow_mut(), Ok(Vec::new())) {
+                    Ok(w) => w,
+                    Err(e) => {
+                        // The epoch's disk writes are unknown: only a full copy is safe.
+                        shared.lose(format!(
+                            "reading back the epoch's disk writes failed ({e}); re-syncing"
+                        ));
+                        return false;
+                    }
+                };
+                if let Err(e) = st.ship(seq, cp, &w) {
+                    err = Some(e);
+                    return false;
+                }
+                if last_print.elapsed() >= Duration::from_secs(1) {
+                    last_print = Instant::now();
+                    st.print(seq);
+                }
+                !shared.is_lost() && !stopping()
+            },
+        );
+        self.epoch = last;
+        r?;
+        err.map_or(Ok(()), Err)
+    }
+
+    /// Planned stop: one last checkpoint with the guest left stopped, shipped with a
+    /// handover; the backup resumes the guest from it. This copy never runs again.
+    fn handover(&mut self, tx: &SyncSender<Out>, shared: &Shared) -> anyhow::Result<End> {
+        let seq = self.epoch + 1;
+        let writes: RefCell<std::io::Result<Writes>> = RefCell::new(Ok(Vec::new()));
+        let (mut pfns, mut pages, mut dev) = (Vec::new(), Vec::new(), Vec::new());
+        let site = self.site;
+        let timing = self
+            .vm
+            .checkpoint_final(&mut pfns, &mut pages, &mut dev, &mut || {
+                if let Some(r) = &site.relay {
+                    r.seal(seq);
+                }
+                if let Some(d) = &site.disk {
+                    *writes.borrow_mut() = d.try_take_epoch_writes();
+                }
+            })?;
+        self.epoch = seq;
+        let cp = Checkpoint {
+            epoch: 0,
+            at: Duration::ZERO,
+            timing,
+            pfns: &pfns,
+            pages: &pages,
+            device_state: &dev,
+        };
+        let w = writes
+            .into_inner()
+            .context("reading back the final epoch's disk writes")?;
+        let mut st = Step {
+            proto: &mut self.proto,
+            registry: &self.registry,
+            opts: self.opts,
+            site,
+            shared,
+            tx,
+            pauses_ms: &mut self.pauses_ms,
+            raw: &mut self.raw,
+            sent: &mut self.sent,
+        };
+        st.ship(seq, &cp, &w)?;
+        let _ = tx.send(Out::Control(self.proto.handover(seq)));
+        let t = Instant::now();
+        while shared.acks().acked() < seq
+            && !shared.is_lost()
+            && t.elapsed() < self.opts.ack_timeout
+        {
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        Ok(End::HandedOver {
+            epoch: seq,
+            acked: shared.acks().acked() >= seq,
+        })
+    }
+
+    /// Ends replication on purpose: waits for outstanding acks, then says goodbye.
+    fn goodbye(&mut self, tx: &SyncSender<Out>, shared: &Shared) -> End {
+        let t = Instant::now();
+        while shared.acks().oldest_unacked(Instant::now()).is_some()
+            && !shared.is_lost()
+            && t.elapsed() < self.opts.ack_timeout
+        {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let _ = tx.send(Out::Control(self.proto.bye()));
+        End::Shutdown
+    }
+
+    /// Reads the backup's frames: validated acks release their epochs' output.
+    fn spawn_reader(&self, stream: TcpStream, shared: Arc<Shared>) -> std::thread::JoinHandle<()> {
+        let (relay, registry, jsonl) = (
+            self.site.relay.clone(),
+            self.registry.clone(),
+            self.jsonl.clone(),
+        );
+        std::thread::spawn(move || {
+            let mut r = BufReader::new(stream);
+            let mut lat = Vec::new();
+            loop {
+                let f = match Frame::read_from(&mut r) {
+                    Ok(Some(f)) => f,
+                    Ok(None) => return shared.lose("the backup closed the link".into()),
+                    Err(e) => return shared.lose(format!("reading from the backup: {e}")),
+                };
+                lat.clear();
+                let reply = shared.acks().on_frame(&f, &mut lat);
+                match reply {
+                    Ok(Reply::Acked {
+                        seq, can_fail_over, ..
+                    }) => {
+                        let released = match &relay {
+                            Some(r) => r.release(seq).map(|_| r.stats().released_frames),
+                            None => Ok(0),
+                        };
+                        let released = match released {
+                            Ok(n) => n,
+                            Err(e) => return shared.lose(format!("releasing output: {e}")),
+                        };
+                        registry.set_protected(can_fail_over);
+                        registry.set_backup_can_failover(can_fail_over);
+                        record_acked(&shared, &registry, &jsonl, &lat, released);
+                    }
+                    Ok(Reply::Fenced(n)) => {
+                        eprintln!("primary: the backup says it resumed the guest from epoch {n}: another copy runs; stopping this one without releasing anything");
+                        shared.fenced_at.store(n, Ordering::SeqCst);
+                        shared.fenced.store(true, Ordering::SeqCst);
+                        return shared.lose("fenced by the backup".into());
+                    }
+                    Ok(Reply::Heartbeat) => {}
+                    Err(e) => {
+                        return shared.lose(format!("refusing the backup's frame: {e}"));
+                    }
+                }
+            }
+        })
+    }
+}
+
+/// Records the metrics of the epochs an ack covers: registry, and one JSON line each. A
+/// failing metrics file is reported once and then left alone (metrics never stop replication).
+fn record_acked(
+    shared: &Shared,
+    registry: &Registry,
+    jsonl: &Mutex<Option<BufWriter<std::fs::File>>>,
+    lat: &[(u64, Instant)],
+    released: u64,
+) {
+    let at = Instant::now();
+    let mut pending = shared.pending();
+    let mut g = jsonl.lock().unwrap_or_else(|e| e.into_inner());
+    for &(epoch, sent_at) in lat {
+        let us = at.saturating_duration_since(sent_at).as_micros() as u64;
+        registry.acked(epoch, us, released);
+        while pending.front().is_some_and(|m| m.epoch < epoch) {
+            pending.pop_front();
+        }
+        let Some(mut m) = pending.pop_front().filter(|m| m.epoch == epoch) else {
+            continue;
+        };
+        m.ack_latency_us = Some(us);
+        m.released_frames = released;
+        let Some(out) = g.as_mut() else { continue };
+        let r = serde_json::to_writer(&mut *out, &m)
+            .map_err(std::io::Error::other)
+            .and_then(|()| out.write_all(b"\n"))
+            .and_then(|()| out.flush());
+        if let Err(e) = r {
+            eprintln!("primary: writing the metrics file failed ({e}); no more metrics lines are written, replication goes on");
+            *g = None;
+        }
+    }
+}
+
+/// Borrowed state for shipping one epoch.
+struct Step<'a> {
+    proto: &'a mut Primary,
+    registry: &'a Registry,
+    opts: &'a Opts,
+    site: &'a Site,
+    shared: &'a Shared,
+    tx: &'a SyncSender<Out>,
+    pauses_ms: &'a mut VecDeque<f64>,
+    raw: &'a mut u64,
+    sent: &'a mut u64,
+}
+
+impl Step<'_> {
+    /// Encodes epoch `seq` and hands it to the sender; marks the link lost when the backup
+    /// has not acknowledged an epoch within the ack timeout.
+    fn ship(&mut self, seq: u64, cp: &Checkpoint<'_>, writes: &Writes) -> anyhow::Result<()> {
+        let t = Instant::now();
+        let input = EpochInput {
+            seq,
+            pfns: cp.pfns,
+            pages: cp.pages,
+            device_state: cp.device_state,
+            disk_writes: self.site.disk.as_ref().map(|_| writes.as_slice()),
+        };
+        let (frame, sizes) = self.proto.epoch(&input)?;
+        let held = self
+            .site
+            .relay
+            .as_ref()
+            .map(|r| r.stats())
+            .unwrap_or_default();
+        self.registry.set_held(held.held_frames, held.held_bytes);
+        self.registry.set_dropped_frames(held.overflow_frames);
+        let tm = cp.timing;
+        let m = EpochMetrics {
+            epoch: seq,
+            stop_us: tm.stop_us,
+            harvest_us: tm.harvest_us,
+            copy_us: tm.copy_us,
+            devstate_us: tm.devstate_us,
+            cont_us: tm.cont_us,
+            pause_us: tm.total_us(),
+            dirty_pages: cp.pfns.len() as u64,
+            raw_bytes: sizes.raw,
+            sent_bytes: sizes.sent,
+            encode_us: t.elapsed().as_micros() as u64,
+            held_frames: held.held_frames,
+            held_bytes: held.held_bytes,
+            disk_writes: sizes.disk_writes,
+            disk_bytes: sizes.disk_bytes,
+            ..Default::default()
+        };
+        *self.raw += m.raw_bytes;
+        *self.sent += m.sent_bytes;
+        if self.pauses_ms.len() >= 1000 {
+            self.pauses_ms.pop_front();
+        }
+        self.pauses_ms.push_back(tm.total_us() as f64 / 1000.0);
+        self.shared.pending().push_back(m.clone());
+        let mut item = Out::Epoch(frame, Box::new(m));
+        loop {
+            match self.tx.try_send(item) {
+                Ok(()) => break,
+                Err(TrySendError::Full(back)) => item = back,
+                Err(TrySendError::Disconnected(_)) => {
+                    self.shared.lose("the sender stopped".into());
+                    break;
+                }
+            }
+            if self.check_deadline() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        self.check_deadline();
+        Ok(())
+    }
+
+    /// Marks the link lost if the oldest unacknowledged epoch is older than the ack timeout.
+    fn check_deadline(&self) -> bool {
+        let age = self.shared.acks().oldest_unacked(Instant::now());
+        if let Some(age) = age.filter(|a| *a > self.opts.ack_timeout) {
+            self.shared.lose(format!(
+                "no acknowledgement for {} ms (ack timeout {} ms)",
+                age.as_millis(),
+                self.opts.ack_timeout.as_millis()
+            ));
+        }
+        self.shared.is_lost()
+    }
+
+    fn print(&self, seq: u64) {
+        let p: Vec<f64> = self.pauses_ms.iter().copied().collect();
+        let held = self
+            .site
+            .relay
+            .as_ref()
+            .map(|r| r.stats())
+            .unwrap_or_default();
+        let acks = self.shared.acks();
+        println!(
+            "primary: epoch {seq} acked {} | raw {:.1} MiB sent {:.2} MiB | pause p50 {:.1} ms p99 {:.1} ms | held frames {}{}",
+            acks.acked(),
+            *self.raw as f64 / (1 << 20) as f64,
+            *self.sent as f64 / (1 << 20) as f64,
+            quantile(&p, 0.5),
+            quantile(&p, 0.99),
+            held.held_frames,
+            if acks.can_fail_over() { "" } else { " | backup CANNOT fail over" },
+        );
+    }
+}
