@@ -13,7 +13,9 @@ use crate::dirty::{probe_pagemap_scan, DirtyLog, DirtyLogError, HashLog, UffdWpL
 use crate::image::{check_workload, GuestImage, ImageError};
 use crate::qemu_args::qemu_args;
 use crate::qmp::{Qmp, QmpError};
-use crate::ram::{GuestRam, RamError, PAGE_SIZE};
+use crate::ram::{GuestRam, RamError};
+
+mod pause;
 
 /// How the dirty log is obtained.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -481,78 +483,6 @@ impl Vm {
     pub fn capture_device_state(&mut self, out: &mut Vec<u8>) -> Result<(), VmError> {
         devstate::capture(&mut self.qmp, out)?;
         Ok(())
-    }
-
-    /// One checkpoint pause: stop, harvest, copy dirty pages into `pages` (one page per entry
-    /// of `dirty`, in order), capture device state into `device_state`, cont.
-    pub fn checkpoint(
-        &mut self,
-        dirty: &mut Vec<u64>,
-        pages: &mut Vec<u8>,
-        device_state: &mut Vec<u8>,
-    ) -> Result<PauseTiming, VmError> {
-        self.checkpoint_with(dirty, pages, device_state, &mut || {})
-    }
-
-    /// [`Vm::checkpoint`] calling `in_pause` while the guest is stopped (after the copy), for
-    /// state that must share the memory checkpoint's boundary: the epoch's disk writes (QEMU
-    /// drains block I/O on `stop`) and the network relay's epoch seal.
-    pub fn checkpoint_with(
-        &mut self,
-        dirty: &mut Vec<u64>,
-        pages: &mut Vec<u8>,
-        device_state: &mut Vec<u8>,
-        in_pause: &mut dyn FnMut(),
-    ) -> Result<PauseTiming, VmError> {
-        self.pause_and_capture(dirty, pages, device_state, in_pause, true)
-    }
-
-    /// The last checkpoint of this VM: like [`Vm::checkpoint_with`] but the guest stays
-    /// stopped (a handover to the backup: this copy must never run again).
-    pub fn checkpoint_final(
-        &mut self,
-        dirty: &mut Vec<u64>,
-        pages: &mut Vec<u8>,
-        device_state: &mut Vec<u8>,
-        in_pause: &mut dyn FnMut(),
-    ) -> Result<PauseTiming, VmError> {
-        self.pause_and_capture(dirty, pages, device_state, in_pause, false)
-    }
-
-    fn pause_and_capture(
-        &mut self,
-        dirty: &mut Vec<u64>,
-        pages: &mut Vec<u8>,
-        device_state: &mut Vec<u8>,
-        in_pause: &mut dyn FnMut(),
-        cont: bool,
-    ) -> Result<PauseTiming, VmError> {
-        let mut t = PauseTiming::default();
-        let us = |i: Instant| i.elapsed().as_micros().min(u32::MAX as u128) as u32;
-        let s = Instant::now();
-        self.stop()?;
-        t.stop_us = us(s);
-        let s = Instant::now();
-        dirty.clear();
-        self.harvest(dirty)?;
-        t.harvest_us = us(s);
-        let s = Instant::now();
-        pages.resize(dirty.len() * PAGE_SIZE, 0);
-        for (i, &pfn) in dirty.iter().enumerate() {
-            self.ram
-                .copy_page(pfn, &mut pages[i * PAGE_SIZE..(i + 1) * PAGE_SIZE]);
-        }
-        in_pause();
-        t.copy_us = us(s);
-        let s = Instant::now();
-        self.capture_device_state(device_state)?;
-        t.devstate_us = us(s);
-        if cont {
-            let s = Instant::now();
-            self.cont()?;
-            t.cont_us = us(s);
-        }
-        Ok(t)
     }
 
     /// QEMU's own full save of the stopped VM (RAM and devices, its migration format) into a

@@ -10,6 +10,7 @@ mod client;
 mod daemon;
 pub(crate) mod fault;
 pub(crate) mod round;
+mod steps;
 
 use std::time::Duration;
 

@@ -17,6 +17,7 @@ use super::capture::Capture;
 use super::client::{self, Writers};
 use super::daemon::{rate, Daemon};
 use super::fault::{self, Fault, Proxy};
+use super::steps::{common, fill, leftovers, mount_small_tmpfs, read_report, settle, Pair};
 use crate::stats::quantile;
 
 pub struct Opts<'a> {
@@ -108,17 +109,17 @@ impl RoundResult {
 
 /// The primary's per-epoch JSON lines, read as they grow.
 #[derive(Default)]
-struct Epochs {
+pub(crate) struct Epochs {
     pos: u64,
     partial: String,
-    acked: u64,
+    pub acked: u64,
     raw: u64,
     sent: u64,
     pauses: Vec<f64>,
 }
 
 impl Epochs {
-    fn poll(&mut self, path: &Path) {
+    pub fn poll(&mut self, path: &Path) {
         let Ok(mut f) = std::fs::File::open(path) else {
             return;
         };
@@ -144,140 +145,6 @@ impl Epochs {
 }
 
 const MIB: f64 = (1 << 20) as f64;
-
-/// The daemons of a round and how to restart the backup.
-struct Pair<'a> {
-    o: &'a Opts<'a>,
-    rdir: PathBuf,
-    bargs: Vec<String>,
-    backup: Daemon,
-    backups_started: usize,
-}
-
-impl Pair<'_> {
-    fn start_backup(&mut self) -> anyhow::Result<()> {
-        self.backups_started += 1;
-        let log = self
-            .rdir
-            .join(format!("backup{}.log", self.backups_started));
-        self.backup = Daemon::spawn("backup", &self.o.lab.backup, &self.o.exe, &self.bargs, log)?;
-        self.backup
-            .wait_line("listening on", Duration::from_secs(60))?;
-        Ok(())
-    }
-}
-
-fn common(o: &Opts<'_>, v: &mut Vec<String>) {
-    v.extend(["--workload", &o.workload, "--tap-netns", &o.lab.clients].map(String::from));
-    v.extend(["--mem".to_string(), o.mem.to_string()]);
-}
-
-/// A tmpfs for the backup's directory, just big enough for the mirror, the disk copy and a
-/// little more; filled up after the backup allocated its files.
-fn mount_small_tmpfs(dir: &Path, mem_mib: u64) -> anyhow::Result<()> {
-    std::fs::create_dir_all(dir)?;
-    let size = format!("size={}m", mem_mib + 64 + 16);
-    let st = std::process::Command::new("mount")
-        .args([
-            "-t",
-            "tmpfs",
-            "-o",
-            &size,
-            "tandem-fault",
-            &dir.display().to_string(),
-        ])
-        .status()?;
-    if !st.success() {
-        bail!("mount -t tmpfs on {} failed", dir.display());
-    }
-    Ok(())
-}
-
-fn fill(dir: &Path) -> u64 {
-    use std::io::Write;
-    let Ok(mut f) = std::fs::File::create(dir.join("filler")) else {
-        return 0;
-    };
-    let chunk = vec![0x5au8; 1 << 20];
-    let mut n = 0u64;
-    while f.write_all(&chunk).is_ok() {
-        n += chunk.len() as u64;
-    }
-    let small = vec![0x5au8; 4096];
-    while f.write_all(&small).is_ok() {
-        n += small.len() as u64;
-    }
-    n
-}
-
-fn read_report(path: &Path) -> Option<serde_json::Value> {
-    serde_json::from_str(&std::fs::read_to_string(path).ok()?).ok()
-}
-
-/// Waits until the primary acknowledged `n` more epochs (replication carries on) or the
-/// backup failed over; true on failover.
-fn settle(
-    ep: &mut Epochs,
-    jsonl: &Path,
-    report: &Path,
-    n: u64,
-    timeout: Duration,
-) -> anyhow::Result<bool> {
-    ep.poll(jsonl);
-    let from = ep.acked;
-    let t = Instant::now();
-    loop {
-        if report.exists() {
-            return Ok(true);
-        }
-        ep.poll(jsonl);
-        if ep.acked >= from + n {
-            return Ok(false);
-        }
-        if t.elapsed() > timeout {
-            bail!(
-                "neither progress nor a failover within {timeout:?} after the fault (acked {})",
-                ep.acked
-            );
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
-/// Processes and files of this round still there after it.
-fn leftovers(rdir: &Path, pids: &[u32]) -> Vec<String> {
-    let mut out = Vec::new();
-    let needle = rdir.display().to_string();
-    if let Ok(procs) = std::fs::read_dir("/proc") {
-        for p in procs.flatten() {
-            let Ok(pid) = p.file_name().to_string_lossy().parse::<u32>() else {
-                continue;
-            };
-            if pid == std::process::id() || !fault::alive(pid) {
-                continue;
-            }
-            let cmd = std::fs::read(p.path().join("cmdline")).unwrap_or_default();
-            let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
-            if cmd.contains(&needle) {
-                out.push(format!("process {pid}: {}", cmd.trim()));
-            }
-        }
-    }
-    for f in ["backup/mirror.ram", "backup/disk.img", "primary/disk.img"] {
-        if rdir.join(f).exists() {
-            out.push(format!("file {}", rdir.join(f).display()));
-        }
-    }
-    if let Ok(shm) = std::fs::read_dir("/dev/shm") {
-        for e in shm.flatten() {
-            let name = e.file_name().to_string_lossy().into_owned();
-            if name.ends_with(".ram") && pids.iter().any(|p| name.contains(&format!("-{p}-"))) {
-                out.push(format!("file /dev/shm/{name}"));
-            }
-        }
-    }
-    out
-}
 
 pub fn run(round: usize, o: &Opts<'_>, pb: &ProgressBar) -> anyhow::Result<RoundResult> {
     let rdir = o.dir.join(format!("round{round}"));
