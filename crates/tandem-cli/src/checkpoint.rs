@@ -144,9 +144,7 @@ fn save(a: SaveArgs) -> anyhow::Result<()> {
     // First checkpoint: a base, pre-copied while the guest runs. The dirty log restarts (a
     // short pause), all of RAM is copied with the guest running, and the checkpoint pause then
     // copies only the pages written meanwhile (the dirty log has every one of them).
-    vm.stop()?;
-    vm.harvest(&mut Vec::new())?;
-    vm.cont()?;
+    vm.reset_dirty_log()?;
     let mut shadow = vec![0u8; bytes as usize];
     for (pfn, page) in shadow.chunks_mut(PAGE_SIZE).enumerate() {
         vm.ram().copy_page(pfn as u64, page);

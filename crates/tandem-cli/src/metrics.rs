@@ -20,12 +20,10 @@ use serde::Serialize;
 /// One epoch as the primary saw it.
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct EpochMetrics {
-    pub epoch: u64,
-    pub stop_us: u32,
-    pub harvest_us: u32,
-    pub copy_us: u32,
-    pub devstate_us: u32,
-    pub cont_us: u32,
+    pub epoch: tandem_types::Epoch,
+    /// Pause components (flattened: `stop_us`, `harvest_us`, ... in the JSON lines).
+    #[serde(flatten)]
+    pub pause: tandem_types::PauseTiming,
     pub pause_us: u32,
     pub dirty_pages: u64,
     pub raw_bytes: u64,
@@ -350,11 +348,11 @@ impl Registry {
         histogram(&mut o, "tandem_ack_latency_seconds", help, &s.ack);
         let l = &s.last;
         let comps = [
-            ("stop", l.stop_us),
-            ("harvest", l.harvest_us),
-            ("copy", l.copy_us),
-            ("device_state", l.devstate_us),
-            ("cont", l.cont_us),
+            ("stop", l.pause.stop_us),
+            ("harvest", l.pause.harvest_us),
+            ("copy", l.pause.copy_us),
+            ("device_state", l.pause.devstate_us),
+            ("cont", l.pause.cont_us),
         ]
         .map(|(c, v)| (format!("{{component=\"{c}\"}}"), secs(v.into())));
         let help = "Pause components of the last epoch.";

@@ -119,12 +119,7 @@ pub fn record(a: RecordArgs) -> anyhow::Result<()> {
     });
 
     // Base image and dirty-log reset in the same pause, so epoch 1 is relative to the base.
-    vm.stop()?;
-    let mut scratch = Vec::new();
-    vm.harvest(&mut scratch)?;
-    // SAFETY: the guest is stopped while we copy its memory.
-    let base = unsafe { vm.ram().as_slice() }.to_vec();
-    vm.cont()?;
+    let base = tandem_vm::Guest::initial_copy(&mut vm, &mut || {})?;
     tx.send(Msg::Base(base)).ok();
 
     let pb = ProgressBar::new(a.duration);
@@ -143,15 +138,9 @@ pub fn record(a: RecordArgs) -> anyhow::Result<()> {
             pauses.push(cp.timing.total_us() as f64 / 1000.0);
             let t = cp.timing;
             let rec = EpochRecord {
-                epoch: cp.epoch,
+                epoch: u32::try_from(cp.epoch).unwrap_or(u32::MAX),
                 at_us: cp.at.as_micros() as u64,
-                timing: Timing {
-                    stop_us: t.stop_us,
-                    harvest_us: t.harvest_us,
-                    copy_us: t.copy_us,
-                    devstate_us: t.devstate_us,
-                    cont_us: t.cont_us,
-                },
+                timing: t,
                 device_state_len: cp.device_state.len() as u32,
                 pfns: cp.pfns.to_vec(),
                 data: cp.pages.to_vec(),
@@ -291,7 +280,7 @@ pub fn analyse(path: &Path) -> anyhow::Result<TraceInfo> {
             epoch: e.epoch,
             at_ms: e.at_us as f64 / 1000.0,
             dirty_pages: e.pfns.len() as u64,
-            pause_us: e.timing.total_us(),
+            pause_us: u64::from(e.timing.total_us()),
             timing: e.timing,
             device_state_bytes: e.device_state_len,
             ..Default::default()

@@ -33,7 +33,7 @@ struct Summary {
     mem_mib: u64,
     dirty_log: String,
     boot_to_ready_ms: u64,
-    epochs: u32,
+    epochs: u64,
     dirty_pages_per_epoch_mean: f64,
     dirty_pages_per_epoch_p99: f64,
     dirty_mib_per_s: f64,
@@ -59,9 +59,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         a.duration
     );
     // Start from a clean dirty log: the first epoch should not carry every page the boot wrote.
-    vm.stop()?;
-    vm.harvest(&mut Vec::new())?;
-    vm.cont()?;
+    vm.reset_dirty_log()?;
     let ops = load.as_ref().map(|l| l.ops.clone());
     let (mut dirty, mut pause, mut comps, mut dev) =
         (Vec::new(), Vec::new(), vec![Vec::new(); 5], 0usize);

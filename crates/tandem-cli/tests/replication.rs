@@ -5,11 +5,10 @@
 
 use std::time::Duration;
 
-use tandem_codec::{Codec, Config, Encoder};
-use tandem_replication::wire::{epoch_payload, section};
-use tandem_replication::{base_payload, hello_payload, Applied, Backup, Frame, Kind};
+use tandem_codec::{Codec, Config};
+use tandem_replication::{Applied, Backup, EpochInput, Frame, Primary};
 use tandem_vm::kv::wait_for_server;
-use tandem_vm::{DirtyMode, MirrorFile, Vm, VmConfig, PAGE_SIZE};
+use tandem_vm::{DirtyMode, Guest, MirrorFile, Vm, VmConfig};
 
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
@@ -50,37 +49,17 @@ fn mirror_matches_primary_and_standby_takes_over() {
     standby_cfg.kv_port = Some(free_port());
     let mut standby = Vm::standby(&standby_cfg, &mirror_path).unwrap();
 
-    // Initial copy, taken while stopped, with the dirty log reset in the same pause.
-    ship(
-        &mut backup,
-        Frame {
-            kind: Kind::Hello,
-            vm_id: VM_ID,
-            seq: 0,
-            payload: hello_payload(bytes, 0),
-        },
-    );
-    primary.stop().unwrap();
-    let mut pfns = Vec::new();
-    primary.harvest(&mut pfns).unwrap();
-    // SAFETY: the primary is stopped.
-    let base = unsafe { primary.ram().as_slice() }.to_vec();
-    primary.cont().unwrap();
-    for (i, c) in base.chunks(1024 * PAGE_SIZE).enumerate() {
-        ship(
-            &mut backup,
-            Frame {
-                kind: Kind::Base,
-                vm_id: VM_ID,
-                seq: 0,
-                payload: base_payload((i * 1024) as u64, c),
-            },
-        );
+    // Initial copy, taken while stopped, with the dirty log reset in the same pause; frames
+    // built by the library's `Primary`, as the daemon does.
+    let mut proto = Primary::new(VM_ID, Codec::Tandem, Config::default());
+    let base = Guest::initial_copy(&mut primary, &mut || {}).unwrap();
+    ship(&mut backup, proto.begin(0, &base, 0).unwrap());
+    for f in proto.base_frames(&base, 1024) {
+        ship(&mut backup, f);
     }
-    let mut enc = Encoder::new(Codec::Tandem, &base, Config::default()).unwrap();
     drop(base);
 
-    let (mut pages, mut dev, mut rec) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut pfns, mut pages, mut dev) = (Vec::new(), Vec::new(), Vec::new());
     let epochs = 20u64;
     for seq in 1..=epochs {
         std::thread::sleep(Duration::from_millis(100));
@@ -88,34 +67,24 @@ fn mirror_matches_primary_and_standby_takes_over() {
             client.set(b"committed", b"before-failover").unwrap();
         }
         // The last checkpoint keeps the primary stopped so its RAM can be compared.
-        primary.stop().unwrap();
-        pfns.clear();
-        primary.harvest(&mut pfns).unwrap();
-        pages.resize(pfns.len() * PAGE_SIZE, 0);
-        for (i, &p) in pfns.iter().enumerate() {
-            primary
-                .ram()
-                .copy_page(p, &mut pages[i * PAGE_SIZE..(i + 1) * PAGE_SIZE]);
-        }
-        primary.capture_device_state(&mut dev).unwrap();
-        if seq < epochs {
-            primary.cont().unwrap();
-        }
-        rec.clear();
-        enc.encode(seq, &pfns, &pages, &mut rec).unwrap();
-        let payload = epoch_payload(&[(section::MEMORY, &rec), (section::DEVICE_STATE, &dev)]);
-        assert_eq!(
-            ship(
-                &mut backup,
-                Frame {
-                    kind: Kind::Epoch,
-                    vm_id: VM_ID,
-                    seq,
-                    payload
-                }
-            ),
-            Applied::Committed(seq)
-        );
+        Guest::pause(
+            &mut primary,
+            &mut pfns,
+            &mut pages,
+            &mut dev,
+            &mut || {},
+            seq < epochs,
+        )
+        .unwrap();
+        let input = EpochInput {
+            seq,
+            pfns: &pfns,
+            pages: &pages,
+            device_state: &dev,
+            disk_writes: None,
+        };
+        let (f, _) = proto.epoch(&input).unwrap();
+        assert_eq!(ship(&mut backup, f), Applied::Committed(seq));
     }
     // SAFETY: the primary is stopped.
     let primary_sum = xxhash_rust::xxh3::xxh3_128(unsafe { primary.ram().as_slice() });

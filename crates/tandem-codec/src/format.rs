@@ -30,7 +30,7 @@ pub const VERSION: u16 = 1;
 /// Header length.
 pub const HEADER_LEN: usize = 52;
 /// Page size this format carries.
-pub const PAGE: usize = 4096;
+pub const PAGE: usize = tandem_types::PAGE_SIZE;
 /// Most page entries in one record.
 pub const MAX_ENTRIES: u32 = 1 << 24;
 /// Largest ops section.

@@ -2,36 +2,9 @@
 
 use crate::TraceError;
 
-/// Pause components of one epoch, in microseconds (as measured by the recorder).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct Timing {
-    /// QMP stop.
-    pub stop_us: u32,
-    /// Dirty-log harvest.
-    pub harvest_us: u32,
-    /// Copy of dirty pages.
-    pub copy_us: u32,
-    /// Device-state capture.
-    pub devstate_us: u32,
-    /// QMP cont.
-    pub cont_us: u32,
-}
-
-impl Timing {
-    /// Whole pause.
-    pub fn total_us(&self) -> u64 {
-        [
-            self.stop_us,
-            self.harvest_us,
-            self.copy_us,
-            self.devstate_us,
-            self.cont_us,
-        ]
-        .iter()
-        .map(|&v| v as u64)
-        .sum()
-    }
-}
+/// Pause components of one epoch, in microseconds (as measured by the recorder): the same
+/// type the VM's epoch loop, the metrics and the store use.
+pub use tandem_types::PauseTiming as Timing;
 
 /// One epoch: the pages written during it and their contents at the checkpoint.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -1,9 +1,14 @@
-//! The fixed-interval epoch loop: run the guest for an epoch, then take a checkpoint pause.
-//! A scheduler seam ([`Schedule`]) lets an adaptive scheduler replace the fixed interval.
+//! The epoch pipeline: one loop that runs the guest for an epoch, takes a checkpoint pause and
+//! hands the checkpoint to a sink — the replication link, the checkpoint store, the trace
+//! writer or the watch statistics. The [`Schedule`] seam decides epoch lengths; the [`Guest`]
+//! seam is a real QEMU ([`crate::Vm`]) or a recorded trace replayed ([`crate::ReplayGuest`]),
+//! so the pipeline, the protocol and the store can be tested in milliseconds without QEMU.
 
 use std::time::{Duration, Instant};
 
-use crate::vm::{PauseTiming, Vm, VmError};
+pub use tandem_types::Epoch;
+
+use crate::vm::{PauseTiming, VmError};
 
 /// Decides how long the guest runs before the next checkpoint.
 pub trait Schedule {
@@ -20,10 +25,38 @@ impl Schedule for Fixed {
     }
 }
 
+/// What the epoch pipeline needs from a VM.
+pub trait Guest {
+    /// Guest memory in bytes.
+    fn mem_bytes(&self) -> usize;
+
+    /// One checkpoint pause: stop, harvest the dirty log into `dirty` (ascending), copy those
+    /// pages into `pages`, call `boundary` (still stopped: state that must share the
+    /// checkpoint's boundary, such as the relay's seal and the disk write log), capture device
+    /// state, and — if `cont` — let the guest run again.
+    fn pause(
+        &mut self,
+        dirty: &mut Vec<u64>,
+        pages: &mut Vec<u8>,
+        device_state: &mut Vec<u8>,
+        boundary: &mut dyn FnMut(),
+        cont: bool,
+    ) -> Result<PauseTiming, VmError>;
+
+    /// The initial copy: in one pause, reset the dirty log, call `boundary` and copy all of
+    /// guest memory; the guest runs again afterwards. Epoch 1 is relative to this copy.
+    fn initial_copy(&mut self, boundary: &mut dyn FnMut()) -> Result<Vec<u8>, VmError>;
+
+    /// Whether the guest has no more epochs to give (a replayed trace that ended).
+    fn finished(&self) -> bool {
+        false
+    }
+}
+
 /// One checkpoint, borrowed from the loop's buffers.
 pub struct Checkpoint<'a> {
-    /// Epoch number, from 1.
-    pub epoch: u32,
+    /// Epoch number.
+    pub epoch: Epoch,
     /// Time since the loop started, at the checkpoint.
     pub at: Duration,
     /// Pause components.
@@ -36,39 +69,52 @@ pub struct Checkpoint<'a> {
     pub device_state: &'a [u8],
 }
 
-/// Runs epochs until `until` returns true or `duration` passes, calling `on_checkpoint` after
-/// each pause (the guest is already running again). Returns the number of epochs.
-pub fn run_epochs(
-    vm: &mut Vm,
-    schedule: &mut dyn Schedule,
-    duration: Duration,
-    on_checkpoint: impl FnMut(&Checkpoint<'_>) -> bool,
-) -> Result<u32, VmError> {
-    run_epochs_with(vm, schedule, duration, |_| {}, on_checkpoint)
+/// Where checkpoints go.
+pub trait EpochSink {
+    /// Called while the guest is stopped for checkpoint `epoch`, after its pages were copied:
+    /// take what belongs to the same boundary (seal the relay's queue, take the disk log).
+    fn in_pause(&mut self, _epoch: Epoch) {}
+
+    /// Called once the guest runs again. Return false to end the loop.
+    fn checkpoint(&mut self, cp: &Checkpoint<'_>) -> bool;
 }
 
-/// [`run_epochs`] with `in_pause(epoch)` called while the guest is stopped for each checkpoint
-/// (see [`Vm::checkpoint_with`]).
-pub fn run_epochs_with(
-    vm: &mut Vm,
+/// A closure as a sink without boundary work.
+struct FnSink<F>(F);
+
+impl<F: FnMut(&Checkpoint<'_>) -> bool> EpochSink for FnSink<F> {
+    fn checkpoint(&mut self, cp: &Checkpoint<'_>) -> bool {
+        (self.0)(cp)
+    }
+}
+
+/// Runs epochs numbered from `first` until the sink says stop, `duration` passes or the guest
+/// is finished. Returns the last epoch checkpointed (`first - 1` if none).
+pub fn run_pipeline(
+    guest: &mut dyn Guest,
     schedule: &mut dyn Schedule,
     duration: Duration,
-    mut in_pause: impl FnMut(u32),
-    mut on_checkpoint: impl FnMut(&Checkpoint<'_>) -> bool,
-) -> Result<u32, VmError> {
+    first: Epoch,
+    sink: &mut dyn EpochSink,
+) -> Result<Epoch, VmError> {
     let (mut pfns, mut pages, mut dev) = (Vec::new(), Vec::new(), Vec::new());
     let start = Instant::now();
     let mut next = start + schedule.next_interval(0, &PauseTiming::default());
-    let mut epoch = 0;
-    while start.elapsed() < duration {
+    let mut epoch = first.saturating_sub(1);
+    while start.elapsed() < duration && !guest.finished() {
         let now = Instant::now();
         if next > now {
             std::thread::sleep(next - now);
         }
-        let timing = vm
-            .checkpoint_with(&mut pfns, &mut pages, &mut dev, &mut || in_pause(epoch + 1))
-            .map_err(|e| vm.explain(e))?;
-        epoch += 1;
+        let this = epoch + 1;
+        let timing = guest.pause(
+            &mut pfns,
+            &mut pages,
+            &mut dev,
+            &mut || sink.in_pause(this),
+            true,
+        )?;
+        epoch = this;
         // The next epoch starts when the guest resumed.
         next = Instant::now() + schedule.next_interval(pfns.len(), &timing);
         let cp = Checkpoint {
@@ -79,9 +125,19 @@ pub fn run_epochs_with(
             pages: &pages,
             device_state: &dev,
         };
-        if !on_checkpoint(&cp) {
+        if !sink.checkpoint(&cp) {
             break;
         }
     }
     Ok(epoch)
+}
+
+/// [`run_pipeline`] from epoch 1 with a closure as the sink; returns the number of epochs.
+pub fn run_epochs(
+    guest: &mut dyn Guest,
+    schedule: &mut dyn Schedule,
+    duration: Duration,
+    on_checkpoint: impl FnMut(&Checkpoint<'_>) -> bool,
+) -> Result<Epoch, VmError> {
+    run_pipeline(guest, schedule, duration, 1, &mut FnSink(on_checkpoint))
 }

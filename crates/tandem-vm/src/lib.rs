@@ -12,11 +12,14 @@ pub mod kv;
 pub mod qemu_args;
 pub mod qmp;
 pub mod ram;
+pub mod replay;
 pub mod stale;
 pub mod vm;
 
 pub use dirty::{DirtyLog, HashLog, UffdWpLog};
+pub use epoch::{Epoch, EpochSink, Guest};
 pub use image::GuestImage;
 pub use ram::{GuestRam, MirrorFile, PAGE_SIZE};
+pub use replay::ReplayGuest;
 pub use stale::clean_stale;
 pub use vm::{DirtyMode, PauseTiming, Vm, VmConfig, VmError};

@@ -9,8 +9,7 @@ use std::path::{Path, PathBuf};
 
 use memmap2::{MmapOptions, MmapRaw};
 
-/// Size of a guest page in bytes.
-pub const PAGE_SIZE: usize = 4096;
+pub use tandem_types::PAGE_SIZE;
 
 /// Errors mapping guest RAM.
 #[derive(Debug, thiserror::Error)]

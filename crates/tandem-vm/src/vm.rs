@@ -132,29 +132,12 @@ pub enum VmError {
     /// Console problem (including the guest not becoming ready).
     #[error(transparent)]
     Console(#[from] ConsoleError),
+    /// A replayed trace is unreadable or inconsistent.
+    #[error("replayed trace: {0}")]
+    Trace(String),
 }
 
-/// Per-epoch pause broken down, in microseconds.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct PauseTiming {
-    /// QMP `stop` round trip.
-    pub stop_us: u32,
-    /// Dirty-log harvest.
-    pub harvest_us: u32,
-    /// Copy of dirty pages to staging.
-    pub copy_us: u32,
-    /// Device-state capture.
-    pub devstate_us: u32,
-    /// QMP `cont` round trip.
-    pub cont_us: u32,
-}
-
-impl PauseTiming {
-    /// Total pause.
-    pub fn total_us(&self) -> u32 {
-        self.stop_us + self.harvest_us + self.copy_us + self.devstate_us + self.cont_us
-    }
-}
+pub use tandem_types::PauseTiming;
 
 /// Where `libtandem_preload.so` is: `$TANDEM_PRELOAD`, else next to the running executable or
 /// one directory up (tests run from `target/*/deps`).

@@ -51,7 +51,10 @@ fn registry() -> Registry {
     r.sent(&EpochMetrics {
         epoch: 1,
         pause_us: 7000,
-        stop_us: 500,
+        pause: tandem_types::PauseTiming {
+            stop_us: 500,
+            ..Default::default()
+        },
         dirty_pages: 10,
         raw_bytes: 40960,
         sent_bytes: 900,

@@ -78,4 +78,43 @@ impl Vm {
         }
         Ok(t)
     }
+
+    /// Stops the guest, resets the dirty log and lets the guest run again (so the next epoch
+    /// does not carry what was written before, e.g. by the boot).
+    pub fn reset_dirty_log(&mut self) -> Result<(), VmError> {
+        self.stop()?;
+        self.harvest(&mut Vec::new())?;
+        self.cont()
+    }
+}
+
+impl crate::epoch::Guest for Vm {
+    fn mem_bytes(&self) -> usize {
+        self.ram().len()
+    }
+
+    fn pause(
+        &mut self,
+        dirty: &mut Vec<u64>,
+        pages: &mut Vec<u8>,
+        device_state: &mut Vec<u8>,
+        boundary: &mut dyn FnMut(),
+        cont: bool,
+    ) -> Result<PauseTiming, VmError> {
+        self.pause_and_capture(dirty, pages, device_state, boundary, cont)
+            .map_err(|e| self.explain(e))
+    }
+
+    fn initial_copy(&mut self, boundary: &mut dyn FnMut()) -> Result<Vec<u8>, VmError> {
+        let r = (|| {
+            self.stop()?;
+            self.harvest(&mut Vec::new())?;
+            boundary();
+            // SAFETY: the guest is stopped while its memory is copied.
+            let ram = unsafe { self.ram().as_slice() }.to_vec();
+            self.cont()?;
+            Ok(ram)
+        })();
+        r.map_err(|e| self.explain(e))
+    }
 }

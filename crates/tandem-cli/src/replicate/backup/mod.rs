@@ -44,7 +44,8 @@ pub struct BackupArgs {
     #[arg(long, default_value_t = 1000)]
     pub timeout_ms: u64,
     /// Fail over when the primary's epochs have not advanced for this long although it still
-    /// sends heartbeats (a primary stuck in QEMU). Default: 3 × --timeout-ms.
+    /// sends heartbeats (a primary stuck in QEMU); also how long a primary whose frame was
+    /// refused has to reconnect. Default: 3 × --timeout-ms.
     #[arg(long)]
     pub stall_ms: Option<u64>,
     /// Write a JSON report of the failover here.
@@ -250,7 +251,10 @@ pub fn backup(a: BackupArgs) -> anyhow::Result<()> {
             }
             // The primary did not come back after a refused frame.
             if link.bk.consistent() {
-                break format!("the primary did not reconnect within {} ms", a.timeout_ms);
+                break format!(
+                    "the primary did not reconnect within {} ms",
+                    link.stall.as_millis()
+                );
             }
             wait = None;
             continue;
@@ -273,8 +277,11 @@ pub fn backup(a: BackupArgs) -> anyhow::Result<()> {
             // Refused input: the primary reconnects for a re-sync; only if it does not come
             // back within the timeout is it lost.
             LinkEnd::Dropped(why) => {
-                eprintln!("backup: {why}; waiting up to {} ms for the primary to reconnect and re-sync", a.timeout_ms);
-                wait = Some(timeout)
+                eprintln!(
+                    "backup: {why}; waiting up to {} ms for the primary to reconnect and re-sync",
+                    link.stall.as_millis()
+                );
+                wait = Some(link.stall)
             }
         }
     };

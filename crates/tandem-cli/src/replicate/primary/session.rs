@@ -2,7 +2,6 @@
 //! guest runs), then the epoch loop until the link is lost, the backup fences this primary,
 //! or the operator stops it (handover or shutdown).
 
-use std::cell::RefCell;
 use std::collections::VecDeque;
 use std::io::{BufReader, BufWriter, Write};
 use std::net::TcpStream;
@@ -13,8 +12,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use tandem_replication::{Acks, EpochInput, Frame, Primary, Reply};
-use tandem_vm::epoch::{run_epochs_with, Checkpoint, Fixed};
+use tandem_vm::epoch::{run_pipeline, Checkpoint, Fixed};
 use tandem_vm::Vm;
+use tandem_vm::{Epoch, EpochSink, Guest};
 
 use super::link::{self, Out, SenderOpts, Shared};
 use super::watchdog::Watchdog;
@@ -120,23 +120,20 @@ impl Daemon<'_> {
     /// Hello, then the initial copy of RAM and disk taken in one pause and sent while the
     /// guest runs. Network output from here on is held until the session's first ack.
     fn initial_copy(&mut self, w: &mut impl Write, shared: &Shared) -> anyhow::Result<()> {
-        let vm = &mut *self.vm;
         self.watchdog.beat();
-        vm.stop()?;
-        let mut scratch = Vec::new();
-        vm.harvest(&mut scratch)?;
-        if let Some(r) = &self.site.relay {
-            r.seal(self.epoch);
-        }
-        let mut disk = Vec::new();
-        if let Some(d) = &self.site.disk {
-            d.take_epoch_writes();
-            disk.resize(d.size() as usize, 0);
-            d.read_at(&mut disk, 0).context("reading the data disk")?;
-        }
-        // SAFETY: the guest is stopped while its memory is copied.
-        let ram = unsafe { vm.ram().as_slice() }.to_vec();
-        vm.cont()?;
+        let (site, epoch) = (self.site, self.epoch);
+        let mut disk = Ok(Vec::new());
+        let ram = self.vm.initial_copy(&mut || {
+            if let Some(r) = &site.relay {
+                r.seal(epoch);
+            }
+            if let Some(d) = &site.disk {
+                d.take_epoch_writes();
+                let mut buf = vec![0u8; d.size() as usize];
+                disk = d.read_at(&mut buf, 0).map(|()| buf);
+            }
+        })?;
+        let disk = disk.context("reading the data disk")?;
         self.watchdog.beat();
         let hello = self.proto.begin(self.epoch, &ram, disk.len() as u64)?;
         link::send(w, &hello)?;
@@ -163,81 +160,40 @@ impl Daemon<'_> {
         Ok(())
     }
 
-    /// The epoch loop of this session.
+    /// The epoch loop of this session: the pipeline with the link as its sink.
     fn epochs(&mut self, tx: &SyncSender<Out>, shared: &Shared) -> anyhow::Result<()> {
-        let base = self.epoch;
-        let writes: RefCell<std::io::Result<Writes>> = RefCell::new(Ok(Vec::new()));
-        let mut err = None;
-        let mut last_print = Instant::now();
         let duration = self.deadline.map_or(Duration::MAX, |d| {
             d.saturating_duration_since(Instant::now())
         });
-        let (site, vm) = (self.site, &mut *self.vm);
-        let qemu = vm.pid();
-        let watchdog = self.watchdog.clone();
-        let mut st = Step {
-            proto: &mut self.proto,
-            registry: &self.registry,
-            opts: self.opts,
-            site,
-            shared,
-            tx,
-            pauses_ms: &mut self.pauses_ms,
-            raw: &mut self.raw,
-            sent: &mut self.sent,
+        let first = self.epoch + 1;
+        let qemu = self.vm.pid();
+        let mut sink = LinkSink {
+            st: Step {
+                proto: &mut self.proto,
+                registry: &self.registry,
+                opts: self.opts,
+                site: self.site,
+                shared,
+                tx,
+                pauses_ms: &mut self.pauses_ms,
+                raw: &mut self.raw,
+                sent: &mut self.sent,
+            },
+            watchdog: &self.watchdog,
+            qemu,
+            writes: Ok(Vec::new()),
+            err: None,
+            last_print: Instant::now(),
         };
-        let mut last = base;
-        let r = run_epochs_with(
-            vm,
+        let r = run_pipeline(
+            &mut *self.vm,
             &mut Fixed(self.opts.epoch),
             duration,
-            |e| {
-                if crate::replicate::take_kill_in_pause() {
-                    eprintln!(
-                        "primary: fault injection: killing QEMU inside the pause of epoch {}",
-                        base + e as u64
-                    );
-                    // SAFETY: kill(2) of the QEMU this daemon started.
-                    unsafe { libc::kill(qemu as i32, libc::SIGKILL) };
-                }
-                if let Some(r) = &site.relay {
-                    r.seal(base + e as u64);
-                }
-                if let Some(d) = &site.disk {
-                    *writes.borrow_mut() = d.try_take_epoch_writes();
-                }
-            },
-            |cp| {
-                watchdog.beat();
-                let seq = base + cp.epoch as u64;
-                last = seq;
-                shared.progress.store(seq, Ordering::SeqCst);
-                if shared.is_lost() {
-                    return false;
-                }
-                let w = match std::mem::replace(&mut *writes.borrow_mut(), Ok(Vec::new())) {
-                    Ok(w) => w,
-                    Err(e) => {
-                        // The epoch's disk writes are unknown: only a full copy is safe.
-                        shared.lose(format!(
-                            "reading back the epoch's disk writes failed ({e}); re-syncing"
-                        ));
-                        return false;
-                    }
-                };
-                if let Err(e) = st.ship(seq, cp, &w) {
-                    err = Some(e);
-                    return false;
-                }
-                if last_print.elapsed() >= Duration::from_secs(1) {
-                    last_print = Instant::now();
-                    st.print(seq);
-                }
-                !shared.is_lost() && !stopping()
-            },
+            first,
+            &mut sink,
         );
-        self.epoch = last;
-        r?;
+        let err = sink.err.take();
+        self.epoch = r?;
         err.map_or(Ok(()), Err)
     }
 
@@ -245,43 +201,44 @@ impl Daemon<'_> {
     /// handover; the backup resumes the guest from it. This copy never runs again.
     fn handover(&mut self, tx: &SyncSender<Out>, shared: &Shared) -> anyhow::Result<End> {
         let seq = self.epoch + 1;
-        let writes: RefCell<std::io::Result<Writes>> = RefCell::new(Ok(Vec::new()));
         let (mut pfns, mut pages, mut dev) = (Vec::new(), Vec::new(), Vec::new());
-        let site = self.site;
-        let timing = self
-            .vm
-            .checkpoint_final(&mut pfns, &mut pages, &mut dev, &mut || {
-                if let Some(r) = &site.relay {
-                    r.seal(seq);
-                }
-                if let Some(d) = &site.disk {
-                    *writes.borrow_mut() = d.try_take_epoch_writes();
-                }
-            })?;
+        let mut sink = LinkSink {
+            st: Step {
+                proto: &mut self.proto,
+                registry: &self.registry,
+                opts: self.opts,
+                site: self.site,
+                shared,
+                tx,
+                pauses_ms: &mut self.pauses_ms,
+                raw: &mut self.raw,
+                sent: &mut self.sent,
+            },
+            watchdog: &self.watchdog,
+            qemu: 0,
+            writes: Ok(Vec::new()),
+            err: None,
+            last_print: Instant::now(),
+        };
+        let timing = self.vm.pause(
+            &mut pfns,
+            &mut pages,
+            &mut dev,
+            &mut || sink.in_pause(seq),
+            false,
+        )?;
         self.epoch = seq;
         let cp = Checkpoint {
-            epoch: 0,
+            epoch: seq,
             at: Duration::ZERO,
             timing,
             pfns: &pfns,
             pages: &pages,
             device_state: &dev,
         };
-        let w = writes
-            .into_inner()
+        let w = std::mem::replace(&mut sink.writes, Ok(Vec::new()))
             .context("reading back the final epoch's disk writes")?;
-        let mut st = Step {
-            proto: &mut self.proto,
-            registry: &self.registry,
-            opts: self.opts,
-            site,
-            shared,
-            tx,
-            pauses_ms: &mut self.pauses_ms,
-            raw: &mut self.raw,
-            sent: &mut self.sent,
-        };
-        st.ship(seq, &cp, &w)?;
+        sink.st.ship(seq, &cp, &w)?;
         let _ = tx.send(Out::Control(self.proto.handover(seq)));
         let t = Instant::now();
         while shared.acks().acked() < seq
@@ -394,6 +351,62 @@ fn record_acked(
     }
 }
 
+/// The replication link as the epoch pipeline's sink: at the checkpoint's boundary it seals
+/// the relay's epoch and takes the disk write log; after the pause it ships the epoch.
+struct LinkSink<'a> {
+    st: Step<'a>,
+    watchdog: &'a Watchdog,
+    /// QEMU's pid, for the pause-kill fault hook (0: none).
+    qemu: u32,
+    writes: std::io::Result<Writes>,
+    err: Option<anyhow::Error>,
+    last_print: Instant,
+}
+
+impl EpochSink for LinkSink<'_> {
+    fn in_pause(&mut self, epoch: Epoch) {
+        if self.qemu != 0 && crate::replicate::take_kill_in_pause() {
+            eprintln!("primary: fault injection: killing QEMU inside the pause of epoch {epoch}");
+            // SAFETY: kill(2) of the QEMU this daemon started.
+            unsafe { libc::kill(self.qemu as i32, libc::SIGKILL) };
+        }
+        if let Some(r) = &self.st.site.relay {
+            r.seal(epoch);
+        }
+        if let Some(d) = &self.st.site.disk {
+            self.writes = d.try_take_epoch_writes();
+        }
+    }
+
+    fn checkpoint(&mut self, cp: &Checkpoint<'_>) -> bool {
+        self.watchdog.beat();
+        let shared = self.st.shared;
+        shared.progress.store(cp.epoch, Ordering::SeqCst);
+        if shared.is_lost() {
+            return false;
+        }
+        let w = match std::mem::replace(&mut self.writes, Ok(Vec::new())) {
+            Ok(w) => w,
+            Err(e) => {
+                // The epoch's disk writes are unknown: only a full copy is safe.
+                shared.lose(format!(
+                    "reading back the epoch's disk writes failed ({e}); re-syncing"
+                ));
+                return false;
+            }
+        };
+        if let Err(e) = self.st.ship(cp.epoch, cp, &w) {
+            self.err = Some(e);
+            return false;
+        }
+        if self.last_print.elapsed() >= Duration::from_secs(1) {
+            self.last_print = Instant::now();
+            self.st.print(cp.epoch);
+        }
+        !shared.is_lost() && !stopping()
+    }
+}
+
 /// Borrowed state for shipping one epoch.
 struct Step<'a> {
     proto: &'a mut Primary,
@@ -431,11 +444,7 @@ impl Step<'_> {
         let tm = cp.timing;
         let m = EpochMetrics {
             epoch: seq,
-            stop_us: tm.stop_us,
-            harvest_us: tm.harvest_us,
-            copy_us: tm.copy_us,
-            devstate_us: tm.devstate_us,
-            cont_us: tm.cont_us,
+            pause: tm,
             pause_us: tm.total_us(),
             dirty_pages: cp.pfns.len() as u64,
             raw_bytes: sizes.raw,
