@@ -399,6 +399,32 @@ impl Encoder {
         };
 
         lap(2, &mut t);
+        let start = out.len();
+        let entries = self.write_record(epoch, pfns, data, &coded, out)?;
+        drop(coded);
+        lap(3, &mut t);
+        self.advance(pfns, data, &pre, &block_new);
+        lap(4, &mut t);
+        Ok(EncodeStats {
+            pages_in: n,
+            entries: entries as usize,
+            bytes: out.len() - start,
+            phase_us: phase,
+        })
+    }
+
+    /// Phase 4: serialises the coded pages in page order, compresses the data section and
+    /// appends the record; returns the number of entries.
+    fn write_record(
+        &mut self,
+        epoch: u64,
+        pfns: &[u64],
+        data: &[u8],
+        coded: &[Option<Coded>],
+        out: &mut Vec<u8>,
+    ) -> Result<u32, EncodeError> {
+        let page = |i: usize| &data[i * PAGE..(i + 1) * PAGE];
+        let codec = self.codec;
         // 4. Serialise in page order.
         let (ops, payload, stored) = (&mut self.ops, &mut self.payload, &mut self.stored);
         ops.clear();
@@ -424,7 +450,6 @@ impl Encoder {
             prev_pfn = Some(pfns[i]);
             entries += 1;
         }
-        drop(coded);
         if payload.len() > MAX_DATA as usize {
             return Err(EncodeError::Input(format!(
                 "epoch data of {} bytes exceeds the record limit",
@@ -459,23 +484,32 @@ impl Encoder {
             }
             _ => {}
         }
-        let data: &[u8] = if flags == 0 { payload } else { stored };
-        let start = out.len();
+        let stored_data: &[u8] = if flags == 0 { payload } else { stored };
         Header {
             flags,
             epoch,
             entries,
             ops_len: ops.len() as u32,
-            data_stored_len: data.len() as u32,
+            data_stored_len: stored_data.len() as u32,
             data_raw_len: payload.len() as u32,
             crc_ops: crc32c::crc32c(ops),
-            crc_data: crc32c::crc32c(data),
+            crc_data: crc32c::crc32c(stored_data),
         }
         .write(out);
         out.extend_from_slice(ops);
-        out.extend_from_slice(data);
+        out.extend_from_slice(stored_data);
 
-        lap(3, &mut t);
+        Ok(entries)
+    }
+
+    /// Phase 5: advances the reference state (previous versions, block hashes, indexes) to
+    /// the post-epoch content.
+    fn advance(&mut self, pfns: &[u64], data: &[u8], pre: &[Pre], block_new: &[[u64; 64]]) {
+        let page = |i: usize| &data[i * PAGE..(i + 1) * PAGE];
+        let n = pfns.len();
+        let codec = self.codec;
+        let hashing = matches!(codec, Codec::De | Codec::Tandem);
+        let blocks_on = !self.block_hashes.is_empty();
         // 5. Advance the reference state to the post-epoch content.
         for i in 0..n {
             let (pfn, p) = (pfns[i], page(i));
@@ -494,12 +528,5 @@ impl Encoder {
                 self.index_page(pfn, p, pre[i].hash, de);
             }
         }
-        lap(4, &mut t);
-        Ok(EncodeStats {
-            pages_in: n,
-            entries: entries as usize,
-            bytes: out.len() - start,
-            phase_us: phase,
-        })
     }
 }

@@ -16,7 +16,7 @@ pub mod replay;
 pub mod stale;
 pub mod vm;
 
-pub use dirty::{DirtyLog, HashLog, UffdWpLog};
+pub use dirty::{DirtyLog, HashLog, ReplayLog, UffdWpLog};
 pub use epoch::{Epoch, EpochSink, Guest};
 pub use image::GuestImage;
 pub use ram::{GuestRam, MirrorFile, PAGE_SIZE};

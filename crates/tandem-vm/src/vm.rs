@@ -219,48 +219,10 @@ impl Vm {
         config.image.check()?;
         let runtime = tempfile::Builder::new().prefix("tandem-vm-").tempdir()?;
         crate::stale::mark_owned(runtime.path())?;
-        let n = COUNTER.fetch_add(1, Ordering::Relaxed);
         let bytes = config.mem_mib << 20;
-        let fresh_path = || {
-            PathBuf::from(format!(
-                "/dev/shm/tandem-{}-{}-{n}.ram",
-                config.name,
-                std::process::id()
-            ))
-        };
-        let (ram_path, keep_ram) = match ram {
-            RamSource::Fresh => {
-                let p = fresh_path();
-                drop(GuestRam::create(&p, bytes)?);
-                (p, false)
-            }
-            RamSource::Copy(img) => {
-                let p = fresh_path();
-                fs::copy(img, &p)?;
-                if fs::metadata(&p)?.len() != bytes {
-                    let _ = fs::remove_file(&p);
-                    return Err(VmError::Ram(RamError::BadSize(fs::metadata(img)?.len())));
-                }
-                (p, false)
-            }
-            RamSource::InPlace(p) => {
-                if fs::metadata(p)?.len() != bytes {
-                    return Err(VmError::Ram(RamError::BadSize(fs::metadata(p)?.len())));
-                }
-                (p.to_path_buf(), true)
-            }
-        };
+        let (ram_path, keep_ram) = ram_file(config, &ram, bytes)?;
         let incoming = !matches!(ram, RamSource::Fresh);
-        let mode = match config.dirty {
-            DirtyMode::Auto => match probe_pagemap_scan() {
-                Ok(()) => DirtyMode::Uffd,
-                Err(why) => {
-                    tracing::warn!("async write-protect dirty log unavailable ({why}); falling back to hashing every page, which costs a full read of guest RAM per epoch");
-                    DirtyMode::Hash
-                }
-            },
-            m => m,
-        };
+        let mode = dirty_mode(config.dirty);
         let qmp_path = runtime.path().join("qmp.sock");
         let serial = runtime.path().join("serial.log");
         let status = runtime.path().join("uffd.status");
@@ -411,6 +373,12 @@ impl Vm {
         &self.config
     }
 
+    /// Replaces the dirty log (any [`DirtyLog`]: the harvests of every later checkpoint come
+    /// from it).
+    pub fn set_dirty_log(&mut self, log: Box<dyn DirtyLog>) {
+        self.dirty = Some(log);
+    }
+
     /// Name of the active dirty log, if any.
     pub fn dirty_log_name(&self) -> Option<&'static str> {
         self.dirty.as_ref().map(|d| d.name())
@@ -543,5 +511,58 @@ fn wait_registration(status: &Path, child: &mut Child) -> Result<(u64, u64), VmE
             ));
         }
         std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+/// The guest RAM file for a new QEMU: a fresh or copied file in /dev/shm (removed once QEMU
+/// maps it), or a standby's mirror used in place (kept).
+fn ram_file(
+    config: &VmConfig,
+    ram: &RamSource<'_>,
+    bytes: u64,
+) -> Result<(PathBuf, bool), VmError> {
+    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+    let fresh_path = || {
+        PathBuf::from(format!(
+            "/dev/shm/tandem-{}-{}-{n}.ram",
+            config.name,
+            std::process::id()
+        ))
+    };
+    Ok(match *ram {
+        RamSource::Fresh => {
+            let p = fresh_path();
+            drop(GuestRam::create(&p, bytes)?);
+            (p, false)
+        }
+        RamSource::Copy(img) => {
+            let p = fresh_path();
+            fs::copy(img, &p)?;
+            if fs::metadata(&p)?.len() != bytes {
+                let _ = fs::remove_file(&p);
+                return Err(VmError::Ram(RamError::BadSize(fs::metadata(img)?.len())));
+            }
+            (p, false)
+        }
+        RamSource::InPlace(p) => {
+            if fs::metadata(p)?.len() != bytes {
+                return Err(VmError::Ram(RamError::BadSize(fs::metadata(p)?.len())));
+            }
+            (p.to_path_buf(), true)
+        }
+    })
+}
+
+/// The dirty log to arm: `Auto` probes for async write-protect and falls back to hashing.
+fn dirty_mode(m: DirtyMode) -> DirtyMode {
+    match m {
+        DirtyMode::Auto => match probe_pagemap_scan() {
+            Ok(()) => DirtyMode::Uffd,
+            Err(why) => {
+                tracing::warn!("async write-protect dirty log unavailable ({why}); falling back to hashing every page, which costs a full read of guest RAM per epoch");
+                DirtyMode::Hash
+            }
+        },
+        m => m,
     }
 }

@@ -6,11 +6,16 @@
 //!   number of written pages.
 //! - [`HashLog`]: xxh3 of every page on all cores, compared with the previous epoch's hashes.
 //!   Works on any kernel; costs one full read of guest RAM per harvest.
+//!
+//! and [`ReplayLog`], which returns recorded harvests (tests). A [`crate::Vm`] takes any of
+//! them ([`crate::Vm::set_dirty_log`]).
 
 mod hash;
+mod replay;
 mod uffd;
 
 pub use hash::HashLog;
+pub use replay::ReplayLog;
 pub use uffd::{probe_pagemap_scan, UffdWpLog};
 
 /// Errors of a dirty-log harvest.
