@@ -17,7 +17,9 @@ use super::capture::Capture;
 use super::client::{self, Writers};
 use super::daemon::{rate, Daemon};
 use super::fault::{self, Fault, Proxy};
-use super::steps::{common, fill, leftovers, mount_small_tmpfs, read_report, settle, Pair};
+use super::steps::{
+    await_report, common, fill, inject_faults, leftovers, mount_small_tmpfs, Pair, Target,
+};
 use crate::stats::quantile;
 
 pub struct Opts<'a> {
@@ -305,68 +307,23 @@ fn run_mounted(
     // Faults, one after the other, until one of them ends the primary's copy.
     let ops_at_kill = ops(&writers);
     let replicated_s = started.elapsed().as_secs_f64();
-    let mut kill_at = Instant::now();
-    let mut kill_unix = crate::replicate::unix_ms();
-    let mut done = Vec::new();
-    let mut faults = o.faults.clone();
-    if !faults.last().is_some_and(|f| f.ends_primary()) {
-        faults.push(Fault::HostKill);
-    }
-    for f in faults {
-        pb.set_message(format!("round {round}: injecting {f}"));
-        (kill_at, kill_unix) = (Instant::now(), crate::replicate::unix_ms());
-        match f {
-            Fault::HostKill => primary.kill_host(),
-            Fault::QemuKill => fault::signal(qemu, libc::SIGKILL),
-            Fault::PauseKill => fault::signal(primary.pid(), libc::SIGUSR2),
-            Fault::TandemKill => fault::signal(primary.pid(), libc::SIGKILL),
-            Fault::QemuStop => fault::signal(qemu, libc::SIGSTOP),
-            Fault::Handover => fault::signal(primary.pid(), libc::SIGTERM),
-            Fault::Partition(ms) => {
-                fault::partition(&o.lab.primary, BACKUP_IP)?;
-                std::thread::sleep(Duration::from_millis(ms));
-                fault::heal(&o.lab.primary);
-            }
-            Fault::CorruptFrame => {
-                if let Some(p) = &proxy {
-                    p.corrupt();
-                }
-            }
-            Fault::BackupRestart => {
-                pair.backup.kill_host();
-                std::thread::sleep(Duration::from_millis(300));
-                pair.start_backup()?;
-                bpids.push(pair.backup.pid());
-            }
-        }
-        let failed_over =
-            f.ends_primary() || settle(&mut ep, &jsonl, &report, 10, Duration::from_secs(90))?;
-        done.push(format!(
-            "{f}: {}",
-            if failed_over {
-                "failover"
-            } else {
-                "replication carried on"
-            }
-        ));
-        if failed_over {
-            break;
-        }
-    }
-    pb.set_message(format!("round {round}: waiting for failover"));
-    let deadline = Instant::now() + Duration::from_secs(60);
-    let rep: serde_json::Value = loop {
-        if let Some(v) = read_report(&report) {
-            break v;
-        }
-        if pair.backup.exited() || Instant::now() > deadline {
-            bail!(
-                "the backup did not fail over; its log:\n{}",
-                std::fs::read_to_string(&pair.backup.log).unwrap_or_default()
-            );
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
+    let inj = inject_faults(
+        round,
+        o,
+        pb,
+        &mut pair,
+        Target {
+            primary: &mut primary,
+            qemu,
+            proxy: proxy.as_ref(),
+            bpids: &mut bpids,
+        },
+        &mut ep,
+        &jsonl,
+        &report,
+    )?;
+    let (kill_at, kill_unix, done) = (inj.at, inj.at_unix, inj.done);
+    let rep = await_report(round, pb, &mut pair, &report)?;
     let g = |k: &str| rep.get(k).and_then(|v| v.as_u64()).unwrap_or(0);
     let ops_at_running = ops(&writers);
     // Exactly one copy: the primary's QEMU must be gone (a fenced or hung primary stops its

@@ -7,7 +7,10 @@ use std::time::{Duration, Instant};
 use anyhow::bail;
 
 use super::daemon::Daemon;
-use super::fault;
+use indicatif::ProgressBar;
+use tandem_net::lab::BACKUP_IP;
+
+use super::fault::{self, Fault, Proxy};
 use super::round::{Epochs, Opts};
 
 /// The daemons of a round and how to restart the backup.
@@ -142,4 +145,105 @@ pub fn leftovers(rdir: &Path, pids: &[u32]) -> Vec<String> {
         }
     }
     out
+}
+
+/// The primary a round injects faults into.
+pub struct Target<'a> {
+    pub primary: &'a mut Daemon,
+    pub qemu: u32,
+    pub proxy: Option<&'a Proxy>,
+    pub bpids: &'a mut Vec<u32>,
+}
+
+/// What the faults did: one line each, and when the last one was injected.
+pub struct Injected {
+    pub done: Vec<String>,
+    pub at: Instant,
+    pub at_unix: u64,
+}
+
+/// Injects the round's faults one after the other until one of them ends the primary's copy
+/// (a host kill is appended when none does).
+#[allow(clippy::too_many_arguments)]
+pub fn inject_faults(
+    round: usize,
+    o: &Opts<'_>,
+    pb: &ProgressBar,
+    pair: &mut Pair<'_>,
+    t: Target<'_>,
+    ep: &mut Epochs,
+    jsonl: &Path,
+    report: &Path,
+) -> anyhow::Result<Injected> {
+    let (mut at, mut at_unix) = (Instant::now(), crate::replicate::unix_ms());
+    let mut done = Vec::new();
+    let mut faults = o.faults.clone();
+    if !faults.last().is_some_and(|f| f.ends_primary()) {
+        faults.push(Fault::HostKill);
+    }
+    for f in faults {
+        pb.set_message(format!("round {round}: injecting {f}"));
+        (at, at_unix) = (Instant::now(), crate::replicate::unix_ms());
+        match f {
+            Fault::HostKill => t.primary.kill_host(),
+            Fault::QemuKill => fault::signal(t.qemu, libc::SIGKILL),
+            Fault::PauseKill => fault::signal(t.primary.pid(), libc::SIGUSR2),
+            Fault::TandemKill => fault::signal(t.primary.pid(), libc::SIGKILL),
+            Fault::QemuStop => fault::signal(t.qemu, libc::SIGSTOP),
+            Fault::Handover => fault::signal(t.primary.pid(), libc::SIGTERM),
+            Fault::Partition(ms) => {
+                fault::partition(&o.lab.primary, BACKUP_IP)?;
+                std::thread::sleep(Duration::from_millis(ms));
+                fault::heal(&o.lab.primary);
+            }
+            Fault::CorruptFrame => {
+                if let Some(p) = t.proxy {
+                    p.corrupt();
+                }
+            }
+            Fault::BackupRestart => {
+                pair.backup.kill_host();
+                std::thread::sleep(Duration::from_millis(300));
+                pair.start_backup()?;
+                t.bpids.push(pair.backup.pid());
+            }
+        }
+        let failed_over =
+            f.ends_primary() || settle(ep, jsonl, report, 10, Duration::from_secs(90))?;
+        done.push(format!(
+            "{f}: {}",
+            if failed_over {
+                "failover"
+            } else {
+                "replication carried on"
+            }
+        ));
+        if failed_over {
+            break;
+        }
+    }
+    Ok(Injected { done, at, at_unix })
+}
+
+/// Waits for the backup's failover report.
+pub fn await_report(
+    round: usize,
+    pb: &ProgressBar,
+    pair: &mut Pair<'_>,
+    report: &Path,
+) -> anyhow::Result<serde_json::Value> {
+    pb.set_message(format!("round {round}: waiting for failover"));
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        if let Some(v) = read_report(report) {
+            return Ok(v);
+        }
+        if pair.backup.exited() || Instant::now() > deadline {
+            bail!(
+                "the backup did not fail over; its log:\n{}",
+                std::fs::read_to_string(&pair.backup.log).unwrap_or_default()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
 }
