@@ -157,7 +157,11 @@ pub fn primary(a: PrimaryArgs) -> anyhow::Result<()> {
         raw: 0,
         sent: 0,
         deadline: a.duration.map(|s| Instant::now() + Duration::from_secs(s)),
+        last_session_acked: false,
     };
+    // Sessions that end before any acknowledgement back off (0.2 s doubling to 5 s), so a
+    // backup that refuses this VM (wrong size, another VM id) is not flooded with copies.
+    let mut backoff = Duration::ZERO;
     let mut sessions = 0u64;
     let end = loop {
         let Some(stream) = wait_for_backup(&a.backup, &mut d)? else {
@@ -177,6 +181,16 @@ pub fn primary(a: PrimaryArgs) -> anyhow::Result<()> {
                 );
                 if d.deadline.is_some_and(|t| Instant::now() >= t) {
                     break None;
+                }
+                backoff = if d.last_session_acked {
+                    Duration::ZERO
+                } else {
+                    (backoff * 2).clamp(Duration::from_millis(200), Duration::from_secs(5))
+                };
+                let until = Instant::now() + backoff;
+                while Instant::now() < until && !stopping() {
+                    d.watchdog.beat();
+                    std::thread::sleep(Duration::from_millis(50));
                 }
             }
             Ok(end) => break Some(end),

@@ -51,6 +51,9 @@ pub struct Daemon<'a> {
     pub raw: u64,
     pub sent: u64,
     pub deadline: Option<Instant>,
+    /// Whether the last session got at least one acknowledgement (a session refused at once,
+    /// e.g. for a geometry mismatch, makes the next attempt wait longer).
+    pub last_session_acked: bool,
 }
 
 type Writes = Vec<(u64, Vec<u8>)>;
@@ -63,6 +66,7 @@ impl Daemon<'_> {
         let shared = Arc::new(Shared::new(Acks::new(self.proto.vm_id(), start), start));
         let reader = self.spawn_reader(stream.try_clone()?, shared.clone());
         let end = self.copy_and_run(&stream, &shared);
+        self.last_session_acked = shared.acks().acked() > start;
         // Unblock the reader (and a sender stuck in a write), then collect them.
         let _ = stream.shutdown(std::net::Shutdown::Both);
         let _ = reader.join();
