@@ -20,6 +20,10 @@ struct Kind {
     injected: u64,
     /// Rounds ending in this fault's failover.
     failovers: u64,
+    /// Median time from this fault to the guest running on the backup, over its failovers.
+    fault_to_running_ms_p50: f64,
+    #[serde(skip)]
+    times: Vec<f64>,
 }
 
 #[derive(Serialize)]
@@ -129,8 +133,12 @@ pub fn run(n: u64, seed: Option<u64>, mem: u64, json: bool) -> anyhow::Result<()
             k.injected += 1;
             if what == "failover" {
                 k.failovers += 1;
+                k.times.push(r.kill_to_running_ms);
             }
         }
+    }
+    for k in by_fault.values_mut() {
+        k.fault_to_running_ms_p50 = crate::stats::quantile(&k.times, 0.5);
     }
     let sum = |f: &dyn Fn(&RoundResult) -> u64| rounds.iter().map(f).sum::<u64>();
     let kill: Vec<f64> = rounds.iter().map(|r| r.kill_to_running_ms).collect();
@@ -158,8 +166,8 @@ pub fn run(n: u64, seed: Option<u64>, mem: u64, json: bool) -> anyhow::Result<()
         );
         for (k, v) in &rep.by_fault {
             println!(
-                "  {k:<16} injected {:>3}, led to failover {:>3}",
-                v.injected, v.failovers
+                "  {k:<16} injected {:>3}, led to failover {:>3} (fault -> guest running p50 {:.0} ms)",
+                v.injected, v.failovers, v.fault_to_running_ms_p50
             );
         }
         println!(
