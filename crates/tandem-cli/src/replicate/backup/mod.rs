@@ -100,7 +100,7 @@ impl Link<'_> {
         let mut r = BufReader::with_capacity(1 << 20, stream.try_clone()?);
         let mut w = BufWriter::new(stream);
         let (mut progress, mut progress_at) = (self.bk.committed(), Instant::now());
-        let mut standby_ok = self.standby.check();
+        self.standby.check();
         loop {
             if stopping() {
                 return Ok(LinkEnd::Stop);
@@ -149,12 +149,8 @@ impl Link<'_> {
                     r.get_ref().set_read_timeout(Some(SETUP))?;
                 }
                 Applied::Committed(seq) => {
-                    if progress_at.elapsed() > Duration::from_millis(500) || seq == progress + 1 {
-                        standby_ok = self.standby.check();
-                    }
-                    if !self.bk.consistent() {
-                        standby_ok = false;
-                    }
+                    // A waitpid(WNOHANG) per epoch: the ack says whether failover is possible.
+                    let standby_ok = self.standby.check() && self.bk.consistent();
                     (progress, progress_at) = (seq, Instant::now());
                     r.get_ref().set_read_timeout(Some(self.timeout))?;
                     if send(&mut w, &ack_frame(f.vm_id, seq, standby_ok)).is_err() {

@@ -145,7 +145,6 @@ pub fn primary(a: PrimaryArgs) -> anyhow::Result<()> {
         stall_epoch: a.fault_stall_epoch,
     };
     let mut d = Daemon {
-        vm: &mut vm,
         site: &site,
         proto: Primary::new(a.vm_id, a.codec, Config::default()),
         registry: registry.clone(),
@@ -164,7 +163,7 @@ pub fn primary(a: PrimaryArgs) -> anyhow::Result<()> {
     let mut backoff = Duration::ZERO;
     let mut sessions = 0u64;
     let end = loop {
-        let Some(stream) = wait_for_backup(&a.backup, &mut d)? else {
+        let Some(stream) = wait_for_backup(&a.backup, &mut d, &mut vm)? else {
             break None;
         };
         if sessions > 0 {
@@ -172,7 +171,7 @@ pub fn primary(a: PrimaryArgs) -> anyhow::Result<()> {
             registry.inc_resyncs();
         }
         sessions += 1;
-        match d.session(stream) {
+        match d.session(&mut vm, stream) {
             Ok(End::Lost(why)) => {
                 let held = site.relay.as_ref().map(|r| r.stats()).unwrap_or_default();
                 eprintln!(
@@ -232,11 +231,15 @@ pub fn primary(a: PrimaryArgs) -> anyhow::Result<()> {
             if let Some(l) = load {
                 l.stop()?;
             }
-            summary(if stopping() {
-                "replication ended on request; guest shut down"
-            } else {
-                "replication ended (duration reached); guest shut down"
-            });
+            summary(
+                if end.is_none() && stopping() && !super::shutdown_requested() {
+                    "stopped while no backup was connected: nothing to hand the guest over to; guest shut down"
+                } else if stopping() {
+                    "replication ended on request; guest shut down"
+                } else {
+                    "replication ended (duration reached); guest shut down"
+                },
+            );
             vm.quit();
         }
     }
@@ -246,14 +249,18 @@ pub fn primary(a: PrimaryArgs) -> anyhow::Result<()> {
 /// Connects to the backup, retrying until it answers. Meanwhile the guest runs with its
 /// output held; the disk write log is dropped (the next session copies the whole disk).
 /// Returns `None` when the daemon is asked to stop first.
-fn wait_for_backup(addr: &str, d: &mut Daemon<'_>) -> anyhow::Result<Option<TcpStream>> {
+fn wait_for_backup(
+    addr: &str,
+    d: &mut Daemon<'_>,
+    vm: &mut tandem_vm::Vm,
+) -> anyhow::Result<Option<TcpStream>> {
     let mut said = None::<Instant>;
     loop {
         d.watchdog.beat();
         if stopping() || d.deadline.is_some_and(|t| Instant::now() >= t) {
             return Ok(None);
         }
-        if let Some(st) = d.vm.exit_status() {
+        if let Some(st) = vm.exit_status() {
             bail!("QEMU exited ({st}) while the primary waited for the backup");
         }
         if let Some(disk) = &d.site.disk {

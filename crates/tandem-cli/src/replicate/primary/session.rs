@@ -38,7 +38,6 @@ pub enum End {
 
 /// What lives across sessions.
 pub struct Daemon<'a> {
-    pub vm: &'a mut Vm,
     pub site: &'a Site,
     pub proto: Primary,
     pub registry: Registry,
@@ -60,12 +59,12 @@ type Writes = Vec<(u64, Vec<u8>)>;
 
 impl Daemon<'_> {
     /// Runs one session on `stream`.
-    pub fn session(&mut self, stream: TcpStream) -> anyhow::Result<End> {
+    pub fn session(&mut self, vm: &mut Vm, stream: TcpStream) -> anyhow::Result<End> {
         link::tune(&stream, self.opts.ack_timeout)?;
         let start = self.epoch;
         let shared = Arc::new(Shared::new(Acks::new(self.proto.vm_id(), start), start));
         let reader = self.spawn_reader(stream.try_clone()?, shared.clone());
-        let end = self.copy_and_run(&stream, &shared);
+        let end = self.copy_and_run(vm, &stream, &shared);
         self.last_session_acked = shared.acks().acked() > start;
         // Unblock the reader (and a sender stuck in a write), then collect them.
         let _ = stream.shutdown(std::net::Shutdown::Both);
@@ -75,10 +74,15 @@ impl Daemon<'_> {
         end
     }
 
-    fn copy_and_run(&mut self, stream: &TcpStream, shared: &Arc<Shared>) -> anyhow::Result<End> {
+    fn copy_and_run(
+        &mut self,
+        vm: &mut Vm,
+        stream: &TcpStream,
+        shared: &Arc<Shared>,
+    ) -> anyhow::Result<End> {
         let start = self.epoch;
         let mut w = BufWriter::with_capacity(1 << 20, stream.try_clone()?);
-        match self.initial_copy(&mut w, shared) {
+        match self.initial_copy(vm, &mut w, shared) {
             Ok(()) => {}
             Err(e) if e.downcast_ref::<tandem_vm::VmError>().is_some() => return Err(e),
             Err(e) => return Ok(self.lost_or_fenced(shared, format!("{e:#}"))),
@@ -97,15 +101,18 @@ impl Daemon<'_> {
                 stall_epoch: self.opts.stall_epoch,
             },
         );
-        println!("primary: protecting from epoch {} on", start + 1);
-        let r = self.epochs(&tx, shared);
+        println!(
+            "primary: initial copy sent; replicating from epoch {} on",
+            start + 1
+        );
+        let r = self.epochs(vm, &tx, shared);
         let end = match r {
             Err(e) => Err(e),
             Ok(()) if shared.fenced.load(Ordering::SeqCst) => {
                 Ok(End::Fenced(shared.fenced_at.load(Ordering::SeqCst)))
             }
             Ok(()) if shared.is_lost() => Ok(End::Lost(shared.why())),
-            Ok(()) if stopping() && !shutdown_requested() => self.handover(&tx, shared),
+            Ok(()) if stopping() && !shutdown_requested() => self.handover(vm, &tx, shared),
             Ok(()) => Ok(self.goodbye(&tx, shared)),
         };
         drop(tx);
@@ -123,11 +130,16 @@ impl Daemon<'_> {
 
     /// Hello, then the initial copy of RAM and disk taken in one pause and sent while the
     /// guest runs. Network output from here on is held until the session's first ack.
-    fn initial_copy(&mut self, w: &mut impl Write, shared: &Shared) -> anyhow::Result<()> {
+    fn initial_copy(
+        &mut self,
+        vm: &mut Vm,
+        w: &mut impl Write,
+        shared: &Shared,
+    ) -> anyhow::Result<()> {
         self.watchdog.beat();
         let (site, epoch) = (self.site, self.epoch);
         let mut disk = Ok(Vec::new());
-        let ram = self.vm.initial_copy(&mut || {
+        let ram = vm.initial_copy(&mut || {
             if let Some(r) = &site.relay {
                 r.seal(epoch);
             }
@@ -164,14 +176,15 @@ impl Daemon<'_> {
         Ok(())
     }
 
-    /// The epoch loop of this session: the pipeline with the link as its sink.
-    fn epochs(&mut self, tx: &SyncSender<Out>, shared: &Shared) -> anyhow::Result<()> {
-        let duration = self.deadline.map_or(Duration::MAX, |d| {
-            d.saturating_duration_since(Instant::now())
-        });
-        let first = self.epoch + 1;
-        let qemu = self.vm.pid();
-        let mut sink = LinkSink {
+    /// The link as the pipeline's sink for this session (`qemu`: the pid for the pause-kill
+    /// fault hook, 0 for none).
+    fn sink<'s>(
+        &'s mut self,
+        shared: &'s Shared,
+        tx: &'s SyncSender<Out>,
+        qemu: u32,
+    ) -> LinkSink<'s> {
+        LinkSink {
             st: Step {
                 proto: &mut self.proto,
                 registry: &self.registry,
@@ -188,10 +201,19 @@ impl Daemon<'_> {
             writes: Ok(Vec::new()),
             err: None,
             last_print: Instant::now(),
-        };
+        }
+    }
+
+    /// The epoch loop of this session: the pipeline with the link as its sink.
+    fn epochs(&mut self, vm: &mut Vm, tx: &SyncSender<Out>, shared: &Shared) -> anyhow::Result<()> {
+        let duration = self.deadline.map_or(Duration::MAX, |d| {
+            d.saturating_duration_since(Instant::now())
+        });
+        let first = self.epoch + 1;
+        let mut sink = self.sink(shared, tx, vm.pid());
         let r = run_pipeline(
-            &mut *self.vm,
-            &mut Fixed(self.opts.epoch),
+            vm,
+            &mut Fixed(sink.st.opts.epoch),
             duration,
             first,
             &mut sink,
@@ -203,35 +225,23 @@ impl Daemon<'_> {
 
     /// Planned stop: one last checkpoint with the guest left stopped, shipped with a
     /// handover; the backup resumes the guest from it. This copy never runs again.
-    fn handover(&mut self, tx: &SyncSender<Out>, shared: &Shared) -> anyhow::Result<End> {
+    fn handover(
+        &mut self,
+        vm: &mut Vm,
+        tx: &SyncSender<Out>,
+        shared: &Shared,
+    ) -> anyhow::Result<End> {
         let seq = self.epoch + 1;
         let (mut pfns, mut pages, mut dev) = (Vec::new(), Vec::new(), Vec::new());
-        let mut sink = LinkSink {
-            st: Step {
-                proto: &mut self.proto,
-                registry: &self.registry,
-                opts: self.opts,
-                site: self.site,
-                shared,
-                tx,
-                pauses_ms: &mut self.pauses_ms,
-                raw: &mut self.raw,
-                sent: &mut self.sent,
-            },
-            watchdog: &self.watchdog,
-            qemu: 0,
-            writes: Ok(Vec::new()),
-            err: None,
-            last_print: Instant::now(),
-        };
-        let timing = self.vm.pause(
+        let ack_timeout = self.opts.ack_timeout;
+        let mut sink = self.sink(shared, tx, 0);
+        let timing = vm.pause(
             &mut pfns,
             &mut pages,
             &mut dev,
             &mut || sink.in_pause(seq),
             false,
         )?;
-        self.epoch = seq;
         let cp = Checkpoint {
             epoch: seq,
             at: Duration::ZERO,
@@ -243,12 +253,10 @@ impl Daemon<'_> {
         let w = std::mem::replace(&mut sink.writes, Ok(Vec::new()))
             .context("reading back the final epoch's disk writes")?;
         sink.st.ship(seq, &cp, &w)?;
-        let _ = tx.send(Out::Control(self.proto.handover(seq)));
+        let _ = tx.send(Out::Control(sink.st.proto.handover(seq)));
+        self.epoch = seq;
         let t = Instant::now();
-        while shared.acks().acked() < seq
-            && !shared.is_lost()
-            && t.elapsed() < self.opts.ack_timeout
-        {
+        while shared.acks().acked() < seq && !shared.is_lost() && t.elapsed() < ack_timeout {
             std::thread::sleep(Duration::from_millis(2));
         }
         Ok(End::HandedOver {
