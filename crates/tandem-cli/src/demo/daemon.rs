@@ -38,14 +38,28 @@ impl Daemon {
         args: &[String],
         log: PathBuf,
     ) -> anyhow::Result<Daemon> {
-        let mut child = Command::new("ip")
-            .args(["netns", "exec", ns])
+        let mut cmd = Command::new("ip");
+        cmd.args(["netns", "exec", ns])
             .arg(exe)
             .args(args)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
-            .process_group(0)
+            .process_group(0);
+        // The daemon dies with the harness (a demo or bench that is killed must not leave
+        // daemons running; each daemon's QEMU dies with its daemon in turn).
+        // SAFETY: the closure runs between fork and exec and only calls prctl(2), which is
+        // async-signal-safe; it allocates nothing. (`ip netns exec` keeps the setting: it is
+        // not set-user-ID.)
+        unsafe {
+            cmd.pre_exec(|| {
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        let mut child = cmd
             .spawn()
             .with_context(|| format!("starting the {name} (ip netns exec {ns} ...)"))?;
         let (tx, rx) = channel();
