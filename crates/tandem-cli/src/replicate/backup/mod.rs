@@ -296,7 +296,7 @@ fn failover(
     let detected_at_ms = unix_ms();
     let epoch = bk.committed();
     let state = bk.device_state().to_vec();
-    if !standby.check() {
+    if !standby.check_now() {
         anyhow::bail!("primary lost ({why}) but the standby QEMU is not running: cannot resume the guest from epoch {epoch}");
     }
     let mut vm = standby.take().context("no standby")?;

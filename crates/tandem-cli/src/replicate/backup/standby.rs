@@ -76,6 +76,15 @@ impl Standby {
         }
     }
 
+    /// Like [`Standby::check`], but a dead standby is restarted now, whenever it was last
+    /// tried (at failover there is no later).
+    pub fn check_now(&mut self) -> bool {
+        if let Some(t) = Instant::now().checked_sub(Duration::from_secs(3)) {
+            self.last_try = self.last_try.min(t);
+        }
+        self.check()
+    }
+
     /// The standby, to resume the guest on.
     pub fn take(&mut self) -> Option<Vm> {
         self.vm.take()
