@@ -22,6 +22,7 @@
 //! [`MAX_LZ4_RATIO`]) here, and against the sum of the page codes' payloads in the decoder.
 
 use crate::DecodeError;
+use tandem_types::framing::{crc32c, has_magic, u16_at, u32_at, u64_at};
 
 /// Record magic.
 pub const MAGIC: &[u8; 8] = b"TNDMEPC1";
@@ -104,23 +105,23 @@ impl Header {
                 rec.len()
             )));
         }
-        if &rec[..8] != MAGIC {
+        if !has_magic(rec, MAGIC) {
             return Err(DecodeError::Malformed(
                 "bad magic: not a tandem epoch record".into(),
             ));
         }
-        let u16_at = |o: usize| u16::from_le_bytes([rec[o], rec[o + 1]]);
-        let u32_at = |o: usize| u32::from_le_bytes([rec[o], rec[o + 1], rec[o + 2], rec[o + 3]]);
+        let u16_at = |o: usize| u16_at(rec, o);
+        let u32_at = |o: usize| u32_at(rec, o);
         let version = u16_at(8);
         if version != VERSION {
             return Err(DecodeError::Version(version));
         }
-        if crc32c::crc32c(&rec[..48]) != u32_at(48) {
+        if crc32c(&[&rec[..48]]) != u32_at(48) {
             return Err(DecodeError::Checksum("header"));
         }
         let h = Header {
             flags: u16_at(10),
-            epoch: u64::from_le_bytes(rec[16..24].try_into().unwrap_or_default()),
+            epoch: u64_at(rec, 16),
             entries: u32_at(24),
             ops_len: u32_at(28),
             data_stored_len: u32_at(32),

@@ -32,6 +32,8 @@
 
 use std::io::{Read, Write};
 
+use tandem_types::framing::{crc32c, has_magic, u16_at, u32_at, u64_at};
+
 /// Frame magic.
 pub const MAGIC: &[u8; 4] = b"TNDR";
 /// Protocol version.
@@ -146,7 +148,7 @@ impl Frame {
         h[8..16].copy_from_slice(&self.vm_id.to_le_bytes());
         h[16..24].copy_from_slice(&self.seq.to_le_bytes());
         h[24..28].copy_from_slice(&(self.payload.len() as u32).to_le_bytes());
-        let crc = crc32c::crc32c_append(crc32c::crc32c(&h[..28]), &self.payload);
+        let crc = crc32c(&[&h[..28], &self.payload]);
         h[28..32].copy_from_slice(&crc.to_le_bytes());
         w.write_all(&h)?;
         w.write_all(&self.payload)
@@ -165,10 +167,10 @@ impl Frame {
                 Err(e) => return Err(e.into()),
             }
         }
-        if &h[..4] != MAGIC {
+        if !has_magic(&h, MAGIC) {
             return Err(WireError::Magic);
         }
-        let version = u16::from_le_bytes([h[4], h[5]]);
+        let version = u16_at(&h, 4);
         if version != VERSION {
             return Err(WireError::Version(version));
         }
@@ -177,7 +179,7 @@ impl Frame {
         if h[7] != 0 {
             return Err(WireError::Malformed(format!("unknown flags {:#x}", h[7])));
         }
-        let len = u32::from_le_bytes([h[24], h[25], h[26], h[27]]);
+        let len = u32_at(&h, 24);
         if len > MAX_PAYLOAD {
             return Err(WireError::Malformed(format!(
                 "payload of {len} bytes exceeds {MAX_PAYLOAD}"
@@ -188,14 +190,13 @@ impl Frame {
         if payload.len() != len as usize {
             return Err(WireError::Io(std::io::ErrorKind::UnexpectedEof.into()));
         }
-        let crc = crc32c::crc32c_append(crc32c::crc32c(&h[..28]), &payload);
-        if crc != u32::from_le_bytes([h[28], h[29], h[30], h[31]]) {
+        if crc32c(&[&h[..28], &payload]) != u32_at(&h, 28) {
             return Err(WireError::Checksum);
         }
         Ok(Some(Frame {
             kind,
-            vm_id: u64::from_le_bytes(h[8..16].try_into().unwrap_or_default()),
-            seq: u64::from_le_bytes(h[16..24].try_into().unwrap_or_default()),
+            vm_id: u64_at(&h, 8),
+            seq: u64_at(&h, 16),
             payload,
         }))
     }
@@ -256,13 +257,11 @@ impl Hello {
             return None;
         }
         Some(Hello {
-            mem_bytes: u64::from_le_bytes(p[..8].try_into().ok()?),
-            page_size: u32::from_le_bytes(p[8..12].try_into().ok()?),
-            disk_bytes: u64::from_le_bytes(p[12..20].try_into().ok()?),
-            start_epoch: match p.get(20..28) {
-                Some(b) => u64::from_le_bytes(b.try_into().ok()?),
-                None => 0,
-            },
+            mem_bytes: u64_at(p, 0),
+            page_size: u32_at(p, 8),
+            disk_bytes: u64_at(p, 12),
+            // Absent in the 20-byte form: reads as 0.
+            start_epoch: u64_at(p, 20),
         })
     }
 }
@@ -299,7 +298,7 @@ pub fn heartbeat_frame(vm_id: u64, progress: u64) -> Frame {
 
 /// The progress a heartbeat carries, if any.
 pub fn heartbeat_progress(f: &Frame) -> Option<u64> {
-    Some(u64::from_le_bytes(f.payload.get(..8)?.try_into().ok()?))
+    (f.payload.len() >= 8).then(|| u64_at(&f.payload, 0))
 }
 
 #[cfg(test)]

@@ -81,15 +81,7 @@ pub struct Entry {
     pub dirty_pages: u32,
 }
 
-fn u32_at(b: &[u8], o: usize) -> u32 {
-    u32::from_le_bytes([b[o], b[o + 1], b[o + 2], b[o + 3]])
-}
-
-fn u64_at(b: &[u8], o: usize) -> u64 {
-    let mut a = [0u8; 8];
-    a.copy_from_slice(&b[o..o + 8]);
-    u64::from_le_bytes(a)
-}
+use tandem_types::framing::{has_magic, u32_at, u64_at};
 
 /// The index header for a guest of `mem_bytes`.
 pub fn index_header(mem_bytes: u64) -> [u8; INDEX_HEADER] {
@@ -105,7 +97,7 @@ pub fn index_header(mem_bytes: u64) -> [u8; INDEX_HEADER] {
 
 /// Parses the index header; returns the guest size or what is wrong.
 pub fn parse_index_header(h: &[u8]) -> Result<u64, String> {
-    if h.len() < INDEX_HEADER || &h[..8] != INDEX_MAGIC {
+    if h.len() < INDEX_HEADER || !has_magic(h, INDEX_MAGIC) {
         return Err("not a tandem checkpoint index (bad magic)".into());
     }
     if crc32c::crc32c(&h[..28]) != u32_at(h, 28) {
@@ -151,7 +143,10 @@ impl Entry {
     /// Parses an entry; `None` if the magic, kind or checksum is wrong (a torn or damaged
     /// entry).
     pub fn decode(b: &[u8]) -> Option<Entry> {
-        if b.len() < ENTRY_LEN || &b[..4] != b"TIDX" || crc32c::crc32c(&b[..60]) != u32_at(b, 60) {
+        if b.len() < ENTRY_LEN
+            || !has_magic(b, b"TIDX")
+            || crc32c::crc32c(&b[..60]) != u32_at(b, 60)
+        {
             return None;
         }
         Some(Entry {
@@ -224,7 +219,7 @@ pub struct Record<'a> {
 
 /// Parses and checks a segment record (whole buffer).
 pub fn decode_record(b: &[u8]) -> Result<Record<'_>, String> {
-    if b.len() < RECORD_HEADER || &b[..4] != b"TSEG" {
+    if b.len() < RECORD_HEADER || !has_magic(b, b"TSEG") {
         return Err("bad record magic".into());
     }
     let kind = RecordKind::from_u8(b[4]).ok_or_else(|| format!("unknown record kind {}", b[4]))?;
@@ -237,7 +232,7 @@ pub fn decode_record(b: &[u8]) -> Result<Record<'_>, String> {
         return Err("record length does not match its header".into());
     }
     let mem_len = mem_len as usize;
-    let crc = crc32c::crc32c_append(crc32c::crc32c(&b[..28]), &b[RECORD_HEADER..]);
+    let crc = tandem_types::framing::crc32c(&[&b[..28], &b[RECORD_HEADER..]]);
     if crc != u32_at(b, 28) {
         return Err("record checksum mismatch".into());
     }

@@ -1,6 +1,7 @@
 //! Streaming trace reader: validates every byte before handing it out.
 
 use std::io::Read;
+use tandem_types::framing::{crc32c, u16_at, u32_at, u64_at};
 
 use crate::frame::{Cursor, EpochRecord, Frame, KIND_BASE, KIND_END, KIND_EPOCH};
 use crate::{
@@ -49,13 +50,13 @@ impl<R: Read> TraceReader<R> {
                 what: "file header".into(),
             });
         }
-        let u32_at = |o: usize| u32::from_le_bytes([h[o], h[o + 1], h[o + 2], h[o + 3]]);
-        let version = u16::from_le_bytes([h[8], h[9]]);
+        let u32_at = |o: usize| u32_at(&h, o);
+        let version = u16_at(&h, 8);
         if version != VERSION {
             return Err(TraceError::Version(version));
         }
         let page_size = u32_at(12);
-        let mem_bytes = u64::from_le_bytes(h[16..24].try_into().unwrap_or_default());
+        let mem_bytes = u64_at(&h, 16);
         let epoch_ms = u32_at(24);
         let meta_len = u32_at(28) as usize;
         if meta_len > MAX_META {
@@ -71,7 +72,7 @@ impl<R: Read> TraceReader<R> {
                 what: "metadata".into(),
             });
         }
-        let crc = crc32c::crc32c_append(crc32c::crc32c(&h[..44]), &meta);
+        let crc = crc32c(&[&h[..44], &meta]);
         if crc != u32_at(44) {
             return Err(TraceError::Corrupt {
                 offset: 44,
@@ -144,9 +145,9 @@ impl<R: Read> TraceReader<R> {
             });
         }
         let (kind, codec) = (h[0], h[1]);
-        let raw_len = u32::from_le_bytes(h[4..8].try_into().unwrap_or_default()) as usize;
-        let stored_len = u32::from_le_bytes(h[8..12].try_into().unwrap_or_default()) as usize;
-        let crc = u32::from_le_bytes(h[12..16].try_into().unwrap_or_default());
+        let raw_len = u32_at(&h, 4) as usize;
+        let stored_len = u32_at(&h, 8) as usize;
+        let crc = u32_at(&h, 12);
         let corrupt = |what: String| TraceError::Corrupt { offset: at, what };
         if !(KIND_BASE..=KIND_END).contains(&kind) {
             return Err(corrupt(format!("unknown frame kind {kind}")));

@@ -1,10 +1,13 @@
 //! The words every tandem crate shares, defined once: the guest page size, the epoch number
 //! and the components of a checkpoint pause (used by the VM's epoch loop, traces, the
-//! replication metrics and the checkpoint store).
+//! replication metrics and the checkpoint store), and the framing helper under the four
+//! binary formats ([`framing`]).
 
 #![warn(missing_docs)]
 
 use serde::{Deserialize, Serialize};
+
+pub mod framing;
 
 /// Size of a guest page in bytes (x86-64 base pages; dirty logs, codecs and formats work in
 /// these units).
