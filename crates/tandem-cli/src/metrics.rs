@@ -227,7 +227,6 @@ impl Registry {
     }
 
     /// A snapshot of the pause histogram (seconds), e.g. for p50/p99 on a progress line.
-    #[allow(dead_code)] // for the primary's progress line
     pub fn pause_histogram(&self) -> Histogram {
         self.lock().pause.clone()
     }

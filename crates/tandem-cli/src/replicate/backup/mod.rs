@@ -90,6 +90,7 @@ impl Link<'_> {
     fn serve(&mut self, stream: TcpStream) -> anyhow::Result<LinkEnd> {
         // During an initial copy there is nothing to fail over to: allow it time.
         const SETUP: Duration = Duration::from_secs(60);
+        let mut in_setup = !self.bk.consistent();
         stream.set_read_timeout(Some(if self.bk.consistent() {
             self.timeout
         } else {
@@ -147,12 +148,16 @@ impl Link<'_> {
                 Applied::Hello => {
                     println!("backup: session from epoch {}: receiving the initial copy (no failover possible until its first epoch commits)", self.bk.committed());
                     r.get_ref().set_read_timeout(Some(SETUP))?;
+                    in_setup = true;
                 }
                 Applied::Committed(seq) => {
                     // A waitpid(WNOHANG) per epoch: the ack says whether failover is possible.
                     let standby_ok = self.standby.check() && self.bk.consistent();
                     (progress, progress_at) = (seq, Instant::now());
-                    r.get_ref().set_read_timeout(Some(self.timeout))?;
+                    if std::mem::take(&mut in_setup) {
+                        // The session's first epoch: silence now means a lost primary.
+                        r.get_ref().set_read_timeout(Some(self.timeout))?;
+                    }
                     if send(&mut w, &ack_frame(f.vm_id, seq, standby_ok)).is_err() {
                         return Ok(LinkEnd::Lost("the link broke while acknowledging".into()));
                     }

@@ -13,7 +13,6 @@ mod link;
 mod session;
 mod watchdog;
 
-use std::collections::VecDeque;
 use std::io::BufWriter;
 use std::net::TcpStream;
 use std::path::PathBuf;
@@ -152,7 +151,6 @@ pub fn primary(a: PrimaryArgs) -> anyhow::Result<()> {
         watchdog: watchdog.clone(),
         epoch: 0,
         jsonl: Arc::new(Mutex::new(jsonl)),
-        pauses_ms: VecDeque::new(),
         raw: 0,
         sent: 0,
         deadline: a.duration.map(|s| Instant::now() + Duration::from_secs(s)),

@@ -2,7 +2,6 @@
 //! guest runs), then the epoch loop until the link is lost, the backup fences this primary,
 //! or the operator stops it (handover or shutdown).
 
-use std::collections::VecDeque;
 use std::io::{BufReader, BufWriter, Write};
 use std::net::TcpStream;
 use std::sync::atomic::Ordering;
@@ -22,7 +21,6 @@ use super::Opts;
 use crate::metrics::{EpochMetrics, Registry};
 use crate::replicate::site::Site;
 use crate::replicate::{shutdown_requested, stopping};
-use crate::stats::quantile;
 
 /// How a session ended (errors of the VM end the daemon instead).
 pub enum End {
@@ -46,7 +44,6 @@ pub struct Daemon<'a> {
     /// Last epoch checkpointed (numbers keep counting across sessions).
     pub epoch: u64,
     pub jsonl: Arc<Mutex<Option<BufWriter<std::fs::File>>>>,
-    pub pauses_ms: VecDeque<f64>,
     pub raw: u64,
     pub sent: u64,
     pub deadline: Option<Instant>,
@@ -192,7 +189,6 @@ impl Daemon<'_> {
                 site: self.site,
                 shared,
                 tx,
-                pauses_ms: &mut self.pauses_ms,
                 raw: &mut self.raw,
                 sent: &mut self.sent,
             },
@@ -427,7 +423,6 @@ struct Step<'a> {
     site: &'a Site,
     shared: &'a Shared,
     tx: &'a SyncSender<Out>,
-    pauses_ms: &'a mut VecDeque<f64>,
     raw: &'a mut u64,
     sent: &'a mut u64,
 }
@@ -445,12 +440,7 @@ impl Step<'_> {
             disk_writes: self.site.disk.as_ref().map(|_| writes.as_slice()),
         };
         let (frame, sizes) = self.proto.epoch(&input)?;
-        let held = self
-            .site
-            .relay
-            .as_ref()
-            .map(|r| r.stats())
-            .unwrap_or_default();
+        let held = self.held();
         self.registry.set_held(held.held_frames, held.held_bytes);
         self.registry.set_dropped_frames(held.overflow_frames);
         let tm = cp.timing;
@@ -470,10 +460,6 @@ impl Step<'_> {
         };
         *self.raw += m.raw_bytes;
         *self.sent += m.sent_bytes;
-        if self.pauses_ms.len() >= 1000 {
-            self.pauses_ms.pop_front();
-        }
-        self.pauses_ms.push_back(tm.total_us() as f64 / 1000.0);
         self.shared.pending().push_back(m.clone());
         let mut item = Out::Epoch(frame, Box::new(m));
         loop {
@@ -494,6 +480,15 @@ impl Step<'_> {
         Ok(())
     }
 
+    /// The relay's counters (zeros without a relay).
+    fn held(&self) -> tandem_net::RelayStats {
+        self.site
+            .relay
+            .as_ref()
+            .map(|r| r.stats())
+            .unwrap_or_default()
+    }
+
     /// Marks the link lost if the oldest unacknowledged epoch is older than the ack timeout.
     fn check_deadline(&self) -> bool {
         let age = self.shared.acks().oldest_unacked(Instant::now());
@@ -508,21 +503,17 @@ impl Step<'_> {
     }
 
     fn print(&self, seq: u64) {
-        let p: Vec<f64> = self.pauses_ms.iter().copied().collect();
-        let held = self
-            .site
-            .relay
-            .as_ref()
-            .map(|r| r.stats())
-            .unwrap_or_default();
+        // Pause quantiles from the metrics histogram (epochs the sender has shipped).
+        let pauses = self.registry.pause_histogram();
+        let held = self.held();
         let acks = self.shared.acks();
         println!(
             "primary: epoch {seq} acked {} | raw {:.1} MiB sent {:.2} MiB | pause p50 {:.1} ms p99 {:.1} ms | held frames {}{}",
             acks.acked(),
             *self.raw as f64 / (1 << 20) as f64,
             *self.sent as f64 / (1 << 20) as f64,
-            quantile(&p, 0.5),
-            quantile(&p, 0.99),
+            pauses.quantile(0.5) * 1e3,
+            pauses.quantile(0.99) * 1e3,
             held.held_frames,
             if acks.can_fail_over() { "" } else { " | backup CANNOT fail over" },
         );
