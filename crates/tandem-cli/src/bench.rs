@@ -8,8 +8,8 @@ use serde::Serialize;
 use tandem_vm::epoch::{run_epochs, Fixed};
 use tandem_vm::{DirtyLog, HashLog};
 
-use crate::stats::{mean, quantile};
 use crate::vmargs::{boot, VmArgs};
+use tandem_protect::stats::{mean, quantile};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -283,7 +283,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             });
         }
         if let Some(l) = load {
-            l.stop()?;
+            l.stop().map_err(anyhow::Error::msg)?;
         }
         vm.quit();
     }

@@ -6,14 +6,14 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use serde::Serialize;
-use tandem_codec::{Codec, Config};
+use tandem_codec::Codec;
+use tandem_protect::saver::SaveConfig;
+use tandem_protect::signals;
 use tandem_store::format::RecordKind;
-use tandem_store::{Meta, Outcome, Saver, Store};
-use tandem_vm::epoch::{run_epochs, Fixed};
-use tandem_vm::{DirtyMode, MirrorFile, Vm, PAGE_SIZE};
+use tandem_store::Store;
+use tandem_vm::{DirtyMode, MirrorFile, Vm};
 
-use crate::stats::quantile;
-use crate::vmargs::{boot, VmArgs};
+use crate::vmargs::{kv_load, VmArgs};
 
 #[derive(clap::Subcommand)]
 pub enum Cmd {
@@ -82,29 +82,6 @@ pub struct RestoreArgs {
     pub json: bool,
 }
 
-#[derive(Serialize)]
-struct SaveSummary {
-    dir: String,
-    /// Checkpoints taken (saved + skipped).
-    checkpoints: u64,
-    /// Checkpoints the store could not take (disk full, write errors).
-    skipped: u64,
-    first_pause_ms: f64,
-    pause_ms_p50: f64,
-    pause_ms_p99: f64,
-    checkpoint_ms_p50: f64,
-    delta_bytes_mean: f64,
-    base_bytes: u64,
-    compactions: u64,
-    kept: usize,
-    device_state_bytes: u64,
-    dirty_pages_mean: f64,
-}
-
-fn unix_ms() -> u64 {
-    crate::replicate::unix_ms()
-}
-
 pub fn run(c: Cmd) -> anyhow::Result<()> {
     match c {
         Cmd::Save(a) => save(a),
@@ -115,178 +92,19 @@ pub fn run(c: Cmd) -> anyhow::Result<()> {
 }
 
 fn save(a: SaveArgs) -> anyhow::Result<()> {
-    crate::replicate::install_stop_handler();
-    let cfg = a.vm.config("save")?;
-    let bytes = cfg.mem_mib << 20;
-    // Takes the store's writer lock before the guest boots: a second saver stops here.
-    let store = if a.dir.join("index").exists() {
-        let s = Store::open_append(&a.dir)?;
-        if s.mem_bytes() != bytes {
-            bail!(
-                "{} holds checkpoints of a {} MiB guest; this VM has {} MiB",
-                a.dir.display(),
-                s.mem_bytes() >> 20,
-                cfg.mem_mib
-            );
-        }
-        s
-    } else {
-        Store::create(&a.dir, bytes)?
+    signals::install_stop_handler();
+    let cfg = SaveConfig {
+        dir: a.dir,
+        vm: a.vm.spec(),
+        interval: a.interval.map(Duration::from_millis),
+        count: a.count,
+        keep: a.keep,
+        base_every: a.base_every,
+        codec: a.codec,
+        fault_compact: a.fault_compact,
+        load: Some(kv_load()),
     };
-    let (mut vm, ready, load) = boot(&cfg)?;
-    eprintln!(
-        "checkpoint: guest `{}` ready in {:.1} s; saving into {}",
-        cfg.workload,
-        ready.as_secs_f64(),
-        a.dir.display()
-    );
-    let codec_cfg = Config::default();
-    // First checkpoint: a base, pre-copied while the guest runs. The dirty log restarts (a
-    // short pause), all of RAM is copied with the guest running, and the checkpoint pause then
-    // copies only the pages written meanwhile (the dirty log has every one of them).
-    vm.reset_dirty_log()?;
-    let mut shadow = vec![0u8; bytes as usize];
-    for (pfn, page) in shadow.chunks_mut(PAGE_SIZE).enumerate() {
-        vm.ram().copy_page(pfn as u64, page);
-    }
-    let (mut pfns, mut pages, mut dev) = (Vec::new(), Vec::new(), Vec::new());
-    let timing = vm.checkpoint(&mut pfns, &mut pages, &mut dev)?;
-    for (&p, page) in pfns.iter().zip(pages.chunks(PAGE_SIZE)) {
-        let o = p as usize * PAGE_SIZE;
-        shadow[o..o + PAGE_SIZE].copy_from_slice(page);
-    }
-    let first_pause = Duration::from_micros(timing.total_us() as u64);
-    // The saver keeps the shadow, its hashes and the encoder current from every checkpoint;
-    // a checkpoint the store could not take (disk full) is skipped and the next is a base.
-    let mut saver = Saver::new(store, shadow, a.codec, codec_cfg, a.base_every)?;
-    let meta = Meta {
-        time_ms: unix_ms(),
-        pause_us: first_pause.as_micros() as u32,
-        dirty_pages: (bytes as usize / PAGE_SIZE) as u32,
-        ..Meta::default()
-    };
-    let mut log = SaveLog::new(&a.dir);
-    let first = saver.checkpoint(&[], &[], &dev, meta)?;
-    log.outcome(&first);
-    let base_bytes = match first {
-        Outcome::Saved { memory_bytes, .. } => memory_bytes as u64,
-        Outcome::Skipped { error, .. } if a.interval.is_none() || a.count == Some(1) => {
-            return Err(error).context("the checkpoint was not saved");
-        }
-        Outcome::Skipped { .. } => 0,
-    };
-    let (mut pauses, mut totals, mut deltas) = (Vec::new(), Vec::new(), Vec::new());
-    let (mut dirty, mut dev_len) = (Vec::new(), dev.len() as u64);
-    let mut compactions = 0;
-    let mut compact_at = 0;
-    let mut taken = 1u64;
-    let mut err = None;
-    if let Some(ms) = a.interval.filter(|_| a.count != Some(1)) {
-        let limit = a.count.unwrap_or(u64::MAX);
-        let mut last_print = Instant::now();
-        run_epochs(
-            &mut vm,
-            &mut Fixed(Duration::from_millis(ms.max(1))),
-            Duration::from_secs(u64::MAX / 4),
-            |cp| {
-                let t = Instant::now();
-                let meta = Meta {
-                    time_ms: unix_ms(),
-                    pause_us: cp.timing.total_us(),
-                    dirty_pages: cp.pfns.len() as u32,
-                    ..Meta::default()
-                };
-                match saver.checkpoint(cp.pfns, cp.pages, cp.device_state, meta) {
-                    Ok(o) => {
-                        log.outcome(&o);
-                        if let Outcome::Saved {
-                            entry,
-                            memory_bytes,
-                        } = o
-                        {
-                            if entry.kind == RecordKind::Delta {
-                                deltas.push(memory_bytes as f64);
-                            }
-                        }
-                    }
-                    Err(e) => {
-                        err = Some(anyhow::Error::from(e));
-                        return false;
-                    }
-                }
-                if let Some(keep) = a.keep {
-                    // Fold in batches: at most keep/2 extra checkpoints between compactions.
-                    let n = saver.store().entries().len();
-                    if n > keep + (keep / 2).max(1) && n >= compact_at {
-                        if let Some(cp) = a.fault_compact {
-                            let r =
-                                saver
-                                    .store_mut()
-                                    .compact_until(keep, a.codec, codec_cfg, Some(cp));
-                            eprintln!("checkpoint: fault injection: aborting during compaction ({cp:?}): {r:?}");
-                            std::process::abort();
-                        }
-                        match saver.store_mut().compact(keep, a.codec, codec_cfg) {
-                            Ok(_) => compactions += 1,
-                            Err(e) => {
-                                // Nothing changed; try again after keep/2 more checkpoints.
-                                compact_at = n + (keep / 2).max(1);
-                                log.compaction_failed(&e);
-                            }
-                        }
-                    }
-                }
-                pauses.push(cp.timing.total_us() as f64 / 1000.0);
-                dirty.push(cp.pfns.len() as f64);
-                dev_len = cp.device_state.len() as u64;
-                totals.push(
-                    cp.timing.total_us() as f64 / 1000.0 + t.elapsed().as_secs_f64() * 1000.0,
-                );
-                taken += 1;
-                if last_print.elapsed() >= Duration::from_secs(1) {
-                    last_print = Instant::now();
-                    eprintln!(
-                        "checkpoint {}: pause p50 {:.1} ms, delta {:.0} KiB (mean), {} in the store",
-                        saver.store().entries().last().map_or(0, |e| e.id),
-                        quantile(&pauses, 0.5),
-                        deltas.iter().sum::<f64>() / deltas.len().max(1) as f64 / 1024.0,
-                        saver.store().entries().len()
-                    );
-                }
-                taken < limit && !crate::replicate::stopping()
-            },
-        )?;
-    }
-    if let Some(e) = err {
-        return Err(e);
-    }
-    if let Some(l) = load {
-        l.stop()?;
-    }
-    vm.quit();
-    if let Some(keep) = a.keep {
-        // Leave exactly the newest `keep` (between compactions up to keep/2 more exist).
-        match saver.store_mut().compact(keep, a.codec, codec_cfg) {
-            Ok(n) if n > 0 => compactions += 1,
-            Ok(_) => {}
-            Err(e) => log.compaction_failed(&e),
-        }
-    }
-    let s = SaveSummary {
-        dir: a.dir.display().to_string(),
-        checkpoints: taken,
-        skipped: saver.skipped(),
-        first_pause_ms: first_pause.as_secs_f64() * 1000.0,
-        pause_ms_p50: quantile(&pauses, 0.5),
-        pause_ms_p99: quantile(&pauses, 0.99),
-        checkpoint_ms_p50: quantile(&totals, 0.5),
-        delta_bytes_mean: deltas.iter().sum::<f64>() / deltas.len().max(1) as f64,
-        base_bytes,
-        compactions,
-        kept: saver.store().entries().len(),
-        device_state_bytes: dev_len,
-        dirty_pages_mean: dirty.iter().sum::<f64>() / dirty.len().max(1) as f64,
-    };
+    let s = tandem_protect::saver::save(cfg, crate::daemons::stderr("checkpoint"))?;
     if a.json {
         println!("{}", serde_json::to_string_pretty(&s)?);
     } else {
@@ -303,89 +121,6 @@ fn save(a: SaveArgs) -> anyhow::Result<()> {
         );
     }
     Ok(())
-}
-
-/// Reports what became of each checkpoint: skipped ones with why and what to do (in full at
-/// the first of a run of failures, then a reminder every 5 s), and the first one saved again.
-struct SaveLog {
-    dir: String,
-    seq: u64,
-    failing: bool,
-    last_reminder: Instant,
-}
-
-impl SaveLog {
-    fn new(dir: &std::path::Path) -> Self {
-        SaveLog {
-            dir: dir.display().to_string(),
-            seq: 0,
-            failing: false,
-            last_reminder: Instant::now(),
-        }
-    }
-
-    fn outcome(&mut self, o: &Outcome) {
-        self.seq += 1;
-        match o {
-            Outcome::Saved { entry, .. } => {
-                if self.failing {
-                    eprintln!(
-                        "checkpoint: saving again: checkpoint {} (#{} of this run) is a full {}",
-                        entry.id,
-                        self.seq,
-                        format!("{:?}", entry.kind).to_lowercase()
-                    );
-                }
-                self.failing = false;
-            }
-            Outcome::Skipped {
-                would_be,
-                error,
-                streak,
-            } => {
-                self.failing = true;
-                let why = chain(error);
-                let what = if error.is_disk_full() {
-                    format!("the disk holding {} is full", self.dir)
-                } else {
-                    format!("writing to {} failed", self.dir)
-                };
-                if *streak == 1 {
-                    eprintln!(
-                        "checkpoint: {what}: checkpoint #{} of this run (it would have been checkpoint {would_be}) was NOT saved ({why}). The guest keeps running and the store is intact, ending at the last saved checkpoint. Free space there (or lower --keep); tandem retries at every checkpoint, and the next one saved will be a full base.",
-                        self.seq
-                    );
-                    self.last_reminder = Instant::now();
-                } else if self.last_reminder.elapsed() >= Duration::from_secs(5) {
-                    eprintln!(
-                        "checkpoint: {what}: still not saving ({streak} checkpoint(s) skipped in a row, latest #{}: {why})",
-                        self.seq
-                    );
-                    self.last_reminder = Instant::now();
-                }
-            }
-        }
-    }
-
-    fn compaction_failed(&self, e: &tandem_store::StoreError) {
-        let full = if e.is_disk_full() { " (disk full)" } else { "" };
-        eprintln!(
-            "checkpoint: retention could not fold old checkpoints in {}{full}: {}; nothing was dropped, the store is intact; it is tried again later",
-            self.dir,
-            chain(e)
-        );
-    }
-}
-
-/// An error with its sources, `a: b: c`.
-fn chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut src = e.source();
-    while let Some(c) = src {
-        s = format!("{s}: {c}");
-        src = c.source();
-    }
-    s
 }
 
 fn open(dir: &std::path::Path) -> anyhow::Result<Store> {
@@ -466,7 +201,7 @@ struct RestoreSummary {
 }
 
 fn restore(a: RestoreArgs) -> anyhow::Result<()> {
-    crate::replicate::install_stop_handler();
+    signals::install_stop_handler();
     let s = open(&a.dir)?;
     let mut cfg = a.vm.config("restore")?;
     cfg.dirty = DirtyMode::None;
@@ -534,7 +269,7 @@ fn restore(a: RestoreArgs) -> anyhow::Result<()> {
     let until = a
         .run_seconds
         .map(|s| Instant::now() + Duration::from_secs(s));
-    while !crate::replicate::stopping() && until.is_none_or(|u| Instant::now() < u) {
+    while !signals::stopping() && until.is_none_or(|u| Instant::now() < u) {
         std::thread::sleep(Duration::from_millis(100));
     }
     vm.quit();

@@ -9,7 +9,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 use tandem_codec::{decode, Codec, Config, Encoder, Plan};
 
-use crate::stats::{mean, quantile};
+use tandem_protect::stats::{mean, quantile};
 
 #[derive(Serialize, Clone)]
 pub struct CodecRow {
@@ -47,7 +47,7 @@ fn run_one(path: &Path, codec: Codec, cfg: &Config, pb: &ProgressBar) -> anyhow:
         };
         rec.clear();
         let t = Instant::now();
-        let st = enc.encode(e.epoch as u64, &e.pfns, &e.data, &mut rec)?;
+        let st = enc.encode(e.epoch, &e.pfns, &e.data, &mut rec)?;
         enc_t += t.elapsed();
         for (p, v) in phases.iter_mut().zip(st.phase_us) {
             *p += v;

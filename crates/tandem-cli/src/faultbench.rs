@@ -81,7 +81,7 @@ pub fn run(n: u64, seed: Option<u64>, mem: u64, json: bool) -> anyhow::Result<()
         .prefix("tandem-faults-")
         .tempdir_in("/dev/shm")?;
     tandem_vm::stale::mark_owned(dir.path())?;
-    let mut seed = seed.unwrap_or_else(crate::replicate::unix_ms) | 1;
+    let mut seed = seed.unwrap_or_else(tandem_protect::unix_ms) | 1;
     let pb = indicatif::ProgressBar::new(n);
     pb.enable_steady_tick(Duration::from_millis(200));
     let t = Instant::now();
@@ -138,7 +138,7 @@ pub fn run(n: u64, seed: Option<u64>, mem: u64, json: bool) -> anyhow::Result<()
         }
     }
     for k in by_fault.values_mut() {
-        k.fault_to_running_ms_p50 = crate::stats::quantile(&k.times, 0.5);
+        k.fault_to_running_ms_p50 = tandem_protect::stats::quantile(&k.times, 0.5);
     }
     let sum = |f: &dyn Fn(&RoundResult) -> u64| rounds.iter().map(f).sum::<u64>();
     let kill: Vec<f64> = rounds.iter().map(|r| r.kill_to_running_ms).collect();
@@ -154,7 +154,7 @@ pub fn run(n: u64, seed: Option<u64>, mem: u64, json: bool) -> anyhow::Result<()
         primary_copies_left_running: sum(&|r| u64::from(!r.primary_copy_stopped)),
         resyncs: sum(&|r| r.resyncs),
         leftovers: rounds.iter().flat_map(|r| r.leftovers.clone()).collect(),
-        kill_to_running_ms_p50: crate::stats::quantile(&kill, 0.5),
+        kill_to_running_ms_p50: tandem_protect::stats::quantile(&kill, 0.5),
         rounds_detail: rounds,
     };
     if json {

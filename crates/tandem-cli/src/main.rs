@@ -3,16 +3,14 @@
 mod bench;
 mod checkpoint;
 mod codecbench;
+mod daemons;
 mod demo;
 mod doctor;
 mod faultbench;
 mod lab;
-mod metrics;
 mod record;
 mod repbench;
-mod replicate;
 mod setup;
-mod stats;
 mod storebench;
 mod vmargs;
 mod watch;
@@ -54,9 +52,9 @@ enum Cmd {
     #[command(subcommand)]
     Lab(lab::Cmd),
     /// Replicate a VM to a backup: epochs over TCP, network and disk output commit.
-    Primary(replicate::PrimaryArgs),
+    Primary(daemons::PrimaryArgs),
     /// Receive epochs into a mirror and fail over onto a standby QEMU when the primary is lost.
-    Backup(replicate::BackupArgs),
+    Backup(daemons::BackupArgs),
     /// Incremental checkpoints on disk: save, list, restore, verify.
     #[command(subcommand)]
     Checkpoint(checkpoint::Cmd),
@@ -91,8 +89,8 @@ fn main() {
         Cmd::Bench(a) => bench::run(a),
         Cmd::Checkpoint(c) => checkpoint::run(c),
         Cmd::Lab(c) => lab::run(c),
-        Cmd::Primary(a) => replicate::primary(a),
-        Cmd::Backup(a) => replicate::backup(a),
+        Cmd::Primary(a) => daemons::primary(a),
+        Cmd::Backup(a) => daemons::backup(a),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

@@ -1,19 +1,18 @@
 //! `tandem record`, `tandem traces` and `tandem trace info`.
 
 use std::fs::File;
-use std::io::{BufReader, BufWriter};
+use std::io::BufReader;
 use std::path::{Path, PathBuf};
-use std::sync::mpsc::sync_channel;
 use std::time::Duration;
 
-use anyhow::{bail, Context};
+use anyhow::Context;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
-use tandem_trace::{EpochRecord, Frame, Timing, TraceHeader, TraceReader, TraceWriter};
-use tandem_vm::epoch::{run_epochs, Fixed};
-use tandem_vm::PAGE_SIZE;
+use tandem_protect::recorder::RecordConfig;
+use tandem_protect::stats::quantile;
+use tandem_trace::{EpochRecord, Frame, Timing, TraceHeader, TraceReader};
 
-use crate::vmargs::{boot, VmArgs};
+use crate::vmargs::{kv_load, VmArgs};
 
 #[derive(clap::Args)]
 pub struct RecordArgs {
@@ -71,117 +70,47 @@ pub fn trace_path(workload: &str, mem: u64, epoch_ms: u64) -> PathBuf {
         .join(format!("{workload}-{mem}m-{epoch_ms}ms.trace"))
 }
 
-enum Msg {
-    Base(Vec<u8>),
-    Epoch(EpochRecord),
-}
-
 pub fn record(a: RecordArgs) -> anyhow::Result<()> {
-    if a.epoch_ms == 0 || a.duration == 0 {
-        bail!("--epoch-ms and --duration must be positive");
-    }
-    let cfg = a.vm.config("record")?;
+    let cfg = RecordConfig {
+        vm: a.vm.spec(),
+        epoch: Duration::from_millis(a.epoch_ms),
+        duration: Duration::from_secs(a.duration),
+        output: a.output.clone(),
+        level: a.level,
+        load: Some(kv_load()),
+    };
     eprintln!(
         "booting {} guest ({} MiB, {})...",
-        cfg.workload, cfg.mem_mib, cfg.accel
+        a.vm.workload, a.vm.mem, a.vm.accel
     );
-    let (mut vm, ready, load) = boot(&cfg)?;
-    let header = TraceHeader {
-        page_size: PAGE_SIZE as u32,
-        mem_bytes: cfg.mem_mib << 20,
-        epoch_ms: a.epoch_ms as u32,
-        meta: serde_json::json!({
-            "workload": cfg.workload,
-            "dirty_log": vm.dirty_log_name(),
-            "accel": cfg.accel,
-            "qemu": format!("{}.{}.{}", vm.qmp.version.0, vm.qmp.version.1, vm.qmp.version.2),
-            "boot_to_ready_ms": ready.as_millis() as u64,
-            "tandem": env!("CARGO_PKG_VERSION"),
-        }),
-    };
-    if let Some(dir) = a.output.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::create_dir_all(dir)?;
-    }
-    let tmp = a.output.with_extension("partial");
-    let file = File::create(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
-    let mut writer = TraceWriter::new(BufWriter::with_capacity(1 << 20, file), header, a.level)?;
-    let (tx, rx) = sync_channel::<Msg>(256);
-    let writer_thread = std::thread::spawn(move || -> anyhow::Result<u64> {
-        for m in rx {
-            match m {
-                Msg::Base(mem) => writer.write_base(&mem)?,
-                Msg::Epoch(e) => writer.write_epoch(&e)?,
-            }
-        }
-        let n = writer.bytes_written();
-        writer.finish()?;
-        Ok(n)
-    });
-
-    // Base image and dirty-log reset in the same pause, so epoch 1 is relative to the base.
-    let base = tandem_vm::Guest::initial_copy(&mut vm, &mut || {})?;
-    tx.send(Msg::Base(base)).ok();
-
     let pb = ProgressBar::new(a.duration);
     pb.set_style(
         ProgressStyle::with_template("{bar:30} {pos}/{len}s {msg}")
             .unwrap_or_else(|_| ProgressStyle::default_bar()),
     );
-    let (mut total_dirty, mut pauses) = (0u64, Vec::new());
-    let mut send_err = false;
-    let epochs = run_epochs(
-        &mut vm,
-        &mut Fixed(Duration::from_millis(a.epoch_ms)),
-        Duration::from_secs(a.duration),
-        |cp| {
-            total_dirty += cp.pfns.len() as u64;
-            pauses.push(cp.timing.total_us() as f64 / 1000.0);
-            let t = cp.timing;
-            let rec = EpochRecord {
-                epoch: u32::try_from(cp.epoch).unwrap_or(u32::MAX),
-                at_us: cp.at.as_micros() as u64,
-                timing: t,
-                device_state_len: cp.device_state.len() as u32,
-                pfns: cp.pfns.to_vec(),
-                data: cp.pages.to_vec(),
-            };
-            if tx.send(Msg::Epoch(rec)).is_err() {
-                send_err = true;
-                return false;
-            }
-            pb.set_position(cp.at.as_secs().min(a.duration));
-            pb.set_message(format!(
-                "epoch {} dirty {} pages, pause {:.1} ms",
-                cp.epoch,
-                cp.pfns.len(),
-                t.total_us() as f64 / 1000.0
-            ));
-            true
-        },
-    )?;
+    let r = tandem_protect::recorder::record(&cfg, &mut |cp| {
+        pb.set_position(cp.at.as_secs().min(a.duration));
+        pb.set_message(format!(
+            "epoch {} dirty {} pages, pause {:.1} ms",
+            cp.epoch,
+            cp.pfns.len(),
+            cp.timing.total_us() as f64 / 1000.0
+        ));
+    });
     pb.finish_and_clear();
-    let ops = match load {
-        Some(l) => Some(l.stop().context("kv client failed during recording")?),
-        None => None,
-    };
-    drop(tx);
-    let bytes = writer_thread
-        .join()
-        .map_err(|_| anyhow::anyhow!("trace writer panicked"))??;
-    if send_err {
-        bail!("trace writer stopped early");
-    }
-    std::fs::rename(&tmp, &a.output)?;
+    let r = r?;
     println!(
         "recorded {} epochs of {} ({} dirty pages, pause p50 {:.1} ms p99 {:.1} ms{}) into {} ({:.1} MiB)",
-        epochs,
-        cfg.workload,
-        total_dirty,
-        crate::stats::quantile(&pauses, 0.5),
-        crate::stats::quantile(&pauses, 0.99),
-        ops.map(|o| format!(", client {:.0} ops/s", o as f64 / a.duration as f64)).unwrap_or_default(),
+        r.epochs,
+        r.workload,
+        r.dirty_pages,
+        quantile(&r.pauses_ms, 0.5),
+        quantile(&r.pauses_ms, 0.99),
+        r.load_ops
+            .map(|o| format!(", client {:.0} ops/s", o as f64 / a.duration as f64))
+            .unwrap_or_default(),
         a.output.display(),
-        bytes as f64 / (1 << 20) as f64
+        r.bytes as f64 / (1 << 20) as f64
     );
     Ok(())
 }
@@ -208,7 +137,7 @@ pub fn traces(a: TracesArgs) -> anyhow::Result<()> {
 
 #[derive(Serialize, Default, Clone)]
 pub struct EpochInfo {
-    pub epoch: u32,
+    pub epoch: tandem_types::Epoch,
     pub at_ms: f64,
     pub dirty_pages: u64,
     pub zero_pages: u64,

@@ -66,7 +66,7 @@ fn qemu_full_save(w: &str, mem: u64, dir: &Path) -> anyhow::Result<(u64, f64)> {
     let ms = t.elapsed().as_secs_f64() * 1000.0;
     vm.cont()?;
     if let Some(l) = load {
-        l.stop()?;
+        l.stop().map_err(anyhow::Error::msg)?;
     }
     vm.quit();
     Ok((bytes, ms))

@@ -1,10 +1,14 @@
-//! VM description shared by every command that starts a guest.
+//! The VM and site flags shared by every command that starts a guest, turned into the
+//! library's plain config structs.
 
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::Context;
-use tandem_vm::{DirtyMode, GuestImage, Vm, VmConfig};
+use tandem_protect::site::SiteConfig;
+use tandem_protect::vmspec::Booted;
+use tandem_protect::{Load, StartLoad, VmSpec};
+use tandem_vm::{DirtyMode, VmConfig};
 
 #[derive(clap::Args, Clone, Debug)]
 pub struct VmArgs {
@@ -32,114 +36,100 @@ pub struct VmArgs {
     pub vm_config: Option<PathBuf>,
 }
 
-/// The TOML form of the VM flags.
-#[derive(serde::Deserialize)]
-#[serde(deny_unknown_fields)]
-struct VmFile {
-    workload: Option<String>,
-    mem: Option<u64>,
-    dirty_log: Option<String>,
-    qemu: Option<PathBuf>,
-    accel: Option<String>,
-    image: Option<PathBuf>,
-}
-
-impl VmArgs {
-    /// These flags with the `--vm-config` file's keys applied.
-    fn resolved(&self) -> anyhow::Result<VmArgs> {
-        let mut a = self.clone();
-        let Some(p) = &self.vm_config else {
-            return Ok(a);
-        };
-        let text = std::fs::read_to_string(p)
-            .with_context(|| format!("reading the VM description {}", p.display()))?;
-        let f: VmFile = toml::from_str(&text).with_context(|| {
-            format!(
-                "VM description {} (keys: workload, mem, dirty_log, qemu, accel, image)",
-                p.display()
-            )
-        })?;
-        if let Some(v) = f.workload {
-            a.workload = v;
-        }
-        if let Some(v) = f.mem {
-            a.mem = v;
-        }
-        if let Some(v) = f.dirty_log {
-            a.dirty_log = v.parse().map_err(anyhow::Error::msg)?;
-        }
-        if let Some(v) = f.qemu {
-            a.qemu = v;
-        }
-        if let Some(v) = f.accel {
-            a.accel = v;
-        }
-        if f.image.is_some() {
-            a.image = f.image;
-        }
-        Ok(a)
-    }
-}
-
 impl VmArgs {
     /// The defaults for `workload` at `mem` MiB (what the flags default to).
     pub fn for_workload(workload: &str, mem: u64) -> Self {
+        let s = VmSpec::for_workload(workload, mem);
         VmArgs {
-            workload: workload.into(),
-            mem,
-            dirty_log: DirtyMode::Auto,
-            qemu: "qemu-system-x86_64".into(),
-            accel: "tcg".into(),
-            image: None,
-            vm_config: None,
+            workload: s.workload,
+            mem: s.mem,
+            dirty_log: s.dirty_log,
+            qemu: s.qemu,
+            accel: s.accel,
+            image: s.image,
+            vm_config: s.vm_config,
+        }
+    }
+
+    /// The library's VM description.
+    pub fn spec(&self) -> VmSpec {
+        VmSpec {
+            workload: self.workload.clone(),
+            mem: self.mem,
+            dirty_log: self.dirty_log,
+            qemu: self.qemu.clone(),
+            accel: self.accel.clone(),
+            image: self.image.clone(),
+            vm_config: self.vm_config.clone(),
         }
     }
 
     pub fn config(&self, name: &str) -> anyhow::Result<VmConfig> {
-        let r = self.resolved()?;
-        let this = &r;
-        this.config_resolved(name)
-    }
-
-    fn config_resolved(&self, name: &str) -> anyhow::Result<VmConfig> {
-        tandem_vm::image::check_workload(&self.workload)?;
-        if !(16..=65536).contains(&self.mem) {
-            anyhow::bail!("--mem {} MiB is out of range (16..=65536)", self.mem);
-        }
-        let mut c = VmConfig::new(name, &self.workload);
-        c.mem_mib = self.mem;
-        c.dirty = self.dirty_log;
-        c.qemu = self.qemu.clone();
-        c.accel = self.accel.clone();
-        if let Some(d) = &self.image {
-            c.image = GuestImage { dir: d.clone() };
-        }
-        if self.workload == "kv" {
-            c.kv_port = Some(free_port()?);
-        }
-        Ok(c)
+        Ok(self.spec().config(name)?)
     }
 }
 
-pub fn free_port() -> anyhow::Result<u16> {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").context("no free local TCP port")?;
-    Ok(l.local_addr()?.port())
+#[derive(clap::Args, Clone, Debug)]
+pub struct SiteArgs {
+    /// Network namespace holding the clients' bridge. The guest's NIC then goes through
+    /// tandem's relay and a tap on that bridge, and its output is held until acknowledged
+    /// (needs root). Without it the guest uses QEMU user networking and nothing is held.
+    #[arg(long)]
+    pub tap_netns: Option<String>,
+    /// Bridge inside --tap-netns.
+    #[arg(long, default_value = tandem_net::lab::BRIDGE)]
+    pub bridge: String,
+    /// Tap device name (default: tdp0 on the primary, tdb0 on the backup).
+    #[arg(long)]
+    pub tap: Option<String>,
+    /// Guest address on the bridge (CIDR).
+    #[arg(long, default_value = tandem_net::lab::GUEST_CIDR)]
+    pub guest_ip: String,
+    /// Data disk served by tandem's NBD server, in MiB (0 = none). Both sides must agree.
+    #[arg(long, default_value_t = 64)]
+    pub disk_mib: u64,
+}
+
+impl SiteArgs {
+    pub fn config(&self) -> SiteConfig {
+        SiteConfig {
+            tap_netns: self.tap_netns.clone(),
+            bridge: self.bridge.clone(),
+            tap: self.tap.clone(),
+            guest_ip: self.guest_ip.clone(),
+            disk_mib: self.disk_mib,
+        }
+    }
+}
+
+/// The lab's host-side load: a redis client writing keys while the `kv` guest runs with
+/// user networking (its port forwarded); no load for other workloads.
+pub fn kv_load() -> StartLoad {
+    Arc::new(|cfg: &VmConfig| {
+        let Some(port) = cfg.kv_port else {
+            return Ok(None);
+        };
+        tandem_vm::kv::wait_for_server(port, Duration::from_secs(60))
+            .map_err(|e| format!("redis in the guest does not answer: {e}"))?;
+        let load = tandem_vm::kv::KvLoad::start(port, 50_000)
+            .map_err(|e| format!("starting the kv client: {e}"))?;
+        Ok(Some(Box::new(KvLoad(load)) as Box<dyn Load>))
+    })
+}
+
+struct KvLoad(tandem_vm::kv::KvLoad);
+
+impl Load for KvLoad {
+    fn stop(self: Box<Self>) -> Result<u64, String> {
+        self.0.stop().map_err(|e| e.to_string())
+    }
+
+    fn ops(&self) -> u64 {
+        self.0.ops.load(std::sync::atomic::Ordering::Relaxed)
+    }
 }
 
 /// Boots, waits for the workload, starts the host-side kv load if any. Returns boot-to-ready.
-pub fn boot(cfg: &VmConfig) -> anyhow::Result<(Vm, Duration, Option<tandem_vm::kv::KvLoad>)> {
-    let t = std::time::Instant::now();
-    let mut vm = Vm::launch(cfg).context("starting the guest")?;
-    vm.wait_ready(Duration::from_secs(180))
-        .context("waiting for the guest workload")?;
-    let ready = t.elapsed();
-    let load = match cfg.kv_port {
-        Some(port) => {
-            tandem_vm::kv::wait_for_server(port, Duration::from_secs(60))
-                .context("redis in the guest does not answer")?;
-            Some(tandem_vm::kv::KvLoad::start(port, 50_000).context("starting the kv client")?)
-        }
-        None => None,
-    };
-    Ok((vm, ready, load))
+pub fn boot(cfg: &VmConfig) -> anyhow::Result<Booted> {
+    Ok(tandem_protect::boot(cfg, Some(&kv_load()))?)
 }

@@ -2,15 +2,14 @@
 //! every epoch without replicating and shows live dirty-memory statistics, then a summary.
 
 use std::io::Write;
-use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
 use tandem_vm::epoch::{run_epochs, Fixed};
 use tandem_vm::PAGE_SIZE;
 
-use crate::stats::{mean, quantile};
 use crate::vmargs::{boot, VmArgs};
+use tandem_protect::stats::{mean, quantile};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -60,7 +59,6 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     );
     // Start from a clean dirty log: the first epoch should not carry every page the boot wrote.
     vm.reset_dirty_log()?;
-    let ops = load.as_ref().map(|l| l.ops.clone());
     let (mut dirty, mut pause, mut comps, mut dev) =
         (Vec::new(), Vec::new(), vec![Vec::new(); 5], 0usize);
     let start = Instant::now();
@@ -83,7 +81,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             }
             dev = cp.device_state.len();
             if last_print.elapsed() >= Duration::from_secs(1) {
-                let o = ops.as_ref().map(|o| o.load(Ordering::Relaxed)).unwrap_or(0);
+                let o = load.as_ref().map_or(0, |l| l.ops());
                 let rate = (o - last_ops) as f64 / last_print.elapsed().as_secs_f64();
                 last_ops = o;
                 last_print = Instant::now();
@@ -96,7 +94,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                 mean(recent) * PAGE_SIZE as f64 * 1000.0 / a.epoch_ms as f64 / (1 << 20) as f64,
                 quantile(&pause, 0.5),
                 quantile(&pause, 0.99),
-                if ops.is_some() { format!("  client {rate:>6.0} ops/s") } else { String::new() }
+                if load.is_some() { format!("  client {rate:>6.0} ops/s") } else { String::new() }
             );
                 let _ = std::io::stderr().flush();
             }
@@ -106,7 +104,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     eprintln!();
     let elapsed = start.elapsed().as_secs_f64();
     let total_ops = match load {
-        Some(l) => Some(l.stop()?),
+        Some(l) => Some(l.stop().map_err(anyhow::Error::msg)?),
         None => None,
     };
     let s = Summary {

@@ -12,7 +12,7 @@ fn main() {
         meta: serde_json::json!({ "workload": "seed" }),
     };
     let epoch = |n: u32, pfns: Vec<u64>| EpochRecord {
-        epoch: n,
+        epoch: n.into(),
         at_us: n as u64 * 100_000,
         timing: Timing {
             stop_us: 500,

@@ -9,8 +9,8 @@ pub use tandem_types::PauseTiming as Timing;
 /// One epoch: the pages written during it and their contents at the checkpoint.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct EpochRecord {
-    /// Epoch number, from 1.
-    pub epoch: u32,
+    /// Epoch number, from 1 (stored as a u32 in the trace: at most `u32::MAX`).
+    pub epoch: tandem_types::Epoch,
     /// Microseconds since the recording started, at the checkpoint.
     pub at_us: u64,
     /// Pause components.
@@ -121,7 +121,8 @@ impl<'a> Cursor<'a> {
 
 impl EpochRecord {
     pub(crate) fn encode(&self, out: &mut Vec<u8>) {
-        out.extend_from_slice(&self.epoch.to_le_bytes());
+        // The writer checked that the number fits the format's u32.
+        out.extend_from_slice(&(self.epoch as u32).to_le_bytes());
         out.extend_from_slice(&self.at_us.to_le_bytes());
         let t = &self.timing;
         for v in [
@@ -180,7 +181,7 @@ impl EpochRecord {
         let data = c.take(n as usize * page_size, "page contents")?.to_vec();
         c.finish("epoch")?;
         Ok(EpochRecord {
-            epoch,
+            epoch: epoch.into(),
             at_us,
             timing: Timing {
                 stop_us: v[0],

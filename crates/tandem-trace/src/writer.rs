@@ -119,6 +119,13 @@ impl<W: Write> TraceWriter<W> {
         let ps = self.header.page_size as usize;
         let ascending = e.pfns.windows(2).all(|w| w[0] < w[1]);
         let inside = e.pfns.last().is_none_or(|&p| p < self.header.pages());
+        if u32::try_from(e.epoch).is_err() {
+            return Err(TraceError::Limit(format!(
+                "epoch number {} does not fit the trace format (at most {})",
+                e.epoch,
+                u32::MAX
+            )));
+        }
         if !ascending || !inside || e.data.len() != e.pfns.len() * ps {
             return Err(TraceError::Limit(format!(
                 "epoch {}: page numbers must ascend inside the guest and match the data",

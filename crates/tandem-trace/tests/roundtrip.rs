@@ -38,7 +38,7 @@ fn epoch(n: u32, pfns: Vec<u64>, fill: u8) -> EpochRecord {
         .flat_map(|&p| vec![fill ^ p as u8; PS])
         .collect();
     EpochRecord {
-        epoch: n,
+        epoch: n.into(),
         at_us: n as u64 * 100_000,
         timing: Timing {
             stop_us: 1,

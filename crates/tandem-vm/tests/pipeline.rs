@@ -41,7 +41,7 @@ fn trace(epochs: u32) -> Vec<u8> {
             data.extend_from_slice(pg);
         }
         w.write_epoch(&EpochRecord {
-            epoch: e,
+            epoch: e.into(),
             at_us: e as u64 * 100_000,
             timing: Default::default(),
             device_state_len: 4000,

@@ -18,8 +18,8 @@ use anyhow::{bail, Context};
 use serde::Serialize;
 use tandem_net::NetLab;
 
-use crate::stats::quantile;
 use round::{Opts, RoundResult};
+use tandem_protect::stats::quantile;
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -103,7 +103,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         .prefix("tandem-demo-")
         .tempdir_in("/dev/shm")?;
     tandem_vm::stale::mark_owned(dir.path())?;
-    let mut seed = a.seed.unwrap_or_else(crate::replicate::unix_ms) | 1;
+    let mut seed = a.seed.unwrap_or_else(tandem_protect::unix_ms) | 1;
     eprintln!(
         "tandem demo: clients on bridge br0 in netns {}, primary host {}, backup host {} (link {}); logs in {}",
         lab.clients, lab.primary, lab.backup, lab.shaping, dir.path().display()

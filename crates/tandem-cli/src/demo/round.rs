@@ -20,7 +20,7 @@ use super::fault::{self, Fault, Proxy};
 use super::steps::{
     await_report, common, fill, inject_faults, leftovers, mount_small_tmpfs, Pair, Target,
 };
-use crate::stats::quantile;
+use tandem_protect::stats::quantile;
 
 pub struct Opts<'a> {
     pub exe: PathBuf,
@@ -252,7 +252,7 @@ fn run_mounted(
         .and_then(|p| p.trim().parse().ok())
         .unwrap_or(0);
     let capture = Capture::start(&o.lab.clients, "tdp0")?;
-    let (t0, t0_unix) = (Instant::now(), crate::replicate::unix_ms());
+    let (t0, t0_unix) = (Instant::now(), tandem_protect::unix_ms());
     let at = |unix: u64| t0 + Duration::from_millis(unix.saturating_sub(t0_unix));
     let addr: SocketAddr = format!("{GUEST_IP}:6379").parse()?;
     let kv = o.workload == "kv";

@@ -175,7 +175,7 @@ pub fn inject_faults(
     jsonl: &Path,
     report: &Path,
 ) -> anyhow::Result<Injected> {
-    let (mut at, mut at_unix) = (Instant::now(), crate::replicate::unix_ms());
+    let (mut at, mut at_unix) = (Instant::now(), tandem_protect::unix_ms());
     let mut done = Vec::new();
     let mut faults = o.faults.clone();
     if !faults.last().is_some_and(|f| f.ends_primary()) {
@@ -183,7 +183,7 @@ pub fn inject_faults(
     }
     for f in faults {
         pb.set_message(format!("round {round}: injecting {f}"));
-        (at, at_unix) = (Instant::now(), crate::replicate::unix_ms());
+        (at, at_unix) = (Instant::now(), tandem_protect::unix_ms());
         match f {
             Fault::HostKill => t.primary.kill_host(),
             Fault::QemuKill => fault::signal(t.qemu, libc::SIGKILL),

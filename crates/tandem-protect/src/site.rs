@@ -6,42 +6,91 @@ use std::os::unix::net::UnixListener;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use anyhow::{bail, Context};
 use tandem_disk::Image;
 use tandem_net::{Policy, Relay};
 use tandem_vm::VmConfig;
 
-#[derive(clap::Args, Clone, Debug)]
-pub struct SiteArgs {
+/// How a side attaches its guest's network and data disk.
+#[derive(Clone, Debug)]
+pub struct SiteConfig {
     /// Network namespace holding the clients' bridge. The guest's NIC then goes through
     /// tandem's relay and a tap on that bridge, and its output is held until acknowledged
     /// (needs root). Without it the guest uses QEMU user networking and nothing is held.
-    #[arg(long)]
     pub tap_netns: Option<String>,
     /// Bridge inside --tap-netns.
-    #[arg(long, default_value = tandem_net::lab::BRIDGE)]
     pub bridge: String,
     /// Tap device name (default: tdp0 on the primary, tdb0 on the backup).
-    #[arg(long)]
     pub tap: Option<String>,
     /// Guest address on the bridge (CIDR).
-    #[arg(long, default_value = tandem_net::lab::GUEST_CIDR)]
     pub guest_ip: String,
     /// Data disk served by tandem's NBD server, in MiB (0 = none). Both sides must agree.
-    #[arg(long, default_value_t = 64)]
     pub disk_mib: u64,
 }
 
+impl Default for SiteConfig {
+    fn default() -> Self {
+        SiteConfig {
+            tap_netns: None,
+            bridge: tandem_net::lab::BRIDGE.into(),
+            tap: None,
+            guest_ip: tandem_net::lab::GUEST_CIDR.into(),
+            disk_mib: 64,
+        }
+    }
+}
+
+/// Which side a site is.
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub enum Role {
+    /// Output held until acknowledged; a fresh data disk.
     Primary,
+    /// Output dropped until failover; an empty disk copy the primary fills.
     Backup,
+}
+
+/// The relay or data disk could not be set up.
+#[derive(Debug, thiserror::Error)]
+pub enum SiteError {
+    /// The tap device could not be created.
+    #[error("creating tap {tap} on {bridge} in namespace {netns}")]
+    Tap {
+        /// Tap name.
+        tap: String,
+        /// Bridge.
+        bridge: String,
+        /// Namespace.
+        netns: String,
+        /// Cause.
+        #[source]
+        source: tandem_net::TapError,
+    },
+    /// The relay could not listen for QEMU.
+    #[error("starting the network relay")]
+    Relay(#[source] tandem_net::RelayError),
+    /// Data disk size out of range.
+    #[error("data disk of {0} MiB is too large")]
+    DiskSize(u64),
+    /// mkfs.ext4 could not run.
+    #[error("running mkfs.ext4 (install e2fsprogs with `tandem setup`)")]
+    MkfsSpawn(#[source] std::io::Error),
+    /// mkfs.ext4 failed.
+    #[error("mkfs.ext4 failed: {0}")]
+    Mkfs(String),
+    /// A file of the disk could not be created or served.
+    #[error("{0}")]
+    Io(String, #[source] std::io::Error),
+    /// The disk image could not be opened.
+    #[error("opening {0}")]
+    Image(String, #[source] std::io::Error),
 }
 
 /// The relay and disk of one side. Dropping it removes the tap and stops serving.
 pub struct Site {
+    /// The network relay (with `tap_netns`).
     pub relay: Option<Arc<Relay>>,
+    /// The data disk (unless `disk_mib` is 0).
     pub disk: Option<Arc<Image>>,
+    /// Where the data disk file was created (its name may be removed already).
     pub disk_path: Option<PathBuf>,
     nbd_sock: Option<PathBuf>,
 }
@@ -58,11 +107,11 @@ impl Site {
     /// Sets up the relay and the data disk in `dir` and points `cfg` at them. Call before QEMU
     /// starts (QEMU connects to both at start-up).
     pub fn prepare(
-        a: &SiteArgs,
+        a: &SiteConfig,
         dir: &Path,
         role: Role,
         cfg: &mut VmConfig,
-    ) -> anyhow::Result<Site> {
+    ) -> Result<Site, SiteError> {
         let relay = match &a.tap_netns {
             Some(ns) => {
                 let (name, policy) = match role {
@@ -71,11 +120,17 @@ impl Site {
                 };
                 let name = a.tap.clone().unwrap_or_else(|| name.into());
                 let tap =
-                    tandem_net::open_tap(Some(ns), &name, Some(&a.bridge)).with_context(|| {
-                        format!("creating tap {name} on {} in namespace {ns}", a.bridge)
+                    tandem_net::open_tap(Some(ns), &name, Some(&a.bridge)).map_err(|source| {
+                        SiteError::Tap {
+                            tap: name.clone(),
+                            bridge: a.bridge.clone(),
+                            netns: ns.clone(),
+                            source,
+                        }
                     })?;
                 let sock = dir.join("net.sock");
-                let relay = Relay::listen(&sock, OwnedFd::from(tap), policy)?;
+                let relay =
+                    Relay::listen(&sock, OwnedFd::from(tap), policy).map_err(SiteError::Relay)?;
                 cfg.relay_net = Some((sock, a.guest_ip.clone()));
                 cfg.kv_port = None;
                 Some(Arc::new(relay))
@@ -91,12 +146,12 @@ impl Site {
             (None, None)
         } else {
             if a.disk_mib > 1 << 20 {
-                bail!("--disk-mib {} is too large", a.disk_mib);
+                return Err(SiteError::DiskSize(a.disk_mib));
             }
             let path = dir.join("disk.img");
-            let f = std::fs::File::create(&path)
-                .with_context(|| format!("creating {}", path.display()))?;
-            f.set_len(a.disk_mib << 20)?;
+            let io = |e| SiteError::Io(format!("creating {}", path.display()), e);
+            let f = std::fs::File::create(&path).map_err(io)?;
+            f.set_len(a.disk_mib << 20).map_err(io)?;
             drop(f);
             let image = match role {
                 Role::Primary => {
@@ -112,16 +167,18 @@ impl Site {
                         ])
                         .arg(&path)
                         .output()
-                        .context("running mkfs.ext4 (install e2fsprogs with `tandem setup`)")?;
+                        .map_err(SiteError::MkfsSpawn)?;
                     if !out.status.success() {
-                        bail!("mkfs.ext4 failed: {}", String::from_utf8_lossy(&out.stderr));
+                        return Err(SiteError::Mkfs(
+                            String::from_utf8_lossy(&out.stderr).trim().to_string(),
+                        ));
                     }
                     Image::open(&path)
                 }
                 // The backup's copy starts empty; the primary sends its contents.
                 Role::Backup => Image::open_unlogged(&path),
             }
-            .with_context(|| format!("opening {}", path.display()))?;
+            .map_err(|e| SiteError::Image(path.display().to_string(), e))?;
             if role == Role::Primary {
                 // The scratch disk lives on in the NBD server's open file: a killed primary
                 // leaves nothing behind. (The backup removes its copy once it opened it too.)
@@ -131,7 +188,7 @@ impl Site {
             let sock = dir.join("nbd.sock");
             let _ = std::fs::remove_file(&sock);
             let listener = UnixListener::bind(&sock)
-                .with_context(|| format!("listening on {}", sock.display()))?;
+                .map_err(|e| SiteError::Io(format!("listening on {}", sock.display()), e))?;
             let served = image.clone();
             std::thread::spawn(move || tandem_disk::nbd::serve(listener, served));
             cfg.data_disk = Some(sock.clone());

@@ -16,7 +16,7 @@ pub struct Watchdog {
 
 impl Watchdog {
     /// Watches `qemu_pid`; kills it when no [`Watchdog::beat`] came for `limit`.
-    pub fn start(qemu_pid: u32, limit: Duration) -> Watchdog {
+    pub fn start(qemu_pid: u32, limit: Duration, status: crate::Status) -> Watchdog {
         let w = Watchdog {
             start: Instant::now(),
             last_ms: Arc::new(AtomicU64::new(0)),
@@ -27,10 +27,10 @@ impl Watchdog {
             std::thread::sleep(Duration::from_millis(50));
             let idle = me.idle();
             if idle > limit {
-                eprintln!(
-                    "primary: watchdog: the main loop made no progress for {} ms (QEMU not answering?); killing QEMU (pid {qemu_pid}) so that the backup takes over",
+                status.warn(format!(
+                    "watchdog: the main loop made no progress for {} ms (QEMU not answering?); killing QEMU (pid {qemu_pid}) so that the backup takes over",
                     idle.as_millis()
-                );
+                ));
                 me.fired.store(true, Ordering::SeqCst);
                 // SAFETY: kill(2) of the QEMU process this daemon started.
                 unsafe { libc::kill(qemu_pid as i32, libc::SIGKILL) };

@@ -1,4 +1,4 @@
-//! `tandem backup`: applies and acknowledges epochs; when the primary is gone, resumes the
+//! The backup daemon: applies and acknowledges epochs; when the primary is gone, resumes the
 //! guest on the standby QEMU (pre-started on the mirror file with `-incoming defer`), whose
 //! NIC and data disk are already attached to this side's relay and NBD server.
 //!
@@ -15,53 +15,106 @@ use std::net::{TcpListener, TcpStream};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use anyhow::Context;
 use serde::Serialize;
 use tandem_net::Policy;
 use tandem_replication::wire::ack_frame;
 use tandem_replication::{Applied, Backup, FileDisk, Frame, Kind, WireError};
-use tandem_vm::{DirtyMode, MirrorFile};
+use tandem_vm::{DirtyMode, MirrorFile, VmError};
 
-use super::site::{Role, Site, SiteArgs};
-use super::{install_stop_handler, send, stopping, unix_ms};
-use crate::vmargs::VmArgs;
+use crate::signals::stopping;
+use crate::site::{Role, Site, SiteConfig, SiteError};
+use crate::vmspec::{VmSpec, VmSpecError};
+use crate::{unix_ms, Status};
 use standby::Standby;
 
-#[derive(clap::Args)]
-pub struct BackupArgs {
+/// What the backup daemon runs.
+pub struct BackupConfig {
     /// Address to listen on (host:port).
-    #[arg(long)]
     pub listen: String,
     /// Directory for the mirror file, disk copy and sockets (use a tmpfs such as /dev/shm).
-    #[arg(long)]
     pub dir: PathBuf,
     /// The VM as the primary runs it (the standby uses the same command line).
-    #[command(flatten)]
-    pub vm: VmArgs,
-    #[command(flatten)]
-    pub site: SiteArgs,
+    pub vm: VmSpec,
+    /// This side's relay and data disk.
+    pub site: SiteConfig,
     /// Fail over when the primary has been silent this long.
-    #[arg(long, default_value_t = 1000)]
-    pub timeout_ms: u64,
+    pub timeout: Duration,
     /// Fail over when the primary's epochs have not advanced for this long although it still
     /// sends heartbeats (a primary stuck in QEMU); also how long a primary whose frame was
-    /// refused has to reconnect. Default: 3 × --timeout-ms.
-    #[arg(long)]
-    pub stall_ms: Option<u64>,
+    /// refused has to reconnect. Default: 3 × `timeout`.
+    pub stall: Option<Duration>,
     /// Write a JSON report of the failover here.
-    #[arg(long)]
     pub report: Option<PathBuf>,
+}
+
+impl BackupConfig {
+    /// Defaults for a backup of `vm` listening on `listen` with its files in `dir`.
+    pub fn new(listen: impl Into<String>, dir: impl Into<PathBuf>, vm: VmSpec) -> Self {
+        BackupConfig {
+            listen: listen.into(),
+            dir: dir.into(),
+            vm,
+            site: SiteConfig::default(),
+            timeout: Duration::from_secs(1),
+            stall: None,
+            report: None,
+        }
+    }
+}
+
+/// Why the backup stopped with an error.
+#[derive(Debug, thiserror::Error)]
+pub enum BackupError {
+    /// The VM description is unusable.
+    #[error(transparent)]
+    Spec(#[from] VmSpecError),
+    /// Relay or data disk set-up failed.
+    #[error(transparent)]
+    Site(#[from] SiteError),
+    /// A file or socket of the backup could not be set up.
+    #[error("{0}")]
+    Io(String, #[source] std::io::Error),
+    /// The RAM mirror could not be created.
+    #[error("creating the RAM mirror")]
+    Mirror(#[source] tandem_vm::ram::RamError),
+    /// The standby QEMU could not start or resume.
+    #[error("{0}")]
+    Standby(&'static str, #[source] VmError),
+    /// The primary was lost while no standby ran.
+    #[error("primary lost ({why}) but the standby QEMU is not running: cannot resume the guest from epoch {epoch}")]
+    NoStandby {
+        /// Why the primary was declared lost.
+        why: String,
+        /// The epoch that would have been resumed.
+        epoch: u64,
+    },
+    /// The relay could not switch to passing output.
+    #[error("releasing the guest's network")]
+    Relay(#[source] tandem_net::RelayError),
+    /// The resumed guest's QEMU exited.
+    #[error("the resumed guest's QEMU exited ({0})")]
+    Exited(String),
+}
+
+fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> BackupError {
+    let what = what.into();
+    move |e| BackupError::Io(what, e)
 }
 
 /// What the backup did at failover (wall-clock times in Unix milliseconds).
 #[derive(Serialize)]
 pub struct FailoverReport {
+    /// Why the primary was declared lost.
     pub reason: String,
+    /// The epoch the guest resumed from.
     pub epoch: u64,
+    /// When the loss was detected.
     pub detected_at_ms: u64,
+    /// When the guest ran again.
     pub running_at_ms: u64,
     /// Detection to guest running (type I downtime without detection time).
     pub resume_ms: f64,
+    /// The silence timeout.
     pub timeout_ms: u64,
 }
 
@@ -83,11 +136,12 @@ struct Link<'a> {
     standby: &'a mut Standby,
     timeout: Duration,
     stall: Duration,
+    status: Status,
 }
 
 impl Link<'_> {
     /// Applies and acknowledges frames from one connection until it ends.
-    fn serve(&mut self, stream: TcpStream) -> anyhow::Result<LinkEnd> {
+    fn serve(&mut self, stream: TcpStream) -> std::io::Result<LinkEnd> {
         // During an initial copy there is nothing to fail over to: allow it time.
         const SETUP: Duration = Duration::from_secs(60);
         let mut in_setup = !self.bk.consistent();
@@ -125,28 +179,28 @@ impl Link<'_> {
                 }
                 Err(WireError::Io(e)) => return Ok(LinkEnd::Lost(format!("link error: {e}"))),
                 Err(e) => {
-                    eprintln!(
-                        "backup: refusing input: {e}; link dropped, mirror stays at epoch {}",
+                    self.status.warn(format!(
+                        "refusing input: {e}; link dropped, mirror stays at epoch {}",
                         self.bk.committed()
-                    );
+                    ));
                     return Ok(LinkEnd::Dropped(format!("refused input ({e})")));
                 }
             };
             let applied = match self.bk.handle(&f) {
                 Ok(a) => a,
                 Err(e) => {
-                    eprintln!(
-                        "backup: refusing frame {:?} #{}: {e}; link dropped, mirror stays at epoch {}",
+                    self.status.warn(format!(
+                        "refusing frame {:?} #{}: {e}; link dropped, mirror stays at epoch {}",
                         f.kind,
                         f.seq,
                         self.bk.committed()
-                    );
+                    ));
                     return Ok(LinkEnd::Dropped(format!("refused a bad frame ({e})")));
                 }
             };
             match applied {
                 Applied::Hello => {
-                    println!("backup: session from epoch {}: receiving the initial copy (no failover possible until its first epoch commits)", self.bk.committed());
+                    self.status.info(format!("session from epoch {}: receiving the initial copy (no failover possible until its first epoch commits)", self.bk.committed()));
                     r.get_ref().set_read_timeout(Some(SETUP))?;
                     in_setup = true;
                 }
@@ -183,14 +237,18 @@ impl Link<'_> {
 
 /// Waits up to `timeout` for a new connection (`None`: wait as long as it takes, but return
 /// when asked to stop).
-fn accept_within(l: &TcpListener, timeout: Option<Duration>) -> anyhow::Result<Option<TcpStream>> {
+fn accept_within(
+    l: &TcpListener,
+    timeout: Option<Duration>,
+    status: &Status,
+) -> std::io::Result<Option<TcpStream>> {
     l.set_nonblocking(true)?;
     let deadline = timeout.map(|t| Instant::now() + t);
     let r = loop {
         match l.accept() {
             Ok((s, peer)) => {
                 s.set_nonblocking(false)?;
-                println!("backup: primary connected from {peer}");
+                status.info(format!("primary connected from {peer}"));
                 break Some(s);
             }
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
@@ -199,118 +257,153 @@ fn accept_within(l: &TcpListener, timeout: Option<Duration>) -> anyhow::Result<O
                 }
                 std::thread::sleep(Duration::from_millis(10))
             }
-            Err(e) => return Err(e.into()),
+            Err(e) => return Err(e),
         }
     };
     l.set_nonblocking(false)?;
     Ok(r)
 }
 
-pub fn backup(a: BackupArgs) -> anyhow::Result<()> {
-    install_stop_handler();
-    let mut cfg = a.vm.config("standby")?;
-    cfg.dirty = DirtyMode::None;
-    std::fs::create_dir_all(&a.dir).with_context(|| format!("creating {}", a.dir.display()))?;
-    let site = Site::prepare(&a.site, &a.dir, Role::Backup, &mut cfg)?;
-    let mirror_path = a.dir.join("mirror.ram");
+/// Runs the backup until told to stop: applies and acknowledges epochs; fails over when the
+/// primary is lost while a consistent epoch exists, then runs the guest.
+pub fn run(cfg: BackupConfig, status: Status) -> Result<(), BackupError> {
+    let mut vmc = cfg.vm.config("standby")?;
+    vmc.dirty = DirtyMode::None;
+    std::fs::create_dir_all(&cfg.dir).map_err(io(format!("creating {}", cfg.dir.display())))?;
+    let site = Site::prepare(&cfg.site, &cfg.dir, Role::Backup, &mut vmc)?;
+    let mirror_path = cfg.dir.join("mirror.ram");
     // SAFETY: this process is the mirror's only writer; the standby QEMU maps it but runs only
     // after `resume`, which is called once the mirror is no longer written.
-    let mirror = unsafe { MirrorFile::create(&mirror_path, cfg.mem_mib << 20) }
-        .context("creating the RAM mirror")?;
+    let mirror = unsafe { MirrorFile::create(&mirror_path, vmc.mem_mib << 20) }
+        .map_err(BackupError::Mirror)?;
     let mut bk = Backup::new(mirror);
     if let Some(p) = &site.disk_path {
-        let f = std::fs::OpenOptions::new().read(true).write(true).open(p)?;
-        bk = bk
-            .with_disk(Box::new(FileDisk::new(f).with_context(|| {
-                format!("allocating the disk copy {}", p.display())
-            })?));
+        let what = || format!("opening the disk copy {}", p.display());
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(p)
+            .map_err(io(what()))?;
+        bk = bk.with_disk(Box::new(FileDisk::new(f).map_err(io(what()))?));
         // Both this process and its NBD server hold the file open: nothing is left behind.
         let _ = std::fs::remove_file(p);
     }
-    let mut standby = Standby::start(&cfg, &mirror_path)?;
+    let mut standby = Standby::start(&vmc, &mirror_path, status.clone())?;
     let listener =
-        TcpListener::bind(&a.listen).with_context(|| format!("listening on {}", a.listen))?;
-    println!(
-        "backup: listening on {}, standby QEMU pid {} ready on {}",
-        a.listen,
+        TcpListener::bind(&cfg.listen).map_err(io(format!("listening on {}", cfg.listen)))?;
+    status.info(format!(
+        "listening on {}, standby QEMU pid {} ready on {}",
+        cfg.listen,
         standby.pid().unwrap_or(0),
         mirror_path.display()
-    );
-    let timeout = Duration::from_millis(a.timeout_ms.max(1));
+    ));
+    let timeout = cfg.timeout.max(Duration::from_millis(1));
     let mut link = Link {
         bk: &mut bk,
         standby: &mut standby,
         timeout,
-        stall: Duration::from_millis(a.stall_ms.unwrap_or(3 * a.timeout_ms).max(1)),
+        stall: cfg
+            .stall
+            .unwrap_or(3 * timeout)
+            .max(Duration::from_millis(1)),
+        status: status.clone(),
     };
-    let mut wait: Option<Duration> = None;
-    let why = loop {
-        let Some(stream) = accept_within(&listener, wait)? else {
-            if stopping() {
-                link.standby.quit();
-                return Ok(());
-            }
-            // The primary did not come back after a refused frame.
-            if link.bk.consistent() {
-                break format!(
-                    "the primary did not reconnect within {} ms",
-                    link.stall.as_millis()
-                );
-            }
-            wait = None;
-            continue;
-        };
-        wait = None;
-        match link.serve(stream)? {
-            LinkEnd::Stop => {
-                link.standby.quit();
-                return Ok(());
-            }
-            LinkEnd::Bye => println!(
-                "backup: the primary ended replication on purpose after epoch {}; no failover; waiting for a new session",
-                link.bk.committed()
-            ),
-            LinkEnd::Handover(n) => break format!("the primary handed the guest over at epoch {n}"),
-            LinkEnd::Lost(why) if link.bk.consistent() => break why,
-            LinkEnd::Lost(why) => eprintln!(
-                "backup: primary lost ({why}) without a consistent epoch to resume (initial copy incomplete); waiting for a primary"
-            ),
-            // Refused input: the primary reconnects for a re-sync; only if it does not come
-            // back within the timeout is it lost.
-            LinkEnd::Dropped(why) => {
-                eprintln!(
-                    "backup: {why}; waiting up to {} ms for the primary to reconnect and re-sync",
-                    link.stall.as_millis()
-                );
-                wait = Some(link.stall)
-            }
+    match link.until_lost(&listener)? {
+        Some(why) => failover(&cfg, &site, &mut bk, &mut standby, &listener, why, &status),
+        None => {
+            standby.quit();
+            Ok(())
         }
-    };
-    failover(&a, &site, &mut bk, &mut standby, &listener, why)
+    }
 }
 
+impl Link<'_> {
+    /// Serves primaries until one is lost while a consistent epoch exists (its reason), or
+    /// the daemon is asked to stop (`None`).
+    fn until_lost(&mut self, listener: &TcpListener) -> Result<Option<String>, BackupError> {
+        let mut wait: Option<Duration> = None;
+        loop {
+            let accepted = accept_within(listener, wait, &self.status)
+                .map_err(io("accepting a connection"))?;
+            let Some(stream) = accepted else {
+                if stopping() {
+                    return Ok(None);
+                }
+                // The primary did not come back after a refused frame.
+                if self.bk.consistent() {
+                    return Ok(Some(format!(
+                        "the primary did not reconnect within {} ms",
+                        self.stall.as_millis()
+                    )));
+                }
+                wait = None;
+                continue;
+            };
+            wait = None;
+            let end = match self.serve(stream) {
+                Ok(end) => end,
+                Err(e) => LinkEnd::Lost(format!("link error: {e}")),
+            };
+            match end {
+                LinkEnd::Stop => return Ok(None),
+                LinkEnd::Bye => self.status.info(format!(
+                    "the primary ended replication on purpose after epoch {}; no failover; waiting for a new session",
+                    self.bk.committed()
+                )),
+                LinkEnd::Handover(n) => {
+                    return Ok(Some(format!("the primary handed the guest over at epoch {n}")))
+                }
+                LinkEnd::Lost(why) if self.bk.consistent() => return Ok(Some(why)),
+                LinkEnd::Lost(why) => self.status.warn(format!(
+                    "primary lost ({why}) without a consistent epoch to resume (initial copy incomplete); waiting for a primary"
+                )),
+                // Refused input: the primary reconnects for a re-sync; only if it does not
+                // come back within the stall time is it lost.
+                LinkEnd::Dropped(why) => {
+                    self.status.warn(format!(
+                        "{why}; waiting up to {} ms for the primary to reconnect and re-sync",
+                        self.stall.as_millis()
+                    ));
+                    wait = Some(self.stall)
+                }
+            }
+        }
+    }
+}
+
+fn send(w: &mut impl std::io::Write, f: &Frame) -> std::io::Result<()> {
+    f.write_to(w)?;
+    w.flush()
+}
+
+/// Resumes the guest on the standby from the last committed epoch, then runs it (and fences
+/// every primary that connects) until told to stop.
 fn failover(
-    a: &BackupArgs,
+    cfg: &BackupConfig,
     site: &Site,
     bk: &mut Backup<MirrorFile>,
     standby: &mut Standby,
     listener: &TcpListener,
     why: String,
-) -> anyhow::Result<()> {
+    status: &Status,
+) -> Result<(), BackupError> {
     let detected = Instant::now();
     let detected_at_ms = unix_ms();
     let epoch = bk.committed();
     let state = bk.device_state().to_vec();
     if !standby.check_now() {
-        anyhow::bail!("primary lost ({why}) but the standby QEMU is not running: cannot resume the guest from epoch {epoch}");
+        return Err(BackupError::NoStandby { why, epoch });
     }
-    let mut vm = standby.take().context("no standby")?;
+    let Some(mut vm) = standby.take() else {
+        return Err(BackupError::NoStandby { why, epoch });
+    };
     if let Some(r) = &site.relay {
-        r.set_policy(Policy::Pass)?;
+        r.set_policy(Policy::Pass).map_err(BackupError::Relay)?;
     }
-    vm.resume(&state).context("resuming the standby")?;
+    vm.resume(&state)
+        .map_err(|e| BackupError::Standby("resuming the standby", e))?;
     let resume = detected.elapsed();
-    super::echo_guest_progress(vm.serial_path(), "backup");
+    crate::echo_guest_progress(vm.serial_path(), status.clone());
     let running_at_ms = unix_ms();
     // Move the guest's MAC to this side of the bridge at once (QEMU also announces after an
     // incoming migration; this makes it explicit).
@@ -322,30 +415,33 @@ fn failover(
     ) {
         tracing::warn!("announce-self: {e}");
     }
-    println!(
-        "backup: failover: {why}; resumed the guest from epoch {epoch} in {:.1} ms after detection (+ up to {} ms detection timeout)",
+    status.info(format!(
+        "failover: {why}; resumed the guest from epoch {epoch} in {:.1} ms after detection (+ up to {} ms detection timeout)",
         resume.as_secs_f64() * 1000.0,
-        a.timeout_ms,
-    );
-    if let Some(p) = &a.report {
+        cfg.timeout.as_millis(),
+    ));
+    if let Some(p) = &cfg.report {
         let r = FailoverReport {
             reason: why,
             epoch,
             detected_at_ms,
             running_at_ms,
             resume_ms: resume.as_secs_f64() * 1000.0,
-            timeout_ms: a.timeout_ms,
+            timeout_ms: cfg.timeout.as_millis() as u64,
         };
-        std::fs::write(p, serde_json::to_vec_pretty(&r)?)
-            .with_context(|| format!("writing {}", p.display()))?;
+        let json = serde_json::to_vec_pretty(&r).map_err(std::io::Error::other);
+        json.and_then(|j| std::fs::write(p, j))
+            .map_err(io(format!("writing {}", p.display())))?;
     }
     // The guest runs here now: any primary that connects is told to stop its copy.
     let vm_id = bk.vm_id().unwrap_or(0);
     while !stopping() {
         if let Some(st) = vm.exit_status() {
-            anyhow::bail!("the resumed guest's QEMU exited ({st})");
+            return Err(BackupError::Exited(st.to_string()));
         }
-        if let Some(s) = accept_within(listener, Some(Duration::from_millis(100)))? {
+        let accepted = accept_within(listener, Some(Duration::from_millis(100)), status)
+            .map_err(io("accepting a connection"))?;
+        if let Some(s) = accepted {
             let _ = s.set_write_timeout(Some(Duration::from_secs(1)));
             let fenced = Frame {
                 kind: Kind::Fenced,
@@ -355,7 +451,7 @@ fn failover(
             };
             let mut w = BufWriter::new(s);
             let _ = send(&mut w, &fenced);
-            println!("backup: told a connecting primary that the guest runs here (fenced)");
+            status.info("told a connecting primary that the guest runs here (fenced)");
         }
     }
     vm.quit();

@@ -9,33 +9,46 @@ use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use anyhow::Context;
 use tandem_replication::{Acks, Frame};
 
 use crate::metrics::{EpochMetrics, Registry};
+use crate::Status;
 
 /// Socket options that bound how long a dead or partitioned backup can go unnoticed:
 /// `TCP_USER_TIMEOUT` (unacknowledged data), keepalive probes (an idle link) and no Nagle.
-pub fn tune(s: &TcpStream, timeout: Duration) -> anyhow::Result<()> {
+pub fn tune(s: &TcpStream, timeout: Duration) -> std::io::Result<()> {
     use rustix::net::sockopt;
     s.set_nodelay(true)?;
-    sockopt::set_tcp_user_timeout(s, timeout.as_millis().clamp(1, u32::MAX as u128) as u32)
-        .context("TCP_USER_TIMEOUT")?;
-    sockopt::set_socket_keepalive(s, true).context("SO_KEEPALIVE")?;
+    sockopt::set_tcp_user_timeout(s, timeout.as_millis().clamp(1, u32::MAX as u128) as u32)?;
+    sockopt::set_socket_keepalive(s, true)?;
     let idle = (timeout / 3).max(Duration::from_secs(1));
-    sockopt::set_tcp_keepidle(s, idle).context("TCP_KEEPIDLE")?;
-    sockopt::set_tcp_keepintvl(s, idle).context("TCP_KEEPINTVL")?;
-    sockopt::set_tcp_keepcnt(s, 3).context("TCP_KEEPCNT")?;
+    sockopt::set_tcp_keepidle(s, idle)?;
+    sockopt::set_tcp_keepintvl(s, idle)?;
+    sockopt::set_tcp_keepcnt(s, 3)?;
     // A write that cannot make progress for this long fails instead of blocking forever.
     s.set_write_timeout(Some(timeout))?;
     Ok(())
 }
 
+/// The backup could not be reached.
+#[derive(Debug, thiserror::Error)]
+pub enum ConnectError {
+    /// The address does not resolve.
+    #[error("resolving the backup address {0}")]
+    Resolve(String, #[source] std::io::Error),
+    /// It resolves to nothing.
+    #[error("{0} resolves to no address")]
+    NoAddress(String),
+    /// Every address refused or timed out.
+    #[error("connecting to the backup at {0}")]
+    Connect(String, #[source] std::io::Error),
+}
+
 /// One connection attempt to `addr` within `timeout`.
-pub fn connect_once(addr: &str, timeout: Duration) -> anyhow::Result<TcpStream> {
+pub fn connect_once(addr: &str, timeout: Duration) -> Result<TcpStream, ConnectError> {
     let addrs: Vec<SocketAddr> = addr
         .to_socket_addrs()
-        .with_context(|| format!("resolving the backup address {addr}"))?
+        .map_err(|e| ConnectError::Resolve(addr.into(), e))?
         .collect();
     let mut last = None;
     for a in addrs {
@@ -45,8 +58,8 @@ pub fn connect_once(addr: &str, timeout: Duration) -> anyhow::Result<TcpStream> 
         }
     }
     Err(last.map_or_else(
-        || anyhow::anyhow!("{addr} resolves to no address"),
-        |e| anyhow::Error::new(e).context(format!("connecting to the backup at {addr}")),
+        || ConnectError::NoAddress(addr.into()),
+        |e| ConnectError::Connect(addr.into(), e),
     ))
 }
 
@@ -124,9 +137,9 @@ pub struct SenderOpts {
     pub stall_epoch: Option<u64>,
 }
 
-pub fn send(w: &mut impl Write, f: &Frame) -> anyhow::Result<()> {
-    f.write_to(w).context("writing to the backup")?;
-    w.flush().context("writing to the backup")
+pub fn send(w: &mut impl Write, f: &Frame) -> std::io::Result<()> {
+    f.write_to(w)?;
+    w.flush()
 }
 
 /// Ships frames from `rx` in order; sends a heartbeat with the loop's progress whenever
@@ -138,6 +151,7 @@ pub fn spawn_sender(
     shared: Arc<Shared>,
     registry: Registry,
     o: SenderOpts,
+    status: Status,
 ) -> std::thread::JoinHandle<()> {
     std::thread::spawn(move || {
         let mut w = BufWriter::with_capacity(1 << 20, stream);
@@ -147,7 +161,7 @@ pub fn spawn_sender(
                     let t = Instant::now();
                     shared.acks().sent(f.seq, t);
                     if o.stall_epoch == Some(f.seq) {
-                        stall(&mut w, &f);
+                        stall(&mut w, &f, &status);
                     }
                     let r = send(&mut w, &f);
                     m.transfer_us = t.elapsed().as_micros() as u64;
@@ -168,7 +182,7 @@ pub fn spawn_sender(
                 Err(RecvTimeoutError::Disconnected) => return,
             };
             if let Err(e) = r {
-                shared.lose(format!("{e:#}"));
+                shared.lose(format!("writing to the backup: {e}"));
                 return;
             }
             if shared.is_lost() {
@@ -178,15 +192,15 @@ pub fn spawn_sender(
     })
 }
 
-fn stall(w: &mut impl Write, f: &Frame) -> ! {
+fn stall(w: &mut impl Write, f: &Frame, status: &Status) -> ! {
     let mut bytes = Vec::new();
     let _ = f.write_to(&mut bytes);
     let _ = w.write_all(&bytes[..bytes.len() / 2]);
     let _ = w.flush();
-    eprintln!(
-        "primary: fault injection: stalled in the middle of epoch {}",
+    status.warn(format!(
+        "fault injection: stalled in the middle of epoch {}",
         f.seq
-    );
+    ));
     loop {
         std::thread::sleep(Duration::from_secs(3600));
     }

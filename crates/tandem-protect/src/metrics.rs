@@ -20,15 +20,22 @@ use serde::Serialize;
 /// One epoch as the primary saw it.
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct EpochMetrics {
+    /// The epoch.
     pub epoch: tandem_types::Epoch,
     /// Pause components (flattened: `stop_us`, `harvest_us`, ... in the JSON lines).
     #[serde(flatten)]
     pub pause: tandem_types::PauseTiming,
+    /// Total pause.
     pub pause_us: u32,
+    /// Pages written in the epoch.
     pub dirty_pages: u64,
+    /// Bytes before encoding.
     pub raw_bytes: u64,
+    /// Bytes of the frame sent.
     pub sent_bytes: u64,
+    /// Time to encode the epoch.
     pub encode_us: u64,
+    /// Time to write the frame to the link.
     pub transfer_us: u64,
     /// From handing the epoch to the link to the backup's acknowledgement.
     pub ack_latency_us: Option<u64>,
@@ -38,8 +45,9 @@ pub struct EpochMetrics {
     pub held_bytes: u64,
     /// Guest frames released to the outside so far.
     pub released_frames: u64,
-    /// Disk writes of this epoch and their bytes.
+    /// Disk writes of this epoch.
     pub disk_writes: u64,
+    /// Their bytes.
     pub disk_bytes: u64,
 }
 

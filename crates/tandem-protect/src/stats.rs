@@ -11,6 +11,7 @@ pub fn quantile(v: &[f64], q: f64) -> f64 {
     s[i]
 }
 
+/// The mean of `v` (0 for none).
 pub fn mean(v: &[f64]) -> f64 {
     if v.is_empty() {
         0.0

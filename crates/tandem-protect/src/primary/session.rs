@@ -9,18 +9,17 @@ use std::sync::mpsc::{sync_channel, SyncSender, TrySendError};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use anyhow::Context;
 use tandem_replication::{Acks, EpochInput, Frame, Primary, Reply};
 use tandem_vm::epoch::{run_pipeline, Checkpoint, Fixed};
-use tandem_vm::Vm;
-use tandem_vm::{Epoch, EpochSink, Guest};
+use tandem_vm::{Epoch, EpochSink, Guest, Vm, VmError};
 
 use super::link::{self, Out, SenderOpts, Shared};
 use super::watchdog::Watchdog;
-use super::Opts;
+use super::{PrimaryConfig, PrimaryError};
 use crate::metrics::{EpochMetrics, Registry};
-use crate::replicate::site::Site;
-use crate::replicate::{shutdown_requested, stopping};
+use crate::signals::{shutdown_requested, stopping, take_kill_in_pause};
+use crate::site::Site;
+use crate::Status;
 
 /// How a session ended (errors of the VM end the daemon instead).
 pub enum End {
@@ -39,7 +38,8 @@ pub struct Daemon<'a> {
     pub site: &'a Site,
     pub proto: Primary,
     pub registry: Registry,
-    pub opts: &'a Opts,
+    pub opts: &'a PrimaryConfig,
+    pub status: Status,
     pub watchdog: Watchdog,
     /// Last epoch checkpointed (numbers keep counting across sessions).
     pub epoch: u64,
@@ -54,13 +54,35 @@ pub struct Daemon<'a> {
 
 type Writes = Vec<(u64, Vec<u8>)>;
 
+/// Why the initial copy did not complete: the VM failed (fatal), or the link (re-sync).
+enum CopyError {
+    Vm(VmError),
+    Link(String),
+}
+
+impl From<VmError> for CopyError {
+    fn from(e: VmError) -> Self {
+        CopyError::Vm(e)
+    }
+}
+
+impl From<std::io::Error> for CopyError {
+    fn from(e: std::io::Error) -> Self {
+        CopyError::Link(format!("writing to the backup: {e}"))
+    }
+}
+
 impl Daemon<'_> {
     /// Runs one session on `stream`.
-    pub fn session(&mut self, vm: &mut Vm, stream: TcpStream) -> anyhow::Result<End> {
-        link::tune(&stream, self.opts.ack_timeout)?;
+    pub fn session(&mut self, vm: &mut Vm, stream: TcpStream) -> Result<End, PrimaryError> {
+        let reader_stream =
+            match link::tune(&stream, self.opts.ack_timeout).and_then(|()| stream.try_clone()) {
+                Ok(s) => s,
+                Err(e) => return Ok(End::Lost(format!("setting up the link: {e}"))),
+            };
         let start = self.epoch;
         let shared = Arc::new(Shared::new(Acks::new(self.proto.vm_id(), start), start));
-        let reader = self.spawn_reader(stream.try_clone()?, shared.clone());
+        let reader = self.spawn_reader(reader_stream, shared.clone());
         let end = self.copy_and_run(vm, &stream, &shared);
         self.last_session_acked = shared.acks().acked() > start;
         // Unblock the reader (and a sender stuck in a write), then collect them.
@@ -76,32 +98,37 @@ impl Daemon<'_> {
         vm: &mut Vm,
         stream: &TcpStream,
         shared: &Arc<Shared>,
-    ) -> anyhow::Result<End> {
+    ) -> Result<End, PrimaryError> {
         let start = self.epoch;
-        let mut w = BufWriter::with_capacity(1 << 20, stream.try_clone()?);
+        let (w, sender_stream) = match (stream.try_clone(), stream.try_clone()) {
+            (Ok(a), Ok(b)) => (a, b),
+            (Err(e), _) | (_, Err(e)) => return Ok(End::Lost(format!("link: {e}"))),
+        };
+        let mut w = BufWriter::with_capacity(1 << 20, w);
         match self.initial_copy(vm, &mut w, shared) {
             Ok(()) => {}
-            Err(e) if e.downcast_ref::<tandem_vm::VmError>().is_some() => return Err(e),
-            Err(e) => return Ok(self.lost_or_fenced(shared, format!("{e:#}"))),
+            Err(CopyError::Vm(e)) => return Err(e.into()),
+            Err(CopyError::Link(why)) => return Ok(self.lost_or_fenced(shared, why)),
         }
         drop(w);
         self.registry.set_link_up(true);
         let (tx, rx) = sync_channel::<Out>(2);
         let sender = link::spawn_sender(
-            stream.try_clone()?,
+            sender_stream,
             rx,
             shared.clone(),
             self.registry.clone(),
             SenderOpts {
                 heartbeat: self.opts.heartbeat,
                 vm_id: self.proto.vm_id(),
-                stall_epoch: self.opts.stall_epoch,
+                stall_epoch: self.opts.fault_stall_epoch,
             },
+            self.status.clone(),
         );
-        println!(
-            "primary: initial copy sent; replicating from epoch {} on",
+        self.status.info(format!(
+            "initial copy sent; replicating from epoch {} on",
             start + 1
-        );
+        ));
         let r = self.epochs(vm, &tx, shared);
         let end = match r {
             Err(e) => Err(e),
@@ -132,7 +159,7 @@ impl Daemon<'_> {
         vm: &mut Vm,
         w: &mut impl Write,
         shared: &Shared,
-    ) -> anyhow::Result<()> {
+    ) -> Result<(), CopyError> {
         self.watchdog.beat();
         let (site, epoch) = (self.site, self.epoch);
         let mut disk = Ok(Vec::new());
@@ -146,9 +173,12 @@ impl Daemon<'_> {
                 disk = d.read_at(&mut buf, 0).map(|()| buf);
             }
         })?;
-        let disk = disk.context("reading the data disk")?;
+        let disk = disk.map_err(|e| CopyError::Link(format!("reading the data disk: {e}")))?;
         self.watchdog.beat();
-        let hello = self.proto.begin(self.epoch, &ram, disk.len() as u64)?;
+        let hello = self
+            .proto
+            .begin(self.epoch, &ram, disk.len() as u64)
+            .map_err(|e| CopyError::Link(format!("hello: {e}")))?;
         link::send(w, &hello)?;
         let mut sent = 0usize;
         for f in self.proto.base_frames(&ram, 1024) {
@@ -156,20 +186,20 @@ impl Daemon<'_> {
             link::send(w, &f)?;
             self.watchdog.beat();
             if shared.is_lost() {
-                anyhow::bail!("{}", shared.why());
+                return Err(CopyError::Link(shared.why()));
             }
         }
         for f in self.proto.disk_base_frames(&disk, 1 << 16) {
             link::send(w, &f)?;
             self.watchdog.beat();
         }
-        println!(
-            "primary: initial copy sent at epoch {}: {} of {} MiB non-zero, data disk {} MiB",
+        self.status.info(format!(
+            "initial copy sent at epoch {}: {} of {} MiB non-zero, data disk {} MiB",
             self.epoch,
             sent >> 20,
             ram.len() >> 20,
             disk.len() >> 20
-        );
+        ));
         Ok(())
     }
 
@@ -191,6 +221,7 @@ impl Daemon<'_> {
                 tx,
                 raw: &mut self.raw,
                 sent: &mut self.sent,
+                status: &self.status,
             },
             watchdog: &self.watchdog,
             qemu,
@@ -201,7 +232,12 @@ impl Daemon<'_> {
     }
 
     /// The epoch loop of this session: the pipeline with the link as its sink.
-    fn epochs(&mut self, vm: &mut Vm, tx: &SyncSender<Out>, shared: &Shared) -> anyhow::Result<()> {
+    fn epochs(
+        &mut self,
+        vm: &mut Vm,
+        tx: &SyncSender<Out>,
+        shared: &Shared,
+    ) -> Result<(), PrimaryError> {
         let duration = self.deadline.map_or(Duration::MAX, |d| {
             d.saturating_duration_since(Instant::now())
         });
@@ -226,7 +262,7 @@ impl Daemon<'_> {
         vm: &mut Vm,
         tx: &SyncSender<Out>,
         shared: &Shared,
-    ) -> anyhow::Result<End> {
+    ) -> Result<End, PrimaryError> {
         let seq = self.epoch + 1;
         let (mut pfns, mut pages, mut dev) = (Vec::new(), Vec::new(), Vec::new());
         let ack_timeout = self.opts.ack_timeout;
@@ -247,7 +283,7 @@ impl Daemon<'_> {
             device_state: &dev,
         };
         let w = std::mem::replace(&mut sink.writes, Ok(Vec::new()))
-            .context("reading back the final epoch's disk writes")?;
+            .map_err(PrimaryError::FinalWrites)?;
         sink.st.ship(seq, &cp, &w)?;
         let _ = tx.send(Out::Control(sink.st.proto.handover(seq)));
         self.epoch = seq;
@@ -276,10 +312,11 @@ impl Daemon<'_> {
 
     /// Reads the backup's frames: validated acks release their epochs' output.
     fn spawn_reader(&self, stream: TcpStream, shared: Arc<Shared>) -> std::thread::JoinHandle<()> {
-        let (relay, registry, jsonl) = (
+        let (relay, registry, jsonl, status) = (
             self.site.relay.clone(),
             self.registry.clone(),
             self.jsonl.clone(),
+            self.status.clone(),
         );
         std::thread::spawn(move || {
             let mut r = BufReader::new(stream);
@@ -306,10 +343,10 @@ impl Daemon<'_> {
                         };
                         registry.set_protected(can_fail_over);
                         registry.set_backup_can_failover(can_fail_over);
-                        record_acked(&shared, &registry, &jsonl, &lat, released);
+                        record_acked(&shared, &registry, &jsonl, &lat, released, &status);
                     }
                     Ok(Reply::Fenced(n)) => {
-                        eprintln!("primary: the backup says it resumed the guest from epoch {n}: another copy runs; stopping this one without releasing anything");
+                        status.warn(format!("the backup says it resumed the guest from epoch {n}: another copy runs; stopping this one without releasing anything"));
                         shared.fenced_at.store(n, Ordering::SeqCst);
                         shared.fenced.store(true, Ordering::SeqCst);
                         return shared.lose("fenced by the backup".into());
@@ -332,6 +369,7 @@ fn record_acked(
     jsonl: &Mutex<Option<BufWriter<std::fs::File>>>,
     lat: &[(u64, Instant)],
     released: u64,
+    status: &Status,
 ) {
     let at = Instant::now();
     let mut pending = shared.pending();
@@ -353,7 +391,7 @@ fn record_acked(
             .and_then(|()| out.write_all(b"\n"))
             .and_then(|()| out.flush());
         if let Err(e) = r {
-            eprintln!("primary: writing the metrics file failed ({e}); no more metrics lines are written, replication goes on");
+            status.warn(format!("writing the metrics file failed ({e}); no more metrics lines are written, replication goes on"));
             *g = None;
         }
     }
@@ -367,14 +405,16 @@ struct LinkSink<'a> {
     /// QEMU's pid, for the pause-kill fault hook (0: none).
     qemu: u32,
     writes: std::io::Result<Writes>,
-    err: Option<anyhow::Error>,
+    err: Option<PrimaryError>,
     last_print: Instant,
 }
 
 impl EpochSink for LinkSink<'_> {
     fn in_pause(&mut self, epoch: Epoch) {
-        if self.qemu != 0 && crate::replicate::take_kill_in_pause() {
-            eprintln!("primary: fault injection: killing QEMU inside the pause of epoch {epoch}");
+        if self.qemu != 0 && take_kill_in_pause() {
+            self.st.status.warn(format!(
+                "fault injection: killing QEMU inside the pause of epoch {epoch}"
+            ));
             // SAFETY: kill(2) of the QEMU this daemon started.
             unsafe { libc::kill(self.qemu as i32, libc::SIGKILL) };
         }
@@ -419,18 +459,19 @@ impl EpochSink for LinkSink<'_> {
 struct Step<'a> {
     proto: &'a mut Primary,
     registry: &'a Registry,
-    opts: &'a Opts,
+    opts: &'a PrimaryConfig,
     site: &'a Site,
     shared: &'a Shared,
     tx: &'a SyncSender<Out>,
     raw: &'a mut u64,
     sent: &'a mut u64,
+    status: &'a Status,
 }
 
 impl Step<'_> {
     /// Encodes epoch `seq` and hands it to the sender; marks the link lost when the backup
     /// has not acknowledged an epoch within the ack timeout.
-    fn ship(&mut self, seq: u64, cp: &Checkpoint<'_>, writes: &Writes) -> anyhow::Result<()> {
+    fn ship(&mut self, seq: u64, cp: &Checkpoint<'_>, writes: &Writes) -> Result<(), PrimaryError> {
         let t = Instant::now();
         let input = EpochInput {
             seq,
@@ -507,8 +548,8 @@ impl Step<'_> {
         let pauses = self.registry.pause_histogram();
         let held = self.held();
         let acks = self.shared.acks();
-        println!(
-            "primary: epoch {seq} acked {} | raw {:.1} MiB sent {:.2} MiB | pause p50 {:.1} ms p99 {:.1} ms | held frames {}{}",
+        self.status.info(format!(
+            "epoch {seq} acked {} | raw {:.1} MiB sent {:.2} MiB | pause p50 {:.1} ms p99 {:.1} ms | held frames {}{}",
             acks.acked(),
             *self.raw as f64 / (1 << 20) as f64,
             *self.sent as f64 / (1 << 20) as f64,
@@ -516,6 +557,6 @@ impl Step<'_> {
             pauses.quantile(0.99) * 1e3,
             held.held_frames,
             if acks.can_fail_over() { "" } else { " | backup CANNOT fail over" },
-        );
+        ));
     }
 }

@@ -5,33 +5,43 @@ use std::os::fd::AsRawFd;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use anyhow::Context;
 use tandem_vm::{Vm, VmConfig};
 
+use super::BackupError;
+use crate::Status;
+
+/// The standby QEMU and what it takes to restart it.
 pub struct Standby {
     cfg: VmConfig,
     /// The mirror, reachable through this process's descriptor once its name is removed.
     mirror: std::fs::File,
     vm: Option<Vm>,
     last_try: Instant,
+    status: Status,
 }
 
 impl Standby {
     /// Starts the standby on the mirror at `path`, then removes the file's name: the mirror
     /// lives as long as this process or the standby maps it, and nothing is left behind.
-    pub fn start(cfg: &VmConfig, path: &std::path::Path) -> anyhow::Result<Standby> {
+    pub fn start(
+        cfg: &VmConfig,
+        path: &std::path::Path,
+        status: Status,
+    ) -> Result<Standby, BackupError> {
         let mirror = std::fs::OpenOptions::new()
             .read(true)
             .write(true)
             .open(path)
-            .with_context(|| format!("opening {}", path.display()))?;
-        let vm = Vm::standby(cfg, path).context("starting the standby QEMU")?;
+            .map_err(|e| BackupError::Io(format!("opening {}", path.display()), e))?;
+        let vm = Vm::standby(cfg, path)
+            .map_err(|e| BackupError::Standby("starting the standby QEMU", e))?;
         let _ = std::fs::remove_file(path);
         Ok(Standby {
             cfg: cfg.clone(),
             mirror,
             vm: Some(vm),
             last_try: Instant::now(),
+            status,
         })
     }
 
@@ -53,7 +63,7 @@ impl Standby {
             match vm.exit_status() {
                 None => return true,
                 Some(st) => {
-                    eprintln!("backup: the standby QEMU exited ({st}); this backup CANNOT fail over until it runs again");
+                    self.status.warn(format!("the standby QEMU exited ({st}); this backup CANNOT fail over until it runs again"));
                     self.vm = None;
                     self.last_try = Instant::now();
                 }
@@ -65,12 +75,16 @@ impl Standby {
         self.last_try = Instant::now();
         match Vm::standby(&self.cfg, &self.path()) {
             Ok(vm) => {
-                println!("backup: standby QEMU restarted (pid {})", vm.pid());
+                self.status
+                    .info(format!("standby QEMU restarted (pid {})", vm.pid()));
                 self.vm = Some(vm);
                 true
             }
             Err(e) => {
-                eprintln!("backup: restarting the standby QEMU failed: {e:#}");
+                self.status.warn(format!(
+                    "restarting the standby QEMU failed: {}",
+                    crate::chain(&e)
+                ));
                 false
             }
         }

@@ -1,0 +1,144 @@
+//! `tandem primary` and `tandem backup`: flags → the library's configs; the daemons live in
+//! tandem-protect.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use tandem_codec::Codec;
+use tandem_protect::backup::BackupConfig;
+use tandem_protect::primary::PrimaryConfig;
+use tandem_protect::{signals, Line, Status};
+
+use crate::vmargs::{kv_load, SiteArgs, VmArgs};
+
+#[derive(clap::Args)]
+pub struct PrimaryArgs {
+    /// Backup address (host:port).
+    #[arg(long)]
+    pub backup: String,
+    #[command(flatten)]
+    pub vm: VmArgs,
+    #[command(flatten)]
+    pub site: SiteArgs,
+    /// Directory for the data disk and sockets (default: a temporary directory).
+    #[arg(long)]
+    pub dir: Option<PathBuf>,
+    /// Epoch length in milliseconds.
+    #[arg(long, default_value_t = 100)]
+    pub epoch_ms: u64,
+    /// For benchmarks: end protection and shut the guest down after this many seconds
+    /// (default: run until stopped).
+    #[arg(long)]
+    pub duration: Option<u64>,
+    /// Memory codec.
+    #[arg(long, default_value = "tandem")]
+    pub codec: Codec,
+    /// Identifier of the protected VM (the backup refuses frames of any other).
+    #[arg(long, default_value_t = 1)]
+    pub vm_id: u64,
+    /// Send a heartbeat when nothing else was sent for this long.
+    #[arg(long, default_value_t = 100)]
+    pub heartbeat_ms: u64,
+    /// The backup is lost when an epoch stays unacknowledged this long (also the socket's
+    /// TCP_USER_TIMEOUT); output stays held and the primary reconnects.
+    #[arg(long, default_value_t = 2000)]
+    pub ack_timeout_ms: u64,
+    /// Kill QEMU when the main loop makes no progress for this long (a hung QEMU), so that
+    /// the backup takes over. Default: the larger of 3 s and 20 epochs.
+    #[arg(long)]
+    pub stall_ms: Option<u64>,
+    /// Append one JSON line per acknowledged epoch to this file.
+    #[arg(long)]
+    pub metrics_jsonl: Option<PathBuf>,
+    /// Serve Prometheus metrics on this address (GET /metrics).
+    #[arg(long)]
+    pub metrics_listen: Option<String>,
+    /// Fault injection for tests: send half of this epoch's frame, then stall until killed.
+    #[arg(long, hide = true)]
+    pub fault_stall_epoch: Option<u64>,
+    /// Fault injection for tests: SIGUSR2 kills QEMU inside the next checkpoint pause.
+    #[arg(long, hide = true)]
+    pub fault_hooks: bool,
+}
+
+#[derive(clap::Args)]
+pub struct BackupArgs {
+    /// Address to listen on (host:port).
+    #[arg(long)]
+    pub listen: String,
+    /// Directory for the mirror file, disk copy and sockets (use a tmpfs such as /dev/shm).
+    #[arg(long)]
+    pub dir: PathBuf,
+    /// The VM as the primary runs it (the standby uses the same command line).
+    #[command(flatten)]
+    pub vm: VmArgs,
+    #[command(flatten)]
+    pub site: SiteArgs,
+    /// Fail over when the primary has been silent this long.
+    #[arg(long, default_value_t = 1000)]
+    pub timeout_ms: u64,
+    /// Fail over when the primary's epochs have not advanced for this long although it still
+    /// sends heartbeats (a primary stuck in QEMU); also how long a primary whose frame was
+    /// refused has to reconnect. Default: 3 × --timeout-ms.
+    #[arg(long)]
+    pub stall_ms: Option<u64>,
+    /// Write a JSON report of the failover here.
+    #[arg(long)]
+    pub report: Option<PathBuf>,
+}
+
+/// Status lines on the terminal: progress on stdout, warnings on stderr.
+pub fn stdio(who: &'static str) -> Status {
+    Status::new(who, |l| match l {
+        Line::Info(s) => println!("{s}"),
+        Line::Warn(s) => eprintln!("{s}"),
+    })
+}
+
+/// Status lines all on stderr (for commands whose stdout is their result, e.g. `--json`).
+pub fn stderr(who: &'static str) -> Status {
+    Status::new(who, |l| match l {
+        Line::Info(s) | Line::Warn(s) => eprintln!("{s}"),
+    })
+}
+
+pub fn primary(a: PrimaryArgs) -> anyhow::Result<()> {
+    signals::install_stop_handler();
+    if a.fault_hooks {
+        signals::install_fault_hooks();
+    }
+    let ms = Duration::from_millis;
+    let cfg = PrimaryConfig {
+        backup: a.backup,
+        vm: a.vm.spec(),
+        site: a.site.config(),
+        dir: a.dir,
+        epoch: ms(a.epoch_ms.max(1)),
+        duration: a.duration.map(Duration::from_secs),
+        codec: a.codec,
+        vm_id: a.vm_id,
+        heartbeat: ms(a.heartbeat_ms.max(1)),
+        ack_timeout: ms(a.ack_timeout_ms.max(100)),
+        stall: a.stall_ms.map(ms),
+        metrics_jsonl: a.metrics_jsonl,
+        metrics_listen: a.metrics_listen,
+        fault_stall_epoch: a.fault_stall_epoch,
+        load: Some(kv_load()),
+    };
+    Ok(tandem_protect::primary::run(cfg, stdio("primary"))?)
+}
+
+pub fn backup(a: BackupArgs) -> anyhow::Result<()> {
+    signals::install_stop_handler();
+    let ms = Duration::from_millis;
+    let cfg = BackupConfig {
+        listen: a.listen,
+        dir: a.dir,
+        vm: a.vm.spec(),
+        site: a.site.config(),
+        timeout: ms(a.timeout_ms.max(1)),
+        stall: a.stall_ms.map(ms),
+        report: a.report,
+    };
+    Ok(tandem_protect::backup::run(cfg, stdio("backup"))?)
+}

@@ -1,0 +1,64 @@
+//! tandem's daemons as a library: [`primary::run`] protects a VM by replicating it epoch by
+//! epoch to a backup, [`backup::run`] applies those epochs and fails over onto a standby QEMU,
+//! [`saver::save`] takes incremental checkpoints into a store, and [`recorder::record`]
+//! writes a memory trace. Each takes a plain config
+//! struct and reports what it does through a [`Status`]; the `tandem` binary parses flags
+//! into these structs and prints.
+//!
+//! Every daemon runs until [`signals::stopping`] (SIGTERM/SIGINT after
+//! [`signals::install_stop_handler`]); `duration` limits exist for benchmarks only.
+
+#![warn(missing_docs)]
+
+pub mod backup;
+pub mod metrics;
+pub mod primary;
+pub mod recorder;
+pub mod saver;
+pub mod signals;
+pub mod site;
+pub mod stats;
+mod status;
+pub mod vmspec;
+
+pub use status::{Line, Status};
+pub use vmspec::{boot, Load, StartLoad, VmSpec};
+
+/// Wall-clock time in Unix milliseconds (for reports compared across processes).
+pub fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+/// Echoes the guest's workload progress lines (`sqlite txns=N`, `compile objs=N`) from its
+/// serial console as `guest: ...` status lines, for benchmarks and operators.
+pub fn echo_guest_progress(serial: std::path::PathBuf, status: Status) {
+    std::thread::spawn(move || {
+        let mut console = tandem_vm::console::Console::new(&serial);
+        let mut done = 0;
+        loop {
+            std::thread::sleep(std::time::Duration::from_millis(250));
+            let Ok(text) = console.poll() else { continue };
+            let complete = text.rfind('\n').map_or(0, |i| i + 1);
+            for line in text[done.min(complete)..complete].lines() {
+                if line.contains(" txns=") || line.contains(" objs=") {
+                    status.info(format!("guest: {}", line.trim()));
+                }
+            }
+            done = complete;
+        }
+    });
+}
+
+/// An error with its sources, `a: b: c` (for status lines about errors the daemon survives).
+pub fn chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut src = e.source();
+    while let Some(c) = src {
+        s = format!("{s}: {c}");
+        src = c.source();
+    }
+    s
+}

@@ -1,0 +1,331 @@
+//! The primary daemon: boots the guest and protects it until told to stop. Each session sends
+//! a hello and an initial copy, then checkpoints every epoch and ships it on a sender thread
+//! while the guest runs the next one; guest output is released epoch by epoch as the backup
+//! acknowledges. A lost link keeps the output held and reconnects with a full re-sync; only
+//! an explicit operator request ends replication without a failover.
+//!
+//! Stopping ([`crate::signals`]): SIGTERM or SIGINT hands the guest over (a last checkpoint
+//! with the guest left stopped, then the backup resumes it); SIGUSR1 ends protection and shuts
+//! the guest down (`bye`: the backup does not fail over); `duration` (benchmarks) does the
+//! same as SIGUSR1 when it expires.
+
+mod link;
+mod session;
+mod watchdog;
+
+use std::io::BufWriter;
+use std::net::TcpStream;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tandem_codec::{Codec, Config};
+use tandem_replication::Primary;
+use tandem_vm::{Vm, VmError};
+
+use crate::metrics::Registry;
+use crate::signals::{shutdown_requested, stopping};
+use crate::site::{Role, Site, SiteConfig, SiteError};
+use crate::vmspec::{boot, BootError, Load, StartLoad, VmSpec, VmSpecError};
+use crate::Status;
+use session::{Daemon, End};
+use watchdog::Watchdog;
+
+/// What the primary daemon runs.
+pub struct PrimaryConfig {
+    /// Backup address (host:port).
+    pub backup: String,
+    /// The protected VM.
+    pub vm: VmSpec,
+    /// Its network relay and data disk.
+    pub site: SiteConfig,
+    /// Directory for the data disk and sockets (default: a temporary directory).
+    pub dir: Option<PathBuf>,
+    /// Epoch length.
+    pub epoch: Duration,
+    /// For benchmarks: end protection and shut the guest down after this long.
+    pub duration: Option<Duration>,
+    /// Memory codec.
+    pub codec: Codec,
+    /// Identifier of the protected VM (the backup refuses frames of any other).
+    pub vm_id: u64,
+    /// Send a heartbeat when nothing else was sent for this long.
+    pub heartbeat: Duration,
+    /// The backup is lost when an epoch stays unacknowledged this long (also the socket's
+    /// TCP_USER_TIMEOUT); output stays held and the primary reconnects.
+    pub ack_timeout: Duration,
+    /// Kill QEMU when the main loop makes no progress for this long (default: the larger of
+    /// 3 s and 20 epochs).
+    pub stall: Option<Duration>,
+    /// Append one JSON line per acknowledged epoch to this file.
+    pub metrics_jsonl: Option<PathBuf>,
+    /// Serve Prometheus metrics on this address (GET /metrics).
+    pub metrics_listen: Option<String>,
+    /// Fault injection for tests: send half of this epoch's frame, then stall until killed.
+    pub fault_stall_epoch: Option<u64>,
+    /// Host-side load started once the guest is ready.
+    pub load: Option<StartLoad>,
+}
+
+impl PrimaryConfig {
+    /// Defaults for replicating `vm` to `backup`.
+    pub fn new(backup: impl Into<String>, vm: VmSpec) -> Self {
+        PrimaryConfig {
+            backup: backup.into(),
+            vm,
+            site: SiteConfig::default(),
+            dir: None,
+            epoch: Duration::from_millis(100),
+            duration: None,
+            codec: Codec::Tandem,
+            vm_id: 1,
+            heartbeat: Duration::from_millis(100),
+            ack_timeout: Duration::from_secs(2),
+            stall: None,
+            metrics_jsonl: None,
+            metrics_listen: None,
+            fault_stall_epoch: None,
+            load: None,
+        }
+    }
+}
+
+/// Why the primary stopped with an error (the backup fails over unless it was fenced).
+#[derive(Debug, thiserror::Error)]
+pub enum PrimaryError {
+    /// The working directory could not be created.
+    #[error("creating the working directory {0}")]
+    Dir(PathBuf, #[source] std::io::Error),
+    /// The VM description is unusable.
+    #[error(transparent)]
+    Spec(#[from] VmSpecError),
+    /// Relay or data disk set-up failed.
+    #[error(transparent)]
+    Site(#[from] SiteError),
+    /// The guest did not come up.
+    #[error(transparent)]
+    Boot(#[from] BootError),
+    /// The metrics endpoint or file could not be opened.
+    #[error("metrics {0}")]
+    Metrics(String, #[source] std::io::Error),
+    /// QEMU or QMP failed.
+    #[error(transparent)]
+    Vm(#[from] VmError),
+    /// QEMU exited while no backup was connected.
+    #[error("QEMU exited ({0}) while the primary waited for the backup")]
+    QemuExited(String),
+    /// An epoch could not be encoded.
+    #[error("encoding an epoch")]
+    Encode(#[from] tandem_replication::PrimaryError),
+    /// The final epoch's disk writes could not be read back.
+    #[error("reading back the final epoch's disk writes")]
+    FinalWrites(#[source] std::io::Error),
+    /// The watchdog killed a QEMU that stopped answering.
+    #[error("the watchdog killed the hung QEMU")]
+    Watchdog(#[source] Box<PrimaryError>),
+    /// The backup resumed the guest: this copy was stopped.
+    #[error("the backup resumed the guest (from epoch {0}): this copy was stopped and its held output discarded")]
+    Fenced(u64),
+    /// The host-side load reported a failure.
+    #[error("the load on the guest's workload: {0}")]
+    Load(String),
+}
+
+/// Boots the guest described by `cfg` and protects it until told to stop.
+pub fn run(cfg: PrimaryConfig, status: Status) -> Result<(), PrimaryError> {
+    let mut vmc = cfg.vm.config("primary")?;
+    let tmp;
+    let dir = match &cfg.dir {
+        Some(d) => {
+            std::fs::create_dir_all(d).map_err(|e| PrimaryError::Dir(d.clone(), e))?;
+            d.clone()
+        }
+        None => {
+            let io = |e| PrimaryError::Dir(std::env::temp_dir(), e);
+            tmp = tempfile::Builder::new()
+                .prefix("tandem-primary-")
+                .tempdir()
+                .map_err(io)?;
+            tandem_vm::stale::mark_owned(tmp.path()).map_err(io)?;
+            tmp.path().to_path_buf()
+        }
+    };
+    let site = Site::prepare(&cfg.site, &dir, Role::Primary, &mut vmc)?;
+    let (mut vm, ready, load) = boot(&vmc, cfg.load.as_ref())?;
+    status.info(format!(
+        "guest ready in {:.1} s, QEMU pid {}, network {}, data disk {} MiB",
+        ready.as_secs_f64(),
+        vm.pid(),
+        if site.relay.is_some() {
+            "relay (output held until acked)"
+        } else {
+            "user (not held)"
+        },
+        cfg.site.disk_mib
+    ));
+    crate::echo_guest_progress(vm.serial_path(), status.clone());
+    let epoch_ms = cfg.epoch.as_millis() as u64;
+    let stall = cfg
+        .stall
+        .unwrap_or_else(|| Duration::from_millis((20 * epoch_ms).max(3000)));
+    let watchdog = Watchdog::start(vm.pid(), stall, status.clone());
+    let registry = Registry::default();
+    if let Some(addr) = &cfg.metrics_listen {
+        let bound = crate::metrics::serve(addr, registry.clone())
+            .map_err(|e| PrimaryError::Metrics(format!("endpoint {addr}"), e))?;
+        status.info(format!("metrics on http://{bound}/metrics"));
+    }
+    let jsonl = match &cfg.metrics_jsonl {
+        Some(p) => Some(BufWriter::new(std::fs::File::create(p).map_err(|e| {
+            PrimaryError::Metrics(format!("file {}", p.display()), e)
+        })?)),
+        None => None,
+    };
+    let mut d = Daemon {
+        site: &site,
+        proto: Primary::new(cfg.vm_id, cfg.codec, Config::default()),
+        registry,
+        opts: &cfg,
+        status: status.clone(),
+        watchdog: watchdog.clone(),
+        epoch: 0,
+        jsonl: Arc::new(Mutex::new(jsonl)),
+        raw: 0,
+        sent: 0,
+        deadline: cfg.duration.map(|t| Instant::now() + t),
+        last_session_acked: false,
+    };
+    let end = match sessions(&mut d, &mut vm) {
+        Err(e) if watchdog.fired() => return Err(PrimaryError::Watchdog(Box::new(e))),
+        r => r?,
+    };
+    let summary = format!(
+        "{} epochs, {:.1} MiB raw, {:.2} MiB sent",
+        d.epoch,
+        d.raw as f64 / (1 << 20) as f64,
+        d.sent as f64 / (1 << 20) as f64,
+    );
+    drop(d);
+    finish(end, &site, vm, load, &summary, &status)
+}
+
+/// Sessions until one ends for good (`None`: stopped or out of time while no backup was
+/// connected).
+fn sessions(d: &mut Daemon<'_>, vm: &mut Vm) -> Result<Option<End>, PrimaryError> {
+    // Sessions that end before any acknowledgement back off (0.2 s doubling to 5 s), so a
+    // backup that refuses this VM (wrong size, another VM id) is not flooded with copies.
+    let mut backoff = Duration::ZERO;
+    let mut count = 0u64;
+    loop {
+        let Some(stream) = wait_for_backup(d, vm)? else {
+            return Ok(None);
+        };
+        if count > 0 {
+            d.registry.inc_reconnects();
+            d.registry.inc_resyncs();
+        }
+        count += 1;
+        let why = match d.session(vm, stream)? {
+            End::Lost(why) => why,
+            end => return Ok(Some(end)),
+        };
+        let held = d.site.relay.as_ref().map(|r| r.stats()).unwrap_or_default();
+        d.status.warn(format!(
+            "link to the backup lost after epoch {} ({why}); the guest runs on with its output HELD ({} frames); reconnecting for a full re-sync",
+            d.epoch, held.held_frames
+        ));
+        if d.deadline.is_some_and(|t| Instant::now() >= t) {
+            return Ok(None);
+        }
+        backoff = if d.last_session_acked {
+            Duration::ZERO
+        } else {
+            (backoff * 2).clamp(Duration::from_millis(200), Duration::from_secs(5))
+        };
+        let until = Instant::now() + backoff;
+        while Instant::now() < until && !stopping() {
+            d.watchdog.beat();
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+/// What becomes of this copy of the guest once replication ended.
+fn finish(
+    end: Option<End>,
+    site: &Site,
+    mut vm: Vm,
+    load: Option<Box<dyn Load>>,
+    summary: &str,
+    status: &Status,
+) -> Result<(), PrimaryError> {
+    match end {
+        Some(End::Fenced(n)) => {
+            if let Some(r) = &site.relay {
+                r.discard_held();
+            }
+            vm.kill();
+            Err(PrimaryError::Fenced(n))
+        }
+        Some(End::HandedOver { epoch, acked }) => {
+            vm.kill();
+            if acked {
+                status.info(format!(
+                    "handed the guest over to the backup at epoch {epoch}; {summary}"
+                ));
+            } else {
+                status.info(format!("handover at epoch {epoch} was not acknowledged: the backup resumes from the last epoch it committed; this copy is stopped; {summary}"));
+            }
+            Ok(())
+        }
+        Some(End::Shutdown) | Some(End::Lost(_)) | None => {
+            if let Some(l) = load {
+                l.stop().map_err(PrimaryError::Load)?;
+            }
+            let what = if end.is_none() && stopping() && !shutdown_requested() {
+                "stopped while no backup was connected: nothing to hand the guest over to; guest shut down"
+            } else if stopping() {
+                "replication ended on request; guest shut down"
+            } else {
+                "replication ended (duration reached); guest shut down"
+            };
+            status.info(format!("{what}; {summary}"));
+            vm.quit();
+            Ok(())
+        }
+    }
+}
+
+/// Connects to the backup, retrying until it answers. Meanwhile the guest runs with its
+/// output held; the disk write log is dropped (the next session copies the whole disk).
+/// Returns `None` when the daemon is asked to stop first.
+fn wait_for_backup(d: &mut Daemon<'_>, vm: &mut Vm) -> Result<Option<TcpStream>, PrimaryError> {
+    let addr = d.opts.backup.as_str();
+    let mut said = None::<Instant>;
+    loop {
+        d.watchdog.beat();
+        if stopping() || d.deadline.is_some_and(|t| Instant::now() >= t) {
+            return Ok(None);
+        }
+        if let Some(st) = vm.exit_status() {
+            return Err(PrimaryError::QemuExited(st.to_string()));
+        }
+        if let Some(disk) = &d.site.disk {
+            disk.reset_log();
+        }
+        match link::connect_once(addr, Duration::from_secs(1)) {
+            Ok(s) => {
+                d.status.info(format!("connected to the backup at {addr}"));
+                return Ok(Some(s));
+            }
+            Err(e) => {
+                if said.is_none_or(|t| t.elapsed() > Duration::from_secs(10)) {
+                    d.status
+                        .warn(format!("waiting for the backup ({})", crate::chain(&e)));
+                    said = Some(Instant::now());
+                }
+                std::thread::sleep(Duration::from_millis(200));
+            }
+        }
+    }
+}

@@ -1,0 +1,340 @@
+//! The checkpoint saver: boots a guest and takes incremental checkpoints into a store
+//! directory (crates/tandem-store, docs/STORE.md) — one now, or every interval until a count
+//! or a stop request. The store is the epoch pipeline's sink ([`StoreSink`]); a checkpoint the
+//! store cannot take (disk full) is skipped and reported, never half-written.
+
+mod report;
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+use tandem_codec::{Codec, Config};
+use tandem_store::format::RecordKind;
+use tandem_store::store::CrashPoint;
+use tandem_store::{Meta, Outcome, Saver, Store, StoreError};
+use tandem_vm::epoch::{run_pipeline, Checkpoint, Fixed};
+use tandem_vm::{EpochSink, Vm, VmError, PAGE_SIZE};
+
+use crate::signals::stopping;
+use crate::stats::quantile;
+use crate::vmspec::{boot, BootError, StartLoad, VmSpec, VmSpecError};
+use crate::Status;
+use report::SaveLog;
+
+/// What the saver does.
+pub struct SaveConfig {
+    /// Store directory (created if missing; an existing store is continued with a new base).
+    pub dir: PathBuf,
+    /// The VM.
+    pub vm: VmSpec,
+    /// Take a checkpoint every interval (without it: one checkpoint, then stop).
+    pub interval: Option<Duration>,
+    /// Stop after this many checkpoints.
+    pub count: Option<u64>,
+    /// Keep the newest N checkpoints; older ones are folded into a new base.
+    pub keep: Option<usize>,
+    /// Write a full base every N checkpoints (bounds restore chains).
+    pub base_every: u64,
+    /// Memory codec.
+    pub codec: Codec,
+    /// Test-only fault injection: abort the process at this compaction step.
+    pub fault_compact: Option<CrashPoint>,
+    /// Host-side load started once the guest is ready.
+    pub load: Option<StartLoad>,
+}
+
+/// What a save run did.
+#[derive(Debug, Serialize)]
+pub struct SaveSummary {
+    /// The store directory.
+    pub dir: String,
+    /// Checkpoints taken (saved + skipped).
+    pub checkpoints: u64,
+    /// Checkpoints the store could not take (disk full, write errors).
+    pub skipped: u64,
+    /// Pause of the first checkpoint (the base).
+    pub first_pause_ms: f64,
+    /// Median pause of the later ones.
+    pub pause_ms_p50: f64,
+    /// Their 99th percentile.
+    pub pause_ms_p99: f64,
+    /// Median of pause + encode + fsync.
+    pub checkpoint_ms_p50: f64,
+    /// Mean delta record size.
+    pub delta_bytes_mean: f64,
+    /// Size of the first base.
+    pub base_bytes: u64,
+    /// Retention compactions done.
+    pub compactions: u64,
+    /// Checkpoints in the store at the end.
+    pub kept: usize,
+    /// Device state size.
+    pub device_state_bytes: u64,
+    /// Mean dirty pages per checkpoint.
+    pub dirty_pages_mean: f64,
+}
+
+/// Why the saver stopped with an error.
+#[derive(Debug, thiserror::Error)]
+pub enum SaveError {
+    /// The VM description is unusable.
+    #[error(transparent)]
+    Spec(#[from] VmSpecError),
+    /// The guest did not come up.
+    #[error(transparent)]
+    Boot(#[from] BootError),
+    /// The store directory holds checkpoints of another guest size.
+    #[error("{dir} holds checkpoints of a {store_mib} MiB guest; this VM has {vm_mib} MiB")]
+    Size {
+        /// The store.
+        dir: String,
+        /// Its guest size.
+        store_mib: u64,
+        /// This VM's.
+        vm_mib: u64,
+    },
+    /// The store failed.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    /// The only checkpoint asked for was not saved.
+    #[error("the checkpoint was not saved")]
+    NotSaved(#[source] StoreError),
+    /// QEMU or QMP failed.
+    #[error(transparent)]
+    Vm(#[from] VmError),
+    /// The host-side load reported a failure.
+    #[error("the load on the guest's workload: {0}")]
+    Load(String),
+}
+
+/// Opens (continuing) or creates the store for a guest of `bytes`. Takes the store's writer
+/// lock before the guest boots: a second saver stops here.
+fn open_store(cfg: &SaveConfig, bytes: u64) -> Result<Store, SaveError> {
+    if !cfg.dir.join("index").exists() {
+        return Ok(Store::create(&cfg.dir, bytes)?);
+    }
+    let s = Store::open_append(&cfg.dir)?;
+    if s.mem_bytes() != bytes {
+        return Err(SaveError::Size {
+            dir: cfg.dir.display().to_string(),
+            store_mib: s.mem_bytes() >> 20,
+            vm_mib: bytes >> 20,
+        });
+    }
+    Ok(s)
+}
+
+/// The first checkpoint's memory, pre-copied while the guest runs: the dirty log restarts (a
+/// short pause), all of RAM is copied with the guest running, and the checkpoint pause then
+/// copies only the pages written meanwhile. Returns RAM, device state and the pause.
+fn live_copy(vm: &mut Vm) -> Result<(Vec<u8>, Vec<u8>, Duration), VmError> {
+    vm.reset_dirty_log()?;
+    let mut shadow = vec![0u8; vm.ram().len()];
+    for (pfn, page) in shadow.chunks_mut(PAGE_SIZE).enumerate() {
+        vm.ram().copy_page(pfn as u64, page);
+    }
+    let (mut pfns, mut pages, mut dev) = (Vec::new(), Vec::new(), Vec::new());
+    let timing = vm.checkpoint(&mut pfns, &mut pages, &mut dev)?;
+    for (&p, page) in pfns.iter().zip(pages.chunks(PAGE_SIZE)) {
+        let o = p as usize * PAGE_SIZE;
+        shadow[o..o + PAGE_SIZE].copy_from_slice(page);
+    }
+    Ok((shadow, dev, Duration::from_micros(timing.total_us() as u64)))
+}
+
+/// Boots the VM and saves checkpoints as `cfg` says.
+pub fn save(cfg: SaveConfig, status: Status) -> Result<SaveSummary, SaveError> {
+    let vmc = cfg.vm.config("save")?;
+    let bytes = vmc.mem_mib << 20;
+    let store = open_store(&cfg, bytes)?;
+    let (mut vm, ready, load) = boot(&vmc, cfg.load.as_ref())?;
+    status.info(format!(
+        "guest `{}` ready in {:.1} s; saving into {}",
+        vmc.workload,
+        ready.as_secs_f64(),
+        cfg.dir.display()
+    ));
+    let codec_cfg = Config::default();
+    let (shadow, dev, first_pause) = live_copy(&mut vm)?;
+    // The saver keeps the shadow, its hashes and the encoder current from every checkpoint;
+    // a checkpoint the store could not take (disk full) is skipped and the next is a base.
+    let saver = Saver::new(store, shadow, cfg.codec, codec_cfg, cfg.base_every)?;
+    let meta = Meta {
+        time_ms: crate::unix_ms(),
+        pause_us: first_pause.as_micros() as u32,
+        dirty_pages: (bytes as usize / PAGE_SIZE) as u32,
+        ..Meta::default()
+    };
+    let mut sink = StoreSink::new(saver, &cfg, status.clone());
+    let first = sink.saver.checkpoint(&[], &[], &dev, meta)?;
+    sink.log.outcome(&first);
+    let base_bytes = match first {
+        Outcome::Saved { memory_bytes, .. } => memory_bytes as u64,
+        Outcome::Skipped { error, .. } if cfg.interval.is_none() || cfg.count == Some(1) => {
+            return Err(SaveError::NotSaved(error));
+        }
+        Outcome::Skipped { .. } => 0,
+    };
+    sink.dev_len = dev.len() as u64;
+    if let Some(every) = cfg.interval.filter(|_| cfg.count != Some(1)) {
+        let mut schedule = Fixed(every.max(Duration::from_millis(1)));
+        run_pipeline(&mut vm, &mut schedule, Duration::MAX, 1, &mut sink)?;
+        if let Some(e) = sink.err.take() {
+            return Err(e.into());
+        }
+    }
+    if let Some(l) = load {
+        l.stop().map_err(SaveError::Load)?;
+    }
+    vm.quit();
+    if let Some(keep) = cfg.keep {
+        // Leave exactly the newest `keep` (between compactions up to keep/2 more exist).
+        match sink.saver.store_mut().compact(keep, cfg.codec, codec_cfg) {
+            Ok(n) if n > 0 => sink.compactions += 1,
+            Ok(_) => {}
+            Err(e) => sink.log.compaction_failed(&e),
+        }
+    }
+    Ok(sink.summary(&cfg, first_pause, base_bytes))
+}
+
+/// The checkpoint store as the epoch pipeline's sink: saves each checkpoint, applies
+/// retention, keeps the statistics.
+pub struct StoreSink<'a> {
+    saver: Saver,
+    cfg: &'a SaveConfig,
+    log: SaveLog,
+    status: Status,
+    err: Option<StoreError>,
+    pauses: Vec<f64>,
+    totals: Vec<f64>,
+    deltas: Vec<f64>,
+    dirty: Vec<f64>,
+    dev_len: u64,
+    compactions: u64,
+    compact_at: usize,
+    taken: u64,
+    last_print: Instant,
+}
+
+impl<'a> StoreSink<'a> {
+    fn new(saver: Saver, cfg: &'a SaveConfig, status: Status) -> Self {
+        StoreSink {
+            saver,
+            cfg,
+            log: SaveLog::new(&cfg.dir, status.clone()),
+            status,
+            err: None,
+            pauses: Vec::new(),
+            totals: Vec::new(),
+            deltas: Vec::new(),
+            dirty: Vec::new(),
+            dev_len: 0,
+            compactions: 0,
+            compact_at: 0,
+            taken: 1,
+            last_print: Instant::now(),
+        }
+    }
+
+    /// Folds old checkpoints in batches: at most keep/2 extra between compactions.
+    fn retain(&mut self, keep: usize) {
+        let n = self.saver.store().entries().len();
+        if n <= keep + (keep / 2).max(1) || n < self.compact_at {
+            return;
+        }
+        let (codec, codec_cfg) = (self.cfg.codec, Config::default());
+        if let Some(cp) = self.cfg.fault_compact {
+            let r = self
+                .saver
+                .store_mut()
+                .compact_until(keep, codec, codec_cfg, Some(cp));
+            self.status.warn(format!(
+                "fault injection: aborting during compaction ({cp:?}): {r:?}"
+            ));
+            std::process::abort();
+        }
+        match self.saver.store_mut().compact(keep, codec, codec_cfg) {
+            Ok(_) => self.compactions += 1,
+            Err(e) => {
+                // Nothing changed; try again after keep/2 more checkpoints.
+                self.compact_at = n + (keep / 2).max(1);
+                self.log.compaction_failed(&e);
+            }
+        }
+    }
+
+    fn summary(&self, cfg: &SaveConfig, first_pause: Duration, base_bytes: u64) -> SaveSummary {
+        let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len().max(1) as f64;
+        SaveSummary {
+            dir: cfg.dir.display().to_string(),
+            checkpoints: self.taken,
+            skipped: self.saver.skipped(),
+            first_pause_ms: first_pause.as_secs_f64() * 1000.0,
+            pause_ms_p50: quantile(&self.pauses, 0.5),
+            pause_ms_p99: quantile(&self.pauses, 0.99),
+            checkpoint_ms_p50: quantile(&self.totals, 0.5),
+            delta_bytes_mean: mean(&self.deltas),
+            base_bytes,
+            compactions: self.compactions,
+            kept: self.saver.store().entries().len(),
+            device_state_bytes: self.dev_len,
+            dirty_pages_mean: mean(&self.dirty),
+        }
+    }
+}
+
+impl EpochSink for StoreSink<'_> {
+    fn checkpoint(&mut self, cp: &Checkpoint<'_>) -> bool {
+        let t = Instant::now();
+        let meta = Meta {
+            time_ms: crate::unix_ms(),
+            pause_us: cp.timing.total_us(),
+            dirty_pages: cp.pfns.len() as u32,
+            ..Meta::default()
+        };
+        match self
+            .saver
+            .checkpoint(cp.pfns, cp.pages, cp.device_state, meta)
+        {
+            Ok(o) => {
+                self.log.outcome(&o);
+                if let Outcome::Saved {
+                    entry,
+                    memory_bytes,
+                } = o
+                {
+                    if entry.kind == RecordKind::Delta {
+                        self.deltas.push(memory_bytes as f64);
+                    }
+                }
+            }
+            Err(e) => {
+                self.err = Some(e);
+                return false;
+            }
+        }
+        if let Some(keep) = self.cfg.keep {
+            self.retain(keep);
+        }
+        let pause_ms = cp.timing.total_us() as f64 / 1000.0;
+        self.pauses.push(pause_ms);
+        self.dirty.push(cp.pfns.len() as f64);
+        self.dev_len = cp.device_state.len() as u64;
+        self.totals
+            .push(pause_ms + t.elapsed().as_secs_f64() * 1000.0);
+        self.taken += 1;
+        if self.last_print.elapsed() >= Duration::from_secs(1) {
+            self.last_print = Instant::now();
+            self.status.info(format!(
+                "saved up to checkpoint {}: pause p50 {:.1} ms, delta {:.0} KiB (mean), {} in the store",
+                self.saver.store().entries().last().map_or(0, |e| e.id),
+                quantile(&self.pauses, 0.5),
+                self.deltas.iter().sum::<f64>() / self.deltas.len().max(1) as f64 / 1024.0,
+                self.saver.store().entries().len()
+            ));
+        }
+        self.taken < self.cfg.count.unwrap_or(u64::MAX) && !stopping()
+    }
+}

@@ -1,0 +1,65 @@
+//! Process-wide stop requests. The binary installs the handlers
+//! ([`install_stop_handler`]); every daemon loop polls [`stopping`].
+//!
+//! SIGINT and SIGTERM ask for a stop (the primary hands the guest over to the backup);
+//! SIGUSR1 asks for a stop that ends protection ([`shutdown_requested`]: the primary shuts
+//! its guest down and the backup does not fail over).
+
+use std::sync::atomic::{AtomicBool, Ordering};
+
+static STOP: AtomicBool = AtomicBool::new(false);
+static SHUTDOWN: AtomicBool = AtomicBool::new(false);
+static KILL_IN_PAUSE: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn on_fault_signal(_: libc::c_int) {
+    KILL_IN_PAUSE.store(true, Ordering::SeqCst);
+}
+
+extern "C" fn on_signal(sig: libc::c_int) {
+    if sig == libc::SIGUSR1 {
+        SHUTDOWN.store(true, Ordering::SeqCst);
+    }
+    STOP.store(true, Ordering::SeqCst);
+}
+
+/// Fault injection for tests (`tandem primary --fault-hooks`): SIGUSR2 makes the primary kill
+/// its QEMU inside the next checkpoint pause, while the guest is stopped.
+pub fn install_fault_hooks() {
+    // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
+    unsafe {
+        libc::signal(
+            libc::SIGUSR2,
+            on_fault_signal as *const () as libc::sighandler_t,
+        )
+    };
+}
+
+/// Whether a kill inside the pause was requested (and clears the request).
+pub fn take_kill_in_pause() -> bool {
+    KILL_IN_PAUSE.swap(false, Ordering::SeqCst)
+}
+
+/// SIGINT, SIGTERM and SIGUSR1 ask the process to stop ([`stopping`]); SIGUSR1 also sets
+/// [`shutdown_requested`].
+pub fn install_stop_handler() {
+    for sig in [libc::SIGINT, libc::SIGTERM, libc::SIGUSR1] {
+        // SAFETY: the handler only stores to atomics, which is async-signal-safe.
+        unsafe { libc::signal(sig, on_signal as *const () as libc::sighandler_t) };
+    }
+}
+
+/// Asks every daemon loop of this process to stop, as SIGTERM does.
+pub fn request_stop() {
+    STOP.store(true, Ordering::SeqCst);
+}
+
+/// Whether a stop was requested.
+pub fn stopping() -> bool {
+    STOP.load(Ordering::SeqCst)
+}
+
+/// The operator asked to end protection and shut the guest down (SIGUSR1), not to hand it
+/// over.
+pub fn shutdown_requested() -> bool {
+    SHUTDOWN.load(Ordering::SeqCst)
+}
