@@ -1,17 +1,10 @@
 //! `tandem`: the command-line front end. Thin glue over the library crates.
 
-mod bench;
 mod checkpoint;
-mod codecbench;
 mod daemons;
-mod demo;
 mod doctor;
-mod faultbench;
-mod lab;
 mod record;
-mod repbench;
 mod setup;
-mod storebench;
 mod vmargs;
 mod watch;
 
@@ -38,7 +31,7 @@ enum Cmd {
     /// Check kernel, QEMU, /dev/shm and the guest image; run a boot/log/checkpoint/restore self-test.
     Doctor(doctor::Args),
     /// The main job: replicate a redis guest to a backup, kill the primary, fail over, verify.
-    Demo(demo::Args),
+    Demo(tandem_harness::demo::Args),
     /// Boot a guest, checkpoint it every epoch (no replication) and show live statistics.
     Watch(watch::Args),
     /// Record a memory trace of a real guest run.
@@ -50,7 +43,7 @@ enum Cmd {
     Trace(record::TraceCmd),
     /// Create or remove the network lab (clients' bridge, primary and backup hosts).
     #[command(subcommand)]
-    Lab(lab::Cmd),
+    Lab(tandem_harness::lab::Cmd),
     /// Replicate a VM to a backup: epochs over TCP, network and disk output commit.
     Primary(daemons::PrimaryArgs),
     /// Receive epochs into a mirror and fail over onto a standby QEMU when the primary is lost.
@@ -59,7 +52,7 @@ enum Cmd {
     #[command(subcommand)]
     Checkpoint(checkpoint::Cmd),
     /// Measure: --lab (boot, pause breakdown, harvest, hash scan, dirty rates), --replication (end to end) or --trace (codecs).
-    Bench(bench::Args),
+    Bench(tandem_harness::bench::Args),
 }
 
 fn main() {
@@ -81,14 +74,14 @@ fn main() {
     let result = match cli.cmd {
         Cmd::Setup(a) => setup::run(a),
         Cmd::Doctor(a) => doctor::run(a),
-        Cmd::Demo(a) => demo::run(a),
+        Cmd::Demo(a) => tandem_harness::demo::run(a),
         Cmd::Watch(a) => watch::run(a),
         Cmd::Record(a) => record::record(a),
         Cmd::Traces(a) => record::traces(a),
         Cmd::Trace(c) => record::trace_cmd(c),
-        Cmd::Bench(a) => bench::run(a),
+        Cmd::Bench(a) => tandem_harness::bench::run(a),
         Cmd::Checkpoint(c) => checkpoint::run(c),
-        Cmd::Lab(c) => lab::run(c),
+        Cmd::Lab(c) => tandem_harness::lab::run(c),
         Cmd::Primary(a) => daemons::primary(a),
         Cmd::Backup(a) => daemons::backup(a),
     };

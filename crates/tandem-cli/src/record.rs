@@ -10,7 +10,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 use tandem_protect::recorder::RecordConfig;
 use tandem_protect::stats::quantile;
-use tandem_trace::{EpochRecord, Frame, Timing, TraceHeader, TraceReader};
+use tandem_trace::{Timing, TraceHeader};
 
 use crate::vmargs::{kv_load, VmArgs};
 
@@ -163,47 +163,15 @@ fn is_zero(p: &[u8]) -> bool {
     p.chunks_exact(8).all(|w| w == [0u8; 8])
 }
 
-/// Replays a trace: for each epoch calls `on_epoch(memory before the epoch, epoch)`, then
-/// applies the epoch. Returns the header and the final memory.
-pub fn replay(
-    path: &Path,
-    mut on_epoch: impl FnMut(&[u8], &EpochRecord) -> anyhow::Result<()>,
-) -> anyhow::Result<(TraceHeader, Vec<u8>)> {
-    let f = File::open(path).with_context(|| format!("opening trace {}", path.display()))?;
-    let mut r = TraceReader::new(BufReader::with_capacity(1 << 20, f))
-        .with_context(|| format!("reading {}", path.display()))?;
-    let h = r.header().clone();
-    let ps = h.page_size as usize;
-    let mut mem = vec![0u8; h.mem_bytes as usize];
-    while let Some(frame) = r
-        .next_frame()
-        .with_context(|| format!("reading {}", path.display()))?
-    {
-        match frame {
-            Frame::Base { first_pfn, data } => {
-                let o = first_pfn as usize * ps;
-                mem[o..o + data.len()].copy_from_slice(&data);
-            }
-            Frame::Epoch(e) => {
-                on_epoch(&mem, &e)?;
-                for (i, &pfn) in e.pfns.iter().enumerate() {
-                    let o = pfn as usize * ps;
-                    mem[o..o + ps].copy_from_slice(&e.data[i * ps..(i + 1) * ps]);
-                }
-            }
-            Frame::End { .. } => {}
-        }
-    }
-    Ok((h, mem))
-}
-
 /// Per-epoch and total page classification of a trace.
 pub fn analyse(path: &Path) -> anyhow::Result<TraceInfo> {
     let mut info = TraceInfo {
         file: path.display().to_string(),
         ..Default::default()
     };
-    let (h, _) = replay(path, |mem, e| {
+    let f = File::open(path).with_context(|| format!("opening trace {}", path.display()))?;
+    let input = BufReader::with_capacity(1 << 20, f);
+    let (h, _) = tandem_trace::replay(input, |mem, e| -> anyhow::Result<()> {
         let ps = e.data.len() / e.pfns.len().max(1);
         let mut ei = EpochInfo {
             epoch: e.epoch,

@@ -2,12 +2,9 @@
 //! library's plain config structs.
 
 use std::path::PathBuf;
-use std::sync::Arc;
-use std::time::Duration;
 
 use tandem_protect::site::SiteConfig;
-use tandem_protect::vmspec::Booted;
-use tandem_protect::{Load, StartLoad, VmSpec};
+use tandem_protect::VmSpec;
 use tandem_vm::{DirtyMode, VmConfig};
 
 #[derive(clap::Args, Clone, Debug)]
@@ -102,34 +99,4 @@ impl SiteArgs {
     }
 }
 
-/// The lab's host-side load: a redis client writing keys while the `kv` guest runs with
-/// user networking (its port forwarded); no load for other workloads.
-pub fn kv_load() -> StartLoad {
-    Arc::new(|cfg: &VmConfig| {
-        let Some(port) = cfg.kv_port else {
-            return Ok(None);
-        };
-        tandem_vm::kv::wait_for_server(port, Duration::from_secs(60))
-            .map_err(|e| format!("redis in the guest does not answer: {e}"))?;
-        let load = tandem_vm::kv::KvLoad::start(port, 50_000)
-            .map_err(|e| format!("starting the kv client: {e}"))?;
-        Ok(Some(Box::new(KvLoad(load)) as Box<dyn Load>))
-    })
-}
-
-struct KvLoad(tandem_vm::kv::KvLoad);
-
-impl Load for KvLoad {
-    fn stop(self: Box<Self>) -> Result<u64, String> {
-        self.0.stop().map_err(|e| e.to_string())
-    }
-
-    fn ops(&self) -> u64 {
-        self.0.ops.load(std::sync::atomic::Ordering::Relaxed)
-    }
-}
-
-/// Boots, waits for the workload, starts the host-side kv load if any. Returns boot-to-ready.
-pub fn boot(cfg: &VmConfig) -> anyhow::Result<Booted> {
-    Ok(tandem_protect::boot(cfg, Some(&kv_load()))?)
-}
+pub use tandem_harness::{boot, kv_load};

@@ -137,7 +137,7 @@ fn primary_killed_backup_resumes_the_guest() {
             .unwrap();
             match s {
                 Ok(s) => {
-                    return tandem_vm::kv::KvClient::from_stream(s, Duration::from_secs(30))
+                    return tandem_harness::kv::KvClient::from_stream(s, Duration::from_secs(30))
                         .unwrap()
                 }
                 Err(e) if Instant::now() > deadline => panic!("redis in the guest: {e}"),

@@ -6,8 +6,8 @@
 use std::time::Duration;
 
 use tandem_codec::{Codec, Config};
+use tandem_harness::kv::wait_for_server;
 use tandem_replication::{Applied, Backup, EpochInput, Frame, Primary};
-use tandem_vm::kv::wait_for_server;
 use tandem_vm::{DirtyMode, Guest, MirrorFile, Vm, VmConfig};
 
 fn free_port() -> u16 {

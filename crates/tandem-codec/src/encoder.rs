@@ -272,6 +272,38 @@ impl Encoder {
         data: &[u8],
         out: &mut Vec<u8>,
     ) -> Result<EncodeStats, EncodeError> {
+        self.check_input(pfns, data)?;
+        let mut phase = [0u64; 5];
+        let mut t = std::time::Instant::now();
+        let mut lap = |k: usize, t: &mut std::time::Instant| {
+            phase[k] += t.elapsed().as_micros() as u64;
+            *t = std::time::Instant::now();
+        };
+        // 1. Pre-pass (parallel): zero / unchanged / hashes / FGBI masks.
+        let (mut pre, block_new) = self.prepass(pfns, data);
+        lap(0, &mut t);
+        // 2. Sequential: entry numbers, intra-epoch identical pages and blocks.
+        let block_refs = self.number_entries(data, &mut pre);
+        lap(1, &mut t);
+        // 3. Parallel: encode every page that is not left out.
+        let coded = self.code_pages(pfns, data, &pre, &block_refs);
+        lap(2, &mut t);
+        let start = out.len();
+        let entries = self.write_record(epoch, pfns, data, &coded, out)?;
+        drop(coded);
+        lap(3, &mut t);
+        self.advance(pfns, data, &pre, &block_new);
+        lap(4, &mut t);
+        Ok(EncodeStats {
+            pages_in: pfns.len(),
+            entries: entries as usize,
+            bytes: out.len() - start,
+            phase_us: phase,
+        })
+    }
+
+    /// Page numbers ascend, lie inside the guest and match the data.
+    fn check_input(&self, pfns: &[u64], data: &[u8]) -> Result<(), EncodeError> {
         if data.len() != pfns.len() * PAGE {
             return Err(EncodeError::Input(format!(
                 "{} pages but {} bytes of data",
@@ -285,51 +317,53 @@ impl Encoder {
                 self.pages
             )));
         }
-        let n = pfns.len();
+        Ok(())
+    }
+
+    /// Phase 1, in parallel: which pages are zero or unchanged, their hashes, and (with block
+    /// hashes) which 64-byte blocks changed. Returns the per-page facts and new block hashes.
+    fn prepass(&self, pfns: &[u64], data: &[u8]) -> (Vec<Pre>, Vec<[u64; 64]>) {
         let page = |i: usize| &data[i * PAGE..(i + 1) * PAGE];
         let codec = self.codec;
         let hashing = matches!(codec, Codec::De | Codec::Tandem);
         let blocks_on = !self.block_hashes.is_empty();
-        let mut phase = [0u64; 5];
-        let mut t = std::time::Instant::now();
-        let mut lap = |k: usize, t: &mut std::time::Instant| {
-            phase[k] += t.elapsed().as_micros() as u64;
-            *t = std::time::Instant::now();
-        };
+        let prev = self.prev.as_ref();
+        let bh = &self.block_hashes;
+        let skips = !matches!(codec, Codec::Remus | Codec::Zstd | Codec::Lz4 | Codec::Fgbi);
+        let mut pre: Vec<(Pre, [u64; 64])> = self.par_map(pfns.len(), |i| {
+            let (pfn, p) = (pfns[i], page(i));
+            let mut x = Pre {
+                zero: st::is_zero(p),
+                ..Default::default()
+            };
+            let mut h = [0u64; 64];
+            if skips {
+                x.unchanged = prev.and_then(|s| s.get(pfn)).is_some_and(|o| o == p);
+            }
+            if hashing {
+                x.hash = xxhash_rust::xxh3::xxh3_64(p);
+            }
+            if blocks_on {
+                block_hashes(p, &mut h);
+                let old = &bh[pfn as usize * 64..pfn as usize * 64 + 64];
+                x.mask = (0..64)
+                    .filter(|&b| h[b] != old[b])
+                    .fold(0, |m, b| m | 1 << b);
+                x.unchanged |= x.mask == 0;
+            }
+            (x, h)
+        });
+        pre.drain(..).unzip()
+    }
 
-        // 1. Pre-pass (parallel): zero / unchanged / hashes / FGBI masks.
-        let mut pre: Vec<(Pre, [u64; 64])> = {
-            let prev = self.prev.as_ref();
-            let bh = &self.block_hashes;
-            self.par_map(n, |i| {
-                let (pfn, p) = (pfns[i], page(i));
-                let mut x = Pre {
-                    zero: st::is_zero(p),
-                    ..Default::default()
-                };
-                let mut h = [0u64; 64];
-                let skips = !matches!(codec, Codec::Remus | Codec::Zstd | Codec::Lz4 | Codec::Fgbi);
-                if skips {
-                    x.unchanged = prev.and_then(|s| s.get(pfn)).is_some_and(|o| o == p);
-                }
-                if hashing {
-                    x.hash = xxhash_rust::xxh3::xxh3_64(p);
-                }
-                if blocks_on {
-                    block_hashes(p, &mut h);
-                    let old = &bh[pfn as usize * 64..pfn as usize * 64 + 64];
-                    x.mask = (0..64)
-                        .filter(|&b| h[b] != old[b])
-                        .fold(0, |m, b| m | 1 << b);
-                    x.unchanged |= x.mask == 0;
-                }
-                (x, h)
-            })
-        };
-        let (mut pre, block_new): (Vec<Pre>, Vec<[u64; 64]>) = pre.drain(..).unzip();
-
-        lap(0, &mut t);
-        // 2. Sequential: entry numbers, intra-epoch identical pages and blocks (byte-verified).
+    /// Phase 2, sequential: numbers the entries (pages not left out), finds pages identical
+    /// to an earlier page of this epoch (hash match, then byte-verified) and, for FGBI, blocks
+    /// identical to a block of an earlier entry. Returns FGBI's block references per page.
+    fn number_entries(&self, data: &[u8], pre: &mut [Pre]) -> Vec<Vec<(u8, u64)>> {
+        let page = |i: usize| &data[i * PAGE..(i + 1) * PAGE];
+        let codec = self.codec;
+        let hashing = matches!(codec, Codec::De | Codec::Tandem);
+        let n = pre.len();
         let mut entry = 0u32;
         let mut first: FxMap<u64, usize> = FxMap::default();
         let mut blocks: HashMap<&[u8], u64> = HashMap::new();
@@ -368,48 +402,41 @@ impl Encoder {
             }
             entry += 1;
         }
-        drop(blocks);
+        block_refs
+    }
 
-        lap(1, &mut t);
-        // 3. Parallel: encode every page that is not left out.
-        let coded: Vec<Option<Coded>> = {
-            let ctx = Ctx {
-                prev: self.prev.as_ref(),
-                page_index: self.page_index.as_ref(),
-                de: self.de.as_ref(),
-                areas: self.areas.as_ref(),
-                block_refs: &block_refs,
-            };
-            let budget = self.cfg.budget;
-            self.par_map(n, |i| {
-                let (pfn, p, x) = (pfns[i], page(i), &pre[i]);
-                if x.unchanged {
-                    return None;
-                }
-                Some(match codec {
-                    Codec::Remus | Codec::Zstd | Codec::Lz4 => st::raw(p),
-                    Codec::Xbzrle => st::xbzrle(&ctx, pfn, p, x),
-                    Codec::Fitdoc => st::fitdoc(&ctx, pfn, p),
-                    Codec::Fgbi => st::fgbi(&ctx, i, pfn, p, x),
-                    Codec::Gerofi => st::gerofi(&ctx, pfn, p, x),
-                    Codec::De => st::de(&ctx, p, x),
-                    Codec::Tandem => st::tandem(&ctx, pfn, p, x, &budget),
-                })
-            })
+    /// Phase 3, in parallel: each page that is not left out, coded by this codec's strategy.
+    fn code_pages(
+        &self,
+        pfns: &[u64],
+        data: &[u8],
+        pre: &[Pre],
+        block_refs: &[Vec<(u8, u64)>],
+    ) -> Vec<Option<Coded>> {
+        let page = |i: usize| &data[i * PAGE..(i + 1) * PAGE];
+        let codec = self.codec;
+        let ctx = Ctx {
+            prev: self.prev.as_ref(),
+            page_index: self.page_index.as_ref(),
+            de: self.de.as_ref(),
+            areas: self.areas.as_ref(),
+            block_refs,
         };
-
-        lap(2, &mut t);
-        let start = out.len();
-        let entries = self.write_record(epoch, pfns, data, &coded, out)?;
-        drop(coded);
-        lap(3, &mut t);
-        self.advance(pfns, data, &pre, &block_new);
-        lap(4, &mut t);
-        Ok(EncodeStats {
-            pages_in: n,
-            entries: entries as usize,
-            bytes: out.len() - start,
-            phase_us: phase,
+        let budget = self.cfg.budget;
+        self.par_map(pfns.len(), |i| {
+            let (pfn, p, x) = (pfns[i], page(i), &pre[i]);
+            if x.unchanged {
+                return None;
+            }
+            Some(match codec {
+                Codec::Remus | Codec::Zstd | Codec::Lz4 => st::raw(p),
+                Codec::Xbzrle => st::xbzrle(&ctx, pfn, p, x),
+                Codec::Fitdoc => st::fitdoc(&ctx, pfn, p),
+                Codec::Fgbi => st::fgbi(&ctx, i, pfn, p, x),
+                Codec::Gerofi => st::gerofi(&ctx, pfn, p, x),
+                Codec::De => st::de(&ctx, p, x),
+                Codec::Tandem => st::tandem(&ctx, pfn, p, x, &budget),
+            })
         })
     }
 

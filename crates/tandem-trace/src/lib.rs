@@ -23,10 +23,12 @@
 mod frame;
 pub mod fuzz;
 mod reader;
+mod replay;
 mod writer;
 
 pub use frame::{EpochRecord, Frame, Timing};
 pub use reader::TraceReader;
+pub use replay::replay;
 pub use writer::TraceWriter;
 
 /// File magic.

@@ -8,7 +8,6 @@ pub mod devstate;
 pub mod dirty;
 pub mod epoch;
 pub mod image;
-pub mod kv;
 pub mod qemu_args;
 pub mod qmp;
 pub mod ram;

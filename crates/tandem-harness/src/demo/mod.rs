@@ -21,6 +21,7 @@ use tandem_net::NetLab;
 use round::{Opts, RoundResult};
 use tandem_protect::stats::quantile;
 
+/// `tandem demo` flags.
 #[derive(clap::Args)]
 pub struct Args {
     /// Failover rounds (each boots a fresh primary and backup and kills the primary once).
@@ -53,6 +54,7 @@ pub struct Args {
     /// Client connections and pipelined writes per round trip.
     #[arg(long, default_value_t = 8)]
     pub conns: usize,
+    /// Pipelined writes per round trip (with --conns).
     #[arg(long, default_value_t = 32)]
     pub batch: usize,
     /// Seed for the kill times (default: from the clock).
@@ -92,6 +94,7 @@ fn next(seed: &mut u64) -> u64 {
     seed.wrapping_mul(0x2545_f491_4f6c_dd1d)
 }
 
+/// Runs the demo.
 pub fn run(a: Args) -> anyhow::Result<()> {
     if a.rounds == 0 {
         bail!("--rounds must be at least 1");

@@ -10,7 +10,7 @@ use std::time::Duration;
 use anyhow::Context;
 use tandem_net::NetLab;
 
-use crate::bench::Args;
+use super::Args;
 use crate::demo::round::{self, Opts, RoundResult};
 
 pub fn run(a: &Args) -> anyhow::Result<()> {

@@ -8,8 +8,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use crate::kv::KvClient;
 use anyhow::Context;
-use tandem_vm::kv::KvClient;
 
 /// Reply timeout: longer than any failover, so connections survive it.
 const REPLY_TIMEOUT: Duration = Duration::from_secs(30);

@@ -1,6 +1,11 @@
 //! `tandem bench --lab`: VM-lab measurements (boot time, pause breakdown, harvest cost against
 //! dirty-page count, hash-scan rate against memcpy bandwidth, dirty pages per epoch length).
 
+mod codec;
+mod faults;
+mod replication;
+mod store;
+
 use std::time::{Duration, Instant};
 
 use anyhow::bail;
@@ -8,9 +13,10 @@ use serde::Serialize;
 use tandem_vm::epoch::{run_epochs, Fixed};
 use tandem_vm::{DirtyLog, HashLog};
 
-use crate::vmargs::{boot, VmArgs};
+use crate::boot;
 use tandem_protect::stats::{mean, quantile};
 
+/// `tandem bench` flags.
 #[derive(clap::Args)]
 pub struct Args {
     /// Measure the VM lab on real guests.
@@ -66,6 +72,7 @@ pub struct Args {
     /// kv client connections and pipelined writes per round trip for --replication.
     #[arg(long, default_value_t = 32)]
     pub conns: usize,
+    /// Pipelined writes per round trip (with --conns).
     #[arg(long, default_value_t = 256)]
     pub batch: usize,
     /// Seconds per workload and epoch length.
@@ -170,6 +177,7 @@ fn scan_rates(ram: &std::sync::Arc<tandem_vm::GuestRam>) -> Scan {
     }
 }
 
+/// Runs the benchmark the flags select.
 pub fn run(a: Args) -> anyhow::Result<()> {
     if !a.trace.is_empty() {
         let codecs: Vec<tandem_codec::Codec> = if a.codec == "all" {
@@ -190,17 +198,17 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             full_mirror: a.full_mirror,
             ..Default::default()
         };
-        crate::codecbench::parse_budget(&a.budget, &mut cfg)?;
-        return crate::codecbench::run(&a.trace, &codecs, &cfg, a.json);
+        codec::parse_budget(&a.budget, &mut cfg)?;
+        return codec::run(&a.trace, &codecs, &cfg, a.json);
     }
     if let Some(n) = a.faults {
-        return crate::faultbench::run(n, a.seed, a.mem, a.json);
+        return faults::run(n, a.seed, a.mem, a.json);
     }
     if a.replication {
-        return crate::repbench::run(&a);
+        return replication::run(&a);
     }
     if a.store {
-        return crate::storebench::run(&a);
+        return store::run(&a);
     }
     if !a.lab {
         bail!("choose what to measure: --lab (VM lab on real guests), --replication (end to end) or --trace FILE... (codecs over recorded traces)");
@@ -222,7 +230,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     };
     let mut harvest: Vec<(u64, f64)> = Vec::new();
     for w in &a.workloads {
-        let args = VmArgs::for_workload(w, a.mem);
+        let args = tandem_protect::VmSpec::for_workload(w, a.mem);
         let cfg = args.config("bench")?;
         eprintln!("bench: booting {w}...");
         let (mut vm, ready, load) = boot(&cfg)?;

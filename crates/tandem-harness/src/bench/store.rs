@@ -11,8 +11,8 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use serde::Serialize;
 
-use crate::bench::Args;
-use crate::vmargs::{boot, VmArgs};
+use super::Args;
+use crate::boot;
 
 #[derive(Serialize)]
 struct Row {
@@ -57,7 +57,7 @@ fn f(v: &serde_json::Value, k: &str) -> f64 {
 }
 
 fn qemu_full_save(w: &str, mem: u64, dir: &Path) -> anyhow::Result<(u64, f64)> {
-    let cfg = VmArgs::for_workload(w, mem).config("fullsave")?;
+    let cfg = tandem_protect::VmSpec::for_workload(w, mem).config("fullsave")?;
     let (mut vm, _, load) = boot(&cfg)?;
     std::thread::sleep(Duration::from_secs(3));
     let t = Instant::now();

@@ -34,7 +34,10 @@ fn run_one(path: &Path, codec: Codec, cfg: &Config, pb: &ProgressBar) -> anyhow:
     let (mut sizes, mut raw) = (Vec::new(), 0u64);
     let (mut enc_t, mut dec_t) = (Duration::ZERO, Duration::ZERO);
     let (mut plan, mut rec, mut state, mut phases) = (Plan::default(), Vec::new(), 0, [0u64; 5]);
-    let (h, truth) = crate::record::replay(path, |before, e| {
+    let f =
+        std::fs::File::open(path).with_context(|| format!("opening trace {}", path.display()))?;
+    let input = std::io::BufReader::with_capacity(1 << 20, f);
+    let (h, truth) = tandem_trace::replay(input, |before, e| -> anyhow::Result<()> {
         if e.data.len() != e.pfns.len() * ps {
             bail!("trace page size is not the codec's {ps}");
         }

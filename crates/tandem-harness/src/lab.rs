@@ -3,11 +3,13 @@
 use tandem_net::lab::{BACKUP_IP, GUEST_IP, PRIMARY_IP};
 use tandem_net::NetLab;
 
+/// `tandem lab` subcommands.
 #[derive(clap::Subcommand)]
 pub enum Cmd {
     /// Create namespaces <prefix>-cl (clients, bridge br0), <prefix>-pr and <prefix>-bk (the
     /// two hosts, joined by a rate-limited veth link). Needs root.
     Up {
+        /// Namespace name prefix.
         #[arg(long, default_value = "tdm")]
         prefix: String,
         /// Replication link rate in Mbit/s (0 = unlimited).
@@ -16,11 +18,13 @@ pub enum Cmd {
     },
     /// Remove the namespaces (and every tap, bridge and veth in them).
     Down {
+        /// Namespace name prefix.
         #[arg(long, default_value = "tdm")]
         prefix: String,
     },
 }
 
+/// Runs a lab subcommand.
 pub fn run(c: Cmd) -> anyhow::Result<()> {
     match c {
         Cmd::Up { prefix, rate_mbit } => {

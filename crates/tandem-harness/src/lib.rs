@@ -1,0 +1,54 @@
+//! tandem's harness: everything that exercises the product rather than being it — the demo
+//! (`tandem demo`: a redis guest replicated between network namespaces, failed over and
+//! verified), the benchmarks (`tandem bench`), the namespace lab (`tandem lab`) and the
+//! host-side redis load generator for the lab's `kv` workload.
+//!
+//! Like the binary, this is application code: it uses anyhow and clap, and it drives the
+//! daemons as real `tandem` processes (the binary it is linked into). The product crates
+//! (tandem-protect and below) use neither.
+
+#![warn(missing_docs)]
+
+pub mod bench;
+pub mod demo;
+pub mod kv;
+pub mod lab;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tandem_protect::vmspec::Booted;
+use tandem_protect::{Load, StartLoad};
+use tandem_vm::VmConfig;
+
+/// The lab's host-side load: a redis client writing keys while the `kv` guest runs with
+/// user networking (its port forwarded); no load for other workloads.
+pub fn kv_load() -> StartLoad {
+    Arc::new(|cfg: &VmConfig| {
+        let Some(port) = cfg.kv_port else {
+            return Ok(None);
+        };
+        kv::wait_for_server(port, Duration::from_secs(60))
+            .map_err(|e| format!("redis in the guest does not answer: {e}"))?;
+        let load =
+            kv::KvLoad::start(port, 50_000).map_err(|e| format!("starting the kv client: {e}"))?;
+        Ok(Some(Box::new(KvLoad(load)) as Box<dyn Load>))
+    })
+}
+
+struct KvLoad(kv::KvLoad);
+
+impl Load for KvLoad {
+    fn stop(self: Box<Self>) -> Result<u64, String> {
+        self.0.stop().map_err(|e| e.to_string())
+    }
+
+    fn ops(&self) -> u64 {
+        self.0.ops.load(std::sync::atomic::Ordering::Relaxed)
+    }
+}
+
+/// Boots, waits for the workload, starts the host-side kv load if any.
+pub fn boot(cfg: &VmConfig) -> anyhow::Result<Booted> {
+    Ok(tandem_protect::boot(cfg, Some(&kv_load()))?)
+}
