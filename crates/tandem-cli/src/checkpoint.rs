@@ -4,14 +4,11 @@
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Context};
-use serde::Serialize;
+use anyhow::bail;
 use tandem_codec::Codec;
 use tandem_protect::saver::SaveConfig;
 use tandem_protect::signals;
-use tandem_store::format::RecordKind;
 use tandem_store::Store;
-use tandem_vm::{DirtyMode, MirrorFile, Vm};
 
 use crate::vmargs::{kv_load, VmArgs};
 
@@ -188,75 +185,11 @@ fn verify(dir: &std::path::Path, json: bool) -> anyhow::Result<()> {
     Ok(())
 }
 
-#[derive(Serialize)]
-struct RestoreSummary {
-    id: u64,
-    chain_records: usize,
-    rebuild_ms: f64,
-    qemu_start_ms: f64,
-    resume_ms: f64,
-    total_ms: f64,
-    ram_checksum_verified: bool,
-    guest_tick_after_resume: Option<u64>,
-}
-
 fn restore(a: RestoreArgs) -> anyhow::Result<()> {
     signals::install_stop_handler();
-    let s = open(&a.dir)?;
-    let mut cfg = a.vm.config("restore")?;
-    cfg.dirty = DirtyMode::None;
-    if cfg.mem_mib << 20 != s.mem_bytes() {
-        bail!(
-            "checkpoint is of a {} MiB guest; pass --mem {}",
-            s.mem_bytes() >> 20,
-            s.mem_bytes() >> 20
-        );
-    }
-    let idx = s.entries().iter().position(|e| e.id == a.id);
-    let chain = idx.map(|i| {
-        i + 1
-            - s.entries()[..=i]
-                .iter()
-                .rposition(|e| e.kind == RecordKind::Base)
-                .unwrap_or(0)
-    });
-    let t = Instant::now();
-    let path = PathBuf::from(format!(
-        "/dev/shm/tandem-restore-{}.ram",
-        std::process::id()
-    ));
-    // SAFETY: this process is the file's only writer until QEMU starts on it below.
-    let mut ram = unsafe { MirrorFile::create(&path, s.mem_bytes()) }?;
-    let dev = match s.materialize_zeroed(a.id, ram.as_mut()) {
-        Ok(d) => d,
-        Err(e) => {
-            let _ = std::fs::remove_file(&path);
-            return Err(e).context(format!("restoring checkpoint {}", a.id));
-        }
-    };
-    drop(ram);
-    let rebuilt = t.elapsed();
-    let started = Instant::now();
-    let vm = Vm::standby(&cfg, &path);
-    let _ = std::fs::remove_file(&path);
-    let mut vm = vm.context("starting QEMU on the restored memory")?;
-    let qemu_start = started.elapsed();
-    let r = Instant::now();
-    vm.resume(&dev)
-        .context("loading the checkpoint's device state")?;
-    let resumed = r.elapsed();
-    let total = t.elapsed();
-    let tick = vm.console.wait_tick(Duration::from_secs(20)).ok();
-    let summary = RestoreSummary {
-        id: a.id,
-        chain_records: chain.unwrap_or(0),
-        rebuild_ms: rebuilt.as_secs_f64() * 1000.0,
-        qemu_start_ms: qemu_start.as_secs_f64() * 1000.0,
-        resume_ms: resumed.as_secs_f64() * 1000.0,
-        total_ms: total.as_secs_f64() * 1000.0,
-        ram_checksum_verified: true,
-        guest_tick_after_resume: tick,
-    };
+    let store = open(&a.dir)?;
+    let (vm, summary) = tandem_protect::restorer::restore(&store, a.id, &a.vm.spec())?;
+    let tick = summary.guest_tick_after_resume;
     if a.json {
         println!("{}", serde_json::to_string_pretty(&summary)?);
     } else {

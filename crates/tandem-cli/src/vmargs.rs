@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use tandem_protect::site::SiteConfig;
 use tandem_protect::VmSpec;
-use tandem_vm::{DirtyMode, VmConfig};
+use tandem_vm::DirtyMode;
 
 #[derive(clap::Args, Clone, Debug)]
 pub struct VmArgs {
@@ -60,10 +60,6 @@ impl VmArgs {
             vm_config: self.vm_config.clone(),
         }
     }
-
-    pub fn config(&self, name: &str) -> anyhow::Result<VmConfig> {
-        Ok(self.spec().config(name)?)
-    }
 }
 
 #[derive(clap::Args, Clone, Debug)]
@@ -99,4 +95,4 @@ impl SiteArgs {
     }
 }
 
-pub use tandem_harness::{boot, kv_load};
+pub use tandem_harness::kv_load;

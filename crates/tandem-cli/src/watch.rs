@@ -2,14 +2,11 @@
 //! every epoch without replicating and shows live dirty-memory statistics, then a summary.
 
 use std::io::Write;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use serde::Serialize;
-use tandem_vm::epoch::{run_epochs, Fixed};
-use tandem_vm::PAGE_SIZE;
+use tandem_protect::watcher::{watch, WatchConfig};
 
-use crate::vmargs::{boot, VmArgs};
-use tandem_protect::stats::{mean, quantile};
+use crate::vmargs::{kv_load, VmArgs};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -26,103 +23,33 @@ pub struct Args {
     pub json: bool,
 }
 
-#[derive(Serialize)]
-struct Summary {
-    workload: String,
-    mem_mib: u64,
-    dirty_log: String,
-    boot_to_ready_ms: u64,
-    epochs: u64,
-    dirty_pages_per_epoch_mean: f64,
-    dirty_pages_per_epoch_p99: f64,
-    dirty_mib_per_s: f64,
-    pause_ms_p50: f64,
-    pause_ms_p99: f64,
-    pause_ms_median_components: [f64; 5],
-    device_state_kib: f64,
-    client_ops_per_s: Option<f64>,
-}
-
 pub fn run(a: Args) -> anyhow::Result<()> {
-    let cfg = a.vm.config("watch")?;
+    let cfg = WatchConfig {
+        vm: a.vm.spec(),
+        epoch: Duration::from_millis(a.epoch_ms.max(1)),
+        duration: Duration::from_secs(a.duration),
+        load: Some(kv_load()),
+    };
     eprintln!(
         "tandem watch: booting a {} MiB Linux guest under QEMU ({}) running `{}`...",
-        cfg.mem_mib, cfg.accel, cfg.workload
+        a.vm.mem, a.vm.accel, a.vm.workload
     );
-    let (mut vm, ready, load) = boot(&cfg)?;
-    let log = vm.dirty_log_name().unwrap_or("none").to_string();
-    eprintln!(
-        "guest ready after {:.1} s; dirty log: {log}; checkpoint every {} ms for {} s",
-        ready.as_secs_f64(),
-        a.epoch_ms,
-        a.duration
-    );
-    // Start from a clean dirty log: the first epoch should not carry every page the boot wrote.
-    vm.reset_dirty_log()?;
-    let (mut dirty, mut pause, mut comps, mut dev) =
-        (Vec::new(), Vec::new(), vec![Vec::new(); 5], 0usize);
-    let start = Instant::now();
-    let mut last_print = Instant::now();
-    let mut last_ops = 0u64;
-    let epochs = run_epochs(
-        &mut vm,
-        &mut Fixed(Duration::from_millis(a.epoch_ms)),
-        Duration::from_secs(a.duration),
-        |cp| {
-            dirty.push(cp.pfns.len() as f64);
-            pause.push(cp.timing.total_us() as f64 / 1000.0);
-            let t = cp.timing;
-            for (v, x) in
-                comps
-                    .iter_mut()
-                    .zip([t.stop_us, t.harvest_us, t.copy_us, t.devstate_us, t.cont_us])
-            {
-                v.push(x as f64 / 1000.0);
-            }
-            dev = cp.device_state.len();
-            if last_print.elapsed() >= Duration::from_secs(1) {
-                let o = load.as_ref().map_or(0, |l| l.ops());
-                let rate = (o - last_ops) as f64 / last_print.elapsed().as_secs_f64();
-                last_ops = o;
-                last_print = Instant::now();
-                let recent = &dirty[dirty.len().saturating_sub(10)..];
-                eprint!(
-                "\r[{:>4.0}s] epoch {:>4}  dirty {:>6.0} pages/epoch ({:>5.1} MiB/s)  pause p50 {:>5.1} ms p99 {:>5.1} ms{}   ",
-                start.elapsed().as_secs_f64(),
-                cp.epoch,
-                mean(recent),
-                mean(recent) * PAGE_SIZE as f64 * 1000.0 / a.epoch_ms as f64 / (1 << 20) as f64,
-                quantile(&pause, 0.5),
-                quantile(&pause, 0.99),
-                if load.is_some() { format!("  client {rate:>6.0} ops/s") } else { String::new() }
-            );
-                let _ = std::io::stderr().flush();
-            }
-            true
-        },
-    )?;
+    let s = watch(&cfg, &crate::daemons::stderr(""), &mut |l| {
+        eprint!(
+            "\r[{:>4.0}s] epoch {:>4}  dirty {:>6.0} pages/epoch ({:>5.1} MiB/s)  pause p50 {:>5.1} ms p99 {:>5.1} ms{}   ",
+            l.elapsed.as_secs_f64(),
+            l.epoch,
+            l.dirty_pages_recent,
+            l.dirty_mib_per_s,
+            l.pause_ms_p50,
+            l.pause_ms_p99,
+            l.client_ops_per_s
+                .map(|r| format!("  client {r:>6.0} ops/s"))
+                .unwrap_or_default()
+        );
+        let _ = std::io::stderr().flush();
+    })?;
     eprintln!();
-    let elapsed = start.elapsed().as_secs_f64();
-    let total_ops = match load {
-        Some(l) => Some(l.stop().map_err(anyhow::Error::msg)?),
-        None => None,
-    };
-    let s = Summary {
-        workload: cfg.workload.clone(),
-        mem_mib: cfg.mem_mib,
-        dirty_log: log,
-        boot_to_ready_ms: ready.as_millis() as u64,
-        epochs,
-        dirty_pages_per_epoch_mean: mean(&dirty),
-        dirty_pages_per_epoch_p99: quantile(&dirty, 0.99),
-        dirty_mib_per_s: dirty.iter().sum::<f64>() * PAGE_SIZE as f64 / elapsed / (1 << 20) as f64,
-        pause_ms_p50: quantile(&pause, 0.5),
-        pause_ms_p99: quantile(&pause, 0.99),
-        pause_ms_median_components: [0, 1, 2, 3, 4].map(|i| quantile(&comps[i], 0.5)),
-        device_state_kib: dev as f64 / 1024.0,
-        client_ops_per_s: total_ops.map(|o| o as f64 / elapsed),
-    };
-    vm.quit();
     if a.json {
         println!("{}", serde_json::to_string_pretty(&s)?);
     } else {

@@ -14,12 +14,14 @@ pub mod backup;
 pub mod metrics;
 pub mod primary;
 pub mod recorder;
+pub mod restorer;
 pub mod saver;
 pub mod signals;
 pub mod site;
 pub mod stats;
 mod status;
 pub mod vmspec;
+pub mod watcher;
 
 pub use status::{Line, Status};
 pub use vmspec::{boot, Load, StartLoad, VmSpec};

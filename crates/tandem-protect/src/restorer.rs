@@ -1,0 +1,123 @@
+//! Restoring a checkpoint: rebuild guest RAM from the store's chain (base + deltas, RAM
+//! checksum verified) into a file in /dev/shm, start QEMU on it with `-incoming defer`, load
+//! the checkpoint's device state and let the guest run.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+use tandem_store::format::RecordKind;
+use tandem_store::{Store, StoreError};
+use tandem_vm::{DirtyMode, MirrorFile, Vm, VmError};
+
+use crate::vmspec::{VmSpec, VmSpecError};
+
+/// What a restore did (times in milliseconds).
+#[derive(Debug, Serialize)]
+pub struct RestoreSummary {
+    /// The checkpoint restored.
+    pub id: u64,
+    /// Records replayed (base + deltas).
+    pub chain_records: usize,
+    /// Rebuilding RAM.
+    pub rebuild_ms: f64,
+    /// Starting QEMU on it.
+    pub qemu_start_ms: f64,
+    /// Loading the device state and `cont`.
+    pub resume_ms: f64,
+    /// All of it.
+    pub total_ms: f64,
+    /// The rebuilt RAM matched the checkpoint's checksum.
+    pub ram_checksum_verified: bool,
+    /// The guest's console tick seen after the resume, if any.
+    pub guest_tick_after_resume: Option<u64>,
+}
+
+/// The restore failed; nothing is left running.
+#[derive(Debug, thiserror::Error)]
+pub enum RestoreError {
+    /// The VM description is unusable.
+    #[error(transparent)]
+    Spec(#[from] VmSpecError),
+    /// The store holds another guest size.
+    #[error("checkpoint is of a {0} MiB guest; pass --mem {0}")]
+    Size(u64),
+    /// The RAM file could not be created.
+    #[error("creating the RAM file")]
+    Ram(#[source] tandem_vm::ram::RamError),
+    /// The checkpoint could not be rebuilt.
+    #[error("restoring checkpoint {0}")]
+    Store(u64, #[source] StoreError),
+    /// QEMU did not start on the restored memory.
+    #[error("starting QEMU on the restored memory")]
+    Start(#[source] VmError),
+    /// The device state was refused.
+    #[error("loading the checkpoint's device state")]
+    Resume(#[source] VmError),
+}
+
+/// Restores checkpoint `id` of `store` into a running guest described by `vm`.
+pub fn restore(store: &Store, id: u64, vm: &VmSpec) -> Result<(Vm, RestoreSummary), RestoreError> {
+    let mut cfg = vm.config("restore")?;
+    cfg.dirty = DirtyMode::None;
+    if cfg.mem_mib << 20 != store.mem_bytes() {
+        return Err(RestoreError::Size(store.mem_bytes() >> 20));
+    }
+    let chain = chain_len(store, id);
+    let t = Instant::now();
+    let path = PathBuf::from(format!(
+        "/dev/shm/tandem-restore-{}.ram",
+        std::process::id()
+    ));
+    let dev = rebuild(store, id, &path)?;
+    let rebuilt = t.elapsed();
+    let started = Instant::now();
+    let vm = Vm::standby(&cfg, &path);
+    let _ = std::fs::remove_file(&path);
+    let mut vm = vm.map_err(RestoreError::Start)?;
+    let qemu_start = started.elapsed();
+    let r = Instant::now();
+    vm.resume(&dev).map_err(RestoreError::Resume)?;
+    let resumed = r.elapsed();
+    let total = t.elapsed();
+    let tick = vm.console.wait_tick(Duration::from_secs(20)).ok();
+    let ms = |d: Duration| d.as_secs_f64() * 1000.0;
+    let summary = RestoreSummary {
+        id,
+        chain_records: chain,
+        rebuild_ms: ms(rebuilt),
+        qemu_start_ms: ms(qemu_start),
+        resume_ms: ms(resumed),
+        total_ms: ms(total),
+        ram_checksum_verified: true,
+        guest_tick_after_resume: tick,
+    };
+    Ok((vm, summary))
+}
+
+/// Records from the last base up to checkpoint `id` (0 if there is no such checkpoint).
+fn chain_len(store: &Store, id: u64) -> usize {
+    let idx = store.entries().iter().position(|e| e.id == id);
+    idx.map_or(0, |i| {
+        i + 1
+            - store.entries()[..=i]
+                .iter()
+                .rposition(|e| e.kind == RecordKind::Base)
+                .unwrap_or(0)
+    })
+}
+
+/// Rebuilds checkpoint `id`'s RAM into a new file at `path`; returns its device state. The
+/// file is removed again if the rebuild fails.
+fn rebuild(store: &Store, id: u64, path: &Path) -> Result<Vec<u8>, RestoreError> {
+    // SAFETY: this process is the file's only writer until QEMU starts on it afterwards.
+    let mut ram =
+        unsafe { MirrorFile::create(path, store.mem_bytes()) }.map_err(RestoreError::Ram)?;
+    match store.materialize_zeroed(id, ram.as_mut()) {
+        Ok(d) => Ok(d),
+        Err(e) => {
+            let _ = std::fs::remove_file(path);
+            Err(RestoreError::Store(id, e))
+        }
+    }
+}
