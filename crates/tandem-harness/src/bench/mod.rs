@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use anyhow::bail;
 use serde::Serialize;
 use tandem_vm::epoch::{run_epochs, Fixed};
-use tandem_vm::{DirtyLog, HashLog};
+use tandem_vm::{DirtyLog, HashLog, Vm};
 
 use crate::boot;
 use tandem_protect::stats::{mean, quantile};
@@ -180,26 +180,7 @@ fn scan_rates(ram: &std::sync::Arc<tandem_vm::GuestRam>) -> Scan {
 /// Runs the benchmark the flags select.
 pub fn run(a: Args) -> anyhow::Result<()> {
     if !a.trace.is_empty() {
-        let codecs: Vec<tandem_codec::Codec> = if a.codec == "all" {
-            tandem_codec::Codec::ALL.to_vec()
-        } else {
-            a.codec
-                .split(',')
-                .map(|c| c.trim().parse().map_err(anyhow::Error::msg))
-                .collect::<anyhow::Result<_>>()?
-        };
-        if a.threads == 0 {
-            bail!("--threads must be at least 1");
-        }
-        let mut cfg = tandem_codec::Config {
-            threads: a.threads,
-            zstd_level: a.zstd_level,
-            cache_bytes: a.cache_mib << 20,
-            full_mirror: a.full_mirror,
-            ..Default::default()
-        };
-        codec::parse_budget(&a.budget, &mut cfg)?;
-        return codec::run(&a.trace, &codecs, &cfg, a.json);
+        return run_trace(&a);
     }
     if let Some(n) = a.faults {
         return faults::run(n, a.seed, a.mem, a.json);
@@ -213,6 +194,35 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     if !a.lab {
         bail!("choose what to measure: --lab (VM lab on real guests), --replication (end to end) or --trace FILE... (codecs over recorded traces)");
     }
+    run_lab(a)
+}
+
+/// `--trace`: benchmarks the selected codecs over recorded traces.
+fn run_trace(a: &Args) -> anyhow::Result<()> {
+    let codecs: Vec<tandem_codec::Codec> = if a.codec == "all" {
+        tandem_codec::Codec::ALL.to_vec()
+    } else {
+        a.codec
+            .split(',')
+            .map(|c| c.trim().parse().map_err(anyhow::Error::msg))
+            .collect::<anyhow::Result<_>>()?
+    };
+    if a.threads == 0 {
+        bail!("--threads must be at least 1");
+    }
+    let mut cfg = tandem_codec::Config {
+        threads: a.threads,
+        zstd_level: a.zstd_level,
+        cache_bytes: a.cache_mib << 20,
+        full_mirror: a.full_mirror,
+        ..Default::default()
+    };
+    codec::parse_budget(&a.budget, &mut cfg)?;
+    codec::run(&a.trace, &codecs, &cfg, a.json)
+}
+
+/// `--lab`: boots every workload, measures it at every epoch length and prints the report.
+fn run_lab(a: Args) -> anyhow::Result<()> {
     let mut a = a;
     if a.workloads.is_empty() {
         a.workloads = ["idle", "memtouch", "compile", "sqlite", "kv"]
@@ -222,132 +232,172 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     if a.epochs_ms.is_empty() {
         a.epochs_ms = vec![25, 100, 500];
     }
-    let mut report = Report {
-        boot_to_ready_ms: Vec::new(),
-        rows: Vec::new(),
-        harvest_vs_dirty: Vec::new(),
-        scan: None,
+    let mut lab = Lab {
+        report: Report {
+            boot_to_ready_ms: Vec::new(),
+            rows: Vec::new(),
+            harvest_vs_dirty: Vec::new(),
+            scan: None,
+        },
+        harvest: Vec::new(),
     };
-    let mut harvest: Vec<(u64, f64)> = Vec::new();
     for w in &a.workloads {
+        lab.workload(w, &a)?;
+    }
+    lab.bucket_harvests();
+    let report = lab.report;
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+        return Ok(());
+    }
+    report.print();
+    Ok(())
+}
+
+/// The `--lab` report as it fills, with every checkpoint's (dirty pages, harvest ms).
+struct Lab {
+    report: Report,
+    harvest: Vec<(u64, f64)>,
+}
+
+impl Lab {
+    /// Boots workload `w`, measures it at every epoch length of `a` and shuts it down.
+    fn workload(&mut self, w: &String, a: &Args) -> anyhow::Result<()> {
         let args = tandem_protect::VmSpec::for_workload(w, a.mem);
         let cfg = args.config("bench")?;
         eprintln!("bench: booting {w}...");
         let (mut vm, ready, load) = boot(&cfg)?;
-        report
+        self.report
             .boot_to_ready_ms
             .push((w.clone(), ready.as_millis() as u64));
-        if report.scan.is_none() {
+        if self.report.scan.is_none() {
             vm.stop()?;
-            report.scan = Some(scan_rates(vm.ram()));
+            self.report.scan = Some(scan_rates(vm.ram()));
             vm.cont()?;
         }
         // Let the workload warm up before measuring.
         std::thread::sleep(Duration::from_secs(2));
         for &ms in &a.epochs_ms {
-            let (mut dirty, mut pause, mut comps) = (Vec::new(), Vec::new(), vec![Vec::new(); 5]);
-            let mut first = true;
-            run_epochs(
-                &mut vm,
-                &mut Fixed(Duration::from_millis(ms)),
-                Duration::from_secs(a.seconds),
-                |cp| {
-                    // The first checkpoint of a series covers the previous series' tail: skip it.
-                    if std::mem::take(&mut first) {
-                        return true;
-                    }
-                    let t = cp.timing;
-                    dirty.push(cp.pfns.len() as f64);
-                    pause.push(t.total_us() as f64 / 1000.0);
-                    for (v, x) in comps.iter_mut().zip([
-                        t.stop_us,
-                        t.harvest_us,
-                        t.copy_us,
-                        t.devstate_us,
-                        t.cont_us,
-                    ]) {
-                        v.push(x as f64 / 1000.0);
-                    }
-                    harvest.push((cp.pfns.len() as u64, t.harvest_us as f64 / 1000.0));
-                    true
-                },
-            )?;
-            eprintln!(
-                "bench: {w} @ {ms} ms: {} epochs, dirty mean {:.0}, pause p50 {:.2} ms",
-                dirty.len(),
-                mean(&dirty),
-                quantile(&pause, 0.5)
-            );
-            report.rows.push(Row {
-                workload: w.clone(),
-                epoch_ms: ms,
-                epochs: dirty.len(),
-                dirty_mean: mean(&dirty),
-                dirty_p50: quantile(&dirty, 0.5),
-                dirty_p99: quantile(&dirty, 0.99),
-                pause_p50_ms: quantile(&pause, 0.5),
-                pause_p99_ms: quantile(&pause, 0.99),
-                components_p50_ms: [0, 1, 2, 3, 4].map(|i| quantile(&comps[i], 0.5)),
-            });
+            self.series(&mut vm, w, ms, a.seconds)?;
         }
         if let Some(l) = load {
             l.stop().map_err(anyhow::Error::msg)?;
         }
         vm.quit();
+        Ok(())
     }
-    for (lo, hi) in [
-        (0u64, 100u64),
-        (100, 1000),
-        (1000, 10_000),
-        (10_000, u64::MAX),
-    ] {
-        let v: Vec<f64> = harvest
-            .iter()
-            .filter(|(d, _)| *d >= lo && *d < hi)
-            .map(|(_, t)| *t)
-            .collect();
-        if !v.is_empty() {
-            let label = if hi == u64::MAX {
-                format!(">={lo}")
-            } else {
-                format!("{lo}-{}", hi - 1)
-            };
-            report.harvest_vs_dirty.push(Bucket {
-                dirty_pages: label,
-                samples: v.len(),
-                harvest_p50_ms: quantile(&v, 0.5),
-                harvest_p99_ms: quantile(&v, 0.99),
-            });
+
+    /// Runs `seconds` of `ms` epochs on the booted guest and adds their row.
+    fn series(&mut self, vm: &mut Vm, w: &String, ms: u64, seconds: u64) -> anyhow::Result<()> {
+        let (mut dirty, mut pause, mut comps) = (Vec::new(), Vec::new(), vec![Vec::new(); 5]);
+        let mut first = true;
+        let harvest = &mut self.harvest;
+        run_epochs(
+            vm,
+            &mut Fixed(Duration::from_millis(ms)),
+            Duration::from_secs(seconds),
+            |cp| {
+                // The first checkpoint of a series covers the previous series' tail: skip it.
+                if std::mem::take(&mut first) {
+                    return true;
+                }
+                let t = cp.timing;
+                dirty.push(cp.pfns.len() as f64);
+                pause.push(t.total_us() as f64 / 1000.0);
+                for (v, x) in comps.iter_mut().zip([
+                    t.stop_us,
+                    t.harvest_us,
+                    t.copy_us,
+                    t.devstate_us,
+                    t.cont_us,
+                ]) {
+                    v.push(x as f64 / 1000.0);
+                }
+                harvest.push((cp.pfns.len() as u64, t.harvest_us as f64 / 1000.0));
+                true
+            },
+        )?;
+        eprintln!(
+            "bench: {w} @ {ms} ms: {} epochs, dirty mean {:.0}, pause p50 {:.2} ms",
+            dirty.len(),
+            mean(&dirty),
+            quantile(&pause, 0.5)
+        );
+        self.report.rows.push(Row {
+            workload: w.clone(),
+            epoch_ms: ms,
+            epochs: dirty.len(),
+            dirty_mean: mean(&dirty),
+            dirty_p50: quantile(&dirty, 0.5),
+            dirty_p99: quantile(&dirty, 0.99),
+            pause_p50_ms: quantile(&pause, 0.5),
+            pause_p99_ms: quantile(&pause, 0.99),
+            components_p50_ms: [0, 1, 2, 3, 4].map(|i| quantile(&comps[i], 0.5)),
+        });
+        Ok(())
+    }
+
+    /// Groups the harvest times by dirty-page count into the report's buckets.
+    fn bucket_harvests(&mut self) {
+        for (lo, hi) in [
+            (0u64, 100u64),
+            (100, 1000),
+            (1000, 10_000),
+            (10_000, u64::MAX),
+        ] {
+            let v: Vec<f64> = self
+                .harvest
+                .iter()
+                .filter(|(d, _)| *d >= lo && *d < hi)
+                .map(|(_, t)| *t)
+                .collect();
+            if !v.is_empty() {
+                let label = if hi == u64::MAX {
+                    format!(">={lo}")
+                } else {
+                    format!("{lo}-{}", hi - 1)
+                };
+                self.report.harvest_vs_dirty.push(Bucket {
+                    dirty_pages: label,
+                    samples: v.len(),
+                    harvest_p50_ms: quantile(&v, 0.5),
+                    harvest_p99_ms: quantile(&v, 0.99),
+                });
+            }
         }
     }
-    if a.json {
-        println!("{}", serde_json::to_string_pretty(&report)?);
-        return Ok(());
-    }
-    println!(
-        "boot to ready (TCG): {}",
-        report
-            .boot_to_ready_ms
-            .iter()
-            .map(|(w, ms)| format!("{w} {:.2} s", *ms as f64 / 1000.0))
-            .collect::<Vec<_>>()
-            .join(", ")
-    );
-    println!("| workload | epoch ms | epochs | dirty pages mean / p50 / p99 | pause p50 / p99 ms | stop | harvest | copy | devstate | cont (p50 ms) |");
-    println!("|---|---|---|---|---|---|---|---|---|---|");
-    for r in &report.rows {
-        let c = r.components_p50_ms;
-        println!("| {} | {} | {} | {:.0} / {:.0} / {:.0} | {:.2} / {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} |", r.workload, r.epoch_ms, r.epochs, r.dirty_mean, r.dirty_p50, r.dirty_p99, r.pause_p50_ms, r.pause_p99_ms, c[0], c[1], c[2], c[3], c[4]);
-    }
-    println!("\n| dirty pages | samples | harvest p50 ms | harvest p99 ms |\n|---|---|---|---|");
-    for b in &report.harvest_vs_dirty {
+}
+
+impl Report {
+    /// Prints the report as the human-readable tables.
+    fn print(&self) {
+        let report = self;
         println!(
-            "| {} | {} | {:.3} | {:.3} |",
-            b.dirty_pages, b.samples, b.harvest_p50_ms, b.harvest_p99_ms
+            "boot to ready (TCG): {}",
+            report
+                .boot_to_ready_ms
+                .iter()
+                .map(|(w, ms)| format!("{w} {:.2} s", *ms as f64 / 1000.0))
+                .collect::<Vec<_>>()
+                .join(", ")
         );
+        println!("| workload | epoch ms | epochs | dirty pages mean / p50 / p99 | pause p50 / p99 ms | stop | harvest | copy | devstate | cont (p50 ms) |");
+        println!("|---|---|---|---|---|---|---|---|---|---|");
+        for r in &report.rows {
+            let c = r.components_p50_ms;
+            println!("| {} | {} | {} | {:.0} / {:.0} / {:.0} | {:.2} / {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} |", r.workload, r.epoch_ms, r.epochs, r.dirty_mean, r.dirty_p50, r.dirty_p99, r.pause_p50_ms, r.pause_p99_ms, c[0], c[1], c[2], c[3], c[4]);
+        }
+        println!(
+            "\n| dirty pages | samples | harvest p50 ms | harvest p99 ms |\n|---|---|---|---|"
+        );
+        for b in &report.harvest_vs_dirty {
+            println!(
+                "| {} | {} | {:.3} | {:.3} |",
+                b.dirty_pages, b.samples, b.harvest_p50_ms, b.harvest_p99_ms
+            );
+        }
+        if let Some(s) = &report.scan {
+            println!("\nhash fallback over {} MiB: xxh3 {:.2} GB/s on 1 core, {:.2} GB/s on {} threads ({:.1} ms per harvest); memcpy {:.2} GB/s on 1 core (same run)", s.mem_mib, s.hash_gbps_1core, s.hash_gbps_all_cores, s.threads, s.hash_harvest_ms_all_cores, s.memcpy_gbps_1core);
+        }
     }
-    if let Some(s) = &report.scan {
-        println!("\nhash fallback over {} MiB: xxh3 {:.2} GB/s on 1 core, {:.2} GB/s on {} threads ({:.1} ms per harvest); memcpy {:.2} GB/s on 1 core (same run)", s.mem_mib, s.hash_gbps_1core, s.hash_gbps_all_cores, s.threads, s.hash_harvest_ms_all_cores, s.memcpy_gbps_1core);
-    }
-    Ok(())
 }

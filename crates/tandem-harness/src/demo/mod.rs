@@ -9,6 +9,7 @@ mod capture;
 mod client;
 mod daemon;
 pub(crate) mod fault;
+mod phases;
 pub(crate) mod round;
 mod steps;
 
