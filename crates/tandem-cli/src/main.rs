@@ -5,6 +5,7 @@ mod daemons;
 mod doctor;
 mod record;
 mod setup;
+mod vm;
 mod vmargs;
 mod watch;
 
@@ -51,6 +52,9 @@ enum Cmd {
     /// Incremental checkpoints on disk: save, list, restore, verify.
     #[command(subcommand)]
     Checkpoint(checkpoint::Cmd),
+    /// VM descriptions: import from libvirt, show, check.
+    #[command(subcommand)]
+    Vm(vm::Cmd),
     /// Measure: --lab (boot, pause breakdown, harvest, hash scan, dirty rates), --replication (end to end) or --trace (codecs).
     Bench(tandem_harness::bench::Args),
 }
@@ -68,7 +72,7 @@ fn main() {
         .init();
     // Whatever killed tandem processes left behind (QEMU runtime directories, working
     // directories, RAM files) goes first.
-    if !matches!(cli.cmd, Cmd::Trace(_) | Cmd::Setup(_)) {
+    if !matches!(cli.cmd, Cmd::Trace(_) | Cmd::Setup(_) | Cmd::Vm(_)) {
         tandem_vm::clean_stale();
     }
     let result = match cli.cmd {
@@ -81,6 +85,7 @@ fn main() {
         Cmd::Trace(c) => record::trace_cmd(c),
         Cmd::Bench(a) => tandem_harness::bench::run(a),
         Cmd::Checkpoint(c) => checkpoint::run(c),
+        Cmd::Vm(c) => vm::run(c),
         Cmd::Lab(c) => tandem_harness::lab::run(c),
         Cmd::Primary(a) => daemons::primary(a),
         Cmd::Backup(a) => daemons::backup(a),

@@ -15,6 +15,9 @@ pub struct VmArgs {
     /// Guest RAM in MiB.
     #[arg(long, default_value_t = 256)]
     pub mem: u64,
+    /// Virtual CPUs.
+    #[arg(long, default_value_t = 1)]
+    pub vcpus: u32,
     /// Dirty log: auto (uffd-wp if the kernel has it, else hash), uffd, hash.
     #[arg(long, default_value = "auto")]
     pub dirty_log: DirtyMode,
@@ -27,8 +30,8 @@ pub struct VmArgs {
     /// Guest image directory (default: the cache that `tandem setup` fills).
     #[arg(long)]
     pub image: Option<PathBuf>,
-    /// VM description file (TOML with any of: workload, mem, dirty_log, qemu, accel, image);
-    /// its keys override the flags.
+    /// VM description file (TOML, docs/VM_DESCRIPTION.md): the lab guest's keys (workload,
+    /// mem, vcpus, ...) override the flags; [boot], [[disk]] and [[nic]] describe your own VM.
     #[arg(long)]
     pub vm_config: Option<PathBuf>,
 }
@@ -40,6 +43,7 @@ impl VmArgs {
         VmArgs {
             workload: s.workload,
             mem: s.mem,
+            vcpus: s.vcpus,
             dirty_log: s.dirty_log,
             qemu: s.qemu,
             accel: s.accel,
@@ -53,6 +57,7 @@ impl VmArgs {
         VmSpec {
             workload: self.workload.clone(),
             mem: self.mem,
+            vcpus: self.vcpus,
             dirty_log: self.dirty_log,
             qemu: self.qemu.clone(),
             accel: self.accel.clone(),

@@ -55,8 +55,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     } else {
         let c = s.pause_ms_median_components;
         println!(
-            "summary: {} epochs of {} ms on a {} MiB `{}` guest (dirty log {})",
-            s.epochs, a.epoch_ms, s.mem_mib, s.workload, s.dirty_log
+            "summary: {} epochs of {} ms on a {} MiB, {}-vCPU `{}` guest (dirty log {})",
+            s.epochs, a.epoch_ms, s.mem_mib, s.vcpus, s.workload, s.dirty_log
         );
         println!(
             "  boot to ready      {:.1} s",

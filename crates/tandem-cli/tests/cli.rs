@@ -188,3 +188,42 @@ fn stores_that_are_not_stores_are_named() {
         text(&o)
     );
 }
+
+#[test]
+fn vm_descriptions_import_show_and_refuse() {
+    let fixtures = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../tandem-protect/tests/fixtures"
+    );
+    let o = tandem(&["vm", "import", &format!("{fixtures}/web-virt-install.xml")]);
+    assert!(o.status.success(), "{}", text(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        out.contains("vcpus = 2") && out.contains("[[disk]]"),
+        "{out}"
+    );
+    assert!(
+        text(&o).contains("not mapped: devices/graphics[vnc]"),
+        "{}",
+        text(&o)
+    );
+    let o = tandem(&["vm", "import", "/etc/hostname"]);
+    assert!(!o.status.success());
+    assert!(
+        text(&o).contains("XML") && !text(&o).contains("panicked"),
+        "{}",
+        text(&o)
+    );
+    let o = tandem(&["vm", "show", "--workload", "idle", "--vcpus", "2"]);
+    assert!(
+        String::from_utf8_lossy(&o.stdout).contains("vcpus = 2"),
+        "{}",
+        text(&o)
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let desc = dir.path().join("vm.toml");
+    std::fs::write(&desc, "extra_args = [\"-daemonize\"]\n[[disk]]\npath = \"/nonexistent.qcow2\"\nformat = \"qcow2\"\n").unwrap();
+    let o = tandem(&["vm", "check", "--vm-config", desc.to_str().unwrap()]);
+    assert!(!o.status.success());
+    assert!(text(&o).contains("/nonexistent.qcow2"), "{}", text(&o));
+}

@@ -1,4 +1,4 @@
-//! The `kv` guest under stock QEMU: checkpoint, kill, restore in a fresh QEMU; redis's data
+//! The `kv` guest (2 vCPUs) under stock QEMU: checkpoint, kill, restore in a fresh QEMU; redis's data
 //! and the console counter continue from the checkpoint. Needs the guest image
 //! (`tandem setup`).
 
@@ -18,6 +18,8 @@ fn free_port() -> u16 {
 fn boot(workload: &str, dirty: DirtyMode) -> Vm {
     let mut cfg = VmConfig::new(&format!("test-{workload}"), workload);
     cfg.dirty = dirty;
+    // Two vCPUs: the checkpoint carries both CPUs' state and the restored guest runs on both.
+    cfg.vcpus = 2;
     if workload == "kv" {
         cfg.kv_port = Some(free_port());
     }

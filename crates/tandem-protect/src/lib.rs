@@ -11,6 +11,7 @@
 #![warn(missing_docs)]
 
 pub mod backup;
+pub mod libvirt;
 pub mod metrics;
 pub mod primary;
 pub mod recorder;
@@ -20,6 +21,7 @@ pub mod signals;
 pub mod site;
 pub mod stats;
 mod status;
+pub mod vmfile;
 pub mod vmspec;
 pub mod watcher;
 

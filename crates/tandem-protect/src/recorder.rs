@@ -96,7 +96,7 @@ pub fn record(
         mem_bytes: vmc.mem_mib << 20,
         epoch_ms: cfg.epoch.as_millis().min(u32::MAX as u128) as u32,
         meta: serde_json::json!({
-            "workload": vmc.workload,
+            "workload": vmc.workload_name(),
             "dirty_log": vm.dirty_log_name(),
             "accel": vmc.accel,
             "qemu": format!("{}.{}.{}", vm.qmp.version.0, vm.qmp.version.1, vm.qmp.version.2),
@@ -154,7 +154,7 @@ pub fn record(
     std::fs::rename(&tmp, &cfg.output).map_err(file_err(format!("renaming {}", tmp.display())))?;
     vm.quit();
     Ok(Recorded {
-        workload: vmc.workload.clone(),
+        workload: vmc.workload_name().to_string(),
         epochs,
         dirty_pages,
         pauses_ms,

@@ -151,7 +151,7 @@ pub fn save(cfg: SaveConfig, status: Status) -> Result<SaveSummary, SaveError> {
     let (mut vm, ready, load) = boot(&vmc, cfg.load.as_ref())?;
     status.info(format!(
         "guest `{}` ready in {:.1} s; saving into {}",
-        vmc.workload,
+        vmc.workload_name(),
         ready.as_secs_f64(),
         cfg.dir.display()
     ));

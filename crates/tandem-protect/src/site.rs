@@ -7,8 +7,8 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use tandem_disk::Image;
-use tandem_net::{Policy, Relay};
-use tandem_vm::VmConfig;
+use tandem_net::{Policy, Relay, RelayStats};
+use tandem_vm::{Boot, NicNet, VmConfig};
 
 /// How a side attaches its guest's network and data disk.
 #[derive(Clone, Debug)]
@@ -86,8 +86,8 @@ pub enum SiteError {
 
 /// The relay and disk of one side. Dropping it removes the tap and stops serving.
 pub struct Site {
-    /// The network relay (with `tap_netns`).
-    pub relay: Option<Arc<Relay>>,
+    /// The network relays, one per bridged NIC (empty with user networking only).
+    pub relays: Relays,
     /// The data disk (unless `disk_mib` is 0).
     pub disk: Option<Arc<Image>>,
     /// Where the data disk file was created (its name may be removed already).
@@ -112,36 +112,7 @@ impl Site {
         role: Role,
         cfg: &mut VmConfig,
     ) -> Result<Site, SiteError> {
-        let relay = match &a.tap_netns {
-            Some(ns) => {
-                let (name, policy) = match role {
-                    Role::Primary => ("tdp0", Policy::Hold),
-                    Role::Backup => ("tdb0", Policy::Standby),
-                };
-                let name = a.tap.clone().unwrap_or_else(|| name.into());
-                let tap =
-                    tandem_net::open_tap(Some(ns), &name, Some(&a.bridge)).map_err(|source| {
-                        SiteError::Tap {
-                            tap: name.clone(),
-                            bridge: a.bridge.clone(),
-                            netns: ns.clone(),
-                            source,
-                        }
-                    })?;
-                let sock = dir.join("net.sock");
-                let relay =
-                    Relay::listen(&sock, OwnedFd::from(tap), policy).map_err(SiteError::Relay)?;
-                cfg.relay_net = Some((sock, a.guest_ip.clone()));
-                cfg.kv_port = None;
-                Some(Arc::new(relay))
-            }
-            None => {
-                if role == Role::Primary {
-                    tracing::warn!("no --tap-netns: the guest uses QEMU user networking and its network output is NOT held until acknowledged");
-                }
-                None
-            }
-        };
+        let relays = Relays::attach(a, dir, role, cfg)?;
         let (disk, disk_path) = if a.disk_mib == 0 {
             (None, None)
         } else {
@@ -196,10 +167,122 @@ impl Site {
         };
         let (disk_path, nbd_sock) = disk_path.unzip();
         Ok(Site {
-            relay,
+            relays,
             disk,
             disk_path,
             nbd_sock,
         })
+    }
+}
+
+/// The relays of one side, one per bridged NIC: each epoch boundary and release applies to
+/// all of them.
+#[derive(Clone, Default)]
+pub struct Relays(Vec<Arc<Relay>>);
+
+impl Relays {
+    /// Turns every bridged NIC of `cfg` into a tap on its bridge with a relay between it and
+    /// QEMU's stream netdev (`--tap-netns` first puts the lab guest's NIC on `a.bridge`).
+    fn attach(
+        a: &SiteConfig,
+        dir: &Path,
+        role: Role,
+        cfg: &mut VmConfig,
+    ) -> Result<Relays, SiteError> {
+        if let Some(ns) = &a.tap_netns {
+            for n in &mut cfg.nics {
+                if matches!(n.net, NicNet::User { .. }) {
+                    n.net = NicNet::Bridge {
+                        bridge: a.bridge.clone(),
+                        netns: Some(ns.clone()),
+                    };
+                }
+            }
+            if let Boot::Kernel { cmdline, .. } = &mut cfg.boot {
+                if cfg.workload.is_some() {
+                    cmdline.push_str(&format!(" tandem.ip={}", a.guest_ip));
+                }
+            }
+            cfg.kv_port = None;
+        }
+        let (prefix, policy) = match role {
+            Role::Primary => ("tdp", Policy::Hold),
+            Role::Backup => ("tdb", Policy::Standby),
+        };
+        let mut relays = Vec::new();
+        for (i, n) in cfg.nics.iter_mut().enumerate() {
+            let NicNet::Bridge { bridge, netns } = &n.net else {
+                continue;
+            };
+            let name = match (&a.tap, i) {
+                (Some(t), 0) => t.clone(),
+                _ => format!("{prefix}{i}"),
+            };
+            let tap =
+                tandem_net::open_tap(netns.as_deref(), &name, Some(bridge)).map_err(|source| {
+                    SiteError::Tap {
+                        tap: name.clone(),
+                        bridge: bridge.clone(),
+                        netns: netns.clone().unwrap_or_else(|| "(tandem's own)".into()),
+                        source,
+                    }
+                })?;
+            let socket = dir.join(format!("net{i}.sock"));
+            let relay =
+                Relay::listen(&socket, OwnedFd::from(tap), policy).map_err(SiteError::Relay)?;
+            relays.push(Arc::new(relay));
+            n.net = NicNet::Stream { socket };
+        }
+        if relays.is_empty() && role == Role::Primary {
+            tracing::warn!("no bridged NIC (--tap-netns or [[nic]] bridge): the guest uses QEMU user networking and its network output is NOT held until acknowledged");
+        }
+        Ok(Relays(relays))
+    }
+
+    /// Whether there is no relay (user networking only).
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// Seals epoch `epoch`'s output on every relay (in the pause).
+    pub fn seal(&self, epoch: u64) {
+        for r in &self.0 {
+            r.seal(epoch);
+        }
+    }
+
+    /// Releases output up to epoch `epoch` on every relay; the frames released so far.
+    pub fn release(&self, epoch: u64) -> Result<u64, tandem_net::RelayError> {
+        for r in &self.0 {
+            r.release(epoch)?;
+        }
+        Ok(self.stats().released_frames)
+    }
+
+    /// Drops every held frame (this copy of the guest will never run again).
+    pub fn discard_held(&self) {
+        for r in &self.0 {
+            r.discard_held();
+        }
+    }
+
+    /// Switches every relay to `p`.
+    pub fn set_policy(&self, p: Policy) -> Result<(), tandem_net::RelayError> {
+        self.0.iter().try_for_each(|r| r.set_policy(p))
+    }
+
+    /// The relays' counters, summed.
+    pub fn stats(&self) -> RelayStats {
+        let mut t = RelayStats::default();
+        for r in &self.0 {
+            let s = r.stats();
+            t.held_frames += s.held_frames;
+            t.held_bytes += s.held_bytes;
+            t.released_frames += s.released_frames;
+            t.inbound_frames += s.inbound_frames;
+            t.dropped_frames += s.dropped_frames;
+            t.overflow_frames += s.overflow_frames;
+        }
+        t
     }
 }

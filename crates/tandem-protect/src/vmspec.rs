@@ -1,10 +1,12 @@
 //! The VM a daemon starts: the guest, its memory, dirty log, QEMU binary and accelerator,
 //! optionally read from a TOML description whose keys override the fields.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use tandem_vm::{DirtyMode, GuestImage, Vm, VmConfig, VmError};
+
+use crate::vmfile::{VmFile, VmFileError};
 
 /// What the daemons need to start a guest.
 #[derive(Clone, Debug)]
@@ -13,6 +15,8 @@ pub struct VmSpec {
     pub workload: String,
     /// Guest RAM in MiB.
     pub mem: u64,
+    /// Virtual CPUs.
+    pub vcpus: u32,
     /// Dirty log.
     pub dirty_log: DirtyMode,
     /// QEMU binary.
@@ -21,7 +25,9 @@ pub struct VmSpec {
     pub accel: String,
     /// Guest image directory (default: the cache that `tandem setup` fills).
     pub image: Option<PathBuf>,
-    /// VM description file; its keys override the fields above.
+    /// VM description file (docs/VM_DESCRIPTION.md); its keys override the fields above,
+    /// and its `[boot]`, `[[disk]]` and `[[nic]]` describe your own VM instead of the lab
+    /// guest.
     pub vm_config: Option<PathBuf>,
 }
 
@@ -32,8 +38,14 @@ pub enum VmSpecError {
     #[error("reading the VM description {0}")]
     Read(PathBuf, #[source] std::io::Error),
     /// The description file is not valid.
-    #[error("VM description {0} (keys: workload, mem, dirty_log, qemu, accel, image)")]
+    #[error("VM description {0} (see docs/VM_DESCRIPTION.md for its keys)")]
     Parse(PathBuf, #[source] toml::de::Error),
+    /// The description says something that cannot be.
+    #[error("VM description {0}")]
+    File(PathBuf, #[source] VmFileError),
+    /// QEMU or tandem cannot honour the description.
+    #[error(transparent)]
+    Vm(#[from] VmError),
     /// An unknown dirty-log mode.
     #[error("VM description {0}: {1}")]
     DirtyLog(PathBuf, String),
@@ -62,18 +74,6 @@ pub enum BootError {
     Load(String),
 }
 
-/// The TOML form of the VM fields.
-#[derive(serde::Deserialize)]
-#[serde(deny_unknown_fields)]
-struct VmFile {
-    workload: Option<String>,
-    mem: Option<u64>,
-    dirty_log: Option<String>,
-    qemu: Option<PathBuf>,
-    accel: Option<String>,
-    image: Option<PathBuf>,
-}
-
 impl Default for VmSpec {
     fn default() -> Self {
         VmSpec::for_workload("kv", 256)
@@ -86,6 +86,7 @@ impl VmSpec {
         VmSpec {
             workload: workload.into(),
             mem,
+            vcpus: 1,
             dirty_log: DirtyMode::Auto,
             qemu: "qemu-system-x86_64".into(),
             accel: "tcg".into(),
@@ -94,19 +95,32 @@ impl VmSpec {
         }
     }
 
+    /// The description file, if any, with the directory its relative paths start from.
+    fn file(&self) -> Result<Option<(VmFile, PathBuf)>, VmSpecError> {
+        let Some(p) = &self.vm_config else {
+            return Ok(None);
+        };
+        let text = std::fs::read_to_string(p).map_err(|e| VmSpecError::Read(p.clone(), e))?;
+        let f = VmFile::parse(&text).map_err(|e| VmSpecError::Parse(p.clone(), e))?;
+        let base = p.parent().map_or_else(PathBuf::new, Path::to_path_buf);
+        Ok(Some((f, base)))
+    }
+
     /// These fields with the description file's keys applied.
     pub fn resolved(&self) -> Result<VmSpec, VmSpecError> {
         let mut a = self.clone();
-        let Some(p) = &self.vm_config else {
+        let Some((f, _)) = self.file()? else {
             return Ok(a);
         };
-        let text = std::fs::read_to_string(p).map_err(|e| VmSpecError::Read(p.clone(), e))?;
-        let f: VmFile = toml::from_str(&text).map_err(|e| VmSpecError::Parse(p.clone(), e))?;
+        let p = self.vm_config.clone().unwrap_or_default();
         if let Some(v) = f.workload {
             a.workload = v;
         }
         if let Some(v) = f.mem {
             a.mem = v;
+        }
+        if let Some(v) = f.vcpus {
+            a.vcpus = v;
         }
         if let Some(v) = f.dirty_log {
             a.dirty_log = v.parse().map_err(|e| VmSpecError::DirtyLog(p.clone(), e))?;
@@ -123,22 +137,44 @@ impl VmSpec {
         Ok(a)
     }
 
-    /// The QEMU-level configuration of this VM, named `name` (its runtime directory).
+    /// The QEMU-level configuration of this VM, named `name` (its runtime directory): the
+    /// lab guest, or the VM the description file describes. Checked before anything starts.
     pub fn config(&self, name: &str) -> Result<VmConfig, VmSpecError> {
         let r = self.resolved()?;
-        tandem_vm::image::check_workload(&r.workload)?;
         if !(16..=65536).contains(&r.mem) {
             return Err(VmSpecError::Mem(r.mem));
         }
-        let mut c = VmConfig::new(name, &r.workload);
+        let file = self.file()?;
+        let custom = file.as_ref().is_some_and(|(f, _)| f.is_custom());
+        let mut c = if custom {
+            VmConfig::custom(name)
+        } else {
+            tandem_vm::image::check_workload(&r.workload)?;
+            let image = r
+                .image
+                .clone()
+                .map_or_else(GuestImage::default_location, |dir| GuestImage { dir });
+            VmConfig::lab(name, &r.workload, image)
+        };
         c.mem_mib = r.mem;
+        c.vcpus = r.vcpus;
         c.dirty = r.dirty_log;
         c.qemu = r.qemu.clone();
         c.accel = r.accel.clone();
-        if let Some(d) = &r.image {
-            c.image = GuestImage { dir: d.clone() };
+        if let Some((f, base)) = &file {
+            let p = self.vm_config.clone().unwrap_or_default();
+            f.apply_custom(&mut c, base)
+                .map_err(|e| VmSpecError::File(p.clone(), e))?;
+            if let Some(m) = &f.machine {
+                c.machine = m.clone();
+            }
+            if f.ready.is_some() {
+                c.ready = f.ready.clone();
+            }
+            c.extra_args = f.extra_args.clone();
         }
-        if r.workload == "kv" {
+        c.check()?;
+        if c.workload.as_deref() == Some("kv") {
             c.kv_port = Some(free_port().map_err(VmSpecError::Port)?);
         }
         Ok(c)

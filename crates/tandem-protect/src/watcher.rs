@@ -49,6 +49,8 @@ pub struct WatchSummary {
     pub workload: String,
     /// Guest RAM.
     pub mem_mib: u64,
+    /// Virtual CPUs.
+    pub vcpus: u32,
     /// The dirty log used.
     pub dirty_log: String,
     /// Boot to workload ready.
@@ -123,8 +125,9 @@ pub fn watch(
     let epochs = run_pipeline(&mut vm, &mut Fixed(cfg.epoch), cfg.duration, 1, &mut sink)?;
     let elapsed = sink.start.elapsed().as_secs_f64();
     let s = WatchSummary {
-        workload: vmc.workload.clone(),
+        workload: vmc.workload_name().to_string(),
         mem_mib: vmc.mem_mib,
+        vcpus: vmc.vcpus,
         dirty_log: log,
         boot_to_ready_ms: ready.as_millis() as u64,
         epochs,

@@ -3,7 +3,9 @@
 
 #![warn(missing_docs)]
 
+mod config;
 pub mod console;
+pub mod desc;
 pub mod devstate;
 pub mod dirty;
 pub mod epoch;
@@ -15,6 +17,8 @@ pub mod replay;
 pub mod stale;
 pub mod vm;
 
+pub use config::LAB_MAC;
+pub use desc::{Boot, DiskBus, DiskDesc, DiskFormat, NicDesc, NicNet};
 pub use dirty::{DirtyLog, HashLog, ReplayLog, UffdWpLog};
 pub use epoch::{Epoch, EpochSink, Guest};
 pub use image::GuestImage;

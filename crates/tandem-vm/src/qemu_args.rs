@@ -1,9 +1,10 @@
-//! The QEMU command line of a tandem guest: q35, guest RAM in a shared file (so tandem maps
-//! it too), the guest image, NIC (user networking or tandem's relay), optional NBD data disk,
-//! serial console to a file, QMP on a unix socket.
+//! The QEMU command line of a tandem guest: guest RAM in a shared file (so tandem maps it
+//! too), the described boot, disks and NICs, optional NBD data disk, serial console to a file,
+//! QMP on a unix socket, then the description's extra arguments.
 
 use std::path::Path;
 
+use crate::desc::{Boot, DiskBus, NicNet};
 use crate::vm::VmConfig;
 
 /// The QEMU command line for `config`.
@@ -15,32 +16,13 @@ pub fn qemu_args(
     incoming: bool,
 ) -> Vec<String> {
     let mem = format!("{}M", config.mem_mib);
-    let mut net = String::from("user,id=n0");
-    let mut append = format!(
-        "console=ttyS0 quiet panic=-1 tandem.workload={}",
-        config.workload
-    );
-    match &config.relay_net {
-        Some((sock, cidr)) => {
-            net = format!(
-                "stream,id=n0,server=off,addr.type=unix,addr.path={}",
-                sock.display()
-            );
-            append.push_str(&format!(" tandem.ip={cidr}"));
-        }
-        None => {
-            if let Some(p) = config.kv_port {
-                net.push_str(&format!(",hostfwd=tcp:127.0.0.1:{p}-10.0.2.15:6379"));
-            }
-        }
-    }
     let mut a: Vec<String> = vec![
         "-name".into(),
         format!("tandem-{}", config.name),
         "-accel".into(),
         config.accel.clone(),
         "-machine".into(),
-        "q35,memory-backend=ram0".into(),
+        format!("{},memory-backend=ram0", config.machine),
         "-object".into(),
         format!(
             "memory-backend-file,id=ram0,size={mem},mem-path={},share=on",
@@ -49,36 +31,35 @@ pub fn qemu_args(
         "-m".into(),
         mem,
         "-smp".into(),
-        "1".into(),
+        config.vcpus.to_string(),
         "-nodefaults".into(),
         "-no-user-config".into(),
         "-display".into(),
         "none".into(),
         "-S".into(),
-        "-kernel".into(),
-        config.image.kernel().display().to_string(),
-        "-initrd".into(),
-        config.image.initrd().display().to_string(),
-        "-append".into(),
-        append,
-        "-drive".into(),
-        format!(
-            "file={},format=raw,if=none,id=apps,readonly=on",
-            config.image.apps().display()
-        ),
-        "-device".into(),
-        "virtio-blk-pci,drive=apps".into(),
-        "-netdev".into(),
-        net,
-        "-device".into(),
-        "virtio-net-pci,netdev=n0,mac=52:54:00:12:34:56".into(),
+    ];
+    if let Boot::Kernel {
+        kernel,
+        initrd,
+        cmdline,
+    } = &config.boot
+    {
+        a.extend(["-kernel".into(), kernel.display().to_string()]);
+        if let Some(i) = initrd {
+            a.extend(["-initrd".into(), i.display().to_string()]);
+        }
+        a.extend(["-append".into(), cmdline.clone()]);
+    }
+    disks(config, &mut a);
+    nics(config, &mut a);
+    a.extend([
         "-chardev".into(),
         format!("file,id=ser0,path={}", serial.display()),
         "-serial".into(),
         "chardev:ser0".into(),
         "-qmp".into(),
         format!("unix:{},server=on,wait=off", qmp.display()),
-    ];
+    ]);
     if let Some(sock) = &config.data_disk {
         a.extend([
             "-drive".into(),
@@ -93,5 +74,141 @@ pub fn qemu_args(
     if incoming {
         a.extend(["-incoming".into(), "defer".into()]);
     }
+    a.extend(config.extra_args.iter().cloned());
     a
+}
+
+/// `-drive` + `-device` per disk; one virtio-scsi controller if any disk needs it. With
+/// firmware boot the first disk gets `bootindex=0`.
+fn disks(config: &VmConfig, a: &mut Vec<String>) {
+    if config.disks.iter().any(|d| d.bus == DiskBus::VirtioScsi) {
+        a.extend(["-device".into(), "virtio-scsi-pci,id=scsi0".into()]);
+    }
+    for (i, d) in config.disks.iter().enumerate() {
+        // QEMU's option syntax doubles commas inside values.
+        let path = d.path.display().to_string().replace(',', ",,");
+        let mut drive = format!("file={path},format={},if=none,id=disk{i}", d.format.name());
+        if let Some(c) = &d.cache {
+            drive.push_str(&format!(",cache={c}"));
+        }
+        if let Some(x) = &d.aio {
+            drive.push_str(&format!(",aio={x}"));
+        }
+        if d.readonly {
+            drive.push_str(",readonly=on");
+        }
+        let mut dev = match d.bus {
+            DiskBus::VirtioBlk => format!("virtio-blk-pci,drive=disk{i}"),
+            DiskBus::VirtioScsi => format!("scsi-hd,drive=disk{i},bus=scsi0.0"),
+        };
+        if i == 0 && config.boot == Boot::Firmware {
+            dev.push_str(",bootindex=0");
+        }
+        a.extend(["-drive".into(), drive, "-device".into(), dev]);
+    }
+}
+
+/// `-netdev` + `-device` per NIC. The lab's kv port is forwarded on the first user NIC.
+fn nics(config: &VmConfig, a: &mut Vec<String>) {
+    let mut kv = config.kv_port;
+    for (i, n) in config.nics.iter().enumerate() {
+        let netdev = match &n.net {
+            NicNet::User { forwards } => {
+                let mut s = format!("user,id=n{i}");
+                for f in forwards {
+                    s.push_str(&format!(",hostfwd={f}"));
+                }
+                if let Some(p) = kv.take() {
+                    s.push_str(&format!(",hostfwd=tcp:127.0.0.1:{p}-10.0.2.15:6379"));
+                }
+                s
+            }
+            NicNet::Stream { socket } => format!(
+                "stream,id=n{i},server=off,addr.type=unix,addr.path={}",
+                socket.display()
+            ),
+            // Not started yet: a bridged NIC is turned into a relay's stream by the daemon
+            // that owns the relay; a VM started directly gets no network on it.
+            NicNet::Bridge { .. } => format!("user,id=n{i},restrict=on"),
+        };
+        a.extend([
+            "-netdev".into(),
+            netdev,
+            "-device".into(),
+            format!("{},netdev=n{i},mac={}", n.model, n.mac),
+        ]);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::desc::{DiskDesc, DiskFormat, NicDesc};
+
+    #[test]
+    fn described_vm_becomes_a_command_line() {
+        let mut c = VmConfig::custom("web");
+        c.vcpus = 2;
+        c.machine = "pc".into();
+        c.disks = vec![
+            DiskDesc {
+                path: "/img/a,b.qcow2".into(),
+                format: DiskFormat::Qcow2,
+                bus: DiskBus::VirtioScsi,
+                cache: Some("none".into()),
+                aio: Some("native".into()),
+                readonly: false,
+            },
+            DiskDesc {
+                path: "/img/data.raw".into(),
+                format: DiskFormat::Raw,
+                bus: DiskBus::VirtioBlk,
+                cache: None,
+                aio: None,
+                readonly: true,
+            },
+        ];
+        c.nics = vec![NicDesc {
+            mac: "52:54:00:aa:bb:cc".into(),
+            model: "e1000".into(),
+            net: NicNet::User {
+                forwards: vec!["tcp:127.0.0.1:2222-:22".into()],
+            },
+        }];
+        c.extra_args = vec!["-rtc".into(), "base=utc".into()];
+        let a = qemu_args(&c, "/r".as_ref(), "/q".as_ref(), "/s".as_ref(), false).join(" ");
+        for want in [
+            "-machine pc,memory-backend=ram0",
+            "-smp 2",
+            "-device virtio-scsi-pci,id=scsi0",
+            "file=/img/a,,b.qcow2,format=qcow2,if=none,id=disk0,cache=none,aio=native",
+            "scsi-hd,drive=disk0,bus=scsi0.0,bootindex=0",
+            "file=/img/data.raw,format=raw,if=none,id=disk1,readonly=on",
+            "virtio-blk-pci,drive=disk1",
+            "user,id=n0,hostfwd=tcp:127.0.0.1:2222-:22",
+            "e1000,netdev=n0,mac=52:54:00:aa:bb:cc",
+        ] {
+            assert!(a.contains(want), "{want} missing from {a}");
+        }
+        assert!(a.ends_with("-rtc base=utc"), "{a}");
+        assert!(!a.contains("-kernel"));
+    }
+
+    #[test]
+    fn the_lab_guest_is_one_description() {
+        let mut c = VmConfig::new("lab", "kv");
+        c.kv_port = Some(6000);
+        let a = qemu_args(&c, "/r".as_ref(), "/q".as_ref(), "/s".as_ref(), true).join(" ");
+        for want in [
+            "-smp 1",
+            "tandem.workload=kv",
+            "apps.img,format=raw,if=none,id=disk0,readonly=on",
+            "user,id=n0,hostfwd=tcp:127.0.0.1:6000-10.0.2.15:6379",
+            "virtio-net-pci,netdev=n0,mac=52:54:00:12:34:56",
+            "-incoming defer",
+        ] {
+            assert!(a.contains(want), "{want} missing from {a}");
+        }
+        assert!(!a.contains("bootindex"));
+    }
 }

@@ -7,10 +7,12 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+pub use crate::config::VmConfig;
 use crate::console::{Console, ConsoleError};
+use crate::desc::DescError;
 use crate::devstate::{self, DeviceStateError};
 use crate::dirty::{probe_pagemap_scan, DirtyLog, DirtyLogError, HashLog, UffdWpLog};
-use crate::image::{check_workload, GuestImage, ImageError};
+use crate::image::ImageError;
 use crate::qemu_args::qemu_args;
 use crate::qmp::{Qmp, QmpError};
 use crate::ram::{GuestRam, RamError};
@@ -45,61 +47,15 @@ impl std::str::FromStr for DirtyMode {
     }
 }
 
-/// What to run.
-#[derive(Debug, Clone)]
-pub struct VmConfig {
-    /// Short name, used in file names.
-    pub name: String,
-    /// Guest RAM in MiB.
-    pub mem_mib: u64,
-    /// Guest workload (see [`crate::image::WORKLOADS`]).
-    pub workload: String,
-    /// Guest image.
-    pub image: GuestImage,
-    /// Dirty-log mode.
-    pub dirty: DirtyMode,
-    /// QEMU binary.
-    pub qemu: PathBuf,
-    /// Accelerator (`tcg` here; `kvm` on a real host).
-    pub accel: String,
-    /// Host port forwarded to the guest's TCP 6379 (the `kv` workload), if any.
-    pub kv_port: Option<u16>,
-    /// Threads for the hash fallback.
-    pub hash_threads: usize,
-    /// Guest NIC on QEMU's stream netdev connected to this unix socket (tandem's relay), with
-    /// this address (CIDR) in the guest; `None` = QEMU user networking.
-    pub relay_net: Option<(PathBuf, String)>,
-    /// A writable data disk served over NBD on this unix socket (guest `/dev/vdb`, `/data`).
-    pub data_disk: Option<PathBuf>,
-}
-
-impl VmConfig {
-    /// Defaults: 256 MiB, TCG, automatic dirty log, image from the cache.
-    pub fn new(name: &str, workload: &str) -> Self {
-        VmConfig {
-            name: name.into(),
-            mem_mib: 256,
-            workload: workload.into(),
-            image: GuestImage::default_location(),
-            dirty: DirtyMode::Auto,
-            qemu: PathBuf::from("qemu-system-x86_64"),
-            accel: "tcg".into(),
-            kv_port: None,
-            hash_threads: std::thread::available_parallelism()
-                .map(|n| n.get())
-                .unwrap_or(2),
-            relay_net: None,
-            data_disk: None,
-        }
-    }
-}
-
 /// Errors launching or driving a VM.
 #[derive(Debug, thiserror::Error)]
 pub enum VmError {
     /// Guest image or workload problem.
     #[error(transparent)]
     Image(#[from] ImageError),
+    /// The VM description cannot be honoured.
+    #[error(transparent)]
+    Desc(#[from] DescError),
     /// QEMU could not be started.
     #[error("cannot start {0} (install it with `tandem setup`, package qemu-system-x86)")]
     Spawn(String, #[source] std::io::Error),
@@ -215,8 +171,7 @@ impl Vm {
     }
 
     fn start(config: &VmConfig, ram: RamSource<'_>, run: bool) -> Result<Vm, VmError> {
-        check_workload(&config.workload)?;
-        config.image.check()?;
+        config.check()?;
         let runtime = tempfile::Builder::new().prefix("tandem-vm-").tempdir()?;
         crate::stale::mark_owned(runtime.path())?;
         let bytes = config.mem_mib << 20;
@@ -384,12 +339,14 @@ impl Vm {
         self.dirty.as_ref().map(|d| d.name())
     }
 
-    /// Waits for the workload's `TANDEM-READY` line.
+    /// Waits for the description's ready marker on the console (the lab guest's `TANDEM-READY`); returns at once for a VM without one.
     pub fn wait_ready(&mut self, timeout: Duration) -> Result<Duration, VmError> {
         let t = Instant::now();
-        self.console
-            .wait_for("TANDEM-READY", 0, timeout)
-            .map_err(|e| self.explain(e.into()))?;
+        if let Some(marker) = self.config.ready.clone() {
+            self.console
+                .wait_for(&marker, 0, timeout)
+                .map_err(|e| self.explain(e.into()))?;
+        }
         Ok(t.elapsed())
     }
 

@@ -397,9 +397,9 @@ fn failover(
     let Some(mut vm) = standby.take() else {
         return Err(BackupError::NoStandby { why, epoch });
     };
-    if let Some(r) = &site.relay {
-        r.set_policy(Policy::Pass).map_err(BackupError::Relay)?;
-    }
+    site.relays
+        .set_policy(Policy::Pass)
+        .map_err(BackupError::Relay)?;
     vm.resume(&state)
         .map_err(|e| BackupError::Standby("resuming the standby", e))?;
     let resume = detected.elapsed();

@@ -156,7 +156,7 @@ pub fn run(cfg: PrimaryConfig, status: Status) -> Result<(), PrimaryError> {
         "guest ready in {:.1} s, QEMU pid {}, network {}, data disk {} MiB",
         ready.as_secs_f64(),
         vm.pid(),
-        if site.relay.is_some() {
+        if !site.relays.is_empty() {
             "relay (output held until acked)"
         } else {
             "user (not held)"
@@ -229,7 +229,7 @@ fn sessions(d: &mut Daemon<'_>, vm: &mut Vm) -> Result<Option<End>, PrimaryError
             End::Lost(why) => why,
             end => return Ok(Some(end)),
         };
-        let held = d.site.relay.as_ref().map(|r| r.stats()).unwrap_or_default();
+        let held = d.site.relays.stats();
         d.status.warn(format!(
             "link to the backup lost after epoch {} ({why}); the guest runs on with its output HELD ({} frames); reconnecting for a full re-sync",
             d.epoch, held.held_frames
@@ -261,9 +261,7 @@ fn finish(
 ) -> Result<(), PrimaryError> {
     match end {
         Some(End::Fenced(n)) => {
-            if let Some(r) = &site.relay {
-                r.discard_held();
-            }
+            site.relays.discard_held();
             vm.kill();
             Err(PrimaryError::Fenced(n))
         }

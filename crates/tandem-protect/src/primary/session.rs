@@ -164,9 +164,7 @@ impl Daemon<'_> {
         let (site, epoch) = (self.site, self.epoch);
         let mut disk = Ok(Vec::new());
         let ram = vm.initial_copy(&mut || {
-            if let Some(r) = &site.relay {
-                r.seal(epoch);
-            }
+            site.relays.seal(epoch);
             if let Some(d) = &site.disk {
                 d.take_epoch_writes();
                 let mut buf = vec![0u8; d.size() as usize];
@@ -313,7 +311,7 @@ impl Daemon<'_> {
     /// Reads the backup's frames: validated acks release their epochs' output.
     fn spawn_reader(&self, stream: TcpStream, shared: Arc<Shared>) -> std::thread::JoinHandle<()> {
         let (relay, registry, jsonl, status) = (
-            self.site.relay.clone(),
+            self.site.relays.clone(),
             self.registry.clone(),
             self.jsonl.clone(),
             self.status.clone(),
@@ -333,11 +331,7 @@ impl Daemon<'_> {
                     Ok(Reply::Acked {
                         seq, can_fail_over, ..
                     }) => {
-                        let released = match &relay {
-                            Some(r) => r.release(seq).map(|_| r.stats().released_frames),
-                            None => Ok(0),
-                        };
-                        let released = match released {
+                        let released = match relay.release(seq) {
                             Ok(n) => n,
                             Err(e) => return shared.lose(format!("releasing output: {e}")),
                         };
@@ -418,9 +412,7 @@ impl EpochSink for LinkSink<'_> {
             // SAFETY: kill(2) of the QEMU this daemon started.
             unsafe { libc::kill(self.qemu as i32, libc::SIGKILL) };
         }
-        if let Some(r) = &self.st.site.relay {
-            r.seal(epoch);
-        }
+        self.st.site.relays.seal(epoch);
         if let Some(d) = &self.st.site.disk {
             self.writes = d.try_take_epoch_writes();
         }
@@ -521,13 +513,9 @@ impl Step<'_> {
         Ok(())
     }
 
-    /// The relay's counters (zeros without a relay).
+    /// The relays' counters (zeros without a relay).
     fn held(&self) -> tandem_net::RelayStats {
-        self.site
-            .relay
-            .as_ref()
-            .map(|r| r.stats())
-            .unwrap_or_default()
+        self.site.relays.stats()
     }
 
     /// Marks the link lost if the oldest unacknowledged epoch is older than the ack timeout.

@@ -1,0 +1,317 @@
+//! `tandem vm import`: a libvirt domain XML (`virsh dumpxml NAME`) as a tandem VM description.
+//! What maps: memory, vCPUs, machine, direct kernel boot, file disks (qcow2/raw on virtio or
+//! virtio-scsi with their cache and io modes), bridged and user NICs (MAC, model), the emulator
+//! and `<qemu:commandline>` arguments. Every other element is named with the reason it is not
+//! mapped, so the operator sees what the protected VM will lack.
+
+use std::path::PathBuf;
+
+use roxmltree::{Document, Node};
+
+use crate::vmfile::{BootFile, DiskFile, NicFile, VmFile};
+
+/// An element of the domain that the description does not carry.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct Unmapped {
+    /// Where it is (`devices/graphics[vnc]`).
+    pub element: String,
+    /// Why, and what to do about it.
+    pub why: String,
+}
+
+/// The XML cannot be imported at all.
+#[derive(Debug, thiserror::Error)]
+pub enum ImportError {
+    /// Not well-formed XML.
+    #[error("not well-formed XML")]
+    Xml(#[from] roxmltree::Error),
+    /// Not a libvirt domain.
+    #[error("not a libvirt domain: the root element is <{0}>, expected <domain> (from `virsh dumpxml NAME`)")]
+    NotDomain(String),
+    /// Not a QEMU/KVM domain.
+    #[error("domain type {0:?}: tandem runs QEMU (libvirt type kvm or qemu)")]
+    DomainType(String),
+    /// A value that must be a number is not.
+    #[error("<{0}> holds {1:?}, not a number")]
+    Number(&'static str, String),
+}
+
+/// Converts a domain XML to a description; also returns what was not mapped.
+pub fn import(xml: &str) -> Result<(VmFile, Vec<Unmapped>), ImportError> {
+    let doc = Document::parse(xml)?;
+    let dom = doc.root_element();
+    if dom.tag_name().name() != "domain" {
+        return Err(ImportError::NotDomain(dom.tag_name().name().into()));
+    }
+    let kind = dom.attribute("type").unwrap_or("kvm");
+    if !["kvm", "qemu"].contains(&kind) {
+        return Err(ImportError::DomainType(kind.into()));
+    }
+    let mut im = Importer {
+        file: VmFile::default(),
+        unmapped: Vec::new(),
+    };
+    im.file.accel = Some(if kind == "kvm" { "kvm" } else { "tcg" }.into());
+    for n in dom.children().filter(Node::is_element) {
+        im.top(n)?;
+    }
+    Ok((im.file, im.unmapped))
+}
+
+struct Importer {
+    file: VmFile,
+    unmapped: Vec<Unmapped>,
+}
+
+/// Top-level elements that need no mapping (tandem or QEMU's defaults cover them).
+const QUIET: &[&str] = &[
+    "name",
+    "uuid",
+    "title",
+    "description",
+    "metadata",
+    "currentMemory",
+    "on_poweroff",
+    "on_reboot",
+    "on_crash",
+    "resource",
+    "seclabel",
+];
+
+impl Importer {
+    fn skip(&mut self, element: impl Into<String>, why: impl Into<String>) {
+        self.unmapped.push(Unmapped {
+            element: element.into(),
+            why: why.into(),
+        });
+    }
+
+    fn top(&mut self, n: Node<'_, '_>) -> Result<(), ImportError> {
+        let name = n.tag_name().name();
+        match name {
+            "memory" => self.file.mem = Some(mib(n)?),
+            "vcpu" => {
+                let t = n.text().unwrap_or("").trim();
+                let v = t.parse().map_err(|_| ImportError::Number("vcpu", t.into()))?;
+                self.file.vcpus = Some(v);
+            }
+            "os" => self.os(n),
+            "devices" => {
+                for d in n.children().filter(Node::is_element) {
+                    self.device(d);
+                }
+            }
+            "memoryBacking" => self.skip(
+                "memoryBacking",
+                "tandem backs guest RAM with its own shared file (the backing libvirt needs to run the VM under tandem is described in docs/VM_DESCRIPTION.md)",
+            ),
+            "commandline" => {
+                for a in n.children().filter(|c| c.tag_name().name() == "arg") {
+                    if let Some(v) = a.attribute("value") {
+                        self.file.extra_args.push(v.into());
+                    }
+                }
+            }
+            "features" => {
+                let other: Vec<&str> = n
+                    .children()
+                    .filter(Node::is_element)
+                    .map(|c| c.tag_name().name())
+                    .filter(|f| !["acpi", "apic", "pae"].contains(f))
+                    .collect();
+                if !other.is_empty() {
+                    self.skip(
+                        format!("features/{}", other.join(",")),
+                        "QEMU's defaults are used (acpi, apic are on by default)",
+                    );
+                }
+            }
+            "cpu" => self.skip(
+                "cpu",
+                "QEMU's default CPU model is used; add `-cpu MODEL` to extra_args if the guest needs one",
+            ),
+            "clock" => self.skip(
+                "clock",
+                "QEMU's default clock is used; add `-rtc base=...` to extra_args if needed",
+            ),
+            n if QUIET.contains(&n) => {}
+            other => self.skip(other, "no tandem equivalent"),
+        }
+        Ok(())
+    }
+
+    fn os(&mut self, n: Node<'_, '_>) {
+        let mut boot = BootFile::default();
+        for c in n.children().filter(Node::is_element) {
+            let text = || c.text().unwrap_or("").trim().to_string();
+            match c.tag_name().name() {
+                "type" => {
+                    if let Some(m) = c.attribute("machine") {
+                        self.file.machine = Some(m.into());
+                    }
+                }
+                "kernel" => boot.kernel = Some(PathBuf::from(text())),
+                "initrd" => boot.initrd = Some(PathBuf::from(text())),
+                "cmdline" => boot.cmdline = Some(text()),
+                "loader" | "nvram" => self.skip(
+                    format!("os/{}", c.tag_name().name()),
+                    "UEFI firmware is not supported yet (its variable store is not replicated): tandem boots with SeaBIOS",
+                ),
+                "boot" | "bootmenu" | "smbios" | "bios" => {}
+                other => self.skip(format!("os/{other}"), "no tandem equivalent"),
+            }
+        }
+        if boot.kernel.is_some() {
+            self.file.boot = Some(boot);
+        } else {
+            self.file.boot = Some(BootFile {
+                firmware: Some("seabios".into()),
+                ..BootFile::default()
+            });
+        }
+    }
+
+    fn device(&mut self, d: Node<'_, '_>) {
+        match d.tag_name().name() {
+            "emulator" => {
+                self.file.qemu = d.text().map(|t| PathBuf::from(t.trim()));
+            }
+            "disk" => self.disk(d),
+            "interface" => self.interface(d),
+            "controller" => {
+                let t = d.attribute("type").unwrap_or("");
+                let model = d.attribute("model").unwrap_or("");
+                let known = (t == "scsi" && model == "virtio-scsi")
+                    || ["pci", "usb", "sata", "virtio-serial"].contains(&t);
+                if !known {
+                    self.skip(
+                        format!("devices/controller[{t}]"),
+                        "not created (disks on virtio-blk or virtio-scsi only)",
+                    );
+                }
+            }
+            "serial" | "console" => self.skip(
+                format!("devices/{}", d.tag_name().name()),
+                "tandem owns the first serial port (its console log)",
+            ),
+            "memballoon" if d.attribute("model") == Some("none") => {}
+            other => {
+                let kind = d
+                    .attribute("type")
+                    .map(|t| format!("[{t}]"))
+                    .unwrap_or_default();
+                self.skip(
+                    format!("devices/{other}{kind}"),
+                    "not created: tandem runs QEMU with -nodefaults -display none; add it to extra_args if the guest needs it",
+                );
+            }
+        }
+    }
+
+    fn disk(&mut self, d: Node<'_, '_>) {
+        let child = |name: &str| d.children().find(|c| c.tag_name().name() == name);
+        let target = child("target")
+            .and_then(|t| t.attribute("dev"))
+            .unwrap_or("?");
+        let here = format!("devices/disk[{target}]");
+        if d.attribute("device").unwrap_or("disk") != "disk" {
+            return self.skip(here, "only disks are replicated (no cdrom or floppy): attach it with extra_args if needed");
+        }
+        if d.attribute("type").unwrap_or("file") != "file" {
+            return self.skip(
+                here,
+                "only file-backed disks (qcow2 or raw files) are supported",
+            );
+        }
+        let Some(path) = child("source").and_then(|s| s.attribute("file")) else {
+            return self.skip(here, "no <source file=...>");
+        };
+        let driver = child("driver");
+        let bus = child("target")
+            .and_then(|t| t.attribute("bus"))
+            .unwrap_or("virtio");
+        let bus = match bus {
+            "virtio" => "virtio-blk",
+            "scsi" => "virtio-scsi",
+            other => {
+                return self.skip(
+                    here,
+                    format!("bus {other}: tandem attaches disks on virtio-blk or virtio-scsi; the guest needs virtio drivers"),
+                )
+            }
+        };
+        self.file.disk.push(DiskFile {
+            path: path.into(),
+            format: driver.and_then(|x| x.attribute("type")).map(Into::into),
+            bus: Some(bus.into()),
+            cache: driver
+                .and_then(|x| x.attribute("cache"))
+                .filter(|c| *c != "default")
+                .map(Into::into),
+            aio: driver
+                .and_then(|x| x.attribute("io"))
+                .filter(|c| *c != "default")
+                .map(Into::into),
+            readonly: child("readonly").is_some(),
+        });
+    }
+
+    fn interface(&mut self, i: Node<'_, '_>) {
+        let child = |name: &str| i.children().find(|c| c.tag_name().name() == name);
+        let kind = i.attribute("type").unwrap_or("");
+        let Some(mac) = child("mac").and_then(|m| m.attribute("address")) else {
+            return self.skip(
+                format!("devices/interface[{kind}]"),
+                "no <mac address=...>: give the NIC a fixed MAC (failover moves it between hosts)",
+            );
+        };
+        let model = match child("model").and_then(|m| m.attribute("type")) {
+            None | Some("virtio") => "virtio-net-pci".to_string(),
+            Some(m) => m.to_string(),
+        };
+        let source = child("source");
+        let bridge = match kind {
+            "bridge" => source.and_then(|s| s.attribute("bridge")).map(String::from),
+            "user" => None,
+            "network" => {
+                let net = source.and_then(|s| s.attribute("network")).unwrap_or("?");
+                return self.skip(
+                    format!("devices/interface[network={net}]"),
+                    format!("libvirt networks are not managed by tandem: add a [[nic]] with mac = \"{mac}\" and bridge = the network's bridge (`virsh net-info {net}`)"),
+                );
+            }
+            other => {
+                return self.skip(
+                    format!("devices/interface[{other}]"),
+                    "only bridge and user interfaces are supported",
+                )
+            }
+        };
+        self.file.nic.push(NicFile {
+            mac: mac.into(),
+            model: Some(model),
+            bridge,
+            netns: None,
+            forward: Vec::new(),
+        });
+    }
+}
+
+/// `<memory unit='KiB'>N</memory>` in MiB.
+fn mib(n: Node<'_, '_>) -> Result<u64, ImportError> {
+    let t = n.text().unwrap_or("").trim();
+    let v: u64 = t
+        .parse()
+        .map_err(|_| ImportError::Number("memory", t.into()))?;
+    let bytes = match n.attribute("unit").unwrap_or("KiB") {
+        "b" | "bytes" => v,
+        "KB" => v * 1000,
+        "k" | "KiB" => v << 10,
+        "MB" => v * 1_000_000,
+        "M" | "MiB" => v << 20,
+        "GB" => v * 1_000_000_000,
+        "G" | "GiB" => v << 30,
+        _ => v << 10,
+    };
+    Ok(bytes >> 20)
+}

@@ -1,0 +1,245 @@
+//! VM descriptions: the TOML file, its checks, and libvirt import. No QEMU.
+
+use std::path::Path;
+
+use tandem_protect::libvirt::import;
+use tandem_protect::vmfile::VmFile;
+use tandem_protect::VmSpec;
+use tandem_vm::{Boot, DiskBus, DiskFormat, NicNet};
+
+fn fixture(name: &str) -> String {
+    let p = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(name);
+    std::fs::read_to_string(p).unwrap()
+}
+
+/// A description file in `dir` with a raw and a qcow2 image next to it.
+fn described(dir: &Path, body: &str) -> VmSpec {
+    std::fs::write(dir.join("root.raw"), vec![0u8; 1 << 20]).unwrap();
+    let mut q = b"QFI\xfb".to_vec();
+    q.resize(1 << 16, 0);
+    std::fs::write(dir.join("web.qcow2"), q).unwrap();
+    std::fs::write(dir.join("vm.toml"), body).unwrap();
+    VmSpec {
+        vm_config: Some(dir.join("vm.toml")),
+        ..VmSpec::default()
+    }
+}
+
+#[test]
+fn own_vm_from_a_description() {
+    let d = tempfile::tempdir().unwrap();
+    let s = described(
+        d.path(),
+        r#"
+mem = 512
+vcpus = 1
+extra_args = ["-rtc", "base=utc"]
+machine = "pc"
+ready = "login:"
+[[disk]]
+path = "web.qcow2"
+bus = "virtio-scsi"
+cache = "none"
+aio = "native"
+[[disk]]
+path = "root.raw"
+readonly = true
+[[nic]]
+mac = "52:54:00:aa:00:01"
+forward = ["tcp:127.0.0.1:2222-:22"]
+[[nic]]
+mac = "52:54:00:aa:00:02"
+model = "e1000"
+bridge = "br0"
+netns = "tdm-cl"
+"#,
+    );
+    let c = s.config("t").unwrap();
+    assert_eq!((c.mem_mib, c.vcpus, c.machine.as_str()), (512, 1, "pc"));
+    assert_eq!(c.boot, Boot::Firmware);
+    assert_eq!(c.workload, None);
+    assert_eq!(c.ready.as_deref(), Some("login:"));
+    assert_eq!(c.disks[0].format, DiskFormat::Qcow2, "detected");
+    assert_eq!(c.disks[0].bus, DiskBus::VirtioScsi);
+    assert_eq!(
+        c.disks[0].path,
+        d.path().join("web.qcow2"),
+        "relative to the file"
+    );
+    assert!(c.disks[1].readonly);
+    assert!(matches!(&c.nics[0].net, NicNet::User { forwards } if forwards.len() == 1));
+    assert!(
+        matches!(&c.nics[1].net, NicNet::Bridge { bridge, netns } if bridge == "br0" && netns.as_deref() == Some("tdm-cl"))
+    );
+    assert_eq!(c.extra_args, ["-rtc", "base=utc"]);
+    // Shown and read back, it is the same VM.
+    let shown = VmFile::from_config(&c).to_toml();
+    std::fs::write(d.path().join("again.toml"), &shown).unwrap();
+    let again = VmSpec {
+        vm_config: Some(d.path().join("again.toml")),
+        ..VmSpec::default()
+    };
+    let c2 = again.config("t").unwrap();
+    assert_eq!(
+        (c2.disks, c2.nics, c2.boot),
+        (c.disks, c.nics, c.boot),
+        "{shown}"
+    );
+}
+
+fn refused(body: &str) -> String {
+    let d = tempfile::tempdir().unwrap();
+    let s = described(d.path(), body);
+    let e = s.config("t").unwrap_err();
+    // The whole chain, as the binary prints it.
+    tandem_protect::chain(&e)
+}
+
+#[test]
+fn descriptions_that_cannot_be_honoured_are_refused_clearly() {
+    let disk = "[[disk]]\npath = \"root.raw\"\n";
+    for (body, want) in [
+        (
+            format!("extra_args = [\"-incoming\", \"defer\"]\n{disk}"),
+            "-incoming",
+        ),
+        (
+            format!("extra_args = [\"-m\", \"4G\"]\n{disk}"),
+            "use `mem`",
+        ),
+        (
+            format!("extra_args = [\"-object\", \"memory-backend-ram,id=x,size=1G\"]\n{disk}"),
+            "memory backend",
+        ),
+        (format!("vcpus = 4096\n{disk}"), "4096 vCPUs"),
+        (
+            "[[disk]]\npath = \"nope.qcow2\"\n".to_string(),
+            "nope.qcow2",
+        ),
+        (
+            "[[disk]]\npath = \"root.raw\"\nformat = \"qcow2\"\n".to_string(),
+            "described as qcow2 but the file is raw",
+        ),
+        (
+            "[[disk]]\npath = \"root.raw\"\nformat = \"vmdk\"\n".to_string(),
+            "qemu-img convert",
+        ),
+        (
+            format!("{disk}[[nic]]\nmac = \"01:00:5e:00:00:01\"\n"),
+            "multicast",
+        ),
+        (
+            format!("{disk}[[nic]]\nmac = \"52:54:00:00:00:01\"\nmodel = \"ne2k\"\n"),
+            "NIC model",
+        ),
+        (format!("{disk}[boot]\nfirmware = \"ovmf\"\n"), "UEFI"),
+        (format!("workload = \"kv\"\n{disk}"), "lab guest"),
+        (format!("colour = \"blue\"\n{disk}"), "colour"),
+        (
+            "[boot]\nfirmware = \"seabios\"\n".to_string(),
+            "needs a disk",
+        ),
+    ] {
+        let e = refused(&body);
+        assert!(e.contains(want), "{body:?}: {e}");
+    }
+}
+
+#[test]
+fn the_lab_guest_is_a_description_too() {
+    let mut s = VmSpec::for_workload("sqlite", 256);
+    s.image = Some("/nonexistent".into());
+    let e = tandem_protect::chain(&s.config("t").unwrap_err());
+    assert!(e.contains("tandem setup"), "{e}");
+}
+
+#[test]
+fn libvirt_domain_as_written_by_virt_install() {
+    let (f, unmapped) = import(&fixture("web-virt-install.xml")).unwrap();
+    assert_eq!((f.mem, f.vcpus), (Some(1024), Some(2)));
+    assert_eq!(f.machine.as_deref(), Some("pc-q35-7.2"));
+    assert_eq!(f.accel.as_deref(), Some("kvm"));
+    assert_eq!(
+        f.qemu.as_deref(),
+        Some(Path::new("/usr/bin/qemu-system-x86_64"))
+    );
+    assert_eq!(
+        f.boot.as_ref().unwrap().firmware.as_deref(),
+        Some("seabios")
+    );
+    assert_eq!(f.disk.len(), 2, "the cdrom is not a disk");
+    assert_eq!(
+        f.disk[0].path,
+        Path::new("/var/lib/libvirt/images/web.qcow2")
+    );
+    assert_eq!(f.disk[0].format.as_deref(), Some("qcow2"));
+    assert_eq!(f.disk[0].cache.as_deref(), Some("none"));
+    assert_eq!(f.disk[0].aio.as_deref(), Some("native"));
+    assert_eq!(f.disk[1].bus.as_deref(), Some("virtio-scsi"));
+    assert_eq!(f.nic.len(), 1);
+    assert_eq!(f.nic[0].mac, "52:54:00:6b:3c:58");
+    assert_eq!(f.nic[0].bridge.as_deref(), Some("br0"));
+    assert_eq!(f.extra_args, ["-rtc", "base=utc"]);
+    let named: Vec<&str> = unmapped.iter().map(|u| u.element.as_str()).collect();
+    for want in [
+        "devices/disk[sdb]",
+        "devices/interface[network=default]",
+        "devices/serial",
+        "devices/graphics[vnc]",
+        "devices/video",
+        "devices/channel[unix]",
+        "cpu",
+        "clock",
+        "features/vmport",
+        "pm",
+    ] {
+        assert!(named.contains(&want), "{want} not named in {named:?}");
+    }
+    let net = unmapped
+        .iter()
+        .find(|u| u.element.contains("network"))
+        .unwrap();
+    assert!(net.why.contains("virsh net-info default"), "{}", net.why);
+    // It renders as a description file.
+    let text = f.to_toml();
+    assert!(
+        text.contains("[[disk]]") && text.contains("52:54:00:6b:3c:58"),
+        "{text}"
+    );
+}
+
+#[test]
+fn libvirt_direct_kernel_boot_and_refusals() {
+    let (f, unmapped) = import(&fixture("kernel-boot.xml")).unwrap();
+    let b = f.boot.unwrap();
+    assert_eq!(
+        b.kernel.as_deref(),
+        Some(Path::new("/var/lib/tiny/vmlinuz"))
+    );
+    assert_eq!(b.cmdline.as_deref(), Some("console=ttyS0 root=/dev/vda"));
+    assert_eq!((f.mem, f.accel.as_deref()), (Some(512), Some("tcg")));
+    assert_eq!(f.nic[0].bridge, None, "user networking");
+    assert!(unmapped.is_empty(), "{unmapped:?}");
+
+    let (_, unmapped) = import(&fixture("uefi.xml")).unwrap();
+    let named: Vec<&str> = unmapped.iter().map(|u| u.element.as_str()).collect();
+    for want in [
+        "os/loader",
+        "os/nvram",
+        "memoryBacking",
+        "devices/disk[vda]",
+    ] {
+        assert!(named.contains(&want), "{want} not named in {named:?}");
+    }
+    for bad in [
+        "<domain",
+        "<network/>",
+        "<domain type='xen'/>",
+        "<domain><memory>lots</memory></domain>",
+    ] {
+        let e = import(bad).unwrap_err();
+        assert!(!e.to_string().is_empty());
+    }
+}

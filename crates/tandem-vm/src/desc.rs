@@ -1,0 +1,464 @@
+//! What a VM is made of, as an operator describes it: firmware or direct kernel boot, disks
+//! (qcow2 or raw, virtio-blk or virtio-scsi, QEMU's cache and aio modes), NICs (MAC, model, and
+//! what they attach to) and extra QEMU arguments. [`crate::VmConfig`] holds these; `qemu_args`
+//! turns them into a command line; [`check`] refuses what QEMU or tandem cannot honour before
+//! anything starts (docs/VM_DESCRIPTION.md).
+
+use std::path::{Path, PathBuf};
+
+/// How the guest boots.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Boot {
+    /// Through the firmware (SeaBIOS, QEMU's default) from the first disk.
+    Firmware,
+    /// Direct kernel boot.
+    Kernel {
+        /// Kernel image.
+        kernel: PathBuf,
+        /// Initial ramdisk.
+        initrd: Option<PathBuf>,
+        /// Kernel command line.
+        cmdline: String,
+    },
+}
+
+/// A disk image format QEMU opens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DiskFormat {
+    /// Raw image.
+    Raw,
+    /// qcow2 image.
+    Qcow2,
+}
+
+impl DiskFormat {
+    /// QEMU's name for it.
+    pub fn name(self) -> &'static str {
+        match self {
+            DiskFormat::Raw => "raw",
+            DiskFormat::Qcow2 => "qcow2",
+        }
+    }
+
+    /// The format of the image at `path`, from its first bytes (qcow2 magic, else raw).
+    pub fn detect(path: &Path) -> std::io::Result<DiskFormat> {
+        use std::io::Read;
+        let mut magic = [0u8; 4];
+        let mut f = std::fs::File::open(path)?;
+        let n = f.read(&mut magic)?;
+        Ok(if n == 4 && &magic == b"QFI\xfb" {
+            DiskFormat::Qcow2
+        } else {
+            DiskFormat::Raw
+        })
+    }
+}
+
+/// The controller a disk hangs off.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DiskBus {
+    /// virtio-blk-pci.
+    VirtioBlk,
+    /// A scsi-hd on a virtio-scsi-pci controller.
+    VirtioScsi,
+}
+
+/// One disk.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DiskDesc {
+    /// The image file (the user's; tandem never rewrites it).
+    pub path: PathBuf,
+    /// Its format.
+    pub format: DiskFormat,
+    /// The controller.
+    pub bus: DiskBus,
+    /// QEMU cache mode (writeback, none, writethrough, directsync, unsafe).
+    pub cache: Option<String>,
+    /// QEMU aio mode (threads, native, io_uring).
+    pub aio: Option<String>,
+    /// Read-only.
+    pub readonly: bool,
+}
+
+/// What a NIC attaches to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum NicNet {
+    /// QEMU user networking, with `hostfwd` rules (`tcp:127.0.0.1:2222-:22`).
+    User {
+        /// Host forwards.
+        forwards: Vec<String>,
+    },
+    /// A bridge: tandem creates a tap on it and puts its relay between the tap and QEMU, so
+    /// that output is held until acknowledged.
+    Bridge {
+        /// The bridge.
+        bridge: String,
+        /// The network namespace it lives in (default: tandem's own).
+        netns: Option<String>,
+    },
+    /// QEMU's stream netdev on a unix socket (what a bridged NIC becomes once its relay runs).
+    Stream {
+        /// The relay's socket.
+        socket: PathBuf,
+    },
+}
+
+/// One NIC.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NicDesc {
+    /// MAC address (`52:54:00:...`).
+    pub mac: String,
+    /// QEMU device model.
+    pub model: String,
+    /// What it attaches to.
+    pub net: NicNet,
+}
+
+/// NIC models tandem accepts.
+pub const NIC_MODELS: &[&str] = &["virtio-net-pci", "e1000", "e1000e", "rtl8139"];
+/// QEMU cache modes.
+pub const CACHE_MODES: &[&str] = &["writeback", "none", "writethrough", "directsync", "unsafe"];
+/// QEMU aio modes.
+pub const AIO_MODES: &[&str] = &["threads", "native", "io_uring"];
+
+/// QEMU options tandem sets itself, with what to use instead.
+const OWNED: &[(&str, &str)] = &[
+    ("-m", "tandem sizes guest RAM itself: use `mem`"),
+    (
+        "-machine",
+        "tandem sets the machine and its memory backend: use `machine`",
+    ),
+    (
+        "-M",
+        "tandem sets the machine and its memory backend: use `machine`",
+    ),
+    ("-mem-path", "guest RAM is tandem's shared memory backend"),
+    (
+        "-mem-prealloc",
+        "guest RAM is tandem's shared memory backend",
+    ),
+    ("-numa", "guest RAM is one shared memory backend"),
+    ("-smp", "use `vcpus`"),
+    (
+        "-incoming",
+        "tandem starts standbys and restores with -incoming itself",
+    ),
+    (
+        "-S",
+        "tandem starts QEMU paused and runs it when its dirty log is armed",
+    ),
+    ("-daemonize", "tandem supervises QEMU as its child"),
+    ("-qmp", "tandem owns QEMU's QMP socket"),
+    ("-qmp-pretty", "tandem owns QEMU's QMP socket"),
+    ("-monitor", "tandem owns QEMU's monitors"),
+    ("-mon", "tandem owns QEMU's monitors"),
+    (
+        "-serial",
+        "tandem owns the first serial port (the console it reads)",
+    ),
+    ("-accel", "use `accel`"),
+    ("-enable-kvm", "use `accel = \"kvm\"`"),
+    (
+        "-snapshot",
+        "writes would never reach the disk tandem replicates",
+    ),
+    ("-loadvm", "tandem restores checkpoints itself"),
+    ("-kernel", "use [boot] kernel"),
+    ("-initrd", "use [boot] initrd"),
+    ("-append", "use [boot] cmdline"),
+    ("-name", "tandem names its QEMU processes"),
+    ("-nodefaults", "tandem sets it"),
+];
+
+/// The description cannot be honoured.
+#[derive(Debug, thiserror::Error)]
+pub enum DescError {
+    /// An extra argument collides with what tandem owns.
+    #[error("extra QEMU argument {arg}: {why}")]
+    Owned {
+        /// The argument.
+        arg: String,
+        /// Why tandem refuses it and what to use instead.
+        why: &'static str,
+    },
+    /// A memory backend in the extra arguments.
+    #[error("extra QEMU argument {0}: guest RAM is tandem's shared memory backend; remove it")]
+    MemoryBackend(String),
+    /// A file is missing or unreadable.
+    #[error("{what} {path}: {source}")]
+    File {
+        /// What the file is for.
+        what: &'static str,
+        /// The path.
+        path: PathBuf,
+        /// Why it cannot be used.
+        source: std::io::Error,
+    },
+    /// The image is not in the format the description names.
+    #[error("disk {path}: described as {described} but the file is {actual}")]
+    Format {
+        /// The image.
+        path: PathBuf,
+        /// The described format.
+        described: &'static str,
+        /// The detected one.
+        actual: &'static str,
+    },
+    /// Any other value out of range.
+    #[error("{0}")]
+    Invalid(String),
+}
+
+fn invalid(msg: impl Into<String>) -> DescError {
+    DescError::Invalid(msg.into())
+}
+
+/// Refuses extra QEMU arguments that collide with what tandem owns.
+pub fn check_extra_args(args: &[String]) -> Result<(), DescError> {
+    for a in args {
+        let opt = a.split_once('=').map_or(a.as_str(), |(o, _)| o);
+        let opt = if opt.starts_with("--") {
+            &opt[1..]
+        } else {
+            opt
+        };
+        if let Some((_, why)) = OWNED.iter().find(|(o, _)| *o == opt) {
+            return Err(DescError::Owned {
+                arg: a.clone(),
+                why,
+            });
+        }
+        if a.contains("memory-backend") {
+            return Err(DescError::MemoryBackend(a.clone()));
+        }
+    }
+    Ok(())
+}
+
+/// A MAC address tandem can give a NIC: six hex octets, unicast.
+pub fn check_mac(mac: &str) -> Result<(), DescError> {
+    let octets: Vec<&str> = mac.split(':').collect();
+    let ok = octets.len() == 6
+        && octets
+            .iter()
+            .all(|o| o.len() == 2 && u8::from_str_radix(o, 16).is_ok());
+    if !ok {
+        return Err(invalid(format!(
+            "NIC MAC address {mac:?} is not six hex octets such as 52:54:00:12:34:56"
+        )));
+    }
+    let first = u8::from_str_radix(octets[0], 16).unwrap_or(1);
+    if first & 1 == 1 {
+        return Err(invalid(format!(
+            "NIC MAC address {mac} is a multicast address; use a unicast one (52:54:00:...)"
+        )));
+    }
+    Ok(())
+}
+
+fn readable(what: &'static str, path: &Path) -> Result<(), DescError> {
+    std::fs::File::open(path)
+        .and_then(|f| f.metadata())
+        .and_then(|m| {
+            if m.is_file() {
+                Ok(())
+            } else {
+                Err(std::io::Error::other("not a regular file"))
+            }
+        })
+        .map_err(|source| DescError::File {
+            what,
+            path: path.into(),
+            source,
+        })
+}
+
+/// Checks a description before anything starts: files exist and are readable, formats match,
+/// machine, vCPUs, MACs, models, cache and aio modes are usable, extra arguments do not
+/// collide. `host_cpus`: what the host allows.
+pub fn check(
+    machine: &str,
+    vcpus: u32,
+    host_cpus: u32,
+    boot: &Boot,
+    disks: &[DiskDesc],
+    nics: &[NicDesc],
+    extra_args: &[String],
+) -> Result<(), DescError> {
+    let machine_ok = ["q35", "pc"].contains(&machine)
+        || machine.starts_with("pc-q35-")
+        || machine.starts_with("pc-i440fx-");
+    if !machine_ok {
+        return Err(invalid(format!(
+            "machine {machine:?} is not supported: use q35 or pc (or a versioned pc-q35-*/pc-i440fx-*)"
+        )));
+    }
+    if vcpus == 0 || vcpus > host_cpus {
+        return Err(invalid(format!(
+            "{vcpus} vCPUs: this host allows 1 to {host_cpus}"
+        )));
+    }
+    if let Boot::Kernel { kernel, initrd, .. } = boot {
+        readable("boot kernel", kernel)?;
+        if let Some(i) = initrd {
+            readable("boot initrd", i)?;
+        }
+    }
+    if *boot == Boot::Firmware && disks.is_empty() {
+        return Err(invalid(
+            "firmware boot needs a disk to boot from: add a [[disk]] or a [boot] kernel",
+        ));
+    }
+    for d in disks {
+        check_disk(d)?;
+    }
+    let mut macs = std::collections::HashSet::new();
+    for n in nics {
+        check_mac(&n.mac)?;
+        if !macs.insert(n.mac.to_ascii_lowercase()) {
+            return Err(invalid(format!("two NICs have the MAC address {}", n.mac)));
+        }
+        if !NIC_MODELS.contains(&n.model.as_str()) {
+            return Err(invalid(format!(
+                "NIC model {:?} is not supported: use one of {}",
+                n.model,
+                NIC_MODELS.join(", ")
+            )));
+        }
+    }
+    check_extra_args(extra_args)
+}
+
+fn check_disk(d: &DiskDesc) -> Result<(), DescError> {
+    readable("disk image", &d.path)?;
+    let actual = DiskFormat::detect(&d.path).map_err(|source| DescError::File {
+        what: "disk image",
+        path: d.path.clone(),
+        source,
+    })?;
+    if actual != d.format {
+        return Err(DescError::Format {
+            path: d.path.clone(),
+            described: d.format.name(),
+            actual: actual.name(),
+        });
+    }
+    if let Some(c) = &d.cache {
+        if !CACHE_MODES.contains(&c.as_str()) {
+            return Err(invalid(format!(
+                "disk {}: cache {c:?} is not one of {}",
+                d.path.display(),
+                CACHE_MODES.join(", ")
+            )));
+        }
+    }
+    if let Some(a) = &d.aio {
+        if !AIO_MODES.contains(&a.as_str()) {
+            return Err(invalid(format!(
+                "disk {}: aio {a:?} is not one of {}",
+                d.path.display(),
+                AIO_MODES.join(", ")
+            )));
+        }
+        let direct = matches!(d.cache.as_deref(), Some("none") | Some("directsync"));
+        if a == "native" && !direct {
+            return Err(invalid(format!(
+                "disk {}: aio \"native\" needs cache \"none\" or \"directsync\" (QEMU refuses it otherwise)",
+                d.path.display()
+            )));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn owned_arguments_are_refused_with_what_to_use() {
+        for a in [
+            "-m",
+            "-incoming",
+            "-S",
+            "-daemonize",
+            "-qmp",
+            "--qmp",
+            "-snapshot",
+        ] {
+            let e = check_extra_args(&[a.to_string()]).unwrap_err();
+            assert!(e.to_string().contains(a.trim_start_matches('-')), "{e}");
+        }
+        let e = check_extra_args(&["-object".into(), "memory-backend-ram,id=m,size=1G".into()])
+            .unwrap_err();
+        assert!(e.to_string().contains("memory backend"), "{e}");
+        check_extra_args(&["-rtc".into(), "base=utc".into()]).unwrap();
+    }
+
+    #[test]
+    fn macs() {
+        check_mac("52:54:00:12:34:56").unwrap();
+        assert!(check_mac("52:54:00:12:34").is_err());
+        assert!(check_mac("01:00:5e:00:00:01")
+            .unwrap_err()
+            .to_string()
+            .contains("multicast"));
+        assert!(check_mac("zz:54:00:12:34:56").is_err());
+    }
+
+    #[test]
+    fn formats_are_detected_and_checked() {
+        let dir = tempfile::tempdir().unwrap();
+        let raw = dir.path().join("a.img");
+        std::fs::write(&raw, vec![0u8; 4096]).unwrap();
+        let qcow = dir.path().join("b.qcow2");
+        let mut q = b"QFI\xfb".to_vec();
+        q.resize(4096, 0);
+        std::fs::write(&qcow, q).unwrap();
+        assert_eq!(DiskFormat::detect(&raw).unwrap(), DiskFormat::Raw);
+        assert_eq!(DiskFormat::detect(&qcow).unwrap(), DiskFormat::Qcow2);
+        let disk = |path: &Path, format| DiskDesc {
+            path: path.into(),
+            format,
+            bus: DiskBus::VirtioBlk,
+            cache: None,
+            aio: None,
+            readonly: false,
+        };
+        let ok = |d: DiskDesc| check("q35", 1, 2, &Boot::Firmware, &[d], &[], &[]);
+        ok(disk(&raw, DiskFormat::Raw)).unwrap();
+        let e = ok(disk(&raw, DiskFormat::Qcow2)).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("described as qcow2 but the file is raw"),
+            "{e}"
+        );
+        let e = ok(disk(&dir.path().join("missing"), DiskFormat::Raw)).unwrap_err();
+        assert!(e.to_string().contains("missing"), "{e}");
+        let mut d = disk(&raw, DiskFormat::Raw);
+        d.aio = Some("native".into());
+        assert!(ok(d).unwrap_err().to_string().contains("cache"));
+        let e = check(
+            "q35",
+            3,
+            2,
+            &Boot::Firmware,
+            &[disk(&raw, DiskFormat::Raw)],
+            &[],
+            &[],
+        );
+        assert!(e.unwrap_err().to_string().contains("allows 1 to 2"));
+        let e = check(
+            "virt",
+            1,
+            2,
+            &Boot::Firmware,
+            &[disk(&raw, DiskFormat::Raw)],
+            &[],
+            &[],
+        );
+        assert!(e.unwrap_err().to_string().contains("q35 or pc"));
+        let e = check("q35", 1, 2, &Boot::Firmware, &[], &[], &[]);
+        assert!(e.unwrap_err().to_string().contains("needs a disk"));
+    }
+}
