@@ -29,7 +29,15 @@ pub const PACKAGES: &[&str] = &[
     "iproute2",
     "nftables", // fault tests: partitions of the replication link
     "zstd",
+    // The Debian test VM (`tandem setup --debian`) and its clients.
+    "debootstrap",
+    "grub-pc-bin",
+    "fdisk",
+    "openssh-client",
+    "postgresql-client",
 ];
+
+const DEBIAN_BUILDER: &str = include_str!("../../../guest/debian/build-debian.sh");
 
 const GUEST_FILES: &[(&str, &str)] = &[
     (
@@ -56,6 +64,10 @@ pub struct Args {
     /// Rebuild the guest image even if it is up to date.
     #[arg(long)]
     pub force: bool,
+    /// Also build the Debian 12 test VM (qcow2, GRUB, systemd, openssh, PostgreSQL) with
+    /// debootstrap; a few minutes, cached.
+    #[arg(long)]
+    pub debian: bool,
 }
 
 fn spinner(msg: &str) -> ProgressBar {
@@ -212,8 +224,91 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         && std::fs::read_to_string(&stamp_path).ok().as_deref() == Some(want.as_str())
     {
         println!("[3/3] guest image up to date: {}", image.dir.display());
+    } else {
+        build_lab_image(&image, &lua, &want)?;
+    }
+    if args.debian {
+        build_debian(&cache, args.force)?;
+    }
+    Ok(())
+}
+
+/// The Debian test VM: debian.qcow2, root's SSH key and a description (vm.toml).
+fn build_debian(cache: &Path, force: bool) -> anyhow::Result<()> {
+    let dir = cache.join("debian");
+    let want = format!(
+        "{:016x}",
+        xxhash_rust::xxh3::xxh3_64(DEBIAN_BUILDER.as_bytes())
+    );
+    let stamp = dir.join("stamp");
+    if !force
+        && dir.join("debian.qcow2").is_file()
+        && std::fs::read_to_string(&stamp).ok().as_deref() == Some(want.as_str())
+    {
+        println!("[4/4] Debian test VM up to date: {}", dir.display());
         return Ok(());
     }
+    if !rustix::process::geteuid().is_root() {
+        bail!("building the Debian test VM needs root (debootstrap chroots): run `tandem setup --debian` as root");
+    }
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    let script = dir.join("build-debian.sh");
+    std::fs::write(&script, DEBIAN_BUILDER)?;
+    let pb = spinner("building the Debian 12 test VM (debootstrap, PostgreSQL, GRUB)");
+    let mut child = Command::new("sh")
+        .arg(&script)
+        .arg(&dir)
+        .arg(tandem_net::lab::GUEST_CIDR)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .context("running the Debian VM builder")?;
+    let mut log = String::new();
+    if let Some(err) = child.stderr.take() {
+        use std::io::BufRead;
+        for line in std::io::BufReader::new(err).lines().map_while(Result::ok) {
+            if line.starts_with("step ") {
+                pb.set_message(format!("Debian test VM: {line}"));
+            }
+            log.push_str(&line);
+            log.push('\n');
+        }
+    }
+    let st = child.wait()?;
+    pb.finish_and_clear();
+    if !st.success() {
+        bail!("Debian test VM build failed ({st}):\n{log}");
+    }
+    std::fs::write(dir.join("vm.toml"), DEBIAN_VM)?;
+    std::fs::write(&stamp, want)?;
+    let size = std::fs::metadata(dir.join("debian.qcow2")).map_or(0, |m| m.len() >> 20);
+    println!(
+        "[4/4] Debian test VM built in {}: debian.qcow2 ({size} MiB), vm.toml",
+        dir.display()
+    );
+    Ok(())
+}
+
+/// The Debian test VM's description (next to its disk).
+const DEBIAN_VM: &str = r#"# tandem's Debian 12 test VM, built by `tandem setup --debian`.
+mem = 1024
+vcpus = 2
+ready = "TANDEM-READY"
+
+[boot]
+firmware = "seabios"
+
+[[disk]]
+path = "debian.qcow2"
+format = "qcow2"
+cache = "writeback"
+
+[[nic]]
+mac = "52:54:00:12:34:56"
+forward = ["tcp:127.0.0.1:2222-:22", "tcp:127.0.0.1:5432-:5432"]
+"#;
+
+fn build_lab_image(image: &tandem_vm::GuestImage, lua: &Path, want: &str) -> anyhow::Result<()> {
     let work = tempfile::Builder::new()
         .prefix("tandem-guest-src-")
         .tempdir()?;
@@ -226,7 +321,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let out = Command::new("bash")
         .arg(work.path().join("build-image.sh"))
         .arg(&image.dir)
-        .arg(&lua)
+        .arg(lua)
         .output()
         .context("running the guest image builder")?;
     pb.finish_and_clear();
@@ -238,7 +333,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             String::from_utf8_lossy(&out.stderr)
         );
     }
-    std::fs::write(&stamp_path, &want)?;
+    std::fs::write(image.dir.join("stamp"), want)?;
     let size = |p: PathBuf| std::fs::metadata(p).map(|m| m.len() >> 20).unwrap_or(0);
     println!(
         "[3/3] guest image built in {}: kernel {} MiB, initramfs {} MiB, apps disk {} MiB",

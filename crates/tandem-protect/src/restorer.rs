@@ -39,6 +39,9 @@ pub enum RestoreError {
     /// The VM description is unusable.
     #[error(transparent)]
     Spec(#[from] VmSpecError),
+    /// A writable disk would not match the checkpoint.
+    #[error("disk {0} is writable, and checkpoints do not include your own disks yet: restoring would pair the checkpoint's memory with today's disk. Mark it `readonly = true`")]
+    WritableDisk(PathBuf),
     /// The store holds another guest size.
     #[error("checkpoint is of a {0} MiB guest; pass --mem {0}")]
     Size(u64),
@@ -60,6 +63,9 @@ pub enum RestoreError {
 pub fn restore(store: &Store, id: u64, vm: &VmSpec) -> Result<(Vm, RestoreSummary), RestoreError> {
     let mut cfg = vm.config("restore")?;
     cfg.dirty = DirtyMode::None;
+    if let Some(d) = cfg.writable_disk() {
+        return Err(RestoreError::WritableDisk(d.path.clone()));
+    }
     if cfg.mem_mib << 20 != store.mem_bytes() {
         return Err(RestoreError::Size(store.mem_bytes() >> 20));
     }

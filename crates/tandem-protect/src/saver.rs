@@ -84,6 +84,9 @@ pub enum SaveError {
     /// The guest did not come up.
     #[error(transparent)]
     Boot(#[from] BootError),
+    /// A writable disk would not be in the checkpoints.
+    #[error("disk {0} is writable, and checkpoints do not include your own disks yet: a restore would pair this memory with a later disk. Mark it `readonly = true` or use `tandem watch`")]
+    WritableDisk(std::path::PathBuf),
     /// The store directory holds checkpoints of another guest size.
     #[error("{dir} holds checkpoints of a {store_mib} MiB guest; this VM has {vm_mib} MiB")]
     Size {
@@ -146,6 +149,9 @@ fn live_copy(vm: &mut Vm) -> Result<(Vec<u8>, Vec<u8>, Duration), VmError> {
 /// Boots the VM and saves checkpoints as `cfg` says.
 pub fn save(cfg: SaveConfig, status: Status) -> Result<SaveSummary, SaveError> {
     let vmc = cfg.vm.config("save")?;
+    if let Some(d) = vmc.writable_disk() {
+        return Err(SaveError::WritableDisk(d.path.clone()));
+    }
     let bytes = vmc.mem_mib << 20;
     let store = open_store(&cfg, bytes)?;
     let (mut vm, ready, load) = boot(&vmc, cfg.load.as_ref())?;

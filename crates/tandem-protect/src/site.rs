@@ -67,6 +67,9 @@ pub enum SiteError {
     /// The relay could not listen for QEMU.
     #[error("starting the network relay")]
     Relay(#[source] tandem_net::RelayError),
+    /// A writable disk of the description: its writes would not be replicated.
+    #[error("disk {0} is writable, and replicating your own disks is not built yet: the backup would resume the guest on a disk that does not match its memory. Mark it `readonly = true`, or keep writable data on tandem's data disk (--disk-mib)")]
+    WritableDisk(PathBuf),
     /// Data disk size out of range.
     #[error("data disk of {0} MiB is too large")]
     DiskSize(u64),
@@ -112,6 +115,9 @@ impl Site {
         role: Role,
         cfg: &mut VmConfig,
     ) -> Result<Site, SiteError> {
+        if let Some(d) = cfg.writable_disk() {
+            return Err(SiteError::WritableDisk(d.path.clone()));
+        }
         let relays = Relays::attach(a, dir, role, cfg)?;
         let (disk, disk_path) = if a.disk_mib == 0 {
             (None, None)

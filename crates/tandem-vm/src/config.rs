@@ -118,6 +118,12 @@ impl VmConfig {
         self.workload.as_deref().unwrap_or("custom")
     }
 
+    /// The first disk the guest can write, if any (tandem does not capture those yet: see
+    /// docs/VM_DESCRIPTION.md).
+    pub fn writable_disk(&self) -> Option<&DiskDesc> {
+        self.disks.iter().find(|d| !d.readonly)
+    }
+
     /// Checks everything that can be checked before QEMU starts.
     pub fn check(&self) -> Result<(), VmError> {
         if let Some(w) = &self.workload {
