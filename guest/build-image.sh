@@ -43,7 +43,7 @@ install -m 0755 "$here/initramfs-init" "$ird/init"
 # ---------- apps root ----------
 step "apps root: busybox, redis, sqlite, gcc toolchain, Lua sources"
 root=$work/root
-mkdir -p "$root"/{bin,sbin,dev,proc,sys,tmp,run,etc,root,usr/bin,usr/lib/tandem,usr/lib64,usr/src}
+mkdir -p "$root"/{bin,sbin,dev,proc,sys,tmp,run,data,etc,root,usr/bin,usr/lib/tandem,usr/lib64,usr/src}
 # merged /usr, as on the host: /lib and /lib64 are links into /usr
 ln -s usr/lib "$root/lib"; ln -s usr/lib64 "$root/lib64"
 cp /bin/busybox "$root/bin/busybox"

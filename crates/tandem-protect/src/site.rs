@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use tandem_disk::Image;
 use tandem_net::{Policy, Relay, RelayStats};
-use tandem_vm::{Boot, NicNet, VmConfig};
+use tandem_vm::{Boot, MirrorHealth, MirrorSlice, NicNet, VmConfig};
 
 /// How a side attaches its guest's network and data disk.
 #[derive(Clone, Debug)]
@@ -67,9 +67,9 @@ pub enum SiteError {
     /// The relay could not listen for QEMU.
     #[error("starting the network relay")]
     Relay(#[source] tandem_net::RelayError),
-    /// A writable disk of the description: its writes would not be replicated.
-    #[error("disk {0} is writable, and replicating your own disks is not built yet: the backup would resume the guest on a disk that does not match its memory. Mark it `readonly = true`, or keep writable data on tandem's data disk (--disk-mib)")]
-    WritableDisk(PathBuf),
+    /// A disk's size could not be read.
+    #[error(transparent)]
+    Desc(#[from] tandem_vm::desc::DescError),
     /// Data disk size out of range.
     #[error("data disk of {0} MiB is too large")]
     DiskSize(u64),
@@ -95,6 +95,12 @@ pub struct Site {
     pub disk: Option<Arc<Image>>,
     /// Where the data disk file was created (its name may be removed already).
     pub disk_path: Option<PathBuf>,
+    /// Writable disks of your own VM, as slices of the replica/copy (empty for the lab guest).
+    pub mirrors: Vec<MirrorSlice>,
+    /// The backup's copy of the writable disks, kept open for the standby.
+    _copy: Option<std::fs::File>,
+    /// Whether the primary's disk mirrors still capture every write.
+    pub mirror_health: MirrorHealth,
     nbd_sock: Option<PathBuf>,
 }
 
@@ -115,11 +121,12 @@ impl Site {
         role: Role,
         cfg: &mut VmConfig,
     ) -> Result<Site, SiteError> {
-        if let Some(d) = cfg.writable_disk() {
-            return Err(SiteError::WritableDisk(d.path.clone()));
-        }
         let relays = Relays::attach(a, dir, role, cfg)?;
-        let (disk, disk_path) = if a.disk_mib == 0 {
+        if cfg.writable_disk().is_some() {
+            return Self::with_capture(relays, dir, role, cfg);
+        }
+        // tandem's NBD data disk belongs to the lab guest.
+        let (disk, disk_path) = if a.disk_mib == 0 || cfg.workload.is_none() {
             (None, None)
         } else {
             if a.disk_mib > 1 << 20 {
@@ -177,7 +184,100 @@ impl Site {
             disk,
             disk_path,
             nbd_sock,
+            mirrors: Vec::new(),
+            _copy: None,
+            mirror_health: MirrorHealth::default(),
         })
+    }
+
+    /// Your own VM's writable disks, captured (docs/VM_DESCRIPTION.md): one file holds every
+    /// writable disk at 1 MiB-aligned offsets. On the primary it is tandem's replica, fed by a
+    /// `blockdev-mirror` per disk through the NBD server ([`Site::start_capture`]), and its write
+    /// log is each epoch's disk section; on the backup it is the copy the epochs are applied to,
+    /// and the standby opens each disk as a raw slice of it.
+    fn with_capture(
+        relays: Relays,
+        dir: &Path,
+        role: Role,
+        cfg: &mut VmConfig,
+    ) -> Result<Site, SiteError> {
+        let mut slices = Vec::new();
+        let mut total = 0u64;
+        for (i, d) in cfg.disks.iter().enumerate().filter(|(_, d)| !d.readonly) {
+            let size = tandem_vm::desc::virtual_size(&d.path, d.format)?;
+            slices.push(MirrorSlice {
+                disk: i,
+                offset: total,
+                size,
+            });
+            total = (total + size).next_multiple_of(1 << 20);
+        }
+        let path = dir.join("disk.img");
+        let io = |e| SiteError::Io(format!("creating {}", path.display()), e);
+        let f = std::fs::File::create(&path).map_err(io)?;
+        f.set_len(total).map_err(io)?;
+        drop(f);
+        let mut site = Site {
+            relays,
+            disk: None,
+            disk_path: Some(path.clone()),
+            nbd_sock: None,
+            mirrors: slices.clone(),
+            _copy: None,
+            mirror_health: MirrorHealth::default(),
+        };
+        match role {
+            Role::Primary => {
+                let image = Image::open(&path)
+                    .map_err(|e| SiteError::Image(path.display().to_string(), e))?;
+                let _ = std::fs::remove_file(&path);
+                let image = Arc::new(image);
+                let sock = dir.join("capture.sock");
+                let _ = std::fs::remove_file(&sock);
+                let listener = UnixListener::bind(&sock)
+                    .map_err(|e| SiteError::Io(format!("listening on {}", sock.display()), e))?;
+                let served = image.clone();
+                std::thread::spawn(move || tandem_disk::nbd::serve(listener, served));
+                site.disk = Some(image);
+                site.nbd_sock = Some(sock);
+            }
+            Role::Backup => {
+                // The standby opens the copy through this process's descriptor, so the
+                // copy's name can go once the backup opened it.
+                let copy = std::fs::OpenOptions::new()
+                    .read(true)
+                    .write(true)
+                    .open(&path)
+                    .map_err(|e| SiteError::Io(format!("opening {}", path.display()), e))?;
+                let by_fd = PathBuf::from(format!(
+                    "/proc/{}/fd/{}",
+                    std::process::id(),
+                    std::os::fd::AsRawFd::as_raw_fd(&copy)
+                ));
+                for s in &slices {
+                    let d = &mut cfg.disks[s.disk];
+                    d.path = by_fd.clone();
+                    d.format = tandem_vm::DiskFormat::Raw;
+                    d.slice = Some((s.offset, s.size));
+                }
+                site._copy = Some(copy);
+            }
+        }
+        Ok(site)
+    }
+
+    /// Starts (or restarts) capturing the writable disks of a running VM: a mirror per disk
+    /// into the replica, each finished with its full pass before this returns. A no-op
+    /// without writable disks.
+    pub fn start_capture(&self, vm: &mut tandem_vm::Vm) -> Result<(), tandem_vm::VmError> {
+        let Some(sock) = self.nbd_sock.as_ref().filter(|_| !self.mirrors.is_empty()) else {
+            return Ok(());
+        };
+        let bytes: u64 = self.mirrors.iter().map(|m| m.size).sum();
+        // A full pass at ≥ 20 MB/s, and never less than a minute.
+        let timeout = std::time::Duration::from_secs((bytes / 20_000_000).max(60));
+        vm.share_mirror_health(self.mirror_health.clone());
+        vm.start_mirrors(sock, &self.mirrors, timeout)
     }
 }
 
@@ -204,8 +304,9 @@ impl Relays {
                     };
                 }
             }
+            // The lab guest (or a VM booting its kernel) takes its address on the command line.
             if let Boot::Kernel { cmdline, .. } = &mut cfg.boot {
-                if cfg.workload.is_some() {
+                if cmdline.contains("tandem.workload=") {
                     cmdline.push_str(&format!(" tandem.ip={}", a.guest_ip));
                 }
             }

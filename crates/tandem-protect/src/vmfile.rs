@@ -235,6 +235,7 @@ impl DiskFile {
             cache: self.cache.clone(),
             aio: self.aio.clone(),
             readonly: self.readonly,
+            slice: None,
         })
     }
 }

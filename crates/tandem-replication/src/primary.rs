@@ -290,6 +290,14 @@ impl Primary {
             .map(move |(i, c)| self.frame(Kind::DiskBase, 0, base_payload((i * chunk) as u64, c)))
     }
 
+    /// One disk-base frame for `data` at `offset` of the data disk (`None` if it is all
+    /// zeros: the backup's copy starts zeroed).
+    pub fn disk_base_frame(&self, offset: u64, data: &[u8]) -> Option<Frame> {
+        data.iter()
+            .any(|&b| b != 0)
+            .then(|| self.frame(Kind::DiskBase, 0, base_payload(offset, data)))
+    }
+
     /// Assembles epoch `e` into a frame and advances the encoder and device-state reference.
     pub fn epoch(&mut self, e: &EpochInput<'_>) -> Result<(Frame, EpochSizes), PrimaryError> {
         let enc = self.enc.as_mut().ok_or(PrimaryError::NoSession)?;

@@ -74,6 +74,7 @@ impl VmConfig {
             cache: None,
             aio: None,
             readonly: true,
+            slice: None,
         }];
         c.nics = vec![NicDesc {
             mac: LAB_MAC.into(),

@@ -78,6 +78,9 @@ pub struct DiskDesc {
     pub aio: Option<String>,
     /// Read-only.
     pub readonly: bool,
+    /// Only `[offset, offset + size)` of a raw file (a backup's copy holds every disk of the
+    /// VM in one file).
+    pub slice: Option<(u64, u64)>,
 }
 
 /// What a NIC attaches to.
@@ -112,6 +115,27 @@ pub struct NicDesc {
     pub model: String,
     /// What it attaches to.
     pub net: NicNet,
+}
+
+/// The virtual size of the image at `path` (`qemu-img info`; works while QEMU has it open).
+pub fn virtual_size(path: &Path, format: DiskFormat) -> Result<u64, DescError> {
+    let out = std::process::Command::new("qemu-img")
+        .args(["info", "-U", "--output=json", "-f", format.name()])
+        .arg(path)
+        .output()
+        .map_err(|source| DescError::File {
+            what: "qemu-img (install qemu-utils with `tandem setup`) for disk",
+            path: path.into(),
+            source,
+        })?;
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
+    v["virtual-size"].as_u64().ok_or_else(|| {
+        invalid(format!(
+            "disk {}: qemu-img info failed: {}",
+            path.display(),
+            String::from_utf8_lossy(&out.stderr).trim()
+        ))
+    })
 }
 
 /// NIC models tandem accepts.
@@ -424,6 +448,7 @@ mod tests {
             cache: None,
             aio: None,
             readonly: false,
+            slice: None,
         };
         let ok = |d: DiskDesc| check("q35", 1, 2, &Boot::Firmware, &[d], &[], &[]);
         ok(disk(&raw, DiskFormat::Raw)).unwrap();

@@ -97,6 +97,9 @@ fn disks(config: &VmConfig, a: &mut Vec<String>) {
         if d.readonly {
             drive.push_str(",readonly=on");
         }
+        if let Some((offset, size)) = d.slice {
+            drive.push_str(&format!(",offset={offset},size={size}"));
+        }
         let mut dev = match d.bus {
             DiskBus::VirtioBlk => format!("virtio-blk-pci,drive=disk{i}"),
             DiskBus::VirtioScsi => format!("scsi-hd,drive=disk{i},bus=scsi0.0"),
@@ -158,6 +161,7 @@ mod tests {
                 cache: Some("none".into()),
                 aio: Some("native".into()),
                 readonly: false,
+                slice: None,
             },
             DiskDesc {
                 path: "/img/data.raw".into(),
@@ -166,6 +170,7 @@ mod tests {
                 cache: None,
                 aio: None,
                 readonly: true,
+                slice: Some((1 << 20, 1 << 30)),
             },
         ];
         c.nics = vec![NicDesc {
@@ -183,7 +188,7 @@ mod tests {
             "-device virtio-scsi-pci,id=scsi0",
             "file=/img/a,,b.qcow2,format=qcow2,if=none,id=disk0,cache=none,aio=native",
             "scsi-hd,drive=disk0,bus=scsi0.0,bootindex=0",
-            "file=/img/data.raw,format=raw,if=none,id=disk1,readonly=on",
+            "file=/img/data.raw,format=raw,if=none,id=disk1,readonly=on,offset=1048576,size=1073741824",
             "virtio-blk-pci,drive=disk1",
             "user,id=n0,hostfwd=tcp:127.0.0.1:2222-:22",
             "e1000,netdev=n0,mac=52:54:00:aa:bb:cc",

@@ -91,6 +91,9 @@ pub enum VmError {
     /// A replayed trace is unreadable or inconsistent.
     #[error("replayed trace: {0}")]
     Trace(String),
+    /// A disk mirror could not be set up.
+    #[error("{0}")]
+    Mirror(String),
 }
 
 pub use tandem_types::PauseTiming;
@@ -137,6 +140,9 @@ pub struct Vm {
     ram_path: PathBuf,
     keep_ram: bool,
     config: VmConfig,
+    /// Disks mirrored into tandem's NBD export ([`crate::mirror`]).
+    pub(crate) mirrors: Vec<usize>,
+    pub(crate) mirror_health: crate::mirror::MirrorHealth,
 }
 
 impl Vm {
@@ -255,6 +261,8 @@ impl Vm {
             ram_path,
             keep_ram,
             config: config.clone(),
+            mirrors: Vec::new(),
+            mirror_health: Default::default(),
         };
         devstate::prepare(&mut vm.qmp)?;
         vm.dirty = match mode {

@@ -104,6 +104,7 @@ impl Soak<'_> {
             stall_epoch: None,
             faults: faults.clone(),
             backup_tmpfs: r.is_multiple_of(5),
+            vm_config: None,
         };
         let res = round::run(r, &o, self.pb)
             .with_context(|| format!("round {r} ({faults:?}; logs in {})", self.dir.display()))?;

@@ -58,6 +58,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
                 stall_epoch: None,
                 faults: vec![crate::demo::fault::Fault::HostKill],
                 backup_tmpfs: false,
+                vm_config: None,
             };
             let r = round::run(n, &o, &pb).with_context(|| format!("{w} at {ms} ms"))?;
             crate::demo::say(&pb, line(&r));

@@ -12,6 +12,7 @@ pub(crate) mod fault;
 mod phases;
 pub(crate) mod round;
 mod steps;
+mod vmdesc;
 
 use std::time::Duration;
 
@@ -69,6 +70,11 @@ pub struct Args {
     /// Put the backup's directory on a small tmpfs that is full while the guest writes.
     #[arg(long)]
     pub backup_tmpfs: bool,
+    /// How the guest's writable disk is captured: `nbd` (tandem's NBD server is the disk)
+    /// or `mirror` (the guest's own raw file in QEMU's block layer, captured with
+    /// blockdev-mirror; the guest is then described as your own VM would be).
+    #[arg(long, default_value = "nbd")]
+    pub disk_capture: String,
     /// Print the summary as JSON.
     #[arg(long)]
     pub json: bool,
@@ -138,6 +144,11 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                 a.faults.clone()
             },
             backup_tmpfs: a.backup_tmpfs,
+            vm_config: match a.disk_capture.as_str() {
+                "nbd" => None,
+                "mirror" => Some(vmdesc::described_vm(dir.path(), a.mem)?),
+                other => bail!("--disk-capture {other:?}: use nbd or mirror"),
+            },
         };
         let res = match round::run(r, &o, &pb) {
             Ok(res) => res,

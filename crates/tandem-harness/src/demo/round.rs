@@ -40,6 +40,9 @@ pub struct Opts<'a> {
     /// Put the backup's directory on a tmpfs that is full (all but the preallocated mirror
     /// and disk copy) while the guest writes to its disk.
     pub backup_tmpfs: bool,
+    /// Run the guest from this description (a writable disk captured by mirroring) instead
+    /// of `--workload` with tandem's NBD data disk.
+    pub vm_config: Option<PathBuf>,
 }
 
 #[derive(Serialize, Clone, Debug)]

@@ -37,6 +37,10 @@ impl Pair<'_> {
 
 pub fn common(o: &Opts<'_>, v: &mut Vec<String>) {
     v.extend(["--workload", &o.workload, "--tap-netns", &o.lab.clients].map(String::from));
+    if let Some(d) = &o.vm_config {
+        v.extend(["--vm-config".to_string(), d.display().to_string()]);
+        v.extend(["--disk-mib", "0"].map(String::from));
+    }
     v.extend(["--mem".to_string(), o.mem.to_string()]);
 }
 

@@ -153,7 +153,7 @@ pub fn run(cfg: PrimaryConfig, status: Status) -> Result<(), PrimaryError> {
     let site = Site::prepare(&cfg.site, &dir, Role::Primary, &mut vmc)?;
     let (mut vm, ready, load) = boot(&vmc, cfg.load.as_ref())?;
     status.info(format!(
-        "guest ready in {:.1} s, QEMU pid {}, network {}, data disk {} MiB",
+        "guest ready in {:.1} s, QEMU pid {}, network {}, replicated disk {} MiB",
         ready.as_secs_f64(),
         vm.pid(),
         if !site.relays.is_empty() {
@@ -161,9 +161,19 @@ pub fn run(cfg: PrimaryConfig, status: Status) -> Result<(), PrimaryError> {
         } else {
             "user (not held)"
         },
-        cfg.site.disk_mib
+        site.disk.as_ref().map_or(0, |d| d.size() >> 20)
     ));
     crate::echo_guest_progress(vm.serial_path(), status.clone());
+    if !site.mirrors.is_empty() {
+        let t = Instant::now();
+        site.start_capture(&mut vm)?;
+        status.info(format!(
+            "capturing {} writable disk(s) ({} MiB) through QEMU's block layer (blockdev-mirror, write-blocking): first pass done in {:.1} s",
+            site.mirrors.len(),
+            site.mirrors.iter().map(|m| m.size).sum::<u64>() >> 20,
+            t.elapsed().as_secs_f64()
+        ));
+    }
     let epoch_ms = cfg.epoch.as_millis() as u64;
     let stall = cfg
         .stall
@@ -307,6 +317,12 @@ fn wait_for_backup(d: &mut Daemon<'_>, vm: &mut Vm) -> Result<Option<TcpStream>,
         }
         if let Some(st) = vm.exit_status() {
             return Err(PrimaryError::QemuExited(st.to_string()));
+        }
+        if let Some(why) = d.site.mirror_health.broken() {
+            d.status.warn(format!(
+                "{why}: the disk capture missed writes; mirroring every disk again before the re-sync"
+            ));
+            d.site.start_capture(vm)?;
         }
         if let Some(disk) = &d.site.disk {
             disk.reset_log();

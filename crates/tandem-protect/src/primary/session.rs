@@ -162,20 +162,18 @@ impl Daemon<'_> {
     ) -> Result<(), CopyError> {
         self.watchdog.beat();
         let (site, epoch) = (self.site, self.epoch);
-        let mut disk = Ok(Vec::new());
         let ram = vm.initial_copy(&mut || {
             site.relays.seal(epoch);
             if let Some(d) = &site.disk {
+                // From here on every write is in the log (shipped with the next epochs).
                 d.take_epoch_writes();
-                let mut buf = vec![0u8; d.size() as usize];
-                disk = d.read_at(&mut buf, 0).map(|()| buf);
             }
         })?;
-        let disk = disk.map_err(|e| CopyError::Link(format!("reading the data disk: {e}")))?;
         self.watchdog.beat();
+        let disk_bytes = site.disk.as_ref().map_or(0, |d| d.size());
         let hello = self
             .proto
-            .begin(self.epoch, &ram, disk.len() as u64)
+            .begin(self.epoch, &ram, disk_bytes)
             .map_err(|e| CopyError::Link(format!("hello: {e}")))?;
         link::send(w, &hello)?;
         let mut sent = 0usize;
@@ -187,17 +185,45 @@ impl Daemon<'_> {
                 return Err(CopyError::Link(shared.why()));
             }
         }
-        for f in self.proto.disk_base_frames(&disk, 1 << 16) {
-            link::send(w, &f)?;
-            self.watchdog.beat();
+        let mem_mib = ram.len() >> 20;
+        drop(ram);
+        if let Some(d) = &site.disk {
+            self.copy_disk(d, w, shared)?;
         }
         self.status.info(format!(
             "initial copy sent at epoch {}: {} of {} MiB non-zero, data disk {} MiB",
             self.epoch,
             sent >> 20,
-            ram.len() >> 20,
-            disk.len() >> 20
+            mem_mib,
+            disk_bytes >> 20
         ));
+        Ok(())
+    }
+
+    /// Streams the data disk while the guest runs. Reading after the boundary is safe: a
+    /// chunk may already hold later writes, but every write since the boundary is in the log
+    /// and is applied again, in order, after this base.
+    fn copy_disk(
+        &self,
+        d: &tandem_disk::Image,
+        w: &mut impl Write,
+        shared: &Shared,
+    ) -> Result<(), CopyError> {
+        let mut buf = vec![0u8; 1 << 16];
+        let mut off = 0u64;
+        while off < d.size() {
+            let n = (d.size() - off).min(buf.len() as u64) as usize;
+            d.read_at(&mut buf[..n], off)
+                .map_err(|e| CopyError::Link(format!("reading the data disk: {e}")))?;
+            if let Some(f) = self.proto.disk_base_frame(off, &buf[..n]) {
+                link::send(w, &f)?;
+                self.watchdog.beat();
+                if shared.is_lost() {
+                    return Err(CopyError::Link(shared.why()));
+                }
+            }
+            off += n as u64;
+        }
         Ok(())
     }
 
@@ -415,6 +441,10 @@ impl EpochSink for LinkSink<'_> {
         self.st.site.relays.seal(epoch);
         if let Some(d) = &self.st.site.disk {
             self.writes = d.try_take_epoch_writes();
+        }
+        if let Some(why) = self.st.site.mirror_health.broken() {
+            // A mirror failed during the epoch: its writes are incomplete.
+            self.writes = Err(std::io::Error::other(why));
         }
     }
 

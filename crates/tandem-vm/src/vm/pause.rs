@@ -55,6 +55,9 @@ impl Vm {
         let us = |i: Instant| i.elapsed().as_micros().min(u32::MAX as u128) as u32;
         let s = Instant::now();
         self.stop()?;
+        // Block I/O is drained now: a failed disk mirror has reported itself (and the queue of
+        // STOP/RESUME events is emptied every epoch).
+        self.check_mirror_events();
         t.stop_us = us(s);
         let s = Instant::now();
         dirty.clear();
