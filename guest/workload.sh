@@ -20,6 +20,17 @@ case "$wl" in
       sleep 0.1; i=$((i+1))
     done
     ready ;;
+  disk)
+    # Sequential writes to the data disk, each round fsynced: MB/s per round (needs /data).
+    ready
+    n=0
+    while :; do
+      t0=$(cut -d' ' -f1 /proc/uptime)
+      dd if=/dev/zero of=/data/disk.bin bs=1M count=16 conv=fsync 2>/dev/null
+      t1=$(cut -d' ' -f1 /proc/uptime)
+      n=$((n+1))
+      echo "disk mbps=$(awk "BEGIN{printf \"%.1f\", 16/($t1-$t0+0.001)}") rounds=$n"
+    done ;;
   sqlite)
     db=/tmp/bench.db
     sqlite3 "$db" "PRAGMA journal_mode=WAL; CREATE TABLE kv(k INTEGER PRIMARY KEY, v TEXT, n INTEGER); CREATE INDEX kv_n ON kv(n);" >/dev/null

@@ -9,7 +9,7 @@ use tandem_vm::DirtyMode;
 
 #[derive(clap::Args, Clone, Debug)]
 pub struct VmArgs {
-    /// Guest workload: idle, memtouch, compile, sqlite or kv.
+    /// Guest workload: idle, memtouch, compile, sqlite, kv or disk.
     #[arg(long, default_value = "kv")]
     pub workload: String,
     /// Guest RAM in MiB.

@@ -36,7 +36,8 @@ pub fn unix_ms() -> u64 {
         .unwrap_or(0)
 }
 
-/// Echoes the guest's workload progress lines (`sqlite txns=N`, `compile objs=N`) from its
+/// Echoes the guest's workload progress lines (`sqlite txns=N`, `compile objs=N`,
+/// `disk mbps=X`) from its
 /// serial console as `guest: ...` status lines, for benchmarks and operators.
 pub fn echo_guest_progress(serial: std::path::PathBuf, status: Status) {
     std::thread::spawn(move || {
@@ -47,7 +48,7 @@ pub fn echo_guest_progress(serial: std::path::PathBuf, status: Status) {
             let Ok(text) = console.poll() else { continue };
             let complete = text.rfind('\n').map_or(0, |i| i + 1);
             for line in text[done.min(complete)..complete].lines() {
-                if line.contains(" txns=") || line.contains(" objs=") {
+                if line.contains(" txns=") || line.contains(" objs=") || line.contains(" mbps=") {
                     status.info(format!("guest: {}", line.trim()));
                 }
             }

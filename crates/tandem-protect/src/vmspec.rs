@@ -11,7 +11,7 @@ use crate::vmfile::{VmFile, VmFileError};
 /// What the daemons need to start a guest.
 #[derive(Clone, Debug)]
 pub struct VmSpec {
-    /// Guest workload: idle, memtouch, compile, sqlite or kv.
+    /// Guest workload: idle, memtouch, compile, sqlite, kv or disk.
     pub workload: String,
     /// Guest RAM in MiB.
     pub mem: u64,

@@ -3,7 +3,7 @@
 use std::path::{Path, PathBuf};
 
 /// The workloads the guest image can run (`tandem.workload=` on the kernel command line).
-pub const WORKLOADS: &[&str] = &["idle", "memtouch", "compile", "sqlite", "kv"];
+pub const WORKLOADS: &[&str] = &["idle", "memtouch", "compile", "sqlite", "kv", "disk"];
 
 /// Errors locating the guest image.
 #[derive(Debug, thiserror::Error)]
@@ -12,7 +12,7 @@ pub enum ImageError {
     #[error("guest image file {0} is missing: run `tandem setup` to build the guest image")]
     Missing(String),
     /// The workload name is unknown.
-    #[error("unknown workload {0:?}: choose one of idle, memtouch, compile, sqlite, kv")]
+    #[error("unknown workload {0:?}: choose one of idle, memtouch, compile, sqlite, kv, disk")]
     UnknownWorkload(String),
 }
 
