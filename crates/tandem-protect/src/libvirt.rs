@@ -31,8 +31,8 @@ pub enum ImportError {
     /// Not a QEMU/KVM domain.
     #[error("domain type {0:?}: tandem runs QEMU (libvirt type kvm or qemu)")]
     DomainType(String),
-    /// A value that must be a number is not.
-    #[error("<{0}> holds {1:?}, not a number")]
+    /// A value that must be a number (or a known unit) is not.
+    #[error("<{0}> holds {1:?}, not a usable number or unit")]
     Number(&'static str, String),
 }
 
@@ -142,6 +142,12 @@ impl Importer {
 
     fn os(&mut self, n: Node<'_, '_>) {
         let mut boot = BootFile::default();
+        if n.attribute("firmware") == Some("efi") {
+            self.skip(
+                "os[firmware=efi]",
+                "UEFI firmware is not supported yet (its variable store is not replicated): tandem boots with SeaBIOS, so a UEFI-only guest will not boot",
+            );
+        }
         for c in n.children().filter(Node::is_element) {
             let text = || c.text().unwrap_or("").trim().to_string();
             match c.tag_name().name() {
@@ -215,7 +221,10 @@ impl Importer {
             .unwrap_or("?");
         let here = format!("devices/disk[{target}]");
         if d.attribute("device").unwrap_or("disk") != "disk" {
-            return self.skip(here, "only disks are replicated (no cdrom or floppy): attach it with extra_args if needed");
+            return self.skip(
+                here,
+                "only disks are attached (no cdrom or floppy): read-only media are not replicated",
+            );
         }
         if d.attribute("type").unwrap_or("file") != "file" {
             return self.skip(
@@ -271,7 +280,15 @@ impl Importer {
         };
         let source = child("source");
         let bridge = match kind {
-            "bridge" => source.and_then(|s| s.attribute("bridge")).map(String::from),
+            "bridge" => match source.and_then(|s| s.attribute("bridge")) {
+                Some(b) => Some(b.to_string()),
+                None => {
+                    return self.skip(
+                        format!("devices/interface[bridge,{mac}]"),
+                        "no <source bridge=...>: name the bridge in a [[nic]]",
+                    )
+                }
+            },
             "user" => None,
             "network" => {
                 let net = source.and_then(|s| s.attribute("network")).unwrap_or("?");
@@ -303,15 +320,21 @@ fn mib(n: Node<'_, '_>) -> Result<u64, ImportError> {
     let v: u64 = t
         .parse()
         .map_err(|_| ImportError::Number("memory", t.into()))?;
-    let bytes = match n.attribute("unit").unwrap_or("KiB") {
-        "b" | "bytes" => v,
-        "KB" => v * 1000,
-        "k" | "KiB" => v << 10,
-        "MB" => v * 1_000_000,
-        "M" | "MiB" => v << 20,
-        "GB" => v * 1_000_000_000,
-        "G" | "GiB" => v << 30,
-        _ => v << 10,
+    let unit = n.attribute("unit").unwrap_or("KiB");
+    let scale: u64 = match unit {
+        "b" | "bytes" => 1,
+        "KB" => 1000,
+        "k" | "KiB" => 1 << 10,
+        "MB" => 1_000_000,
+        "M" | "MiB" => 1 << 20,
+        "GB" => 1_000_000_000,
+        "G" | "GiB" => 1 << 30,
+        "TB" => 1_000_000_000_000,
+        "T" | "TiB" => 1 << 40,
+        _ => return Err(ImportError::Number("memory unit", unit.into())),
     };
+    let bytes = v
+        .checked_mul(scale)
+        .ok_or(ImportError::Number("memory", t.into()))?;
     Ok(bytes >> 20)
 }

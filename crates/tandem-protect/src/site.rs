@@ -273,11 +273,14 @@ impl Site {
         let Some(sock) = self.nbd_sock.as_ref().filter(|_| !self.mirrors.is_empty()) else {
             return Ok(());
         };
-        let bytes: u64 = self.mirrors.iter().map(|m| m.size).sum();
-        // A full pass at ≥ 20 MB/s, and never less than a minute.
-        let timeout = std::time::Duration::from_secs((bytes / 20_000_000).max(60));
         vm.share_mirror_health(self.mirror_health.clone());
-        vm.start_mirrors(sock, &self.mirrors, timeout)
+        vm.start_mirrors(sock, &self.mirrors, self.capture_timeout())
+    }
+
+    /// How long a full mirror pass may take: at ≥ 20 MB/s, and never less than a minute.
+    pub fn capture_timeout(&self) -> std::time::Duration {
+        let bytes: u64 = self.mirrors.iter().map(|m| m.size).sum();
+        std::time::Duration::from_secs((bytes / 20_000_000).max(60))
     }
 }
 

@@ -181,6 +181,11 @@ impl VmFile {
                     "[boot]: give either `firmware` or `kernel`, not both".into(),
                 ))
             }
+            Some(b) if b.initrd.is_some() || b.cmdline.is_some() => {
+                return Err(VmFileError::Invalid(
+                    "[boot]: `initrd` and `cmdline` need a `kernel` (direct kernel boot)".into(),
+                ))
+            }
             Some(b) => match b.firmware.as_deref() {
                 None | Some("seabios") => Boot::Firmware,
                 Some(f) => {

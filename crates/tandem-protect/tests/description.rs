@@ -137,6 +137,11 @@ fn descriptions_that_cannot_be_honoured_are_refused_clearly() {
         (format!("{disk}[boot]\nfirmware = \"ovmf\"\n"), "UEFI"),
         (format!("workload = \"kv\"\n{disk}"), "lab guest"),
         (format!("colour = \"blue\"\n{disk}"), "colour"),
+        (format!("extra_args = [\"-drive\", \"file=x.img\"]\n{disk}"), "[[disk]]"),
+        (format!("extra_args = [\"-netdev\", \"tap,id=t\"]\n{disk}"), "[[nic]]"),
+        (format!("machine = \"pc-q35-7.2,accel=kvm\"\n{disk}"), "q35 or pc"),
+        (format!("{disk}[[nic]]\nmac = \"52:54:00:00:00:01\"\nforward = [\"tcp:127.0.0.1:1-:2,guestfwd=x\"]\n"), "host forward"),
+        (format!("{disk}[boot]\ninitrd = \"root.raw\"\n"), "need a `kernel`"),
         (
             "[boot]\nfirmware = \"seabios\"\n".to_string(),
             "needs a disk",
@@ -226,6 +231,7 @@ fn libvirt_direct_kernel_boot_and_refusals() {
     let (_, unmapped) = import(&fixture("uefi.xml")).unwrap();
     let named: Vec<&str> = unmapped.iter().map(|u| u.element.as_str()).collect();
     for want in [
+        "os[firmware=efi]",
         "os/loader",
         "os/nvram",
         "memoryBacking",
@@ -238,6 +244,8 @@ fn libvirt_direct_kernel_boot_and_refusals() {
         "<network/>",
         "<domain type='xen'/>",
         "<domain><memory>lots</memory></domain>",
+        "<domain><memory unit='PiB'>1</memory></domain>",
+        "<domain><memory unit='GB'>18446744073709551615</memory></domain>",
     ] {
         let e = import(bad).unwrap_err();
         assert!(!e.to_string().is_empty());

@@ -192,7 +192,20 @@ const OWNED: &[(&str, &str)] = &[
     ("-append", "use [boot] cmdline"),
     ("-name", "tandem names its QEMU processes"),
     ("-nodefaults", "tandem sets it"),
+    ("-drive", DEVICES),
+    ("-blockdev", DEVICES),
+    ("-hda", DEVICES),
+    ("-hdb", DEVICES),
+    ("-hdc", DEVICES),
+    ("-hdd", DEVICES),
+    ("-cdrom", DEVICES),
+    ("-netdev", DEVICES),
+    ("-nic", DEVICES),
+    ("-net", DEVICES),
 ];
+
+/// Why disks and NICs must not come in through extra arguments.
+const DEVICES: &str = "describe disks and NICs with [[disk]] and [[nic]]: tandem must capture every disk's writes and hold every NIC's output";
 
 /// The description cannot be honoured.
 #[derive(Debug, thiserror::Error)]
@@ -309,9 +322,13 @@ pub fn check(
     nics: &[NicDesc],
     extra_args: &[String],
 ) -> Result<(), DescError> {
-    let machine_ok = ["q35", "pc"].contains(&machine)
-        || machine.starts_with("pc-q35-")
-        || machine.starts_with("pc-i440fx-");
+    let plain = machine
+        .chars()
+        .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | '_'));
+    let machine_ok = plain
+        && (["q35", "pc"].contains(&machine)
+            || machine.starts_with("pc-q35-")
+            || machine.starts_with("pc-i440fx-"));
     if !machine_ok {
         return Err(invalid(format!(
             "machine {machine:?} is not supported: use q35 or pc (or a versioned pc-q35-*/pc-i440fx-*)"
@@ -342,6 +359,22 @@ pub fn check(
         if !macs.insert(n.mac.to_ascii_lowercase()) {
             return Err(invalid(format!("two NICs have the MAC address {}", n.mac)));
         }
+        if let NicNet::User { forwards } = &n.net {
+            for f in forwards {
+                let (proto, rest) = f.split_once(':').unwrap_or(("", ""));
+                let ok = ["tcp", "udp"].contains(&proto)
+                    && rest.contains('-')
+                    && !f.contains(',')
+                    && f.chars()
+                        .all(|c| c.is_ascii_alphanumeric() || ":.-".contains(c));
+                if !ok {
+                    return Err(invalid(format!(
+                        "NIC {} forward {f:?} is not a host forward such as tcp:127.0.0.1:2222-:22",
+                        n.mac
+                    )));
+                }
+            }
+        }
         if !NIC_MODELS.contains(&n.model.as_str()) {
             return Err(invalid(format!(
                 "NIC model {:?} is not supported: use one of {}",
@@ -355,6 +388,10 @@ pub fn check(
 
 fn check_disk(d: &DiskDesc) -> Result<(), DescError> {
     readable("disk image", &d.path)?;
+    if d.slice.is_some() {
+        // A slice of a backup's copy: raw by construction, its first bytes are another disk's.
+        return Ok(());
+    }
     let actual = DiskFormat::detect(&d.path).map_err(|source| DescError::File {
         what: "disk image",
         path: d.path.clone(),

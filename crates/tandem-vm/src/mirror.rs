@@ -63,14 +63,21 @@ impl Vm {
                     "file": {"driver": "nbd", "server": {"type": "unix", "path": socket}, "export": ""}
                 })),
             )?;
-            self.qmp.execute(
+            let started = self.qmp.execute(
                 "blockdev-mirror",
                 Some(json!({
                     "job-id": job(s.disk), "device": format!("disk{}", s.disk), "target": node,
                     "sync": "full", "copy-mode": "write-blocking",
                     "auto-finalize": false, "auto-dismiss": false
                 })),
-            )?;
+            );
+            if let Err(e) = started {
+                // Leave no target node behind: the next attempt adds it again.
+                let _ = self
+                    .qmp
+                    .execute("blockdev-del", Some(json!({"node-name": node})));
+                return Err(e.into());
+            }
             self.mirrors.push(s.disk);
         }
         let t = Instant::now();
@@ -107,7 +114,12 @@ impl Vm {
             }
             std::thread::sleep(Duration::from_millis(50));
         }
-        self.qmp.take_events();
+        // Events read while waiting: a job that failed after its last poll must not be
+        // forgotten (its writes would be missing from every later epoch).
+        let events = self.qmp.take_events();
+        if let Some(why) = events.iter().find_map(|e| mirror_failure(e, &self.mirrors)) {
+            return Err(VmError::Mirror(why));
+        }
         self.mirror_health.set(None);
         Ok(())
     }

@@ -98,7 +98,8 @@ fn disks(config: &VmConfig, a: &mut Vec<String>) {
             drive.push_str(",readonly=on");
         }
         if let Some((offset, size)) = d.slice {
-            drive.push_str(&format!(",offset={offset},size={size}"));
+            // Several slices of one copy file are open in one QEMU: no image locking.
+            drive.push_str(&format!(",offset={offset},size={size},file.locking=off"));
         }
         let mut dev = match d.bus {
             DiskBus::VirtioBlk => format!("virtio-blk-pci,drive=disk{i}"),
@@ -188,7 +189,7 @@ mod tests {
             "-device virtio-scsi-pci,id=scsi0",
             "file=/img/a,,b.qcow2,format=qcow2,if=none,id=disk0,cache=none,aio=native",
             "scsi-hd,drive=disk0,bus=scsi0.0,bootindex=0",
-            "file=/img/data.raw,format=raw,if=none,id=disk1,readonly=on,offset=1048576,size=1073741824",
+            "file=/img/data.raw,format=raw,if=none,id=disk1,readonly=on,offset=1048576,size=1073741824,file.locking=off",
             "virtio-blk-pci,drive=disk1",
             "user,id=n0,hostfwd=tcp:127.0.0.1:2222-:22",
             "e1000,netdev=n0,mac=52:54:00:aa:bb:cc",

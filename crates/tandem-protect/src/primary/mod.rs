@@ -322,7 +322,19 @@ fn wait_for_backup(d: &mut Daemon<'_>, vm: &mut Vm) -> Result<Option<TcpStream>,
             d.status.warn(format!(
                 "{why}: the disk capture missed writes; mirroring every disk again before the re-sync"
             ));
-            d.site.start_capture(vm)?;
+            d.watchdog
+                .allow(d.site.capture_timeout() + Duration::from_secs(30));
+            let r = d.site.start_capture(vm);
+            d.watchdog.beat();
+            if let Err(e) = r {
+                // Output stays held; try again (the guest keeps running meanwhile).
+                d.status.warn(format!(
+                    "re-mirroring failed ({}); retrying in 5 s",
+                    crate::chain(&e)
+                ));
+                std::thread::sleep(Duration::from_secs(5));
+                continue;
+            }
         }
         if let Some(disk) = &d.site.disk {
             disk.reset_log();

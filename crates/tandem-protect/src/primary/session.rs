@@ -217,10 +217,11 @@ impl Daemon<'_> {
                 .map_err(|e| CopyError::Link(format!("reading the data disk: {e}")))?;
             if let Some(f) = self.proto.disk_base_frame(off, &buf[..n]) {
                 link::send(w, &f)?;
-                self.watchdog.beat();
-                if shared.is_lost() {
-                    return Err(CopyError::Link(shared.why()));
-                }
+            }
+            // Zero chunks send nothing, but reading them is progress too.
+            self.watchdog.beat();
+            if shared.is_lost() {
+                return Err(CopyError::Link(shared.why()));
             }
             off += n as u64;
         }

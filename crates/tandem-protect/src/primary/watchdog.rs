@@ -52,6 +52,13 @@ impl Watchdog {
         )
     }
 
+    /// The main loop is about to do something that may take up to `d` (re-mirroring a disk):
+    /// it counts as progress until then.
+    pub fn allow(&self, d: Duration) {
+        let until = self.now_ms().saturating_add(d.as_millis() as u64);
+        self.last_ms.store(until, Ordering::SeqCst);
+    }
+
     /// The main loop made progress.
     pub fn beat(&self) {
         self.last_ms.store(self.now_ms(), Ordering::SeqCst);
