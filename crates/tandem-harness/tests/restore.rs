@@ -8,11 +8,7 @@ use tandem_harness::kv::{wait_for_server, KvClient};
 use tandem_vm::{DirtyMode, Vm, VmConfig};
 
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    tandem_protect::vmspec::free_port().unwrap()
 }
 
 fn boot(workload: &str, dirty: DirtyMode) -> Vm {

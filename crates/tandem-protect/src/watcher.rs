@@ -170,14 +170,7 @@ impl EpochSink for WatchSink<'_> {
     fn checkpoint(&mut self, cp: &Checkpoint<'_>) -> bool {
         self.dirty.push(cp.pfns.len() as f64);
         self.pause.push(cp.timing.total_us() as f64 / 1000.0);
-        let t = cp.timing;
-        for (v, x) in self.comps.iter_mut().zip([
-            t.stop_us,
-            t.harvest_us,
-            t.copy_us,
-            t.devstate_us,
-            t.cont_us,
-        ]) {
+        for (v, x) in self.comps.iter_mut().zip(cp.timing.components_us()) {
             v.push(x as f64 / 1000.0);
         }
         self.dev = cp.device_state.len();

@@ -33,8 +33,8 @@ pub struct PauseTiming {
 }
 
 impl PauseTiming {
-    /// The whole pause (type II downtime), saturating at `u32::MAX` µs.
-    pub fn total_us(&self) -> u32 {
+    /// The components in order: stop, harvest, copy, device state, cont (µs).
+    pub fn components_us(&self) -> [u32; 5] {
         [
             self.stop_us,
             self.harvest_us,
@@ -42,8 +42,13 @@ impl PauseTiming {
             self.devstate_us,
             self.cont_us,
         ]
-        .iter()
-        .fold(0u32, |a, &v| a.saturating_add(v))
+    }
+
+    /// The whole pause (type II downtime), saturating at `u32::MAX` µs.
+    pub fn total_us(&self) -> u32 {
+        self.components_us()
+            .iter()
+            .fold(0u32, |a, &v| a.saturating_add(v))
     }
 }
 

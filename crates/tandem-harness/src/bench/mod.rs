@@ -304,13 +304,7 @@ impl Lab {
                 let t = cp.timing;
                 dirty.push(cp.pfns.len() as f64);
                 pause.push(t.total_us() as f64 / 1000.0);
-                for (v, x) in comps.iter_mut().zip([
-                    t.stop_us,
-                    t.harvest_us,
-                    t.copy_us,
-                    t.devstate_us,
-                    t.cont_us,
-                ]) {
+                for (v, x) in comps.iter_mut().zip(t.components_us()) {
                     v.push(x as f64 / 1000.0);
                 }
                 harvest.push((cp.pfns.len() as u64, t.harvest_us as f64 / 1000.0));
