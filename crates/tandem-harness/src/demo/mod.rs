@@ -8,7 +8,9 @@
 mod capture;
 mod client;
 mod daemon;
+mod debian;
 pub(crate) mod fault;
+mod pg;
 mod phases;
 pub(crate) mod round;
 mod steps;
@@ -26,9 +28,14 @@ use tandem_protect::stats::quantile;
 /// `tandem demo` flags.
 #[derive(clap::Args)]
 pub struct Args {
-    /// Failover rounds (each boots a fresh primary and backup and kills the primary once).
-    #[arg(long, default_value_t = 1)]
-    pub rounds: usize,
+    /// The VM to protect: `lab` (tandem's lab guest running redis) or `debian` (the Debian 12
+    /// VM from `tandem setup --debian` with PostgreSQL and SSH, described as your own VM).
+    #[arg(long, default_value = "lab")]
+    pub vm: String,
+    /// Failover rounds (each boots a fresh primary and backup and kills the primary once;
+    /// default 1 for the lab guest, 5 for debian).
+    #[arg(long)]
+    pub rounds: Option<usize>,
     /// Seconds of replicated client load before the kill (a random 0–50 % is added per round).
     #[arg(long, default_value_t = 10)]
     pub before: u64,
@@ -103,7 +110,13 @@ fn next(seed: &mut u64) -> u64 {
 
 /// Runs the demo.
 pub fn run(a: Args) -> anyhow::Result<()> {
-    if a.rounds == 0 {
+    match a.vm.as_str() {
+        "lab" => {}
+        "debian" => return run_debian(a),
+        other => bail!("--vm {other:?}: use lab or debian"),
+    }
+    let rounds = a.rounds.unwrap_or(1);
+    if rounds == 0 {
         bail!("--rounds must be at least 1");
     }
     let exe = std::env::current_exe().context("locating the tandem binary")?;
@@ -121,7 +134,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let pb = indicatif::ProgressBar::new_spinner();
     pb.enable_steady_tick(Duration::from_millis(200));
     let mut results = Vec::new();
-    for r in 1..=a.rounds {
+    for r in 1..=rounds {
         let jitter = next(&mut seed) % (a.before * 500 + 1);
         let stall = (a.mid_transfer_round == Some(r)).then(|| 20 + next(&mut seed) % 40);
         let o = Opts {
@@ -193,6 +206,112 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     }
     if !s.ok {
         bail!("the checks failed (see the summary above)");
+    }
+    Ok(())
+}
+
+#[derive(Serialize)]
+struct DebianSummary {
+    ok: bool,
+    rounds: Vec<debian::DebianRound>,
+    commits_acked: u64,
+    commits_lost: u64,
+    link: String,
+    epoch_ms: u64,
+}
+
+/// `tandem demo --vm debian`: rounds of boot, protect, commit, kill, fail over, check.
+fn run_debian(a: Args) -> anyhow::Result<()> {
+    let rounds = a.rounds.unwrap_or(5);
+    if rounds == 0 {
+        bail!("--rounds must be at least 1");
+    }
+    if a.disk_capture != "nbd" || !a.faults.is_empty() || a.backup_tmpfs {
+        bail!("--vm debian always captures its disk by mirroring and kills the primary host; --disk-capture, --faults and --backup-tmpfs are for the lab guest");
+    }
+    let vm = pg::DebianVm::cached()?;
+    let exe = std::env::current_exe().context("locating the tandem binary")?;
+    let lab = NetLab::create(&format!("td{}", std::process::id() % 100_000), a.rate_mbit)
+        .context("creating the network lab (tandem demo needs root for network namespaces)")?;
+    // On disk, not /dev/shm: the overlay and the backup's disk copy grow with the guest's writes.
+    let dir = tempfile::Builder::new()
+        .prefix("tandem-demo-debian-")
+        .tempdir_in(&vm.dir)?;
+    tandem_vm::stale::mark_owned(dir.path())?;
+    let shm = tempfile::Builder::new()
+        .prefix("tandem-demo-debian-")
+        .tempdir_in("/dev/shm")?;
+    tandem_vm::stale::mark_owned(shm.path())?;
+    let mut seed = a.seed.unwrap_or_else(tandem_protect::unix_ms) | 1;
+    eprintln!(
+        "tandem demo --vm debian: {rounds} round(s); clients on bridge br0 in netns {}, primary host {}, backup host {} (link {}); logs in {}",
+        lab.clients, lab.primary, lab.backup, lab.shaping, dir.path().display()
+    );
+    let pb = indicatif::ProgressBar::new_spinner();
+    pb.enable_steady_tick(Duration::from_millis(200));
+    let mut out = Vec::new();
+    for r in 1..=rounds {
+        let jitter = next(&mut seed) % (a.before * 500 + 1);
+        let o = debian::DebianOpts {
+            exe: exe.clone(),
+            lab: &lab,
+            vm: pg::DebianVm::cached()?,
+            dir: dir.path().to_path_buf(),
+            shm: shm.path().to_path_buf(),
+            epoch_ms: a.epoch_ms,
+            timeout_ms: a.timeout_ms,
+            codec: a.codec.clone(),
+            before: Duration::from_millis(a.before * 1000 + jitter),
+            after: Duration::from_secs(a.after),
+        };
+        let res = match debian::round(r, &o, &pb) {
+            Ok(res) => res,
+            Err(e) => {
+                let kept = dir.keep();
+                return Err(e.context(format!("round {r} (logs kept in {})", kept.display())));
+            }
+        };
+        debian::line(&pb, &res);
+        // Each round's overlay and disk copy can go once it is checked (its logs stay).
+        let rdir = dir.path().join(format!("round{r}"));
+        let _ = std::fs::remove_file(rdir.join("disk.qcow2"));
+        out.push(res);
+    }
+    pb.finish_and_clear();
+    let kept = dir.keep();
+    eprintln!("logs of every round: {}", kept.display());
+    let s = DebianSummary {
+        ok: out.iter().all(|r| r.ok()),
+        commits_acked: out.iter().map(|r| r.commits_acked).sum(),
+        commits_lost: out.iter().map(|r| r.commits_lost).sum(),
+        link: lab.shaping.clone(),
+        epoch_ms: a.epoch_ms,
+        rounds: out,
+    };
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&s)?);
+    } else {
+        let med = |f: &dyn Fn(&debian::DebianRound) -> f64| {
+            quantile(&s.rounds.iter().map(f).collect::<Vec<f64>>(), 0.5)
+        };
+        println!(
+            "summary: Debian 12 + PostgreSQL, {} kill(s), link {}, {} ms epochs: {} commits acknowledged, {} lost; boot {:.0} s; pause p50 {:.1} ms p99 {:.1} ms; {:.1} commits/s replicated vs {:.1} after failover; kill -> guest running {:.0} ms (median)  =>  {}",
+            s.rounds.len(),
+            s.link,
+            s.epoch_ms,
+            s.commits_acked,
+            s.commits_lost,
+            med(&|r| r.boot_s),
+            med(&|r| r.pause_ms_p50),
+            med(&|r| r.pause_ms_p99),
+            med(&|r| r.commits_per_s_replicated),
+            med(&|r| r.commits_per_s_after_failover),
+            med(&|r| r.kill_to_running_ms),
+            if s.ok { "OK" } else { "FAILED" }
+        );
+    }
+    if !s.ok {
+        bail!("the checks failed (see the rounds above)");
     }
     Ok(())
 }

@@ -264,6 +264,15 @@ fn accept_within(
     Ok(r)
 }
 
+/// Whether `dir` is on a file system that lives in memory (tmpfs, hugetlbfs).
+fn in_memory_fs(dir: &std::path::Path) -> bool {
+    const TMPFS: i64 = 0x0102_1994;
+    const HUGETLBFS: i64 = 0x9584_58f6;
+    // f_type's integer type differs between architectures.
+    #[allow(clippy::unnecessary_cast)]
+    rustix::fs::statfs(dir).is_ok_and(|s| [TMPFS, HUGETLBFS].contains(&(s.f_type as i64)))
+}
+
 /// Runs the backup until told to stop: applies and acknowledges epochs; fails over when the
 /// primary is lost while a consistent epoch exists, then runs the guest.
 pub fn run(cfg: BackupConfig, status: Status) -> Result<(), BackupError> {
@@ -272,6 +281,12 @@ pub fn run(cfg: BackupConfig, status: Status) -> Result<(), BackupError> {
     std::fs::create_dir_all(&cfg.dir).map_err(io(format!("creating {}", cfg.dir.display())))?;
     let site = Site::prepare(&cfg.site, &cfg.dir, Role::Backup, &mut vmc)?;
     let mirror_path = cfg.dir.join("mirror.ram");
+    if !in_memory_fs(&cfg.dir) {
+        status.warn(format!(
+            "{} is not on a tmpfs or hugetlbfs: the guest's RAM mirror there is written back to disk by the kernel and a failover resume takes far longer (hundreds of ms); use a directory in /dev/shm",
+            cfg.dir.display()
+        ));
+    }
     // SAFETY: this process is the mirror's only writer; the standby QEMU maps it but runs only
     // after `resume`, which is called once the mirror is no longer written.
     let mirror = unsafe { MirrorFile::create(&mirror_path, vmc.mem_mib << 20) }

@@ -1,0 +1,375 @@
+//! `tandem demo --vm debian`: your own VM under protection. The Debian 12 test VM (`tandem
+//! setup --debian`: firmware boot from a qcow2 disk, 2 vCPUs, 1 GiB, systemd, PostgreSQL,
+//! OpenSSH) runs under `tandem primary`/`tandem backup` in the demo's namespaces, its disk
+//! captured with blockdev-mirror and its NIC on the clients' bridge with output held until
+//! acknowledged. Each round boots it from a fresh copy-on-write overlay of the image, starts a
+//! `psql` session committing rows and an SSH session from the clients' namespace, kills the
+//! primary host (its tandem and QEMU, SIGKILL) at a random time, and checks after failover:
+//! every acknowledged commit is in the database, the postmaster was not restarted (same start
+//! time), both sessions survived, `pg_amcheck` finds no corruption, and nothing of the
+//! primary's copy got out once the backup ran the guest.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use indicatif::ProgressBar;
+use serde::Serialize;
+use tandem_net::lab::{BACKUP_IP, GUEST_IP};
+use tandem_net::NetLab;
+use tandem_protect::stats::quantile;
+
+use super::capture::Capture;
+use super::daemon::Daemon;
+use super::pg::{self, Committer, DebianVm, Ticker};
+use super::phases::{copy_stopped, field, Clock};
+use super::round::{Epochs, MIB};
+use super::say;
+use super::steps::{leftovers, read_report};
+
+/// What a Debian round found.
+#[derive(Serialize, Debug)]
+pub struct DebianRound {
+    pub round: usize,
+    /// Boot to the guest's ready marker, under the primary.
+    pub boot_s: f64,
+    /// Ready to the third acknowledged epoch (disk mirror pass + RAM copy).
+    pub protect_s: f64,
+    pub kill_after_s: f64,
+    pub epochs_acked: u64,
+    pub raw_mib: f64,
+    pub sent_mib: f64,
+    pub pause_ms_p50: f64,
+    pub pause_ms_p99: f64,
+    /// Commits per second acknowledged while replicated, and on the backup after failover
+    /// (unprotected: the same VM's native rate in the same round).
+    pub commits_per_s_replicated: f64,
+    pub commits_per_s_after_failover: f64,
+    pub commit_latency_ms_p50: f64,
+    pub commit_latency_ms_p99: f64,
+    pub commits_acked: u64,
+    pub commits_lost: u64,
+    pub first_lost: Option<u64>,
+    pub psql_session_survived: bool,
+    pub psql_error: Option<String>,
+    pub postmaster_start_before: String,
+    pub postmaster_start_after: String,
+    pub ssh_session_survived: bool,
+    pub ssh_ticks_after_failover: usize,
+    pub amcheck: String,
+    pub detection_ms: f64,
+    pub resume_after_detection_ms: f64,
+    pub kill_to_running_ms: f64,
+    /// Longest time between two acknowledged commits around the kill.
+    pub commit_gap_ms: f64,
+    pub primary_frames_after_failover: u64,
+    pub primary_copy_stopped: bool,
+    pub leftovers: Vec<String>,
+}
+
+impl DebianRound {
+    pub fn ok(&self) -> bool {
+        self.commits_lost == 0
+            && self.commits_acked > 0
+            && self.psql_session_survived
+            && !self.postmaster_start_before.is_empty()
+            && self.postmaster_start_before == self.postmaster_start_after
+            && self.ssh_session_survived
+            && self.ssh_ticks_after_failover > 0
+            && self.amcheck == "ok"
+            && self.primary_frames_after_failover == 0
+            && self.primary_copy_stopped
+            && self.leftovers.is_empty()
+    }
+}
+
+/// The demo's settings for the Debian VM.
+pub struct DebianOpts<'a> {
+    pub exe: PathBuf,
+    pub lab: &'a NetLab,
+    pub vm: DebianVm,
+    /// The rounds' overlays and logs (on disk).
+    pub dir: PathBuf,
+    /// The daemons' directories: the backup's RAM mirror must be in memory (/dev/shm).
+    pub shm: PathBuf,
+    pub epoch_ms: u64,
+    pub timeout_ms: u64,
+    pub codec: String,
+    pub before: Duration,
+    pub after: Duration,
+}
+
+/// The round's description: the image as a fresh overlay, no forwards (the NIC goes on the
+/// clients' bridge through `--tap-netns`).
+fn describe(o: &DebianOpts<'_>, rdir: &Path) -> anyhow::Result<PathBuf> {
+    let overlay = rdir.join("disk.qcow2");
+    let out = std::process::Command::new("qemu-img")
+        .args(["create", "-q", "-f", "qcow2", "-F", "qcow2", "-b"])
+        .arg(&o.vm.image)
+        .arg(&overlay)
+        .output()
+        .context("running qemu-img")?;
+    if !out.status.success() {
+        bail!(
+            "qemu-img create: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    let desc = format!(
+        "# The Debian test VM on a copy-on-write overlay of {image}\n\
+         mem = 1024\nvcpus = 2\nready = \"TANDEM-READY\"\n\n[boot]\nfirmware = \"seabios\"\n\n\
+         [[disk]]\npath = \"{disk}\"\nformat = \"qcow2\"\ncache = \"writeback\"\n\n\
+         [[nic]]\nmac = \"{mac}\"\n",
+        image = o.vm.image.display(),
+        disk = overlay.display(),
+        mac = tandem_vm::LAB_MAC,
+    );
+    let path = rdir.join("vm.toml");
+    std::fs::write(&path, desc)?;
+    Ok(path)
+}
+
+fn daemon_args(o: &DebianOpts<'_>, desc: &Path, v: &mut Vec<String>) {
+    v.extend(["--vm-config".into(), desc.display().to_string()]);
+    v.extend(["--disk-mib", "0", "--tap-netns", &o.lab.clients].map(String::from));
+}
+
+/// One round: boot, protect, commit, kill, fail over, check.
+pub fn round(r: usize, o: &DebianOpts<'_>, pb: &ProgressBar) -> anyhow::Result<DebianRound> {
+    let rdir = o.dir.join(format!("round{r}"));
+    std::fs::create_dir_all(&rdir)?;
+    let desc = describe(o, &rdir)?;
+    let report = rdir.join("failover.json");
+    let jsonl = rdir.join("epochs.jsonl");
+    let mut bargs: Vec<String> = vec!["backup".into(), "--listen".into()];
+    bargs.push(format!("{BACKUP_IP}:7000"));
+    bargs.extend([
+        "--dir".into(),
+        o.shm.join(format!("round{r}-backup")).display().to_string(),
+    ]);
+    bargs.extend(["--timeout-ms".into(), o.timeout_ms.to_string()]);
+    bargs.extend(["--report".into(), report.display().to_string()]);
+    daemon_args(o, &desc, &mut bargs);
+    pb.set_message(format!("round {r}: starting the backup"));
+    let mut backup = Daemon::spawn(
+        "backup",
+        &o.lab.backup,
+        &o.exe,
+        &bargs,
+        rdir.join("backup.log"),
+    )?;
+    backup.wait_line("listening on", Duration::from_secs(60))?;
+    let backup_addr: SocketAddr = format!("{BACKUP_IP}:7000").parse()?;
+    let mut pargs: Vec<String> = vec!["primary".into(), "--backup".into(), backup_addr.to_string()];
+    pargs.extend([
+        "--dir".into(),
+        o.shm
+            .join(format!("round{r}-primary"))
+            .display()
+            .to_string(),
+    ]);
+    pargs.extend(["--codec".into(), o.codec.clone()]);
+    pargs.extend(["--epoch-ms".into(), o.epoch_ms.to_string()]);
+    pargs.extend(["--metrics-jsonl".into(), jsonl.display().to_string()]);
+    daemon_args(o, &desc, &mut pargs);
+    pb.set_message(format!(
+        "round {r}: booting Debian under the primary (firmware, GRUB, systemd, PostgreSQL; TCG is slow)"
+    ));
+    let t = Instant::now();
+    let mut primary = Daemon::spawn(
+        "primary",
+        &o.lab.primary,
+        &o.exe,
+        &pargs,
+        rdir.join("primary.log"),
+    )?;
+    let ready = primary.wait_line("guest ready", Duration::from_secs(400))?;
+    let boot_s = t.elapsed().as_secs_f64();
+    let qemu: u32 = ready
+        .split("QEMU pid ")
+        .nth(1)
+        .and_then(|r| r.split(',').next())
+        .and_then(|p| p.trim().parse().ok())
+        .unwrap_or(0);
+    let mut ep = Epochs::default();
+    let t = Instant::now();
+    while ep.acked < 3 {
+        pb.set_message(format!(
+            "round {r}: copying the disk (blockdev-mirror) and RAM to the backup, {:.0} s",
+            t.elapsed().as_secs_f64()
+        ));
+        if primary.exited() || backup.exited() || t.elapsed() > Duration::from_secs(600) {
+            bail!(
+                "the pair did not reach protection; logs in {}",
+                rdir.display()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(200));
+        ep.poll(&jsonl);
+    }
+    let protect_s = t.elapsed().as_secs_f64();
+    let ns = o.lab.clients.as_str();
+    pg::wait_ready(ns, GUEST_IP, Duration::from_secs(60))?;
+    let postmaster_start_before = pg::query(ns, GUEST_IP, "SELECT pg_postmaster_start_time()")?;
+    let capture = Capture::start(ns, "tdp0")?;
+    let clock = Clock::now();
+    let mut ticker = Ticker::start(ns, &o.vm.key, GUEST_IP)?;
+    let committer = Committer::start(ns, GUEST_IP, r as u64)?;
+    let started = Instant::now();
+    let mut last = Instant::now();
+    while started.elapsed() < o.before {
+        std::thread::sleep(Duration::from_millis(100));
+        ep.poll(&jsonl);
+        if last.elapsed() >= Duration::from_secs(1) {
+            last = Instant::now();
+            pb.set_message(format!(
+                "round {r}: replicating | epoch {} acked | {} commits acknowledged | pause p50 {:.1} ms",
+                ep.acked,
+                committer.count(),
+                quantile(&ep.pauses, 0.5)
+            ));
+        }
+        if primary.exited() || backup.exited() {
+            bail!(
+                "a daemon exited during replication; logs in {}",
+                rdir.display()
+            );
+        }
+    }
+    let commits_at_kill = committer.count();
+    let kill_after_s = started.elapsed().as_secs_f64();
+    pb.set_message(format!("round {r}: killing the primary host"));
+    let (kill_at, kill_unix) = (Instant::now(), tandem_protect::unix_ms());
+    primary.kill_host();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let rep = loop {
+        if let Some(v) = read_report(&report) {
+            break v;
+        }
+        if backup.exited() || Instant::now() > deadline {
+            bail!("the backup did not fail over; see {}", backup.log.display());
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let primary_copy_stopped = copy_stopped(qemu);
+    let running = clock.at(field(&rep, "running_at_ms"));
+    let commits_at_running = committer.count();
+    let t = Instant::now();
+    while t.elapsed() < o.after {
+        std::thread::sleep(Duration::from_millis(200));
+        pb.set_message(format!(
+            "round {r}: running on the backup | {} commits since failover",
+            committer.count() - commits_at_running
+        ));
+    }
+    let after_s = t.elapsed().as_secs_f64();
+    let (ssh_alive, ssh_ticks) = ticker.alive_and_ticks_after(running);
+    drop(ticker);
+    let (acked, psql_error) = committer.stop();
+    pb.set_message(format!(
+        "round {r}: checking every acknowledged commit, the postmaster, pg_amcheck"
+    ));
+    let ids: Vec<u64> = acked.iter().map(|a| a.1).collect();
+    let lost = pg::missing(ns, GUEST_IP, &ids)?;
+    let postmaster_start_after = pg::query(ns, GUEST_IP, "SELECT pg_postmaster_start_time()")?;
+    let amcheck = match pg::amcheck(ns, &o.vm.key, GUEST_IP)? {
+        Ok(()) => "ok".to_string(),
+        Err(e) => e,
+    };
+    // Latency: time between consecutive acknowledgements before the kill (one session, one
+    // commit at a time); the gap: the longest pause in acknowledgements around the kill.
+    let lat: Vec<f64> = acked
+        .windows(2)
+        .filter(|w| w[1].0 < kill_at)
+        .map(|w| w[1].0.duration_since(w[0].0).as_secs_f64() * 1000.0)
+        .collect();
+    let gap = acked
+        .windows(2)
+        .filter(|w| w[1].0 > kill_at)
+        .map(|w| w[1].0.duration_since(w[0].0).as_secs_f64() * 1000.0)
+        .take(50)
+        .fold(0.0, f64::max);
+    let after_failover = capture.after(running + Duration::from_millis(200)) as u64;
+    drop(capture);
+    backup.terminate(Duration::from_secs(15));
+    std::thread::sleep(Duration::from_millis(300));
+    let mut left = leftovers(&rdir, &[backup.pid(), primary.pid()]);
+    for side in ["backup", "primary"] {
+        let d = o.shm.join(format!("round{r}-{side}"));
+        left.extend(
+            leftovers(&d, &[])
+                .into_iter()
+                .filter(|l| !l.starts_with("process")),
+        );
+        for f in ["mirror.ram", "disk.img"] {
+            if d.join(f).exists() {
+                left.push(format!("file {}", d.join(f).display()));
+            }
+        }
+        let _ = std::fs::remove_dir_all(&d);
+    }
+    let detected = field(&rep, "detected_at_ms");
+    Ok(DebianRound {
+        round: r,
+        boot_s,
+        protect_s,
+        kill_after_s,
+        epochs_acked: ep.acked,
+        raw_mib: ep.raw as f64 / MIB,
+        sent_mib: ep.sent as f64 / MIB,
+        pause_ms_p50: quantile(&ep.pauses, 0.5),
+        pause_ms_p99: quantile(&ep.pauses, 0.99),
+        commits_per_s_replicated: commits_at_kill as f64 / kill_after_s,
+        commits_per_s_after_failover: (ids.len() as u64 - commits_at_running) as f64 / after_s,
+        commit_latency_ms_p50: quantile(&lat, 0.5),
+        commit_latency_ms_p99: quantile(&lat, 0.99),
+        commits_acked: ids.len() as u64,
+        commits_lost: lost.len() as u64,
+        first_lost: lost.first().copied(),
+        psql_session_survived: psql_error.is_none(),
+        psql_error,
+        postmaster_start_before,
+        postmaster_start_after,
+        ssh_session_survived: ssh_alive,
+        ssh_ticks_after_failover: ssh_ticks,
+        amcheck,
+        detection_ms: detected.saturating_sub(kill_unix) as f64,
+        resume_after_detection_ms: rep
+            .get("resume_ms")
+            .and_then(|v| v.as_f64())
+            .unwrap_or(f64::NAN),
+        kill_to_running_ms: field(&rep, "running_at_ms").saturating_sub(kill_unix) as f64,
+        commit_gap_ms: gap,
+        primary_frames_after_failover: after_failover,
+        primary_copy_stopped,
+        leftovers: left,
+    })
+}
+
+/// One line per round for the operator.
+pub fn line(pb: &ProgressBar, d: &DebianRound) {
+    say(
+        pb,
+        format!(
+            "round {}: booted in {:.0} s, protected {:.0} s later; killed {:.1} s into replication; guest running on the backup {:.0} ms after the kill ({:.0} ms detection + {:.1} ms resume); {} commits acknowledged, {} lost; psql session {}, SSH session {} ({} ticks after failover); postmaster start {}; pg_amcheck {}; primary frames after failover {}; leftovers {}  =>  {}",
+            d.round,
+            d.boot_s,
+            d.protect_s,
+            d.kill_after_s,
+            d.kill_to_running_ms,
+            d.detection_ms,
+            d.resume_after_detection_ms,
+            d.commits_acked,
+            d.commits_lost,
+            if d.psql_session_survived { "survived" } else { "LOST" },
+            if d.ssh_session_survived { "survived" } else { "LOST" },
+            d.ssh_ticks_after_failover,
+            if d.postmaster_start_before == d.postmaster_start_after { "unchanged" } else { "CHANGED" },
+            d.amcheck,
+            d.primary_frames_after_failover,
+            if d.leftovers.is_empty() { "none".to_string() } else { d.leftovers.join(", ") },
+            if d.ok() { "OK" } else { "FAILED" }
+        ),
+    );
+}
