@@ -75,6 +75,11 @@ pub struct RestoreArgs {
     /// Let the restored guest run this long, then stop it (default: until Ctrl-C).
     #[arg(long)]
     pub run_seconds: Option<u64>,
+    /// Where the checkpoint's disks are written when the checkpoints include disks (a new
+    /// raw file; default: restore-<id>-<time>.img in the store). The VM's own images are
+    /// never written.
+    #[arg(long)]
+    pub disk_out: Option<PathBuf>,
     #[arg(long)]
     pub json: bool,
 }
@@ -188,7 +193,8 @@ fn verify(dir: &std::path::Path, json: bool) -> anyhow::Result<()> {
 fn restore(a: RestoreArgs) -> anyhow::Result<()> {
     signals::install_stop_handler();
     let store = open(&a.dir)?;
-    let (vm, summary) = tandem_protect::restorer::restore(&store, a.id, &a.vm.spec())?;
+    let (vm, summary) =
+        tandem_protect::restorer::restore(&store, a.id, &a.vm.spec(), a.disk_out.as_deref())?;
     let tick = summary.guest_tick_after_resume;
     if a.json {
         println!("{}", serde_json::to_string_pretty(&summary)?);
@@ -198,6 +204,12 @@ fn restore(a: RestoreArgs) -> anyhow::Result<()> {
             a.id, summary.total_ms, summary.chain_records, summary.rebuild_ms, summary.qemu_start_ms, summary.resume_ms,
             tick.map(|t| format!(" (console tick {t})")).unwrap_or_default()
         );
+        if let Some(d) = &summary.disk_image {
+            println!(
+                "the checkpoint's disks were rebuilt into {d} in {:.0} ms; the restored guest writes there (your images are untouched)",
+                summary.disk_rebuild_ms
+            );
+        }
     }
     let until = a
         .run_seconds

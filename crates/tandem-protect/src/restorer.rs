@@ -25,12 +25,16 @@ pub struct RestoreSummary {
     pub qemu_start_ms: f64,
     /// Loading the device state and `cont`.
     pub resume_ms: f64,
-    /// All of it.
+    /// All of it (disks included).
     pub total_ms: f64,
     /// The rebuilt RAM matched the checkpoint's checksum.
     pub ram_checksum_verified: bool,
     /// The guest's console tick seen after the resume, if any.
     pub guest_tick_after_resume: Option<u64>,
+    /// The file holding the restored disks (raw, each disk a slice of it), if any.
+    pub disk_image: Option<String>,
+    /// Rebuilding the disks.
+    pub disk_rebuild_ms: f64,
 }
 
 /// The restore failed; nothing is left running.
@@ -39,9 +43,21 @@ pub enum RestoreError {
     /// The VM description is unusable.
     #[error(transparent)]
     Spec(#[from] VmSpecError),
-    /// A writable disk would not match the checkpoint.
-    #[error("disk {0} is writable, and checkpoints do not include your own disks yet: restoring would pair the checkpoint's memory with today's disk. Mark it `readonly = true`")]
+    /// A writable disk, and checkpoints without disks.
+    #[error("disk {0} is writable, and these checkpoints hold no disks (saved from a VM without writable disks): restoring would pair the checkpoint's memory with today's disk. Mark it `readonly = true`, or restore with the description the checkpoints were saved with")]
     WritableDisk(PathBuf),
+    /// The VM's writable disks are not the checkpoints' disks.
+    #[error("the VM does not match the checkpoints' disks: {0}; restore with the description the checkpoints were saved with")]
+    DiskMismatch(String),
+    /// A disk's size could not be read.
+    #[error("reading the VM's disks")]
+    Disks(#[source] crate::site::SiteError),
+    /// The file for the restored disks exists.
+    #[error("{0} exists: choose another --disk-out (a restore never overwrites a file)")]
+    DiskOutExists(PathBuf),
+    /// The checkpoint's disks could not be rebuilt.
+    #[error("rebuilding the disks of checkpoint {0}")]
+    DiskRebuild(u64, #[source] StoreError),
     /// The store holds another guest size.
     #[error("checkpoint is of a {0} MiB guest; pass --mem {0}")]
     Size(u64),
@@ -59,16 +75,77 @@ pub enum RestoreError {
     Resume(#[source] VmError),
 }
 
-/// Restores checkpoint `id` of `store` into a running guest described by `vm`.
-pub fn restore(store: &Store, id: u64, vm: &VmSpec) -> Result<(Vm, RestoreSummary), RestoreError> {
+/// Checks the VM's writable disks against the store's and writes checkpoint `id`'s disks
+/// into `out` (default: `restore-<id>-<time>.img` in the store), pointing `cfg` at it.
+fn restore_disks(
+    store: &Store,
+    id: u64,
+    cfg: &mut tandem_vm::VmConfig,
+    out: Option<&Path>,
+) -> Result<Option<PathBuf>, RestoreError> {
+    let Some(layout) = store.disks() else {
+        return match cfg.writable_disk() {
+            Some(d) => Err(RestoreError::WritableDisk(d.path.clone())),
+            None => Ok(None),
+        };
+    };
+    let (slices, total) = crate::site::capture_slices(cfg).map_err(RestoreError::Disks)?;
+    let mine = tandem_store::disks::DiskLayout::new(
+        slices
+            .iter()
+            .map(|m| tandem_store::disks::DiskSpec {
+                index: m.disk as u32,
+                offset: m.offset,
+                size: m.size,
+                path: cfg.disks[m.disk].path.display().to_string(),
+            })
+            .collect(),
+        total.max(1),
+    );
+    let mine = mine.map_err(|_| {
+        RestoreError::DiskMismatch(
+            "the checkpoints include disks, this VM has no writable disk".into(),
+        )
+    })?;
+    crate::saver::disks::check_layout(layout, &mine).map_err(RestoreError::DiskMismatch)?;
+    let path = out.map(Path::to_path_buf).unwrap_or_else(|| {
+        store
+            .dir()
+            .join(format!("restore-{id}-{}.img", crate::unix_ms()))
+    });
+    if path.exists() {
+        return Err(RestoreError::DiskOutExists(path));
+    }
+    store
+        .materialize_disks(id, &path)
+        .map_err(|e| RestoreError::DiskRebuild(id, e))?;
+    crate::site::open_slices(cfg, &slices, &path);
+    Ok(Some(path))
+}
+
+/// Restores checkpoint `id` of `store` into a running guest described by `vm`; with disks
+/// in the checkpoints, their state goes into a new file (`disk_out`), never into the VM's own
+/// images.
+pub fn restore(
+    store: &Store,
+    id: u64,
+    vm: &VmSpec,
+    disk_out: Option<&Path>,
+) -> Result<(Vm, RestoreSummary), RestoreError> {
     let mut cfg = vm.config("restore")?;
     cfg.dirty = DirtyMode::None;
-    if let Some(d) = cfg.writable_disk() {
-        return Err(RestoreError::WritableDisk(d.path.clone()));
-    }
     if cfg.mem_mib << 20 != store.mem_bytes() {
         return Err(RestoreError::Size(store.mem_bytes() >> 20));
     }
+    if !store.entries().iter().any(|e| e.id == id) {
+        return Err(RestoreError::Store(
+            id,
+            StoreError::NoCheckpoint(id, format!("{} checkpoints", store.entries().len())),
+        ));
+    }
+    let td = Instant::now();
+    let disk_image = restore_disks(store, id, &mut cfg, disk_out)?;
+    let disk_rebuild = td.elapsed();
     let chain = chain_len(store, id);
     let t = Instant::now();
     let path = PathBuf::from(format!(
@@ -85,7 +162,7 @@ pub fn restore(store: &Store, id: u64, vm: &VmSpec) -> Result<(Vm, RestoreSummar
     let r = Instant::now();
     vm.resume(&dev).map_err(RestoreError::Resume)?;
     let resumed = r.elapsed();
-    let total = t.elapsed();
+    let total = td.elapsed();
     let tick = vm.console.wait_tick(Duration::from_secs(20)).ok();
     let ms = |d: Duration| d.as_secs_f64() * 1000.0;
     let summary = RestoreSummary {
@@ -97,6 +174,8 @@ pub fn restore(store: &Store, id: u64, vm: &VmSpec) -> Result<(Vm, RestoreSummar
         total_ms: ms(total),
         ram_checksum_verified: true,
         guest_tick_after_resume: tick,
+        disk_image: disk_image.map(|p| p.display().to_string()),
+        disk_rebuild_ms: ms(disk_rebuild),
     };
     Ok((vm, summary))
 }

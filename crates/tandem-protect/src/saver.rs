@@ -3,6 +3,7 @@
 //! or a stop request. The store is the epoch pipeline's sink ([`StoreSink`]); a checkpoint the
 //! store cannot take (disk full) is skipped and reported, never half-written.
 
+pub mod disks;
 mod report;
 
 use std::path::PathBuf;
@@ -20,6 +21,7 @@ use crate::signals::stopping;
 use crate::stats::quantile;
 use crate::vmspec::{boot, BootError, StartLoad, VmSpec, VmSpecError};
 use crate::Status;
+use disks::{check_layout, CaptureError, DiskCapture};
 use report::SaveLog;
 
 /// What the saver does.
@@ -84,9 +86,17 @@ pub enum SaveError {
     /// The guest did not come up.
     #[error(transparent)]
     Boot(#[from] BootError),
-    /// A writable disk would not be in the checkpoints.
-    #[error("disk {0} is writable, and checkpoints do not include your own disks yet: a restore would pair this memory with a later disk. Mark it `readonly = true` or use `tandem watch`")]
-    WritableDisk(std::path::PathBuf),
+    /// The writable disks could not be captured.
+    #[error(transparent)]
+    Capture(#[from] CaptureError),
+    /// The store's checkpoints hold other disks than this VM's.
+    #[error("{dir} does not fit this VM: {why}; save into a new directory")]
+    Disks {
+        /// The store.
+        dir: String,
+        /// What differs.
+        why: String,
+    },
     /// The store directory holds checkpoints of another guest size.
     #[error("{dir} holds checkpoints of a {store_mib} MiB guest; this VM has {vm_mib} MiB")]
     Size {
@@ -111,13 +121,35 @@ pub enum SaveError {
     Load(String),
 }
 
-/// Opens (continuing) or creates the store for a guest of `bytes`. Takes the store's writer
-/// lock before the guest boots: a second saver stops here.
-fn open_store(cfg: &SaveConfig, bytes: u64) -> Result<Store, SaveError> {
+/// Opens (continuing) or creates the store for a guest of `bytes` (with `disks`, its
+/// checkpoints include them). Takes the store's writer lock before the guest boots: a second
+/// saver stops here.
+fn open_store(
+    cfg: &SaveConfig,
+    bytes: u64,
+    disks: Option<&tandem_store::disks::DiskLayout>,
+) -> Result<Store, SaveError> {
     if !cfg.dir.join("index").exists() {
-        return Ok(Store::create(&cfg.dir, bytes)?);
+        return Ok(match disks {
+            Some(l) => Store::create_with_disks(&cfg.dir, bytes, l.clone())?,
+            None => Store::create(&cfg.dir, bytes)?,
+        });
     }
     let s = Store::open_append(&cfg.dir)?;
+    let differs = match (s.disks(), disks) {
+        (None, None) => None,
+        (Some(a), Some(b)) => check_layout(a, b).err(),
+        (Some(_), None) => {
+            Some("its checkpoints include disks, this VM has no writable disk".into())
+        }
+        (None, Some(_)) => Some("its checkpoints hold no disks, this VM has writable disks".into()),
+    };
+    if let Some(why) = differs {
+        return Err(SaveError::Disks {
+            dir: cfg.dir.display().to_string(),
+            why,
+        });
+    }
     if s.mem_bytes() != bytes {
         return Err(SaveError::Size {
             dir: cfg.dir.display().to_string(),
@@ -128,32 +160,56 @@ fn open_store(cfg: &SaveConfig, bytes: u64) -> Result<Store, SaveError> {
     Ok(s)
 }
 
+/// The first checkpoint, taken by [`live_copy`].
+struct First {
+    ram: Vec<u8>,
+    dev: Vec<u8>,
+    pause: Duration,
+    /// The disk writes since the disk capture's copy began (taken in the same pause), or
+    /// why they are incomplete.
+    writes: Result<Vec<tandem_disk::image::Write>, String>,
+}
+
 /// The first checkpoint's memory, pre-copied while the guest runs: the dirty log restarts (a
 /// short pause), all of RAM is copied with the guest running, and the checkpoint pause then
-/// copies only the pages written meanwhile. Returns RAM, device state and the pause.
-fn live_copy(vm: &mut Vm) -> Result<(Vec<u8>, Vec<u8>, Duration), VmError> {
+/// copies only the pages written meanwhile.
+fn live_copy(vm: &mut Vm, disks: Option<&DiskCapture>) -> Result<First, VmError> {
     vm.reset_dirty_log()?;
     let mut shadow = vec![0u8; vm.ram().len()];
     for (pfn, page) in shadow.chunks_mut(PAGE_SIZE).enumerate() {
         vm.ram().copy_page(pfn as u64, page);
     }
     let (mut pfns, mut pages, mut dev) = (Vec::new(), Vec::new(), Vec::new());
-    let timing = vm.checkpoint(&mut pfns, &mut pages, &mut dev)?;
+    let mut writes = Ok(Vec::new());
+    let mut in_pause = || {
+        if let Some(d) = disks {
+            writes = d.take();
+        }
+    };
+    let timing = vm.checkpoint_with(&mut pfns, &mut pages, &mut dev, &mut in_pause)?;
     for (&p, page) in pfns.iter().zip(pages.chunks(PAGE_SIZE)) {
         let o = p as usize * PAGE_SIZE;
         shadow[o..o + PAGE_SIZE].copy_from_slice(page);
     }
-    Ok((shadow, dev, Duration::from_micros(timing.total_us() as u64)))
+    Ok(First {
+        ram: shadow,
+        dev,
+        pause: Duration::from_micros(timing.total_us() as u64),
+        writes,
+    })
 }
 
 /// Boots the VM and saves checkpoints as `cfg` says.
 pub fn save(cfg: SaveConfig, status: Status) -> Result<SaveSummary, SaveError> {
-    let vmc = cfg.vm.config("save")?;
-    if let Some(d) = vmc.writable_disk() {
-        return Err(SaveError::WritableDisk(d.path.clone()));
-    }
+    let mut vmc = cfg.vm.config("save")?;
     let bytes = vmc.mem_mib << 20;
-    let store = open_store(&cfg, bytes)?;
+    std::fs::create_dir_all(&cfg.dir)
+        .map_err(|e| StoreError::Io(cfg.dir.display().to_string(), e))?;
+    let capture = match vmc.writable_disk() {
+        Some(_) => Some(DiskCapture::prepare(&cfg.dir, &mut vmc)?),
+        None => None,
+    };
+    let mut store = open_store(&cfg, bytes, capture.as_ref().map(|c| c.layout()))?;
     let (mut vm, ready, load) = boot(&vmc, cfg.load.as_ref())?;
     status.info(format!(
         "guest `{}` ready in {:.1} s; saving into {}",
@@ -162,7 +218,26 @@ pub fn save(cfg: SaveConfig, status: Status) -> Result<SaveSummary, SaveError> {
         cfg.dir.display()
     ));
     let codec_cfg = Config::default();
-    let (shadow, dev, first_pause) = live_copy(&mut vm)?;
+    let scratch = store.disk_base_scratch();
+    if let Some(c) = &capture {
+        status.info(format!(
+            "copying the writable disks ({} MiB) into the first disk base",
+            c.layout().total >> 20
+        ));
+        c.start(&mut vm, &scratch)?;
+    }
+    let First {
+        ram: shadow,
+        dev,
+        pause: first_pause,
+        writes,
+    } = live_copy(&mut vm, capture.as_ref())?;
+    if capture.is_some() {
+        let writes =
+            writes.map_err(|why| StoreError::Disk(format!("the disk capture broke: {why}")))?;
+        DiskCapture::apply(&scratch, &writes)?;
+        store.add_disk_base(store.next_id()?, &scratch)?;
+    }
     // The saver keeps the shadow, its hashes and the encoder current from every checkpoint;
     // a checkpoint the store could not take (disk full) is skipped and the next is a base.
     let saver = Saver::new(store, shadow, cfg.codec, codec_cfg, cfg.base_every)?;
@@ -173,11 +248,15 @@ pub fn save(cfg: SaveConfig, status: Status) -> Result<SaveSummary, SaveError> {
         ..Meta::default()
     };
     let mut sink = StoreSink::new(saver, &cfg, status.clone());
+    sink.capture = capture.as_ref();
     let first = sink.saver.checkpoint(&[], &[], &dev, meta)?;
     sink.log.outcome(&first);
     let base_bytes = match first {
         Outcome::Saved { memory_bytes, .. } => memory_bytes as u64,
-        Outcome::Skipped { error, .. } if cfg.interval.is_none() || cfg.count == Some(1) => {
+        // Without the first disk base no later checkpoint's disks could be rebuilt.
+        Outcome::Skipped { error, .. }
+            if cfg.interval.is_none() || cfg.count == Some(1) || capture.is_some() =>
+        {
             return Err(SaveError::NotSaved(error));
         }
         Outcome::Skipped { .. } => 0,
@@ -209,6 +288,8 @@ pub fn save(cfg: SaveConfig, status: Status) -> Result<SaveSummary, SaveError> {
 /// retention, keeps the statistics.
 pub struct StoreSink<'a> {
     saver: Saver,
+    capture: Option<&'a DiskCapture>,
+    writes: Result<Vec<tandem_disk::image::Write>, String>,
     cfg: &'a SaveConfig,
     log: SaveLog,
     status: Status,
@@ -228,6 +309,8 @@ impl<'a> StoreSink<'a> {
     fn new(saver: Saver, cfg: &'a SaveConfig, status: Status) -> Self {
         StoreSink {
             saver,
+            capture: None,
+            writes: Ok(Vec::new()),
             cfg,
             log: SaveLog::new(&cfg.dir, status.clone()),
             status,
@@ -292,8 +375,23 @@ impl<'a> StoreSink<'a> {
 }
 
 impl EpochSink for StoreSink<'_> {
+    fn in_pause(&mut self, _epoch: tandem_vm::Epoch) {
+        if let Some(c) = self.capture {
+            self.writes = c.take();
+        }
+    }
+
     fn checkpoint(&mut self, cp: &Checkpoint<'_>) -> bool {
         let t = Instant::now();
+        let writes = match std::mem::replace(&mut self.writes, Ok(Vec::new())) {
+            Ok(w) => w,
+            Err(why) => {
+                // The disks' state at this checkpoint is unknown: stop rather than store a
+                // checkpoint whose disks would not match its memory.
+                self.err = Some(StoreError::Disk(format!("the disk capture broke: {why}")));
+                return false;
+            }
+        };
         let meta = Meta {
             time_ms: crate::unix_ms(),
             pause_us: cp.timing.total_us(),
@@ -302,7 +400,7 @@ impl EpochSink for StoreSink<'_> {
         };
         match self
             .saver
-            .checkpoint(cp.pfns, cp.pages, cp.device_state, meta)
+            .checkpoint_with_disk(cp.pfns, cp.pages, cp.device_state, writes, meta)
         {
             Ok(o) => {
                 self.log.outcome(&o);

@@ -201,17 +201,7 @@ impl Site {
         role: Role,
         cfg: &mut VmConfig,
     ) -> Result<Site, SiteError> {
-        let mut slices = Vec::new();
-        let mut total = 0u64;
-        for (i, d) in cfg.disks.iter().enumerate().filter(|(_, d)| !d.readonly) {
-            let size = tandem_vm::desc::virtual_size(&d.path, d.format)?;
-            slices.push(MirrorSlice {
-                disk: i,
-                offset: total,
-                size,
-            });
-            total = (total + size).next_multiple_of(1 << 20);
-        }
+        let (slices, total) = capture_slices(cfg)?;
         let path = dir.join("disk.img");
         let io = |e| SiteError::Io(format!("creating {}", path.display()), e);
         let f = std::fs::File::create(&path).map_err(io)?;
@@ -254,16 +244,17 @@ impl Site {
                     std::process::id(),
                     std::os::fd::AsRawFd::as_raw_fd(&copy)
                 ));
-                for s in &slices {
-                    let d = &mut cfg.disks[s.disk];
-                    d.path = by_fd.clone();
-                    d.format = tandem_vm::DiskFormat::Raw;
-                    d.slice = Some((s.offset, s.size));
-                }
+                open_slices(cfg, &slices, &by_fd);
                 site._copy = Some(copy);
             }
         }
         Ok(site)
+    }
+
+    /// The capture of `cfg`'s writable disks alone, as on a primary without network relays
+    /// (the checkpoint saver's).
+    pub fn capture_only(dir: &Path, cfg: &mut VmConfig) -> Result<Site, SiteError> {
+        Self::with_capture(Relays::default(), dir, Role::Primary, cfg)
     }
 
     /// Starts (or restarts) capturing the writable disks of a running VM: a mirror per disk
@@ -281,6 +272,34 @@ impl Site {
     pub fn capture_timeout(&self) -> std::time::Duration {
         let bytes: u64 = self.mirrors.iter().map(|m| m.size).sum();
         std::time::Duration::from_secs((bytes / 20_000_000).max(60))
+    }
+}
+
+/// Where each writable disk of `cfg` lies in the one file that holds them all (1 MiB-aligned
+/// offsets), and that file's size.
+pub fn capture_slices(cfg: &VmConfig) -> Result<(Vec<MirrorSlice>, u64), SiteError> {
+    let mut slices = Vec::new();
+    let mut total = 0u64;
+    for (i, d) in cfg.disks.iter().enumerate().filter(|(_, d)| !d.readonly) {
+        let size = tandem_vm::desc::virtual_size(&d.path, d.format)?;
+        slices.push(MirrorSlice {
+            disk: i,
+            offset: total,
+            size,
+        });
+        total = (total + size).next_multiple_of(1 << 20);
+    }
+    Ok((slices, total))
+}
+
+/// Points `cfg`'s writable disks at their slices of the raw file `path` (a backup's copy, a
+/// restored checkpoint's disks).
+pub fn open_slices(cfg: &mut VmConfig, slices: &[MirrorSlice], path: &Path) {
+    for s in slices {
+        let d = &mut cfg.disks[s.disk];
+        d.path = path.to_path_buf();
+        d.format = tandem_vm::DiskFormat::Raw;
+        d.slice = Some((s.offset, s.size));
     }
 }
 

@@ -10,7 +10,10 @@ use std::os::unix::fs::FileExt;
 
 use tandem_codec::{Codec, Config, Encoder};
 
-use crate::format::{decode_record, encode_record, index_header, Entry, RecordKind};
+use crate::format::{
+    decode_record, encode_record, index_header_version, Entry, RecordKind, INDEX_VERSION,
+    INDEX_VERSION_DISKS,
+};
 use crate::store::{io, seg_name, sync_dir, zeroed, Store, StoreError};
 
 const PAGE: usize = tandem_codec::format::PAGE;
@@ -99,6 +102,14 @@ impl Store {
         let dev = self.materialize_zeroed(r.id, &mut ram)?;
         let base = encode_base(r.id, &ram, codec, cfg)?;
         drop(ram);
+        // With disks, R's disks become a disk base too (before the commit: a base of a
+        // committed checkpoint is valid whether or not the compaction finishes).
+        if self.disks.is_some() && !self.has_disk_base(r.id) {
+            let scratch = self.disk_base_scratch();
+            let _ = fs::remove_file(&scratch);
+            self.materialize_disks(r.id, &scratch)?;
+            self.add_disk_base(r.id, &scratch)?;
+        }
         let sp = &w.segment.clone();
         let seg = OpenOptions::new()
             .create_new(true)
@@ -149,7 +160,12 @@ impl Store {
             .write(true)
             .open(tmp)
             .map_err(io(tmp))?;
-        let mut bytes = index_header(self.mem_bytes).to_vec();
+        let version = if self.disks.is_some() {
+            INDEX_VERSION_DISKS
+        } else {
+            INDEX_VERSION
+        };
+        let mut bytes = index_header_version(self.mem_bytes, version).to_vec();
         for e in &entries {
             bytes.extend_from_slice(&e.encode());
         }
@@ -171,8 +187,9 @@ impl Store {
         if crash == Some(CrashPoint::Renamed) {
             return Ok(0);
         }
-        // The new state is committed; old segments are garbage from here on.
+        // The new state is committed; old segments and disk bases are garbage from here on.
         self.remove_unreferenced()?;
+        self.drop_disk_bases(|id| id < r.id)?;
         Ok(dropped)
     }
 }

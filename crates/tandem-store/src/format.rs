@@ -2,7 +2,8 @@
 //!
 //! ```text
 //! index (file `index`):
-//!   header 32 bytes: magic "TNDMIDX1" | version u32 = 1 | page_size u32 | mem_bytes u64 |
+//!   header 32 bytes: magic "TNDMIDX1" | version u32 (1, or 2: with disks, see
+//!                    crate::disks) | page_size u32 | mem_bytes u64 |
 //!                    reserved u32 | crc32c u32 over bytes 0..28
 //!   entries, 64 bytes each, appended in checkpoint order:
 //!      0 magic "TIDX"   4 kind u8 (1 base, 2 delta)   5..8 zero
@@ -13,18 +14,25 @@
 //!
 //! segment record (file `seg-NNNNNNNN.tseg`, records back to back):
 //!   header 32 bytes: magic "TSEG" | kind u8 | 3 zero | id u64 | mem_len u32 | dev_len u32 |
-//!                    reserved u32 | crc32c u32 over header bytes 0..28 and the payload
+//!                    disk_len u32 (0 in version 1) | crc32c u32 over header bytes 0..28
+//!                    and the payload
 //!   payload: memory record (tandem-codec epoch record; a base is a record against an all-zero
-//!            image) | device state, zstd-compressed
+//!            image) | device state, zstd-compressed | disk writes since the previous
+//!            checkpoint, zstd-compressed (version 2, see crate::disks)
 //! ```
-//! Limits: a whole record ≤ 4 GiB − 1, device state ≤ 64 MiB (compressed and raw), guest RAM
+//! Limits: a whole record ≤ 4 GiB − 1, device state ≤ 64 MiB (compressed and raw), a disk
+//! section ≤ 2 GiB (compressed and raw), guest RAM
 //! a non-zero multiple of the page size ≤ 1 TiB. Every offset and length read from the index or
 //! a record is checked against these and against the file holding it before it is used.
 
 /// Index header magic.
 pub const INDEX_MAGIC: &[u8; 8] = b"TNDMIDX1";
-/// Index format version.
+/// Index format version of a store without disks.
 pub const INDEX_VERSION: u32 = 1;
+/// Index format version of a store with disks.
+pub const INDEX_VERSION_DISKS: u32 = 2;
+/// Largest disk section of a record (compressed, and decompressed).
+pub const MAX_DISK_SECTION: u64 = 2 << 30;
 /// Index header length.
 pub const INDEX_HEADER: usize = 32;
 /// Index entry length.
@@ -83,11 +91,16 @@ pub struct Entry {
 
 use tandem_types::framing::{has_magic, u32_at, u64_at};
 
-/// The index header for a guest of `mem_bytes`.
+/// The index header for a guest of `mem_bytes` (a store without disks).
 pub fn index_header(mem_bytes: u64) -> [u8; INDEX_HEADER] {
+    index_header_version(mem_bytes, INDEX_VERSION)
+}
+
+/// The index header of format `version`.
+pub fn index_header_version(mem_bytes: u64, version: u32) -> [u8; INDEX_HEADER] {
     let mut h = [0u8; INDEX_HEADER];
     h[..8].copy_from_slice(INDEX_MAGIC);
-    h[8..12].copy_from_slice(&INDEX_VERSION.to_le_bytes());
+    h[8..12].copy_from_slice(&version.to_le_bytes());
     h[12..16].copy_from_slice(&(tandem_codec::format::PAGE as u32).to_le_bytes());
     h[16..24].copy_from_slice(&mem_bytes.to_le_bytes());
     let crc = crc32c::crc32c(&h[..28]);
@@ -104,9 +117,9 @@ pub fn parse_index_header(h: &[u8]) -> Result<u64, String> {
         return Err("index header checksum mismatch".into());
     }
     let v = u32_at(h, 8);
-    if v != INDEX_VERSION {
+    if v != INDEX_VERSION && v != INDEX_VERSION_DISKS {
         return Err(format!(
-            "index version {v} is not supported (this tandem reads {INDEX_VERSION})"
+            "index version {v} is not supported (this tandem reads {INDEX_VERSION} and {INDEX_VERSION_DISKS})"
         ));
     }
     if u32_at(h, 12) as usize != tandem_codec::format::PAGE {
@@ -163,12 +176,41 @@ impl Entry {
     }
 }
 
-/// Builds a segment record; fails if a part exceeds the format's limits.
+/// Whether `e` can follow `prev` in the index: the next id, and where appends and compaction
+/// put records — right after its predecessor in the same segment (compaction copies later
+/// bases there too), or, for a base, at the start of a newer segment. Anything else is damage
+/// or a crafted entry, and trusting it would let `open_append` cut committed records off
+/// their segment.
+pub(crate) fn follows(prev: Option<&Entry>, e: &Entry) -> bool {
+    let base = e.kind == RecordKind::Base;
+    match prev {
+        None => base && e.offset == 0,
+        Some(p) if p.id.checked_add(1) == Some(e.id) => {
+            let after =
+                e.segment == p.segment && p.offset.checked_add(p.len as u64) == Some(e.offset);
+            after || (base && e.offset == 0 && e.segment > p.segment)
+        }
+        Some(_) => false,
+    }
+}
+
+/// Builds a segment record without disk writes; fails if a part exceeds the format's limits.
 pub fn encode_record(
     kind: RecordKind,
     id: u64,
     memory: &[u8],
     device_state: &[u8],
+) -> Result<Vec<u8>, crate::StoreError> {
+    encode_record_with_disk(kind, id, memory, device_state, &[])
+}
+
+/// Builds a segment record with a disk section (`disk`: the encoded writes, empty for none).
+pub fn encode_record_with_disk(
+    kind: RecordKind,
+    id: u64,
+    memory: &[u8],
+    device_state: &[u8],
+    disk: &[u8],
 ) -> Result<Vec<u8>, crate::StoreError> {
     let too_large = |what, len: usize, max: u64| crate::StoreError::TooLarge {
         what,
@@ -184,7 +226,16 @@ pub fn encode_record(
     if dev.len() as u64 > max_dev {
         return Err(too_large("compressed device state", dev.len(), max_dev));
     }
-    let total = RECORD_HEADER + memory.len() + dev.len();
+    if disk.len() as u64 > MAX_DISK_SECTION {
+        return Err(too_large("disk writes", disk.len(), MAX_DISK_SECTION));
+    }
+    let disk = if disk.is_empty() {
+        Vec::new()
+    } else {
+        zstd::bulk::compress(disk, 1)
+            .map_err(|e| crate::StoreError::Encode(tandem_codec::EncodeError::Compress(e)))?
+    };
+    let total = RECORD_HEADER + memory.len() + dev.len() + disk.len();
     if total as u64 > u32::MAX as u64 {
         return Err(too_large("checkpoint record", total, u32::MAX as u64));
     }
@@ -195,10 +246,11 @@ pub fn encode_record(
     out.extend_from_slice(&id.to_le_bytes());
     out.extend_from_slice(&(memory.len() as u32).to_le_bytes());
     out.extend_from_slice(&(dev.len() as u32).to_le_bytes());
-    out.extend_from_slice(&[0; 4]);
+    out.extend_from_slice(&(disk.len() as u32).to_le_bytes());
     out.extend_from_slice(&[0; 4]);
     out.extend_from_slice(memory);
     out.extend_from_slice(&dev);
+    out.extend_from_slice(&disk);
     let crc = crc32c::crc32c_append(crc32c::crc32c(&out[..28]), &out[RECORD_HEADER..]);
     out[28..32].copy_from_slice(&crc.to_le_bytes());
     Ok(out)
@@ -215,6 +267,8 @@ pub struct Record<'a> {
     pub memory: &'a [u8],
     /// Compressed device state.
     pub device_state_zstd: &'a [u8],
+    /// Compressed disk writes (empty: none).
+    pub disk_zstd: &'a [u8],
 }
 
 /// Parses and checks a segment record (whole buffer).
@@ -225,13 +279,19 @@ pub fn decode_record(b: &[u8]) -> Result<Record<'_>, String> {
     let kind = RecordKind::from_u8(b[4]).ok_or_else(|| format!("unknown record kind {}", b[4]))?;
     let mem_len = u32_at(b, 16) as u64;
     let dev_len = u32_at(b, 20) as u64;
+    let disk_len = u32_at(b, 24) as u64;
     if dev_len > MAX_DEVICE_STATE as u64 {
         return Err(format!("device state of {dev_len} bytes exceeds the limit"));
     }
-    if RECORD_HEADER as u64 + mem_len + dev_len != b.len() as u64 {
+    if disk_len > MAX_DISK_SECTION {
+        return Err(format!(
+            "disk section of {disk_len} bytes exceeds the limit"
+        ));
+    }
+    if RECORD_HEADER as u64 + mem_len + dev_len + disk_len != b.len() as u64 {
         return Err("record length does not match its header".into());
     }
-    let mem_len = mem_len as usize;
+    let (mem_len, dev_len) = (mem_len as usize, dev_len as usize);
     let crc = tandem_types::framing::crc32c(&[&b[..28], &b[RECORD_HEADER..]]);
     if crc != u32_at(b, 28) {
         return Err("record checksum mismatch".into());
@@ -240,8 +300,33 @@ pub fn decode_record(b: &[u8]) -> Result<Record<'_>, String> {
         kind,
         id: u64_at(b, 8),
         memory: &b[RECORD_HEADER..RECORD_HEADER + mem_len],
-        device_state_zstd: &b[RECORD_HEADER + mem_len..],
+        device_state_zstd: &b[RECORD_HEADER + mem_len..RECORD_HEADER + mem_len + dev_len],
+        disk_zstd: &b[RECORD_HEADER + mem_len + dev_len..],
     })
+}
+
+/// Decompresses a record's disk writes (empty when it has none), bounded like
+/// [`device_state`].
+pub fn disk_writes(r: &Record<'_>) -> Result<Vec<u8>, String> {
+    let z = r.disk_zstd;
+    if z.is_empty() {
+        return Ok(Vec::new());
+    }
+    let most = (z.len() as u64)
+        .saturating_mul(MAX_ZSTD_RATIO)
+        .min(MAX_DISK_SECTION);
+    let cap = match zstd::zstd_safe::get_frame_content_size(z) {
+        Ok(Some(n)) if n > most => {
+            return Err(format!(
+                "disk writes declare {n} bytes, their {} compressed bytes hold at most {most}",
+                z.len()
+            ))
+        }
+        Ok(Some(n)) => n,
+        _ => most,
+    };
+    zstd::bulk::decompress(z, cap as usize)
+        .map_err(|e| format!("disk writes do not decompress: {e}"))
 }
 
 /// Decompresses a record's device state (at most [`MAX_DEVICE_STATE`] bytes, and no more
@@ -275,10 +360,12 @@ mod tests {
                               dev in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..2000),
                               id in 0u64..1000, base in proptest::prelude::any::<bool>()) {
             let kind = if base { RecordKind::Base } else { RecordKind::Delta };
-            let r = encode_record(kind, id, &mem, &dev).unwrap();
+            let disk: Vec<u8> = mem.iter().rev().copied().collect();
+            let r = encode_record_with_disk(kind, id, &mem, &dev, &disk).unwrap();
             let p = decode_record(&r).unwrap();
             proptest::prop_assert_eq!((p.kind, p.id, p.memory), (kind, id, &mem[..]));
             proptest::prop_assert_eq!(device_state(&p).unwrap(), dev);
+            proptest::prop_assert_eq!(disk_writes(&p).unwrap(), disk);
         }
 
         #[test]
@@ -292,7 +379,8 @@ mod tests {
 
     #[test]
     fn any_flipped_byte_is_detected() {
-        let r = encode_record(RecordKind::Delta, 3, b"memory-record", b"device").unwrap();
+        let r = encode_record_with_disk(RecordKind::Delta, 3, b"memory-record", b"device", b"disk")
+            .unwrap();
         for i in 0..r.len() {
             let mut b = r.clone();
             b[i] ^= 0x40;

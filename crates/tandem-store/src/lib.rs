@@ -12,6 +12,7 @@
 #![warn(missing_docs)]
 
 mod compact;
+pub mod disks;
 pub mod format;
 pub mod fuzz;
 pub mod lock;
@@ -19,6 +20,7 @@ pub mod ramhash;
 mod replay;
 pub mod saver;
 pub mod store;
+mod writefault;
 
 pub use format::{Entry, RecordKind};
 pub use saver::{Outcome, Saver};

@@ -29,6 +29,15 @@ impl Store {
             return Err(self.damaged(e, format!("memory record of epoch {}", plan.epoch)));
         }
         plan.commit(ram);
+        if let Some(l) = &self.disks {
+            // The disk section is checked here too, so `verify` covers it.
+            let d = crate::format::disk_writes(&r).map_err(|w| self.damaged(e, w))?;
+            if !d.is_empty() && tandem_disk::image::decode_writes(&d, l.total).is_none() {
+                return Err(self.damaged(e, "its disk writes do not parse".into()));
+            }
+        } else if !r.disk_zstd.is_empty() {
+            return Err(self.damaged(e, "disk writes in a store without disks".into()));
+        }
         device_state(&r).map_err(|w| self.damaged(e, w))
     }
 
@@ -108,6 +117,9 @@ impl Store {
     /// Returns one line per problem (empty = the store verifies).
     pub fn verify(&self, mut progress: impl FnMut(u64)) -> Vec<StoreError> {
         let mut out = Vec::new();
+        if let Err(e) = self.verify_disk_bases() {
+            out.push(e);
+        }
         if self.entries.is_empty() {
             return out;
         }

@@ -52,6 +52,8 @@ pub struct Saver {
     need_base: bool,
     streak: u64,
     skipped: u64,
+    /// Disk writes of checkpoints not stored (skipped): they go into the next stored one.
+    pending_disk: Vec<tandem_disk::image::Write>,
 }
 
 impl Saver {
@@ -84,6 +86,7 @@ impl Saver {
             need_base: true,
             streak: 0,
             skipped: 0,
+            pending_disk: Vec::new(),
         })
     }
 
@@ -118,7 +121,27 @@ impl Saver {
         device_state: &[u8],
         meta: Meta,
     ) -> Result<Outcome, StoreError> {
+        self.checkpoint_with_disk(pfns, pages, device_state, Vec::new(), meta)
+    }
+
+    /// [`Saver::checkpoint`] with the disks' writes since the previous checkpoint, in the
+    /// order they were made. Writes of a skipped checkpoint are kept and stored with the next
+    /// checkpoint that is saved, so the disk chain never misses one.
+    pub fn checkpoint_with_disk(
+        &mut self,
+        pfns: &[u64],
+        pages: &[u8],
+        device_state: &[u8],
+        disk: Vec<tandem_disk::image::Write>,
+        meta: Meta,
+    ) -> Result<Outcome, StoreError> {
         let id = self.store.next_id()?;
+        self.pending_disk.extend(disk);
+        let disk = if self.pending_disk.is_empty() {
+            Vec::new()
+        } else {
+            tandem_disk::image::encode_writes(&self.pending_disk)
+        };
         // The encoder, the shadow and the hashes follow the guest whether or not the store
         // receives this checkpoint.
         let mut rec = Vec::new();
@@ -141,8 +164,12 @@ impl Saver {
         } else {
             RecordKind::Delta
         };
-        match self.store.append(kind, &rec, device_state, meta) {
+        match self
+            .store
+            .append_with_disk(kind, &rec, device_state, &disk, meta)
+        {
             Ok(entry) => {
+                self.pending_disk.clear();
                 self.chain = if base { 1 } else { self.chain + 1 };
                 self.need_base = false;
                 self.streak = 0;
@@ -153,6 +180,8 @@ impl Saver {
             }
             // I/O (disk full, ...) and an oversized checkpoint concern this checkpoint only.
             Err(error @ (StoreError::Io(..) | StoreError::TooLarge { .. })) => {
+                // A disk base prepared for this checkpoint is not valid for the next one.
+                self.store.drop_uncommitted_disk_bases()?;
                 self.need_base = true;
                 self.streak += 1;
                 self.skipped += 1;

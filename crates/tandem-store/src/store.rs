@@ -15,10 +15,14 @@ use std::path::{Path, PathBuf};
 
 use tandem_codec::EncodeError;
 
+use crate::disks::{read_layout, write_layout, DiskLayout};
 use crate::format::{
-    encode_record, index_header, parse_index_header, Entry, RecordKind, ENTRY_LEN, INDEX_HEADER,
+    encode_record_with_disk, follows, index_header, index_header_version, parse_index_header,
+    Entry, RecordKind, ENTRY_LEN, INDEX_HEADER, INDEX_VERSION_DISKS,
 };
 use crate::lock::holder;
+pub use crate::writefault::WriteFault;
+use crate::writefault::{sync, write_at};
 
 pub use crate::compact::{encode_base, CrashPoint};
 
@@ -96,6 +100,9 @@ pub enum StoreError {
     /// A failed append could not be rolled back; the handle refuses further appends.
     #[error("{0}: a failed append could not be undone; reopen the store (its committed checkpoints are intact)")]
     Poisoned(String),
+    /// The checkpoints' disks cannot be written or rebuilt.
+    #[error("{0}")]
+    Disk(String),
     /// Encoding failed.
     #[error(transparent)]
     Encode(#[from] EncodeError),
@@ -155,68 +162,6 @@ pub struct Meta {
     pub dirty_pages: u32,
 }
 
-/// Where an append can be made to fail in tests (each as the disk filling up: `ENOSPC`;
-/// the writes fail after writing half of their bytes, as a torn write would).
-#[doc(hidden)]
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum WriteFault {
-    /// Writing the record into the segment.
-    SegmentWrite,
-    /// Syncing the segment.
-    SegmentSync,
-    /// Writing the index entry.
-    IndexWrite,
-    /// Syncing the index.
-    IndexSync,
-}
-
-/// Writes `buf` at `off`, or, if a fault is injected here, half of it and `ENOSPC`.
-fn write_at(
-    fault: &mut Option<WriteFault>,
-    at: WriteFault,
-    f: &File,
-    buf: &[u8],
-    off: u64,
-) -> std::io::Result<()> {
-    if *fault == Some(at) {
-        *fault = None;
-        f.write_all_at(&buf[..buf.len() / 2], off)?;
-        return Err(enospc());
-    }
-    f.write_all_at(buf, off)
-}
-
-/// Syncs `f`, or fails with `ENOSPC` if a fault is injected here.
-fn sync(fault: &mut Option<WriteFault>, at: WriteFault, f: &File) -> std::io::Result<()> {
-    if *fault == Some(at) {
-        *fault = None;
-        return Err(enospc());
-    }
-    f.sync_data()
-}
-
-fn enospc() -> std::io::Error {
-    std::io::Error::from_raw_os_error(rustix::io::Errno::NOSPC.raw_os_error())
-}
-
-/// Whether `e` can follow `prev` in the index: the next id, and where appends and compaction
-/// put records — right after its predecessor in the same segment (compaction copies later
-/// bases there too), or, for a base, at the start of a newer segment. Anything else is damage
-/// or a crafted entry, and trusting it would let `open_append` cut committed records off
-/// their segment.
-fn follows(prev: Option<&Entry>, e: &Entry) -> bool {
-    let base = e.kind == RecordKind::Base;
-    match prev {
-        None => base && e.offset == 0,
-        Some(p) if p.id.checked_add(1) == Some(e.id) => {
-            let after =
-                e.segment == p.segment && p.offset.checked_add(p.len as u64) == Some(e.offset);
-            after || (base && e.offset == 0 && e.segment > p.segment)
-        }
-        Some(_) => false,
-    }
-}
-
 /// An open store.
 #[derive(Debug)]
 pub struct Store {
@@ -224,6 +169,8 @@ pub struct Store {
     pub(crate) mem_bytes: u64,
     pub(crate) entries: Vec<Entry>,
     pub(crate) torn: Option<String>,
+    /// The checkpoints' disks (index version 2), if they include disks.
+    pub(crate) disks: Option<DiskLayout>,
     pub(crate) index: Option<File>,
     /// Current segment: number, file, committed end.
     pub(crate) seg: Option<(u32, File, u64)>,
@@ -237,6 +184,24 @@ impl Store {
     /// Creates a store for a guest of `mem_bytes` in `dir` (created if missing, must not hold
     /// a store) and takes its writer lock.
     pub fn create(dir: &Path, mem_bytes: u64) -> Result<Store, StoreError> {
+        Self::create_inner(dir, mem_bytes, None)
+    }
+
+    /// [`Store::create`] for checkpoints that include the VM's writable disks (`layout`, no
+    /// bases yet: the saver adds the first with its first checkpoint).
+    pub fn create_with_disks(
+        dir: &Path,
+        mem_bytes: u64,
+        layout: DiskLayout,
+    ) -> Result<Store, StoreError> {
+        Self::create_inner(dir, mem_bytes, Some(layout))
+    }
+
+    fn create_inner(
+        dir: &Path,
+        mem_bytes: u64,
+        disks: Option<DiskLayout>,
+    ) -> Result<Store, StoreError> {
         fs::create_dir_all(dir).map_err(io(dir))?;
         let lock = crate::lock::lock(dir)?;
         let index = dir.join("index");
@@ -245,9 +210,16 @@ impl Store {
         }
         parse_index_header(&index_header(mem_bytes))
             .map_err(|why| StoreError::NotAStore(dir.display().to_string(), why))?;
+        let header = match &disks {
+            Some(l) => {
+                write_layout(dir, l)?;
+                index_header_version(mem_bytes, INDEX_VERSION_DISKS)
+            }
+            None => index_header(mem_bytes),
+        };
         let tmp = dir.join("index.tmp");
         let mut f = File::create(&tmp).map_err(io(&tmp))?;
-        f.write_all(&index_header(mem_bytes)).map_err(io(&tmp))?;
+        f.write_all(&header).map_err(io(&tmp))?;
         f.sync_all().map_err(io(&tmp))?;
         fs::rename(&tmp, &index).map_err(io(&index))?;
         sync_dir(dir)?;
@@ -266,6 +238,13 @@ impl Store {
         })?;
         let mem_bytes = parse_index_header(&bytes)
             .map_err(|why| StoreError::NotAStore(dir.display().to_string(), why))?;
+        let disks = read_layout(dir)?;
+        if (tandem_types::framing::u32_at(&bytes, 8) == INDEX_VERSION_DISKS) != disks.is_some() {
+            return Err(StoreError::NotAStore(
+                dir.display().to_string(),
+                "its index and its disks file disagree on whether the checkpoints include disks (a file is missing)".into(),
+            ));
+        }
         let mut entries: Vec<Entry> = Vec::new();
         let mut torn = None;
         let mut seg_len = std::collections::HashMap::new();
@@ -306,6 +285,7 @@ impl Store {
             mem_bytes,
             entries,
             torn,
+            disks,
             index: None,
             seg: None,
             lock: None,
@@ -338,6 +318,7 @@ impl Store {
         f.sync_all().map_err(io(&path))?;
         s.index = Some(f);
         s.remove_unreferenced()?;
+        s.drop_uncommitted_disk_bases()?;
         if let Some(last) = s.entries.last().copied() {
             let p = dir.join(seg_name(last.segment));
             let f = OpenOptions::new()
@@ -363,7 +344,8 @@ impl Store {
             self.entries.iter().map(|e| seg_name(e.segment)).collect();
         for d in fs::read_dir(&self.dir).map_err(io(&self.dir))?.flatten() {
             let name = d.file_name().to_string_lossy().into_owned();
-            if (name.starts_with("seg-") && !used.contains(&name)) || name == "index.tmp" {
+            let scratch = ["index.tmp", "disks.tmp", "disk-new.tmp"].contains(&name.as_str());
+            if (name.starts_with("seg-") && !used.contains(&name)) || scratch {
                 tracing::info!("removing {name}: no committed checkpoint refers to it");
                 let _ = fs::remove_file(d.path());
             }
@@ -433,6 +415,19 @@ impl Store {
         device_state: &[u8],
         meta: Meta,
     ) -> Result<Entry, StoreError> {
+        self.append_with_disk(kind, memory, device_state, &[], meta)
+    }
+
+    /// [`Store::append`] with the disks' writes since the previous checkpoint (encoded with
+    /// `tandem_disk::image::encode_writes`; empty for none).
+    pub fn append_with_disk(
+        &mut self,
+        kind: RecordKind,
+        memory: &[u8],
+        device_state: &[u8],
+        disk: &[u8],
+        meta: Meta,
+    ) -> Result<Entry, StoreError> {
         if let Some(why) = &self.poisoned {
             return Err(StoreError::Poisoned(why.clone()));
         }
@@ -449,7 +444,13 @@ impl Store {
                 "the first checkpoint must be a base".into(),
             ));
         }
-        let rec = encode_record(kind, id, memory, device_state)?;
+        if !disk.is_empty() && self.disks.is_none() {
+            return Err(StoreError::Disk(format!(
+                "{} holds no disks: disk writes cannot be stored",
+                self.dir.display()
+            )));
+        }
+        let rec = encode_record_with_disk(kind, id, memory, device_state, disk)?;
         let len = u32::try_from(rec.len()).map_err(|_| StoreError::TooLarge {
             what: "checkpoint record",
             len: rec.len() as u64,
