@@ -27,12 +27,37 @@ fn described(dir: &Path, body: &str) -> VmSpec {
     }
 }
 
+/// A network namespace for a bridged NIC to name (removed again on drop).
+struct Netns(String);
+
+impl Netns {
+    fn new() -> Netns {
+        let name = format!("tdd{}", std::process::id());
+        let ok = std::process::Command::new("ip")
+            .args(["netns", "add", &name])
+            .status()
+            .unwrap()
+            .success();
+        assert!(ok, "ip netns add {name} (the tests need root)");
+        Netns(name)
+    }
+}
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("ip")
+            .args(["netns", "del", &self.0])
+            .status();
+    }
+}
+
 #[test]
 fn own_vm_from_a_description() {
     let d = tempfile::tempdir().unwrap();
+    let ns = Netns::new();
     let s = described(
         d.path(),
-        r#"
+        &r#"
 mem = 512
 vcpus = 1
 extra_args = ["-rtc", "base=utc"]
@@ -53,8 +78,9 @@ forward = ["tcp:127.0.0.1:2222-:22"]
 mac = "52:54:00:aa:00:02"
 model = "e1000"
 bridge = "br0"
-netns = "tdm-cl"
-"#,
+netns = "NETNS"
+"#
+        .replace("NETNS", &ns.0),
     );
     let c = s.config("t").unwrap();
     assert_eq!((c.mem_mib, c.vcpus, c.machine.as_str()), (512, 1, "pc"));
@@ -71,7 +97,7 @@ netns = "tdm-cl"
     assert!(c.disks[1].readonly);
     assert!(matches!(&c.nics[0].net, NicNet::User { forwards } if forwards.len() == 1));
     assert!(
-        matches!(&c.nics[1].net, NicNet::Bridge { bridge, netns } if bridge == "br0" && netns.as_deref() == Some("tdm-cl"))
+        matches!(&c.nics[1].net, NicNet::Bridge { bridge, netns } if bridge == "br0" && netns.as_deref() == Some(ns.0.as_str()))
     );
     assert_eq!(c.extra_args, ["-rtc", "base=utc"]);
     // Shown and read back, it is the same VM.
@@ -87,6 +113,24 @@ netns = "tdm-cl"
         (c.disks, c.nics, c.boot),
         "{shown}"
     );
+    // A bridge or namespace that does not exist is named before anything starts.
+    for (net, needle) in [
+        ("bridge = \"nosuchbr7\"", "bridge nosuchbr7 does not exist"),
+        (
+            "bridge = \"br0\"\nnetns = \"nosuchns7\"",
+            "namespace nosuchns7 does not exist",
+        ),
+    ] {
+        let body = format!(
+            "[[disk]]\npath = \"web.qcow2\"\n[[nic]]\nmac = \"52:54:00:aa:00:03\"\n{net}\n"
+        );
+        let e = described(d.path(), &body)
+            .config("t")
+            .map(|_| ())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(needle), "{e}");
+    }
 }
 
 fn refused(body: &str) -> String {

@@ -375,6 +375,9 @@ pub fn check(
                 }
             }
         }
+        if let NicNet::Bridge { bridge, netns } = &n.net {
+            check_bridge(&n.mac, bridge, netns.as_deref())?;
+        }
         if !NIC_MODELS.contains(&n.model.as_str()) {
             return Err(invalid(format!(
                 "NIC model {:?} is not supported: use one of {}",
@@ -384,6 +387,33 @@ pub fn check(
         }
     }
     check_extra_args(extra_args)
+}
+
+/// A bridge of this network namespace must exist and be a bridge; another namespace must
+/// exist (tandem creates the tap inside it, which fails clearly if its bridge is missing).
+fn check_bridge(mac: &str, bridge: &str, netns: Option<&str>) -> Result<(), DescError> {
+    let plain = |s: &str| !s.is_empty() && !s.contains('/') && s != "." && s != "..";
+    if !plain(bridge) || netns.is_some_and(|n| !plain(n)) {
+        return Err(invalid(format!(
+            "NIC {mac}: {bridge:?} is not a bridge name"
+        )));
+    }
+    match netns {
+        Some(ns) if !std::path::Path::new("/run/netns").join(ns).exists() => Err(invalid(format!(
+            "NIC {mac}: network namespace {ns} does not exist (ip netns add {ns})"
+        ))),
+        Some(_) => Ok(()),
+        None if !std::path::Path::new("/sys/class/net")
+            .join(bridge)
+            .join("bridge")
+            .is_dir() =>
+        {
+            Err(invalid(format!(
+                "NIC {mac}: bridge {bridge} does not exist on this host or is not a bridge (create it: ip link add {bridge} type bridge; ip link set {bridge} up)"
+            )))
+        }
+        None => Ok(()),
+    }
 }
 
 fn check_disk(d: &DiskDesc) -> Result<(), DescError> {

@@ -66,6 +66,9 @@ pub struct DebianRound {
     pub primary_frames_after_failover: u64,
     pub primary_copy_stopped: bool,
     pub leftovers: Vec<String>,
+    /// pgbench replicated (output held until acknowledged) and after failover (native).
+    pub pgbench_replicated: Option<pg::Pgbench>,
+    pub pgbench_after_failover: Option<pg::Pgbench>,
 }
 
 impl DebianRound {
@@ -98,6 +101,9 @@ pub struct DebianOpts<'a> {
     pub codec: String,
     pub before: Duration,
     pub after: Duration,
+    /// Also run pgbench (4 clients, this many seconds) replicated before the kill and on the
+    /// backup after failover (the same VM unprotected: the native baseline).
+    pub pgbench: Option<u64>,
 }
 
 /// The round's description: the image as a fresh overlay, no forwards (the NIC goes on the
@@ -212,6 +218,16 @@ pub fn round(r: usize, o: &DebianOpts<'_>, pb: &ProgressBar) -> anyhow::Result<D
     let ns = o.lab.clients.as_str();
     pg::wait_ready(ns, GUEST_IP, Duration::from_secs(60))?;
     let postmaster_start_before = pg::query(ns, GUEST_IP, "SELECT pg_postmaster_start_time()")?;
+    let pgbench_replicated = match o.pgbench {
+        Some(secs) => {
+            pb.set_message(format!(
+                "round {r}: pgbench replicated ({secs} s, 4 clients)"
+            ));
+            pg::pgbench_init(ns, GUEST_IP, 1)?;
+            Some(pg::pgbench(ns, GUEST_IP, 4, secs)?)
+        }
+        None => None,
+    };
     let capture = Capture::start(ns, "tdp0")?;
     let clock = Clock::now();
     let mut ticker = Ticker::start(ns, &o.vm.key, GUEST_IP)?;
@@ -267,6 +283,15 @@ pub fn round(r: usize, o: &DebianOpts<'_>, pb: &ProgressBar) -> anyhow::Result<D
     let (ssh_alive, ssh_ticks) = ticker.alive_and_ticks_after(running);
     drop(ticker);
     let (acked, psql_error) = committer.stop();
+    let pgbench_after_failover = match o.pgbench {
+        Some(secs) => {
+            pb.set_message(format!(
+                "round {r}: pgbench on the backup after failover ({secs} s)"
+            ));
+            Some(pg::pgbench(ns, GUEST_IP, 4, secs)?)
+        }
+        None => None,
+    };
     pb.set_message(format!(
         "round {r}: checking every acknowledged commit, the postmaster, pg_amcheck"
     ));
@@ -344,11 +369,27 @@ pub fn round(r: usize, o: &DebianOpts<'_>, pb: &ProgressBar) -> anyhow::Result<D
         primary_frames_after_failover: after_failover,
         primary_copy_stopped,
         leftovers: left,
+        pgbench_replicated,
+        pgbench_after_failover,
     })
 }
 
 /// One line per round for the operator.
 pub fn line(pb: &ProgressBar, d: &DebianRound) {
+    if let (Some(a), Some(b)) = (d.pgbench_replicated, d.pgbench_after_failover) {
+        say(
+            pb,
+            format!(
+                "round {}: pgbench (4 clients) {:.1} TPS replicated (latency {:.0} ms) vs {:.1} TPS on the same VM after failover, unprotected (latency {:.0} ms): {:.0} %",
+                d.round,
+                a.tps,
+                a.latency_ms,
+                b.tps,
+                b.latency_ms,
+                100.0 * a.tps / b.tps
+            ),
+        );
+    }
     say(
         pb,
         format!(

@@ -82,6 +82,10 @@ pub struct Args {
     /// blockdev-mirror; the guest is then described as your own VM would be).
     #[arg(long, default_value = "nbd")]
     pub disk_capture: String,
+    /// With --vm debian: also run pgbench (4 clients) for this many seconds replicated, and
+    /// again on the backup after failover (the same VM unprotected).
+    #[arg(long)]
+    pub pgbench: Option<u64>,
     /// Print the summary as JSON.
     #[arg(long)]
     pub json: bool,
@@ -114,6 +118,9 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         "lab" => {}
         "debian" => return run_debian(a),
         other => bail!("--vm {other:?}: use lab or debian"),
+    }
+    if a.pgbench.is_some() {
+        bail!("--pgbench needs --vm debian (the lab guest runs redis)");
     }
     let rounds = a.rounds.unwrap_or(1);
     if rounds == 0 {
@@ -263,6 +270,7 @@ fn run_debian(a: Args) -> anyhow::Result<()> {
             codec: a.codec.clone(),
             before: Duration::from_millis(a.before * 1000 + jitter),
             after: Duration::from_secs(a.after),
+            pgbench: a.pgbench,
         };
         let res = match debian::round(r, &o, &pb) {
             Ok(res) => res,

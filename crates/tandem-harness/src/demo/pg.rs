@@ -182,6 +182,68 @@ pub fn missing(ns: &str, host: &str, ids: &[u64]) -> anyhow::Result<Vec<u64>> {
     Ok(lost)
 }
 
+/// What a pgbench run measured.
+#[derive(Debug, Clone, Copy, Default, serde::Serialize)]
+pub struct Pgbench {
+    /// Transactions per second (without initial connection time).
+    pub tps: f64,
+    /// Mean latency in ms.
+    pub latency_ms: f64,
+}
+
+/// Initialises pgbench's tables at scale `scale` (first call) in the guest's database.
+pub fn pgbench_init(ns: &str, host: &str, scale: u32) -> anyhow::Result<()> {
+    let out = Command::new("ip")
+        .args([
+            "netns", "exec", ns, "pgbench", "-h", host, "-U", "postgres", "-i", "-q",
+        ])
+        .args(["-s", &scale.to_string(), "postgres"])
+        .output()
+        .context("running pgbench (install postgresql-client with `tandem setup`)")?;
+    if !out.status.success() {
+        bail!(
+            "pgbench -i: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    Ok(())
+}
+
+/// Runs pgbench's TPC-B-like script with `clients` clients for `secs` seconds.
+pub fn pgbench(ns: &str, host: &str, clients: u32, secs: u64) -> anyhow::Result<Pgbench> {
+    let out = Command::new("ip")
+        .args([
+            "netns", "exec", ns, "pgbench", "-h", host, "-U", "postgres", "-n",
+        ])
+        .args([
+            "-c",
+            &clients.to_string(),
+            "-j",
+            "2",
+            "-T",
+            &secs.to_string(),
+            "postgres",
+        ])
+        .output()
+        .context("running pgbench")?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    if !out.status.success() {
+        bail!(
+            "pgbench: {}{}",
+            text.trim(),
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    let num = |key: &str| -> Option<f64> {
+        let l = text.lines().find(|l| l.starts_with(key))?;
+        l.split('=').nth(1)?.split_whitespace().next()?.parse().ok()
+    };
+    Ok(Pgbench {
+        tps: num("tps").context("no tps in pgbench's output")?,
+        latency_ms: num("latency average").unwrap_or(f64::NAN),
+    })
+}
+
 /// An SSH session to the guest that prints a tick every 200 ms.
 pub struct Ticker {
     child: Child,
