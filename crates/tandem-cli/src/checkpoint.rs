@@ -42,6 +42,10 @@ pub struct SaveArgs {
     /// Take a checkpoint every MS milliseconds (without it: one checkpoint, then exit).
     #[arg(long)]
     pub interval: Option<u64>,
+    /// `fixed` (every --interval) or `adaptive` (also early when the disks' writes reach
+    /// 32 MiB; --interval is the longest; docs/SCHEDULING.md).
+    #[arg(long, default_value = "fixed")]
+    pub schedule: crate::daemons::ScheduleArg,
     /// Stop after this many checkpoints.
     #[arg(long)]
     pub count: Option<u64>,
@@ -99,6 +103,8 @@ fn save(a: SaveArgs) -> anyhow::Result<()> {
         dir: a.dir,
         vm: a.vm.spec(),
         interval: a.interval.map(Duration::from_millis),
+        adaptive: (a.schedule == crate::daemons::ScheduleArg::Adaptive)
+            .then(tandem_vm::schedule::AdaptiveConfig::default),
         count: a.count,
         keep: a.keep,
         base_every: a.base_every,

@@ -3,6 +3,7 @@
 
 use std::path::PathBuf;
 use std::time::Duration;
+use tandem_vm::schedule::AdaptiveConfig;
 
 use tandem_codec::Codec;
 use tandem_protect::backup::BackupConfig;
@@ -23,9 +24,18 @@ pub struct PrimaryArgs {
     /// Directory for the data disk and sockets (default: a temporary directory).
     #[arg(long)]
     pub dir: Option<PathBuf>,
-    /// Epoch length in milliseconds.
+    /// Epoch length in milliseconds (with `--schedule adaptive`: the longest epoch).
     #[arg(long, default_value_t = 100)]
     pub epoch_ms: u64,
+    /// When to checkpoint: `fixed` (every --epoch-ms) or `adaptive` (seed 002: as soon as
+    /// network output waits and the previous checkpoint is acknowledged, when the disk writes
+    /// reach 32 MiB, else after --epoch-ms; docs/SCHEDULING.md).
+    #[arg(long, default_value = "fixed")]
+    pub schedule: ScheduleArg,
+    /// With `--schedule adaptive`: the shortest run between two pauses, in ms (the guest also
+    /// runs at least as long as the last pause took).
+    #[arg(long, default_value_t = 2)]
+    pub min_run_ms: u64,
     /// For benchmarks: end protection and shut the guest down after this many seconds
     /// (default: run until stopped).
     #[arg(long)]
@@ -102,6 +112,15 @@ pub fn stderr(who: &'static str) -> Status {
     })
 }
 
+/// `--schedule`.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ScheduleArg {
+    /// Every --epoch-ms.
+    Fixed,
+    /// Seed 002's adaptive schedule.
+    Adaptive,
+}
+
 pub fn primary(a: PrimaryArgs) -> anyhow::Result<()> {
     signals::install_stop_handler();
     if a.fault_hooks {
@@ -114,6 +133,11 @@ pub fn primary(a: PrimaryArgs) -> anyhow::Result<()> {
         site: a.site.config(),
         dir: a.dir,
         epoch: ms(a.epoch_ms.max(1)),
+        adaptive: (a.schedule == ScheduleArg::Adaptive).then(|| AdaptiveConfig {
+            max_wait: ms(a.epoch_ms.max(1)),
+            min_run: ms(a.min_run_ms),
+            ..AdaptiveConfig::default()
+        }),
         duration: a.duration.map(Duration::from_secs),
         codec: a.codec,
         vm_id: a.vm_id,

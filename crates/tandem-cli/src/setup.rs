@@ -343,6 +343,7 @@ fn save_booted(dir: &Path, image_stamp: &str) -> anyhow::Result<()> {
             ..Default::default()
         },
         interval: None,
+        adaptive: None,
         count: Some(1),
         keep: None,
         base_every: 100,

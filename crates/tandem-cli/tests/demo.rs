@@ -87,3 +87,21 @@ fn failover_on_a_100mbit_link_with_the_disk_captured_by_mirroring() {
     check_rounds(&v, 1);
     assert!(v["link"].as_str().unwrap().contains("100mbit"), "{v:#}");
 }
+
+/// The adaptive schedule (seed 002: checkpoint as soon as output waits) cuts epochs short and
+/// often; output commit and failover must hold exactly as with fixed epochs.
+#[test]
+fn adaptive_schedule_failover_loses_no_acknowledged_write() {
+    let v = demo(&[
+        "--schedule",
+        "adaptive",
+        "--rounds",
+        "1",
+        "--before",
+        "4",
+        "--after",
+        "2",
+    ]);
+    check_rounds(&v, 1);
+    assert_eq!(v["rounds"][0]["schedule"], "adaptive", "{v:#}");
+}

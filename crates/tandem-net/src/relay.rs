@@ -213,6 +213,11 @@ impl Relay {
         lock(&self.shared.guest).is_some()
     }
 
+    /// Guest frames held since the last seal (they wait for the next checkpoint).
+    pub fn unsealed_frames(&self) -> u64 {
+        lock(&self.shared.queues).open.len() as u64
+    }
+
     /// Current counters.
     pub fn stats(&self) -> RelayStats {
         let q = lock(&self.shared.queues);

@@ -14,7 +14,7 @@ use tandem_codec::{Codec, Config};
 use tandem_store::format::RecordKind;
 use tandem_store::store::CrashPoint;
 use tandem_store::{Meta, Outcome, Saver, Store, StoreError};
-use tandem_vm::epoch::{run_pipeline, Checkpoint, Fixed};
+use tandem_vm::epoch::{run_pipeline, Checkpoint, Pending};
 use tandem_vm::{EpochSink, Vm, VmError, PAGE_SIZE};
 
 use crate::signals::stopping;
@@ -32,6 +32,9 @@ pub struct SaveConfig {
     pub vm: VmSpec,
     /// Take a checkpoint every interval (without it: one checkpoint, then stop).
     pub interval: Option<Duration>,
+    /// Schedule adaptively instead (docs/SCHEDULING.md): for the store, a checkpoint also
+    /// comes early when the disks' writes reach the limit; `interval` is then the longest.
+    pub adaptive: Option<tandem_vm::schedule::AdaptiveConfig>,
     /// Stop after this many checkpoints.
     pub count: Option<u64>,
     /// Keep the newest N checkpoints; older ones are folded into a new base.
@@ -263,8 +266,13 @@ pub fn save(cfg: SaveConfig, status: Status) -> Result<SaveSummary, SaveError> {
     };
     sink.dev_len = dev.len() as u64;
     if let Some(every) = cfg.interval.filter(|_| cfg.count != Some(1)) {
-        let mut schedule = Fixed(every.max(Duration::from_millis(1)));
-        run_pipeline(&mut vm, &mut schedule, Duration::MAX, 1, &mut sink)?;
+        let every = every.max(Duration::from_millis(1));
+        let adaptive = cfg.adaptive.map(|a| tandem_vm::schedule::AdaptiveConfig {
+            max_wait: every,
+            ..a
+        });
+        let mut schedule = tandem_vm::schedule::build(every, adaptive);
+        run_pipeline(&mut vm, schedule.as_mut(), Duration::MAX, 1, &mut sink)?;
         if let Some(e) = sink.err.take() {
             return Err(e.into());
         }
@@ -375,6 +383,13 @@ impl<'a> StoreSink<'a> {
 }
 
 impl EpochSink for StoreSink<'_> {
+    fn pending(&self) -> Pending {
+        Pending {
+            disk_bytes: self.capture.map_or(0, |c| c.log_bytes()),
+            ..Pending::default()
+        }
+    }
+
     fn in_pause(&mut self, _epoch: tandem_vm::Epoch) {
         if let Some(c) = self.capture {
             self.writes = c.take();

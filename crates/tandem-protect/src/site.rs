@@ -268,6 +268,14 @@ impl Site {
         vm.start_mirrors(sock, &self.mirrors, self.capture_timeout())
     }
 
+    /// Disk bytes written since the last take of the write log (0 without a disk).
+    pub fn disk_log_bytes(&self) -> u64 {
+        self.disk.as_ref().map_or(0, |d| {
+            let u = d.log_usage();
+            u.bytes + u.range_bytes
+        })
+    }
+
     /// How long a full mirror pass may take: at ≥ 20 MB/s, and never less than a minute.
     pub fn capture_timeout(&self) -> std::time::Duration {
         let bytes: u64 = self.mirrors.iter().map(|m| m.size).sum();
@@ -393,6 +401,11 @@ impl Relays {
         for r in &self.0 {
             r.discard_held();
         }
+    }
+
+    /// Guest frames held since the last seal, on every relay.
+    pub fn unsealed_frames(&self) -> u64 {
+        self.0.iter().map(|r| r.unsealed_frames()).sum()
     }
 
     /// Switches every relay to `p`.

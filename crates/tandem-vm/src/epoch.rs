@@ -10,20 +10,10 @@ pub use tandem_types::Epoch;
 
 use crate::vm::{PauseTiming, VmError};
 
-/// Decides how long the guest runs before the next checkpoint.
-pub trait Schedule {
-    /// The next epoch's run time, given the previous checkpoint's dirty-page count and pause.
-    fn next_interval(&mut self, last_dirty: usize, last_pause: &PauseTiming) -> Duration;
-}
+pub use crate::schedule::{Fixed, Pending, Schedule};
 
-/// A fixed epoch length (Remus style).
-pub struct Fixed(pub Duration);
-
-impl Schedule for Fixed {
-    fn next_interval(&mut self, _: usize, _: &PauseTiming) -> Duration {
-        self.0
-    }
-}
+/// How often a polling schedule is asked whether to cut the epoch.
+const POLL: Duration = Duration::from_millis(1);
 
 /// What the epoch pipeline needs from a VM.
 pub trait Guest {
@@ -75,6 +65,11 @@ pub trait EpochSink {
     /// take what belongs to the same boundary (seal the relay's queue, take the disk log).
     fn in_pause(&mut self, _epoch: Epoch) {}
 
+    /// What waits on the next checkpoint (for a schedule that cuts epochs early).
+    fn pending(&self) -> Pending {
+        Pending::default()
+    }
+
     /// Called once the guest runs again. Return false to end the loop.
     fn checkpoint(&mut self, cp: &Checkpoint<'_>) -> bool;
 }
@@ -101,10 +96,21 @@ pub fn run_pipeline(
     let start = Instant::now();
     let mut next = start + schedule.next_interval(0, &PauseTiming::default());
     let mut epoch = first.saturating_sub(1);
+    let mut resumed = start;
     while start.elapsed() < duration && !guest.finished() {
-        let now = Instant::now();
-        if next > now {
-            std::thread::sleep(next - now);
+        loop {
+            let now = Instant::now();
+            if now >= next {
+                break;
+            }
+            if !schedule.polls() {
+                std::thread::sleep(next - now);
+                break;
+            }
+            if schedule.early(now - resumed, &sink.pending()) {
+                break;
+            }
+            std::thread::sleep((next - now).min(POLL));
         }
         let this = epoch + 1;
         let timing = guest.pause(
@@ -116,7 +122,8 @@ pub fn run_pipeline(
         )?;
         epoch = this;
         // The next epoch starts when the guest resumed.
-        next = Instant::now() + schedule.next_interval(pfns.len(), &timing);
+        resumed = Instant::now();
+        next = resumed + schedule.next_interval(pfns.len(), &timing);
         let cp = Checkpoint {
             epoch,
             at: start.elapsed(),

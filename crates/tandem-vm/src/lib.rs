@@ -15,6 +15,7 @@ pub mod qemu_args;
 pub mod qmp;
 pub mod ram;
 pub mod replay;
+pub mod schedule;
 pub mod stale;
 pub mod vm;
 

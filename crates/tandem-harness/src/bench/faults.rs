@@ -95,6 +95,7 @@ impl Soak<'_> {
             dir: self.dir.to_path_buf(),
             mem: self.mem,
             epoch_ms: 100,
+            schedule: "fixed".into(),
             timeout_ms: 1000,
             codec: "tandem".into(),
             conns: 8,

@@ -54,6 +54,10 @@ pub struct Args {
     /// Epoch lengths in ms (--lab default: 25,100,500; --replication default: 25,100).
     #[arg(long, value_delimiter = ',')]
     pub epochs_ms: Vec<u64>,
+    /// --replication: the primary's schedules to compare (fixed, adaptive; default fixed).
+    /// With adaptive, each epoch length is its longest epoch.
+    #[arg(long, value_delimiter = ',')]
+    pub schedules: Vec<String>,
     /// Measure the checkpoint store against QEMU's full save and page-granular increments.
     #[arg(long)]
     pub store: bool,

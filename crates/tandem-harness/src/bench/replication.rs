@@ -29,6 +29,17 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     } else {
         a.epochs_ms.clone()
     };
+    let schedules = if a.schedules.is_empty() {
+        vec!["fixed".to_string()]
+    } else {
+        a.schedules.clone()
+    };
+    if let Some(s) = schedules
+        .iter()
+        .find(|s| !["fixed", "adaptive"].contains(&s.as_str()))
+    {
+        anyhow::bail!("--schedules {s:?}: use fixed and/or adaptive");
+    }
     let exe = std::env::current_exe().context("locating the tandem binary")?;
     let lab = NetLab::create(&format!("tb{}", std::process::id() % 100_000), a.rate_mbit)
         .context("creating the network lab (needs root)")?;
@@ -39,8 +50,12 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     pb.enable_steady_tick(Duration::from_millis(200));
     let mut rows: Vec<RoundResult> = Vec::new();
     let mut n = 0;
+    let axes: Vec<(&String, u64)> = schedules
+        .iter()
+        .flat_map(|s| epochs.iter().map(move |&ms| (s, ms)))
+        .collect();
     for w in &workloads {
-        for &ms in &epochs {
+        for &(schedule, ms) in &axes {
             n += 1;
             let o = Opts {
                 exe: exe.clone(),
@@ -49,6 +64,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
                 dir: dir.path().to_path_buf(),
                 mem: a.mem,
                 epoch_ms: ms,
+                schedule: schedule.clone(),
                 timeout_ms: 1000,
                 codec: "tandem".into(),
                 conns: a.conns,
@@ -60,7 +76,8 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
                 backup_tmpfs: false,
                 vm_config: None,
             };
-            let r = round::run(n, &o, &pb).with_context(|| format!("{w} at {ms} ms"))?;
+            let r = round::run(n, &o, &pb)
+                .with_context(|| format!("{w}, {schedule} schedule at {ms} ms"))?;
             crate::demo::say(&pb, line(&r));
             rows.push(r);
         }
@@ -101,8 +118,9 @@ fn line(r: &RoundResult) -> String {
         )
     };
     format!(
-        "{:<8} {:>3} ms | {thr}{lat} | link {:.2} MiB vs Remus {:.1} MiB ({:.3}x) | pause p50 {:.1} ms p99 {:.1} ms | failover {:.0} ms after kill ({:.0} detection + {:.1} resume)",
+        "{:<8} {:>8} {:>3} ms | {thr}{lat} | link {:.2} MiB vs Remus {:.1} MiB ({:.3}x) | pause p50 {:.1} ms p99 {:.1} ms | failover {:.0} ms after kill ({:.0} detection + {:.1} resume)",
         r.workload,
+        r.schedule,
         r.epoch_ms,
         r.sent_mib,
         r.raw_mib,

@@ -97,6 +97,8 @@ pub struct DebianOpts<'a> {
     /// The daemons' directories: the backup's RAM mirror must be in memory (/dev/shm).
     pub shm: PathBuf,
     pub epoch_ms: u64,
+    /// The primary's `--schedule`.
+    pub schedule: String,
     pub timeout_ms: u64,
     pub codec: String,
     pub before: Duration,
@@ -177,6 +179,7 @@ pub fn round(r: usize, o: &DebianOpts<'_>, pb: &ProgressBar) -> anyhow::Result<D
     ]);
     pargs.extend(["--codec".into(), o.codec.clone()]);
     pargs.extend(["--epoch-ms".into(), o.epoch_ms.to_string()]);
+    pargs.extend(["--schedule".into(), o.schedule.clone()]);
     pargs.extend(["--metrics-jsonl".into(), jsonl.display().to_string()]);
     daemon_args(o, &desc, &mut pargs);
     pb.set_message(format!(

@@ -45,9 +45,12 @@ pub struct Args {
     /// In this round (1-based), kill the primary in the middle of an epoch's transfer.
     #[arg(long)]
     pub mid_transfer_round: Option<usize>,
-    /// Epoch length in milliseconds.
+    /// Epoch length in milliseconds (with `--schedule adaptive`: the longest epoch).
     #[arg(long, default_value_t = 100)]
     pub epoch_ms: u64,
+    /// The primary's checkpoint schedule: `fixed` or `adaptive` (docs/SCHEDULING.md).
+    #[arg(long, default_value = "fixed")]
+    pub schedule: String,
     /// Backup's failover timeout when the link goes silent.
     #[arg(long, default_value_t = 500)]
     pub timeout_ms: u64,
@@ -151,6 +154,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             dir: dir.path().to_path_buf(),
             mem: a.mem,
             epoch_ms: a.epoch_ms,
+            schedule: a.schedule.clone(),
             timeout_ms: a.timeout_ms,
             codec: a.codec.clone(),
             conns: a.conns,
@@ -266,6 +270,7 @@ fn run_debian(a: Args) -> anyhow::Result<()> {
             dir: dir.path().to_path_buf(),
             shm: shm.path().to_path_buf(),
             epoch_ms: a.epoch_ms,
+            schedule: a.schedule.clone(),
             timeout_ms: a.timeout_ms,
             codec: a.codec.clone(),
             before: Duration::from_millis(a.before * 1000 + jitter),

@@ -168,6 +168,8 @@ impl<'a> Ctx<'a> {
             rdir.join("primary").display().to_string(),
             "--epoch-ms".into(),
             o.epoch_ms.to_string(),
+            "--schedule".into(),
+            o.schedule.clone(),
             "--codec".into(),
             o.codec.clone(),
             "--metrics-jsonl".into(),
@@ -451,6 +453,7 @@ impl<'a> Ctx<'a> {
         RoundResult {
             round: self.round,
             workload: o.workload.clone(),
+            schedule: o.schedule.clone(),
             epoch_ms: o.epoch_ms,
             kill_point: match o.stall_epoch {
                 Some(e) => format!("in the middle of epoch {e}'s transfer"),

@@ -24,6 +24,8 @@ pub struct Opts<'a> {
     pub dir: PathBuf,
     pub mem: u64,
     pub epoch_ms: u64,
+    /// The primary's `--schedule`.
+    pub schedule: String,
     pub timeout_ms: u64,
     pub codec: String,
     pub conns: usize,
@@ -49,6 +51,7 @@ pub struct Opts<'a> {
 pub struct RoundResult {
     pub round: usize,
     pub workload: String,
+    pub schedule: String,
     pub epoch_ms: u64,
     pub kill_point: String,
     pub epochs_acked: u64,

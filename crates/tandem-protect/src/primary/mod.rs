@@ -41,8 +41,10 @@ pub struct PrimaryConfig {
     pub site: SiteConfig,
     /// Directory for the data disk and sockets (default: a temporary directory).
     pub dir: Option<PathBuf>,
-    /// Epoch length.
+    /// Epoch length (with `adaptive`, its longest wait is the epoch length instead).
     pub epoch: Duration,
+    /// Schedule checkpoints adaptively (seed 002, docs/SCHEDULING.md) instead of every `epoch`.
+    pub adaptive: Option<tandem_vm::schedule::AdaptiveConfig>,
     /// For benchmarks: end protection and shut the guest down after this long.
     pub duration: Option<Duration>,
     /// Memory codec.
@@ -76,6 +78,7 @@ impl PrimaryConfig {
             site: SiteConfig::default(),
             dir: None,
             epoch: Duration::from_millis(100),
+            adaptive: None,
             duration: None,
             codec: Codec::Tandem,
             vm_id: 1,

@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use tandem_replication::{Acks, EpochInput, Frame, Primary, Reply};
-use tandem_vm::epoch::{run_pipeline, Checkpoint, Fixed};
+use tandem_vm::epoch::{run_pipeline, Checkpoint, Pending};
 use tandem_vm::{Epoch, EpochSink, Guest, Vm, VmError};
 
 use super::link::{self, Out, SenderOpts, Shared};
@@ -268,13 +268,8 @@ impl Daemon<'_> {
         });
         let first = self.epoch + 1;
         let mut sink = self.sink(shared, tx, vm.pid());
-        let r = run_pipeline(
-            vm,
-            &mut Fixed(sink.st.opts.epoch),
-            duration,
-            first,
-            &mut sink,
-        );
+        let mut schedule = tandem_vm::schedule::build(sink.st.opts.epoch, sink.st.opts.adaptive);
+        let r = run_pipeline(vm, schedule.as_mut(), duration, first, &mut sink);
         let err = sink.err.take();
         self.epoch = r?;
         err.map_or(Ok(()), Err)
@@ -431,6 +426,14 @@ struct LinkSink<'a> {
 }
 
 impl EpochSink for LinkSink<'_> {
+    fn pending(&self) -> Pending {
+        Pending {
+            output_frames: self.st.site.relays.unsealed_frames(),
+            unacked: self.st.shared.pending().len() as u64,
+            disk_bytes: self.st.site.disk_log_bytes(),
+        }
+    }
+
     fn in_pause(&mut self, epoch: Epoch) {
         if self.qemu != 0 && take_kill_in_pause() {
             self.st.status.warn(format!(

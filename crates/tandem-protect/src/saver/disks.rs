@@ -110,6 +110,11 @@ impl DiskCapture {
         }
     }
 
+    /// Disk bytes written since the last take.
+    pub fn log_bytes(&self) -> u64 {
+        self.site.disk_log_bytes()
+    }
+
     /// Applies `writes` to the disk base being prepared at `scratch`.
     pub fn apply(scratch: &Path, writes: &[Write]) -> Result<(), CaptureError> {
         let err = |e| CaptureError::Copy(scratch.display().to_string(), e);
