@@ -146,6 +146,8 @@ pub fn restore(
     let td = Instant::now();
     let disk_image = restore_disks(store, id, &mut cfg, disk_out)?;
     let disk_rebuild = td.elapsed();
+    // A restore that fails from here on leaves no rebuilt disk file behind.
+    let mut guard = RemoveOnDrop(disk_image.clone());
     let chain = chain_len(store, id);
     let t = Instant::now();
     let path = PathBuf::from(format!(
@@ -177,7 +179,19 @@ pub fn restore(
         disk_image: disk_image.map(|p| p.display().to_string()),
         disk_rebuild_ms: ms(disk_rebuild),
     };
+    guard.0 = None;
     Ok((vm, summary))
+}
+
+/// Removes a file when dropped (emptied once the restore succeeded).
+struct RemoveOnDrop(Option<PathBuf>);
+
+impl Drop for RemoveOnDrop {
+    fn drop(&mut self) {
+        if let Some(p) = &self.0 {
+            let _ = std::fs::remove_file(p);
+        }
+    }
 }
 
 /// Records from the last base up to checkpoint `id` (0 if there is no such checkpoint).
