@@ -36,6 +36,10 @@ pub struct PrimaryArgs {
     /// runs at least as long as the last pause took).
     #[arg(long, default_value_t = 2)]
     pub min_run_ms: u64,
+    /// With `--schedule adaptive`: while output keeps coming, the guest runs at least this
+    /// many times as long as the last pause (1.0: half of the time is the guest's).
+    #[arg(long, default_value_t = 1.0)]
+    pub run_per_pause: f64,
     /// For benchmarks: end protection and shut the guest down after this many seconds
     /// (default: run until stopped).
     #[arg(long)]
@@ -136,6 +140,7 @@ pub fn primary(a: PrimaryArgs) -> anyhow::Result<()> {
         adaptive: (a.schedule == ScheduleArg::Adaptive).then(|| AdaptiveConfig {
             max_wait: ms(a.epoch_ms.max(1)),
             min_run: ms(a.min_run_ms),
+            run_per_pause: a.run_per_pause.max(0.0),
             ..AdaptiveConfig::default()
         }),
         duration: a.duration.map(Duration::from_secs),

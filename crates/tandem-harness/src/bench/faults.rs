@@ -96,6 +96,7 @@ impl Soak<'_> {
             mem: self.mem,
             epoch_ms: 100,
             schedule: "fixed".into(),
+            run_per_pause: 1.0,
             timeout_ms: 1000,
             codec: "tandem".into(),
             conns: 8,

@@ -58,6 +58,9 @@ pub struct Args {
     /// With adaptive, each epoch length is its longest epoch.
     #[arg(long, value_delimiter = ',')]
     pub schedules: Vec<String>,
+    /// --replication with the adaptive schedule: the primary's `--run-per-pause`.
+    #[arg(long, default_value_t = 1.0)]
+    pub run_per_pause: f64,
     /// Measure the checkpoint store against QEMU's full save and page-granular increments.
     #[arg(long)]
     pub store: bool,

@@ -65,6 +65,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
                 mem: a.mem,
                 epoch_ms: ms,
                 schedule: schedule.clone(),
+                run_per_pause: a.run_per_pause,
                 timeout_ms: 1000,
                 codec: "tandem".into(),
                 conns: a.conns,

@@ -51,6 +51,9 @@ pub struct Args {
     /// The primary's checkpoint schedule: `fixed` or `adaptive` (docs/SCHEDULING.md).
     #[arg(long, default_value = "fixed")]
     pub schedule: String,
+    /// With `--schedule adaptive`: the primary's `--run-per-pause`.
+    #[arg(long, default_value_t = 1.0)]
+    pub run_per_pause: f64,
     /// Backup's failover timeout when the link goes silent.
     #[arg(long, default_value_t = 500)]
     pub timeout_ms: u64,
@@ -155,6 +158,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             mem: a.mem,
             epoch_ms: a.epoch_ms,
             schedule: a.schedule.clone(),
+            run_per_pause: a.run_per_pause,
             timeout_ms: a.timeout_ms,
             codec: a.codec.clone(),
             conns: a.conns,

@@ -170,6 +170,8 @@ impl<'a> Ctx<'a> {
             o.epoch_ms.to_string(),
             "--schedule".into(),
             o.schedule.clone(),
+            "--run-per-pause".into(),
+            o.run_per_pause.to_string(),
             "--codec".into(),
             o.codec.clone(),
             "--metrics-jsonl".into(),

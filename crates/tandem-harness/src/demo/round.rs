@@ -26,6 +26,8 @@ pub struct Opts<'a> {
     pub epoch_ms: u64,
     /// The primary's `--schedule`.
     pub schedule: String,
+    /// The primary's `--run-per-pause` (adaptive schedule).
+    pub run_per_pause: f64,
     pub timeout_ms: u64,
     pub codec: String,
     pub conns: usize,
