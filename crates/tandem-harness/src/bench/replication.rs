@@ -119,7 +119,7 @@ fn line(r: &RoundResult) -> String {
         )
     };
     format!(
-        "{:<8} {:>8} {:>3} ms | {thr}{lat} | link {:.2} MiB vs Remus {:.1} MiB ({:.3}x) | pause p50 {:.1} ms p99 {:.1} ms | failover {:.0} ms after kill ({:.0} detection + {:.1} resume)",
+        "{:<8} {:>8} {:>3} ms | {thr}{lat} | link {:.2} MiB vs Remus {:.1} MiB ({:.3}x) | pause p50 {:.1} ms p99 {:.1} ms ({:.0} % of the time) | failover {:.0} ms after kill ({:.0} detection + {:.1} resume)",
         r.workload,
         r.schedule,
         r.epoch_ms,
@@ -128,6 +128,7 @@ fn line(r: &RoundResult) -> String {
         r.sent_over_raw,
         r.pause_ms_p50,
         r.pause_ms_p99,
+        100.0 * r.pause_share,
         r.kill_to_running_ms,
         r.detection_ms,
         r.resume_after_detection_ms

@@ -472,6 +472,7 @@ impl<'a> Ctx<'a> {
             sent_over_raw: ep.sent as f64 / ep.raw.max(1) as f64,
             pause_ms_p50: quantile(&ep.pauses, 0.5),
             pause_ms_p99: quantile(&ep.pauses, 0.99),
+            pause_share: ep.pauses.iter().sum::<f64>() / 1000.0 / tl.replicated_s.max(1e-3),
             unit: g.unit.into(),
             rate_replicated: g.rate_replicated,
             rate_after_failover: g.rate_after,

@@ -62,6 +62,8 @@ pub struct RoundResult {
     pub sent_over_raw: f64,
     pub pause_ms_p50: f64,
     pub pause_ms_p99: f64,
+    /// Share of the replicated phase the guest spent paused for checkpoints.
+    pub pause_share: f64,
     /// Guest throughput unit: client `ops` (kv), sqlite `txns`, compiled `objs`; none for idle.
     pub unit: String,
     /// Throughput per second while replicated, and on the backup after failover (unprotected,
