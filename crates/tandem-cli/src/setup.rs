@@ -305,18 +305,7 @@ fn save_booted(dir: &Path, image_stamp: &str) -> anyhow::Result<()> {
     let _ = std::fs::remove_dir_all(&booted);
     let overlay = dir.join("booted-overlay.qcow2");
     let _ = std::fs::remove_file(&overlay);
-    let out = Command::new("qemu-img")
-        .args(["create", "-q", "-f", "qcow2", "-F", "qcow2", "-b"])
-        .arg(dir.join("debian.qcow2"))
-        .arg(&overlay)
-        .output()
-        .context("running qemu-img")?;
-    if !out.status.success() {
-        bail!(
-            "qemu-img create: {}",
-            String::from_utf8_lossy(&out.stderr).trim()
-        );
-    }
+    tandem_vm::desc::create_overlay(&dir.join("debian.qcow2"), &overlay)?;
     let desc = dir.join("booted-vm.toml");
     let text = DEBIAN_VM
         .replace(

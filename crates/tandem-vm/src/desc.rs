@@ -138,6 +138,29 @@ pub fn virtual_size(path: &Path, format: DiskFormat) -> Result<u64, DescError> {
     })
 }
 
+/// Creates a qcow2 copy-on-write overlay at `overlay` over the qcow2 image `base` (which is
+/// then only read).
+pub fn create_overlay(base: &Path, overlay: &Path) -> Result<(), DescError> {
+    let out = std::process::Command::new("qemu-img")
+        .args(["create", "-q", "-f", "qcow2", "-F", "qcow2", "-b"])
+        .arg(base)
+        .arg(overlay)
+        .output()
+        .map_err(|source| DescError::File {
+            what: "qemu-img (install qemu-utils with `tandem setup`) for overlay",
+            path: overlay.into(),
+            source,
+        })?;
+    if !out.status.success() {
+        return Err(invalid(format!(
+            "qemu-img create {}: {}",
+            overlay.display(),
+            String::from_utf8_lossy(&out.stderr).trim()
+        )));
+    }
+    Ok(())
+}
+
 /// NIC models tandem accepts.
 pub const NIC_MODELS: &[&str] = &["virtio-net-pci", "e1000", "e1000e", "rtl8139"];
 /// QEMU cache modes.

@@ -170,6 +170,16 @@ impl Drop for Daemon {
     }
 }
 
+/// The QEMU pid in the primary's "guest ready ... QEMU pid N, ..." line (0 if absent).
+pub fn qemu_pid(ready: &str) -> u32 {
+    ready
+        .split("QEMU pid ")
+        .nth(1)
+        .and_then(|r| r.split(',').next())
+        .and_then(|p| p.trim().parse().ok())
+        .unwrap_or(0)
+}
+
 /// Progress per second between the first and last sample inside `[from, to)`.
 pub fn rate(samples: &[(Instant, u64)], from: Instant, to: Instant) -> Option<f64> {
     let inside: Vec<&(Instant, u64)> = samples

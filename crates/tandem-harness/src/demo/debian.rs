@@ -13,7 +13,7 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Context};
+use anyhow::bail;
 use indicatif::ProgressBar;
 use serde::Serialize;
 use tandem_net::lab::{BACKUP_IP, GUEST_IP};
@@ -21,7 +21,7 @@ use tandem_net::NetLab;
 use tandem_protect::stats::quantile;
 
 use super::capture::Capture;
-use super::daemon::Daemon;
+use super::daemon::{qemu_pid, Daemon};
 use super::pg::{self, Committer, DebianVm, Ticker};
 use super::phases::{copy_stopped, field, Clock};
 use super::round::{Epochs, MIB};
@@ -112,18 +112,7 @@ pub struct DebianOpts<'a> {
 /// clients' bridge through `--tap-netns`).
 fn describe(o: &DebianOpts<'_>, rdir: &Path) -> anyhow::Result<PathBuf> {
     let overlay = rdir.join("disk.qcow2");
-    let out = std::process::Command::new("qemu-img")
-        .args(["create", "-q", "-f", "qcow2", "-F", "qcow2", "-b"])
-        .arg(&o.vm.image)
-        .arg(&overlay)
-        .output()
-        .context("running qemu-img")?;
-    if !out.status.success() {
-        bail!(
-            "qemu-img create: {}",
-            String::from_utf8_lossy(&out.stderr).trim()
-        );
-    }
+    tandem_vm::desc::create_overlay(&o.vm.image, &overlay)?;
     let desc = format!(
         "# The Debian test VM on a copy-on-write overlay of {image}\n\
          mem = 1024\nvcpus = 2\nready = \"TANDEM-READY\"\n\n[boot]\nfirmware = \"seabios\"\n\n\
@@ -195,12 +184,7 @@ pub fn round(r: usize, o: &DebianOpts<'_>, pb: &ProgressBar) -> anyhow::Result<D
     )?;
     let ready = primary.wait_line("guest ready", Duration::from_secs(400))?;
     let boot_s = t.elapsed().as_secs_f64();
-    let qemu: u32 = ready
-        .split("QEMU pid ")
-        .nth(1)
-        .and_then(|r| r.split(',').next())
-        .and_then(|p| p.trim().parse().ok())
-        .unwrap_or(0);
+    let qemu = qemu_pid(&ready);
     let mut ep = Epochs::default();
     let t = Instant::now();
     while ep.acked < 3 {

@@ -12,7 +12,7 @@ use indicatif::ProgressBar;
 
 use super::capture::Capture;
 use super::client::{self, Writers};
-use super::daemon::{rate, Daemon};
+use super::daemon::{qemu_pid, rate, Daemon};
 use super::fault;
 use super::round::{Epochs, Opts, RoundResult, MIB};
 use super::steps::{common, leftovers, Pair};
@@ -193,12 +193,7 @@ impl<'a> Ctx<'a> {
             rdir.join("primary.log"),
         )?;
         let ready = primary.wait_line("guest ready", Duration::from_secs(240))?;
-        let qemu: u32 = ready
-            .split("QEMU pid ")
-            .nth(1)
-            .and_then(|r| r.split(',').next())
-            .and_then(|p| p.trim().parse().ok())
-            .unwrap_or(0);
+        let qemu = qemu_pid(&ready);
         Ok((primary, qemu))
     }
 
