@@ -1,0 +1,272 @@
+//! A small etcd v3 client over etcd's JSON gateway (`/v3/...`, HTTP POST, keys and values in
+//! base64, 64-bit integers as strings). It needs only an HTTP client, so the daemons stay
+//! synchronous (see docs/FENCING.md for why not the gRPC `etcd-client` crate).
+//!
+//! Every request tries the endpoints in turn, starting with the last one that answered, each
+//! with a short timeout: a member cut from its quorum does not answer linearizable requests,
+//! and the next member is tried.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use base64::engine::general_purpose::STANDARD as B64;
+use base64::Engine;
+use serde_json::{json, Value};
+
+/// A failed etcd request.
+#[derive(Debug, thiserror::Error)]
+pub enum EtcdError {
+    /// No endpoint answered.
+    #[error("no etcd endpoint answered ({endpoints}): {last}")]
+    Unreachable {
+        /// The endpoints tried.
+        endpoints: String,
+        /// The last endpoint's error.
+        last: String,
+    },
+    /// An endpoint answered with something that is not the expected JSON.
+    #[error("etcd answered {path} with an unexpected reply: {reply}")]
+    Reply {
+        /// The request path.
+        path: &'static str,
+        /// The reply, shortened.
+        reply: String,
+    },
+    /// No endpoints were given.
+    #[error("no etcd endpoints given (use --etcd http://HOST:2379[,...])")]
+    NoEndpoints,
+}
+
+/// A key as etcd stores it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Kv {
+    /// The value.
+    pub value: Vec<u8>,
+    /// Revision of the key's creation (0: absent).
+    pub create_revision: i64,
+    /// Revision of its last change.
+    pub mod_revision: i64,
+    /// The lease it is attached to (0: none).
+    pub lease: i64,
+}
+
+/// One comparison of a transaction (all must hold).
+#[derive(Debug, Clone)]
+pub enum Compare {
+    /// The key's create revision equals this (0: the key does not exist).
+    CreateRevision(String, i64),
+    /// The key's mod revision equals this (0: the key does not exist).
+    ModRevision(String, i64),
+    /// The key exists with this value.
+    Value(String, Vec<u8>),
+}
+
+/// One operation of a transaction.
+#[derive(Debug, Clone)]
+pub enum Op {
+    /// Put a value, attached to a lease (0: none).
+    Put(String, Vec<u8>, i64),
+    /// Read a key.
+    Get(String),
+    /// Delete a key.
+    Delete(String),
+}
+
+/// The outcome of a transaction.
+#[derive(Debug, Clone, Default)]
+pub struct TxnResult {
+    /// Whether every comparison held (the success branch ran).
+    pub succeeded: bool,
+    /// The keys read by the branch that ran, in order (`None`: absent).
+    pub reads: Vec<Option<Kv>>,
+}
+
+/// An etcd client over the JSON gateway.
+pub struct Client {
+    endpoints: Vec<String>,
+    agent: ureq::Agent,
+    preferred: AtomicUsize,
+}
+
+fn b64(s: &[u8]) -> String {
+    B64.encode(s)
+}
+
+fn int(v: &Value) -> i64 {
+    match v {
+        Value::String(s) => s.parse().unwrap_or(0),
+        Value::Number(n) => n.as_i64().unwrap_or(0),
+        _ => 0,
+    }
+}
+
+fn kv_of(v: &Value) -> Option<Kv> {
+    let first = v.get("kvs")?.as_array()?.first()?;
+    Some(Kv {
+        value: first
+            .get("value")
+            .and_then(Value::as_str)
+            .and_then(|s| B64.decode(s).ok())
+            .unwrap_or_default(),
+        create_revision: first.get("create_revision").map_or(0, int),
+        mod_revision: first.get("mod_revision").map_or(0, int),
+        lease: first.get("lease").map_or(0, int),
+    })
+}
+
+impl Client {
+    /// A client of the cluster at `endpoints` (`http://host:port`), each request bounded by
+    /// `timeout` per endpoint.
+    pub fn new(endpoints: &[String], timeout: Duration) -> Result<Client, EtcdError> {
+        if endpoints.is_empty() {
+            return Err(EtcdError::NoEndpoints);
+        }
+        let agent = ureq::Agent::config_builder()
+            .timeout_global(Some(timeout))
+            .http_status_as_error(false)
+            .build()
+            .into();
+        Ok(Client {
+            endpoints: endpoints
+                .iter()
+                .map(|e| e.trim_end_matches('/').to_string())
+                .collect(),
+            agent,
+            preferred: AtomicUsize::new(0),
+        })
+    }
+
+    /// The endpoints, comma-separated.
+    pub fn endpoints(&self) -> String {
+        self.endpoints.join(",")
+    }
+
+    /// POSTs `body` to `path` on the first endpoint that answers with JSON; gateway errors
+    /// (`{"error": ...}`, e.g. no leader) count as "did not answer" and the next is tried.
+    fn post(&self, path: &'static str, body: &Value) -> Result<Value, EtcdError> {
+        let n = self.endpoints.len();
+        let first = self.preferred.load(Ordering::Relaxed) % n;
+        let mut last = String::new();
+        for i in 0..n {
+            let at = (first + i) % n;
+            let url = format!("{}{path}", self.endpoints[at]);
+            let r = self
+                .agent
+                .post(&url)
+                .send_json(body)
+                .and_then(|r| r.into_body().read_json::<Value>());
+            match r {
+                Ok(v) if v.get("error").is_some() => {
+                    last = format!("{}: {}", self.endpoints[at], v["error"]);
+                    // "lease not found" is an answer, not an unreachable member.
+                    if v["code"] == 5 {
+                        self.preferred.store(at, Ordering::Relaxed);
+                        return Ok(v);
+                    }
+                }
+                Ok(v) => {
+                    self.preferred.store(at, Ordering::Relaxed);
+                    return Ok(v);
+                }
+                Err(e) => last = format!("{}: {e}", self.endpoints[at]),
+            }
+        }
+        Err(EtcdError::Unreachable {
+            endpoints: self.endpoints(),
+            last,
+        })
+    }
+
+    /// Grants a lease of `ttl_s` seconds; returns its id and the TTL etcd chose (it raises
+    /// TTLs below its minimum).
+    pub fn grant(&self, ttl_s: u64) -> Result<(i64, i64), EtcdError> {
+        let v = self.post("/v3/lease/grant", &json!({ "TTL": ttl_s }))?;
+        let id = v.get("ID").map_or(0, int);
+        if id == 0 {
+            return Err(reply("/v3/lease/grant", &v));
+        }
+        Ok((id, v.get("TTL").map_or(0, int)))
+    }
+
+    /// Renews a lease; returns the TTL it was renewed for (`None`: the lease expired or was
+    /// revoked).
+    pub fn keepalive(&self, id: i64) -> Result<Option<i64>, EtcdError> {
+        let v = self.post("/v3/lease/keepalive", &json!({ "ID": id.to_string() }))?;
+        let ttl = v
+            .get("result")
+            .and_then(|r| r.get("TTL"))
+            .map_or(0, int);
+        Ok((ttl > 0).then_some(ttl))
+    }
+
+    /// Revokes a lease (its keys are deleted at once). Revoking an unknown lease is not an
+    /// error.
+    pub fn revoke(&self, id: i64) -> Result<(), EtcdError> {
+        self.post("/v3/lease/revoke", &json!({ "ID": id.to_string() }))?;
+        Ok(())
+    }
+
+    /// Reads one key.
+    pub fn get(&self, key: &str) -> Result<Option<Kv>, EtcdError> {
+        let v = self.post("/v3/kv/range", &json!({ "key": b64(key.as_bytes()) }))?;
+        if v.get("header").is_none() {
+            return Err(reply("/v3/kv/range", &v));
+        }
+        Ok(kv_of(&v))
+    }
+
+    /// Runs a transaction: if every comparison holds, `success`, else `failure`.
+    pub fn txn(
+        &self,
+        compare: &[Compare],
+        success: &[Op],
+        failure: &[Op],
+    ) -> Result<TxnResult, EtcdError> {
+        let cmp: Vec<Value> = compare
+            .iter()
+            .map(|c| match c {
+                Compare::CreateRevision(k, r) => json!({"key": b64(k.as_bytes()),
+                    "target": "CREATE", "create_revision": r.to_string(), "result": "EQUAL"}),
+                Compare::ModRevision(k, r) => json!({"key": b64(k.as_bytes()),
+                    "target": "MOD", "mod_revision": r.to_string(), "result": "EQUAL"}),
+                Compare::Value(k, v) => json!({"key": b64(k.as_bytes()),
+                    "target": "VALUE", "value": b64(v), "result": "EQUAL"}),
+            })
+            .collect();
+        let ops = |ops: &[Op]| -> Vec<Value> {
+            ops.iter()
+                .map(|o| match o {
+                    Op::Put(k, v, lease) => json!({"request_put": {"key": b64(k.as_bytes()),
+                        "value": b64(v), "lease": lease.to_string()}}),
+                    Op::Get(k) => json!({"request_range": {"key": b64(k.as_bytes())}}),
+                    Op::Delete(k) => json!({"request_delete_range": {"key": b64(k.as_bytes())}}),
+                })
+                .collect()
+        };
+        let body = json!({"compare": cmp, "success": ops(success), "failure": ops(failure)});
+        let v = self.post("/v3/kv/txn", &body)?;
+        if v.get("header").is_none() {
+            return Err(reply("/v3/kv/txn", &v));
+        }
+        let reads = v
+            .get("responses")
+            .and_then(Value::as_array)
+            .map(|rs| {
+                rs.iter()
+                    .filter_map(|r| r.get("response_range"))
+                    .map(kv_of)
+                    .collect()
+            })
+            .unwrap_or_default();
+        Ok(TxnResult {
+            succeeded: v.get("succeeded").and_then(Value::as_bool).unwrap_or(false),
+            reads,
+        })
+    }
+}
+
+fn reply(path: &'static str, v: &Value) -> EtcdError {
+    let mut reply = v.to_string();
+    reply.truncate(200);
+    EtcdError::Reply { path, reply }
+}
