@@ -405,3 +405,26 @@ impl Holder {
     }
 }
 
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn replica_records_round_trip_and_garbage_is_refused() {
+        for r in [Replica::None, Replica::Session(0), Replica::Session(u64::MAX)] {
+            assert_eq!(Replica::parse(&r.encode()), Some(r));
+        }
+        for bad in [&b""[..], b"nonex", b"session:", b"session:xyz", b"\xff"] {
+            assert_eq!(Replica::parse(bad), None);
+        }
+    }
+
+    #[test]
+    fn the_right_ends_before_the_ttl() {
+        let c = FenceConfig::new(vec![], 1, "n");
+        assert_eq!(c.right(), Duration::from_millis(2470));
+        assert_eq!(c.keepalive_every(), Duration::from_millis(500));
+        assert_eq!(c.leader_key(), "/tandem/vm/1/leader");
+    }
+}

@@ -6,6 +6,8 @@
 //!   replica record, and the guarded campaigns of a primary and a backup.
 //! - [`cluster`]: starts a real etcd cluster of local members (lab and tests).
 
+#![warn(missing_docs)]
+
 pub mod cluster;
 pub mod etcd;
 pub mod lease;

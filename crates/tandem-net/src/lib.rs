@@ -13,5 +13,5 @@ pub mod relay;
 pub mod tap;
 
 pub use lab::{LabError, NetLab};
-pub use relay::{Policy, Relay, RelayError, RelayStats};
+pub use relay::{Gate, Policy, Relay, RelayError, RelayStats};
 pub use tap::{open_tap, TapError};

@@ -39,6 +39,11 @@ pub enum Policy {
     Pass,
 }
 
+/// A check consulted right before any guest frame leaves: while it returns false, released
+/// epochs stay held and frames passing in [`Policy::Pass`] are dropped (the fencing lease of
+/// tandem-fence: output may leave only while the lease is certainly valid).
+pub type Gate = Arc<dyn Fn() -> bool + Send + Sync>;
+
 /// Relay errors.
 #[derive(Debug, thiserror::Error)]
 pub enum RelayError {
@@ -89,6 +94,19 @@ struct Shared {
     dropped: AtomicU64,
     overflow: AtomicU64,
     hold_limit: AtomicU64,
+    gate: Mutex<Option<Gate>>,
+    gated: AtomicU64,
+}
+
+impl Shared {
+    fn open(&self) -> bool {
+        let g = lock(&self.gate).clone();
+        let open = g.is_none_or(|g| g());
+        if !open {
+            self.gated.fetch_add(1, Ordering::Relaxed);
+        }
+        open
+    }
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -119,6 +137,8 @@ impl Relay {
             dropped: AtomicU64::new(0),
             overflow: AtomicU64::new(0),
             hold_limit: AtomicU64::new(DEFAULT_HOLD_LIMIT),
+            gate: Mutex::new(None),
+            gated: AtomicU64::new(0),
         });
         let s = shared.clone();
         std::thread::spawn(move || accept_loop(listener, s));
@@ -150,11 +170,19 @@ impl Relay {
     pub fn release(&self, epoch: u64) -> Result<u64, RelayError> {
         let mut n = 0;
         let mut q = lock(&self.shared.queues);
-        while q.sealed.front().is_some_and(|(e, _)| *e <= epoch) {
-            let Some((_, frames)) = q.sealed.pop_front() else {
+        'epochs: while q.sealed.front().is_some_and(|(e, _)| *e <= epoch) {
+            let Some((e, frames)) = q.sealed.pop_front() else {
                 break;
             };
-            for f in frames {
+            let mut frames = frames.into_iter();
+            while let Some(f) = frames.next() {
+                if !self.shared.open() {
+                    // The gate closed: this frame and the rest stay held, in order.
+                    let mut rest = vec![f];
+                    rest.extend(frames);
+                    q.sealed.push_front((e, rest));
+                    break 'epochs;
+                }
                 q.held_bytes -= f.len() as u64;
                 // A frame the tap refuses is lost like on a congested wire (TCP resends);
                 // it must not stop the release of the frames after it.
@@ -184,6 +212,16 @@ impl Relay {
             self.release(u64::MAX)?;
         }
         Ok(())
+    }
+
+    /// Installs the gate consulted before any guest frame leaves (`None`: always open).
+    pub fn set_gate(&self, gate: Option<Gate>) {
+        *lock(&self.shared.gate) = gate;
+    }
+
+    /// How many times a frame found the gate closed.
+    pub fn gated(&self) -> u64 {
+        self.shared.gated.load(Ordering::Relaxed)
     }
 
     /// Bounds the held guest output to `bytes` (sealed and open queues together). A guest frame
@@ -304,6 +342,10 @@ fn guest_loop(mut r: UnixStream, s: Arc<Shared>) {
                     q.held_bytes += n as u64;
                     q.open.push(frame);
                 }
+            }
+            Policy::Pass if !s.open() => {
+                // Not allowed out now: lost like on a wire that is down (TCP resends).
+                s.dropped.fetch_add(1, Ordering::Relaxed);
             }
             Policy::Pass => {
                 if let Err(e) = write_outside(&s, &frame) {

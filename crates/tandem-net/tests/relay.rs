@@ -264,3 +264,43 @@ extern "C" {
     #[link_name = "geteuid"]
     fn libc_geteuid() -> u32;
 }
+
+#[test]
+fn a_closed_gate_keeps_released_epochs_held_and_drops_passing_frames() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    let (_d, relay, mut qemu, world) = setup(Policy::Hold);
+    let open = Arc::new(AtomicBool::new(false));
+    let o = open.clone();
+    relay.set_gate(Some(Arc::new(move || o.load(Ordering::SeqCst))));
+    let mut buf = [0u8; 2048];
+    for i in 0..2 {
+        send_to_relay(&mut qemu, &frame(i));
+    }
+    wait_held(&relay, 2);
+    relay.seal(1);
+    assert_eq!(relay.release(1).unwrap(), 0, "the gate is closed");
+    assert!(world.recv(&mut buf).is_err());
+    assert_eq!(relay.stats().held_frames, 2);
+    assert!(relay.gated() >= 1);
+    open.store(true, Ordering::SeqCst);
+    assert_eq!(relay.release(1).unwrap(), 2);
+    for i in 0..2 {
+        let n = world.recv(&mut buf).unwrap();
+        assert_eq!(&buf[..n], &frame(i)[..], "in order once the gate opens");
+    }
+    // Passing: a closed gate drops the frame instead of letting it out.
+    relay.set_policy(Policy::Pass).unwrap();
+    open.store(false, Ordering::SeqCst);
+    send_to_relay(&mut qemu, &frame(5));
+    let t = Instant::now();
+    while relay.stats().dropped_frames != 1 {
+        assert!(t.elapsed() < Duration::from_secs(5), "{:?}", relay.stats());
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert!(world.recv(&mut buf).is_err());
+    open.store(true, Ordering::SeqCst);
+    send_to_relay(&mut qemu, &frame(6));
+    let n = world.recv(&mut buf).unwrap();
+    assert_eq!(&buf[..n], &frame(6)[..]);
+}
