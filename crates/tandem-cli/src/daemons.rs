@@ -12,6 +12,43 @@ use tandem_protect::{signals, Line, Status};
 
 use crate::vmargs::{kv_load, SiteArgs, VmArgs};
 
+/// Fencing flags, the same on both daemons.
+#[derive(clap::Args, Clone, Default)]
+pub struct FenceArgs {
+    /// Fence with a per-VM leader key held with a lease in this etcd cluster (client URLs,
+    /// comma-separated, e.g. http://10.79.0.11:2379,http://10.79.0.12:2379); see
+    /// docs/FENCING.md. Without it the backup cannot tell a partition from a dead primary.
+    #[arg(long, value_delimiter = ',')]
+    pub etcd: Vec<String>,
+    /// Lease TTL in seconds (at least 2): a dead primary's guest resumes on the backup at most
+    /// this long after its last renewal; output stops 0.5 s + 1 % before it.
+    #[arg(long, default_value_t = 3)]
+    pub lease_ttl_s: u64,
+    /// Key prefix in etcd.
+    #[arg(long, default_value = "/tandem")]
+    pub etcd_prefix: String,
+    /// This node's name in the leader key (default: ROLE@HOSTNAME).
+    #[arg(long)]
+    pub node: Option<String>,
+}
+
+impl FenceArgs {
+    fn config(&self, vm_id: u64, role: &str) -> Option<tandem_fence::FenceConfig> {
+        if self.etcd.is_empty() {
+            return None;
+        }
+        let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+        let node = self
+            .node
+            .clone()
+            .unwrap_or_else(|| format!("{role}@{}", host.trim()));
+        let mut c = tandem_fence::FenceConfig::new(self.etcd.clone(), vm_id, node);
+        c.ttl = Duration::from_secs(self.lease_ttl_s.max(2));
+        c.prefix = self.etcd_prefix.trim_end_matches('/').to_string();
+        Some(c)
+    }
+}
+
 #[derive(clap::Args)]
 pub struct PrimaryArgs {
     /// Backup address (host:port).
@@ -67,6 +104,8 @@ pub struct PrimaryArgs {
     /// Serve Prometheus metrics on this address (GET /metrics).
     #[arg(long)]
     pub metrics_listen: Option<String>,
+    #[command(flatten)]
+    pub fence: FenceArgs,
     /// Fault injection for tests: send half of this epoch's frame, then stall until killed.
     #[arg(long, hide = true)]
     pub fault_stall_epoch: Option<u64>,
@@ -99,6 +138,11 @@ pub struct BackupArgs {
     /// Write a JSON report of the failover here.
     #[arg(long)]
     pub report: Option<PathBuf>,
+    /// The protected VM's identifier (its leader key in etcd, with --etcd).
+    #[arg(long, default_value_t = 1)]
+    pub vm_id: u64,
+    #[command(flatten)]
+    pub fence: FenceArgs,
 }
 
 /// Status lines on the terminal: progress on stdout, warnings on stderr.
@@ -153,6 +197,7 @@ pub fn primary(a: PrimaryArgs) -> anyhow::Result<()> {
         metrics_listen: a.metrics_listen,
         fault_stall_epoch: a.fault_stall_epoch,
         load: Some(kv_load()),
+        fence: a.fence.config(a.vm_id, "primary"),
     };
     Ok(tandem_protect::primary::run(cfg, stdio("primary"))?)
 }
@@ -168,6 +213,7 @@ pub fn backup(a: BackupArgs) -> anyhow::Result<()> {
         timeout: ms(a.timeout_ms.max(1)),
         stall: a.stall_ms.map(ms),
         report: a.report,
+        fence: a.fence.config(a.vm_id, "backup"),
     };
     Ok(tandem_protect::backup::run(cfg, stdio("backup"))?)
 }

@@ -171,6 +171,7 @@ struct State {
     reconnects: u64,
     resyncs: u64,
     hold_dropped: u64,
+    lease: Option<tandem_fence::Holder>,
 }
 
 impl Default for State {
@@ -197,6 +198,7 @@ impl Default for State {
             reconnects: 0,
             resyncs: 0,
             hold_dropped: 0,
+            lease: None,
         }
     }
 }
@@ -248,6 +250,11 @@ impl Registry {
 
 /// Gauges and counters the daemon sets as its state changes.
 impl Registry {
+    /// The lease whose remaining right `tandem_lease_remaining_seconds` reports.
+    pub fn set_lease(&self, holder: Option<tandem_fence::Holder>) {
+        self.lock().lease = holder;
+    }
+
     /// Whether the replication link to the backup is up.
     pub fn set_link_up(&self, up: bool) {
         self.lock().link_up = up;
@@ -348,6 +355,11 @@ impl Registry {
         let mut o = String::with_capacity(4096);
         for (name, kind, v, help) in rows {
             family(&mut o, name, kind, help, &[(String::new(), v)]);
+        }
+        if let Some(h) = &s.lease {
+            let v = format!("{:.3}", h.remaining().as_secs_f64());
+            let help = "Time this node may still let guest output out under its etcd lease.";
+            family(&mut o, "tandem_lease_remaining_seconds", "gauge", help, &[(String::new(), v)]);
         }
         let help = "Guest pause per epoch (type II downtime).";
         histogram(&mut o, "tandem_pause_seconds", help, &s.pause);

@@ -408,6 +408,13 @@ impl Relays {
         self.0.iter().map(|r| r.unsealed_frames()).sum()
     }
 
+    /// Installs the fencing gate on every relay: no guest frame leaves while it is closed.
+    pub fn set_gate(&self, gate: Option<tandem_net::Gate>) {
+        for r in &self.0 {
+            r.set_gate(gate.clone());
+        }
+    }
+
     /// Switches every relay to `p`.
     pub fn set_policy(&self, p: Policy) -> Result<(), tandem_net::RelayError> {
         self.0.iter().try_for_each(|r| r.set_policy(p))

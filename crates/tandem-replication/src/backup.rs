@@ -84,6 +84,7 @@ pub struct Backup<M> {
     consistent: bool,
     device_state: Vec<u8>,
     plan: Plan,
+    session: u64,
 }
 
 /// The sections of one epoch frame, parsed and checked but not applied.
@@ -108,6 +109,7 @@ impl<M: AsRef<[u8]> + AsMut<[u8]>> Backup<M> {
             consistent: false,
             device_state: Vec::new(),
             plan: Plan::default(),
+            session: 0,
         }
     }
 
@@ -130,6 +132,11 @@ impl<M: AsRef<[u8]> + AsMut<[u8]>> Backup<M> {
     /// guest can be resumed from them.
     pub fn consistent(&self) -> bool {
         self.consistent
+    }
+
+    /// The session id of the current initial copy's hello (0: none or an older primary).
+    pub fn session(&self) -> u64 {
+        self.session
     }
 
     /// The protected VM, once a primary said hello.
@@ -220,6 +227,7 @@ impl<M: AsRef<[u8]> + AsMut<[u8]>> Backup<M> {
         }
         self.consistent = false;
         self.committed = h.start_epoch;
+        self.session = h.session;
         self.device_state.clear();
         self.vm_id = Some(f.vm_id);
         Ok(Applied::Hello)

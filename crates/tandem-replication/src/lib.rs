@@ -25,6 +25,7 @@ pub fn hello_payload(mem_bytes: u64, disk_bytes: u64) -> Vec<u8> {
         page_size: tandem_codec::format::PAGE as u32,
         disk_bytes,
         start_epoch: 0,
+        session: 0,
     }
     .encode()
 }

@@ -218,6 +218,7 @@ pub struct Primary {
     prev_dev: Vec<u8>,
     dev_delta: Vec<u8>,
     rec: Vec<u8>,
+    session: u64,
 }
 
 impl Primary {
@@ -231,6 +232,7 @@ impl Primary {
             prev_dev: Vec::new(),
             dev_delta: Vec::new(),
             rec: Vec::new(),
+            session: 0,
         }
     }
 
@@ -248,6 +250,11 @@ impl Primary {
         }
     }
 
+    /// Sets the id the next hello carries (fencing records it in etcd as the replica).
+    pub fn set_session(&mut self, session: u64) {
+        self.session = session;
+    }
+
     /// Starts a session whose initial copy is `ram` (and the disk the caller sends) at epoch
     /// `start`: returns the hello frame. The encoder's reference becomes `ram`.
     pub fn begin(
@@ -263,6 +270,7 @@ impl Primary {
             page_size: tandem_codec::format::PAGE as u32,
             disk_bytes,
             start_epoch: start,
+            session: self.session,
         };
         Ok(self.frame(Kind::Hello, 0, hello.encode()))
     }

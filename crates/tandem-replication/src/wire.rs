@@ -9,7 +9,9 @@
 //! | payload: len bytes (≤ 1 GiB)                                        |
 //! +--------------------------------------------------------------------+
 //! kinds: 1 hello (payload: mem_bytes u64, page_size u32, disk_bytes u64
-//!                 [, start_epoch u64 — the epoch the initial copy belongs to; absent = 0])
+//!                 [, start_epoch u64 — the epoch the initial copy belongs to; absent = 0
+//!                 [, session u64 — random id of this replication session, which the primary
+//!                    records in etcd as the replica that may take over; absent = 0]])
 //!        2 base chunk (payload: first_pfn u64 + pages) — initial copy of guest memory
 //!        3 epoch (payload: sections, each kind u8 + len u32 + bytes:
 //!                 1 memory record (tandem-codec), 2 device state, 3 disk writes,
@@ -238,22 +240,26 @@ pub struct Hello {
     pub disk_bytes: u64,
     /// Epoch number of the initial copy: the first epoch of the session is `start_epoch + 1`.
     pub start_epoch: u64,
+    /// Random id of the session (0: none; fencing records it as the eligible replica).
+    pub session: u64,
 }
 
 impl Hello {
-    /// Serialises (28 bytes; the 20-byte form of earlier primaries has no start epoch).
+    /// Serialises (36 bytes; the 20- and 28-byte forms of earlier primaries lack the start
+    /// epoch and the session).
     pub fn encode(&self) -> Vec<u8> {
-        let mut p = Vec::with_capacity(28);
+        let mut p = Vec::with_capacity(36);
         p.extend_from_slice(&self.mem_bytes.to_le_bytes());
         p.extend_from_slice(&self.page_size.to_le_bytes());
         p.extend_from_slice(&self.disk_bytes.to_le_bytes());
         p.extend_from_slice(&self.start_epoch.to_le_bytes());
+        p.extend_from_slice(&self.session.to_le_bytes());
         p
     }
 
     /// Parses a hello payload; `None` if it has neither known length.
     pub fn parse(p: &[u8]) -> Option<Hello> {
-        if p.len() != 20 && p.len() != 28 {
+        if ![20, 28, 36].contains(&p.len()) {
             return None;
         }
         Some(Hello {
@@ -262,6 +268,7 @@ impl Hello {
             disk_bytes: u64_at(p, 12),
             // Absent in the 20-byte form: reads as 0.
             start_epoch: u64_at(p, 20),
+            session: u64_at(p, 28),
         })
     }
 }
@@ -312,6 +319,7 @@ mod tests {
             page_size: 4096,
             disk_bytes: 1 << 26,
             start_epoch: 77,
+            session: 0xfeed,
         };
         assert_eq!(Hello::parse(&h.encode()), Some(h));
         let short = &h.encode()[..20];
@@ -319,8 +327,13 @@ mod tests {
             Hello::parse(short),
             Some(Hello {
                 start_epoch: 0,
+                session: 0,
                 ..h
             })
+        );
+        assert_eq!(
+            Hello::parse(&h.encode()[..28]),
+            Some(Hello { session: 0, ..h })
         );
         assert_eq!(Hello::parse(&[0; 21]), None);
     }

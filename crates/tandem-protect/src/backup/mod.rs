@@ -45,6 +45,8 @@ pub struct BackupConfig {
     pub stall: Option<Duration>,
     /// Write a JSON report of the failover here.
     pub report: Option<PathBuf>,
+    /// Take over only after winning the VM's leader key in etcd (docs/FENCING.md).
+    pub fence: Option<tandem_fence::FenceConfig>,
 }
 
 impl BackupConfig {
@@ -58,6 +60,7 @@ impl BackupConfig {
             timeout: Duration::from_secs(1),
             stall: None,
             report: None,
+            fence: None,
         }
     }
 }
@@ -112,8 +115,12 @@ pub struct FailoverReport {
     pub detected_at_ms: u64,
     /// When the guest ran again.
     pub running_at_ms: u64,
-    /// Detection to guest running (type I downtime without detection time).
+    /// Detection to guest running (type I downtime without detection time), including the
+    /// wait for the leader key.
     pub resume_ms: f64,
+    /// Of which: waiting for the primary's lease to expire and winning the key (0 without
+    /// fencing).
+    pub lease_wait_ms: f64,
     /// The silence timeout.
     pub timeout_ms: u64,
 }
@@ -137,6 +144,8 @@ struct Link<'a> {
     timeout: Duration,
     stall: Duration,
     status: Status,
+    /// A primary connected during the last [`Link::until_lost`].
+    reconnected: bool,
 }
 
 impl Link<'_> {
@@ -322,21 +331,51 @@ pub fn run(cfg: BackupConfig, status: Status) -> Result<(), BackupError> {
             .unwrap_or(3 * timeout)
             .max(Duration::from_millis(1)),
         status: status.clone(),
+        reconnected: false,
     };
-    match link.until_lost(&listener)? {
-        Some(why) => failover(&cfg, &site, &mut bk, &mut standby, &listener, why, &status),
-        None => {
+    let mut wait = None;
+    let mut lost: Option<(String, Instant, u64)> = None;
+    let mut said = String::new();
+    let holder = loop {
+        let Some(why) = link.until_lost(&listener, wait)? else {
             standby.quit();
-            Ok(())
+            return Ok(());
+        };
+        // The first reason (and time) of this loss is the one reported.
+        let (why, detected, at_ms) = lost.get_or_insert((why, Instant::now(), unix_ms())).clone();
+        let Some(fc) = &cfg.fence else {
+            break None;
+        };
+        let msg = match tandem_fence::campaign(fc, tandem_fence::Claim::Takeover(link.bk.session())) {
+            Ok(tandem_fence::Outcome::Won(h)) => break Some((h, detected, at_ms)),
+            Ok(tandem_fence::Outcome::Held(by)) => format!("primary lost ({why}) but {by:?} still holds VM {} in etcd: not taking over (a partition, not a dead primary); waiting for its lease or its reconnect", fc.vm_id),
+            Err(e) => format!("primary lost ({why}); cannot take over: {e}; retrying"),
+        };
+        if msg != said {
+            status.warn(&msg);
+            said = msg;
         }
-    }
+        // Keep serving: a primary that reconnects starts a new session.
+        wait = Some(Duration::from_millis(100));
+        if link.reconnected {
+            lost = None;
+            said.clear();
+        }
+    };
+    let (why, detected, at_ms) = lost.unwrap_or_else(|| (String::new(), Instant::now(), unix_ms()));
+    let fence = holder.map(|(h, _, _)| h);
+    failover(&cfg, &site, &mut bk, &mut standby, &listener, (why, detected, at_ms), fence, &status)
 }
 
 impl Link<'_> {
     /// Serves primaries until one is lost while a consistent epoch exists (its reason), or
     /// the daemon is asked to stop (`None`).
-    fn until_lost(&mut self, listener: &TcpListener) -> Result<Option<String>, BackupError> {
-        let mut wait: Option<Duration> = None;
+    fn until_lost(
+        &mut self,
+        listener: &TcpListener,
+        mut wait: Option<Duration>,
+    ) -> Result<Option<String>, BackupError> {
+        self.reconnected = false;
         loop {
             let accepted = accept_within(listener, wait, &self.status)
                 .map_err(io("accepting a connection"))?;
@@ -355,6 +394,7 @@ impl Link<'_> {
                 continue;
             };
             wait = None;
+            self.reconnected = true;
             let end = match self.serve(stream) {
                 Ok(end) => end,
                 Err(e) => LinkEnd::Lost(format!("link error: {e}")),
@@ -399,11 +439,11 @@ fn failover(
     bk: &mut Backup<MirrorFile>,
     standby: &mut Standby,
     listener: &TcpListener,
-    why: String,
+    (why, detected, detected_at_ms): (String, Instant, u64),
+    fence: Option<tandem_fence::Holder>,
     status: &Status,
 ) -> Result<(), BackupError> {
-    let detected = Instant::now();
-    let detected_at_ms = unix_ms();
+    let lease_wait = detected.elapsed();
     let epoch = bk.committed();
     let state = bk.device_state().to_vec();
     if !standby.check_now() {
@@ -412,6 +452,10 @@ fn failover(
     let Some(mut vm) = standby.take() else {
         return Err(BackupError::NoStandby { why, epoch });
     };
+    // The resumed guest's output is gated by this side's lease from now on.
+    if let Some(h) = &fence {
+        site.relays.set_gate(Some(h.gate()));
+    }
     site.relays
         .set_policy(Policy::Pass)
         .map_err(BackupError::Relay)?;
@@ -431,9 +475,14 @@ fn failover(
         tracing::warn!("announce-self: {e}");
     }
     status.info(format!(
-        "failover: {why}; resumed the guest from epoch {epoch} in {:.1} ms after detection (+ up to {} ms detection timeout)",
+        "failover: {why}; resumed the guest from epoch {epoch} in {:.1} ms after detection (+ up to {} ms detection timeout){}",
         resume.as_secs_f64() * 1000.0,
         cfg.timeout.as_millis(),
+        if fence.is_some() {
+            format!("; of which {:.1} ms waiting for the primary's lease and winning the leader key in etcd", lease_wait.as_secs_f64() * 1000.0)
+        } else {
+            String::new()
+        }
     ));
     if let Some(p) = &cfg.report {
         let r = FailoverReport {
@@ -442,6 +491,7 @@ fn failover(
             detected_at_ms,
             running_at_ms,
             resume_ms: resume.as_secs_f64() * 1000.0,
+            lease_wait_ms: lease_wait.as_secs_f64() * 1000.0,
             timeout_ms: cfg.timeout.as_millis() as u64,
         };
         let json = serde_json::to_vec_pretty(&r).map_err(std::io::Error::other);

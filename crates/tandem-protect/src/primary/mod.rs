@@ -9,6 +9,7 @@
 //! the guest down (`bye`: the backup does not fail over); `duration` (benchmarks) does the
 //! same as SIGUSR1 when it expires.
 
+mod fence;
 mod link;
 mod session;
 mod watchdog;
@@ -67,6 +68,9 @@ pub struct PrimaryConfig {
     pub fault_stall_epoch: Option<u64>,
     /// Host-side load started once the guest is ready.
     pub load: Option<StartLoad>,
+    /// Fence with a leader key in etcd (docs/FENCING.md); `None`: no lease (the backup
+    /// cannot tell a partition from a dead host, and output stays held without a backup).
+    pub fence: Option<tandem_fence::FenceConfig>,
 }
 
 impl PrimaryConfig {
@@ -89,6 +93,7 @@ impl PrimaryConfig {
             metrics_listen: None,
             fault_stall_epoch: None,
             load: None,
+            fence: None,
         }
     }
 }
@@ -129,6 +134,12 @@ pub enum PrimaryError {
     /// The backup resumed the guest: this copy was stopped.
     #[error("the backup resumed the guest (from epoch {0}): this copy was stopped and its held output discarded")]
     Fenced(u64),
+    /// Fencing in etcd failed (the VM is held elsewhere, a replica exists, etcd is down).
+    #[error("fencing")]
+    Fence(#[from] tandem_fence::FenceError),
+    /// etcd says another node holds the VM.
+    #[error("etcd says {0:?} holds the VM now: this copy was stopped and its held output discarded")]
+    FencedBy(String),
     /// The host-side load reported a failure.
     #[error("the load on the guest's workload: {0}")]
     Load(String),
@@ -154,6 +165,11 @@ pub fn run(cfg: PrimaryConfig, status: Status) -> Result<(), PrimaryError> {
         }
     };
     let site = Site::prepare(&cfg.site, &dir, Role::Primary, &mut vmc)?;
+    // The leader key before the guest runs: no second copy may ever boot next to another.
+    let mut fencing = match &cfg.fence {
+        Some(f) => Some(fence::Fencing::acquire(f.clone(), &site, status.clone())?),
+        None => None,
+    };
     let (mut vm, ready, load) = boot(&vmc, cfg.load.as_ref())?;
     status.info(format!(
         "guest ready in {:.1} s, QEMU pid {}, network {}, replicated disk {} MiB",
@@ -183,6 +199,9 @@ pub fn run(cfg: PrimaryConfig, status: Status) -> Result<(), PrimaryError> {
         .unwrap_or_else(|| Duration::from_millis((20 * epoch_ms).max(3000)));
     let watchdog = Watchdog::start(vm.pid(), stall, status.clone());
     let registry = Registry::default();
+    if let Some(f) = &mut fencing {
+        f.attach_metrics(registry.clone());
+    }
     if let Some(addr) = &cfg.metrics_listen {
         let bound = crate::metrics::serve(addr, registry.clone())
             .map_err(|e| PrimaryError::Metrics(format!("endpoint {addr}"), e))?;
@@ -207,6 +226,8 @@ pub fn run(cfg: PrimaryConfig, status: Status) -> Result<(), PrimaryError> {
         sent: 0,
         deadline: cfg.duration.map(|t| Instant::now() + t),
         last_session_acked: false,
+        fencing,
+        fenced_by: None,
     };
     let end = match sessions(&mut d, &mut vm) {
         Err(e) if watchdog.fired() => return Err(PrimaryError::Watchdog(Box::new(e))),
@@ -218,20 +239,24 @@ pub fn run(cfg: PrimaryConfig, status: Status) -> Result<(), PrimaryError> {
         d.raw as f64 / (1 << 20) as f64,
         d.sent as f64 / (1 << 20) as f64,
     );
+    let fencing = d.fencing.take();
     drop(d);
-    finish(end, &site, vm, load, &summary, &status)
+    finish(end, &site, vm, load, &summary, &status, fencing.as_ref())
 }
 
 /// Sessions until one ends for good (`None`: stopped or out of time while no backup was
 /// connected).
 fn sessions(d: &mut Daemon<'_>, vm: &mut Vm) -> Result<Option<End>, PrimaryError> {
+    if d.fencing.is_some() && d.site.relays.is_empty() {
+        d.status.warn("fencing without a bridged NIC: there is no output to gate");
+    }
     // Sessions that end before any acknowledgement back off (0.2 s doubling to 5 s), so a
     // backup that refuses this VM (wrong size, another VM id) is not flooded with copies.
     let mut backoff = Duration::ZERO;
     let mut count = 0u64;
     loop {
         let Some(stream) = wait_for_backup(d, vm)? else {
-            return Ok(None);
+            return Ok(d.fenced_by.take().map(End::FencedBy));
         };
         if count > 0 {
             d.registry.inc_reconnects();
@@ -244,8 +269,8 @@ fn sessions(d: &mut Daemon<'_>, vm: &mut Vm) -> Result<Option<End>, PrimaryError
         };
         let held = d.site.relays.stats();
         d.status.warn(format!(
-            "link to the backup lost after epoch {} ({why}); the guest runs on with its output HELD ({} frames); reconnecting for a full re-sync",
-            d.epoch, held.held_frames
+            "link to the backup lost after epoch {} ({why}); the guest runs on with its output {} ({} frames); reconnecting for a full re-sync",
+            d.epoch, if d.fencing.is_some() { "held (for up to the ack timeout, then etcd records that it runs without a replica and it passes)" } else { "HELD" }, held.held_frames
         ));
         if d.deadline.is_some_and(|t| Instant::now() >= t) {
             return Ok(None);
@@ -271,8 +296,14 @@ fn finish(
     load: Option<Box<dyn Load>>,
     summary: &str,
     status: &Status,
+    fencing: Option<&fence::Fencing>,
 ) -> Result<(), PrimaryError> {
     match end {
+        Some(End::FencedBy(by)) => {
+            site.relays.discard_held();
+            vm.kill();
+            Err(PrimaryError::FencedBy(by))
+        }
         Some(End::Fenced(n)) => {
             site.relays.discard_held();
             vm.kill();
@@ -280,6 +311,9 @@ fn finish(
         }
         Some(End::HandedOver { epoch, acked }) => {
             vm.kill();
+            if let Some(f) = fencing {
+                f.hand_over();
+            }
             if acked {
                 status.info(format!(
                     "handed the guest over to the backup at epoch {epoch}; {summary}"
@@ -302,6 +336,9 @@ fn finish(
             };
             status.info(format!("{what}; {summary}"));
             vm.quit();
+            if let Some(f) = fencing {
+                f.shutdown();
+            }
             Ok(())
         }
     }
@@ -313,6 +350,7 @@ fn finish(
 fn wait_for_backup(d: &mut Daemon<'_>, vm: &mut Vm) -> Result<Option<TcpStream>, PrimaryError> {
     let addr = d.opts.backup.as_str();
     let mut said = None::<Instant>;
+    let since = Instant::now();
     loop {
         d.watchdog.beat();
         if stopping() || d.deadline.is_some_and(|t| Instant::now() >= t) {
@@ -320,6 +358,25 @@ fn wait_for_backup(d: &mut Daemon<'_>, vm: &mut Vm) -> Result<Option<TcpStream>,
         }
         if let Some(st) = vm.exit_status() {
             return Err(PrimaryError::QemuExited(st.to_string()));
+        }
+        if let Some(f) = &mut d.fencing {
+            if !f.valid() {
+                // No copy runs past its lease: pause the guest until it is renewed.
+                vm.stop()?;
+                match f.wait_valid(d.site, &d.watchdog) {
+                    fence::Wait::Valid => vm.cont()?,
+                    fence::Wait::Fenced(by) => {
+                        d.fenced_by = Some(by);
+                        return Ok(None);
+                    }
+                    fence::Wait::Stopping => return Ok(None),
+                }
+            }
+            // No backup for the ack timeout: etcd records that nobody may take over, then
+            // the output passes unprotected.
+            if since.elapsed() >= d.opts.ack_timeout {
+                f.go_unprotected(d.site);
+            }
         }
         if let Some(why) = d.site.mirror_health.broken() {
             d.status.warn(format!(

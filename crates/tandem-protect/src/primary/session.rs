@@ -31,6 +31,8 @@ pub enum End {
     HandedOver { epoch: u64, acked: bool },
     /// Replication ended on purpose (`bye` sent): shut the guest down.
     Shutdown,
+    /// etcd says another node holds the VM (its name): this copy must stop.
+    FencedBy(String),
 }
 
 /// What lives across sessions.
@@ -50,6 +52,10 @@ pub struct Daemon<'a> {
     /// Whether the last session got at least one acknowledgement (a session refused at once,
     /// e.g. for a geometry mismatch, makes the next attempt wait longer).
     pub last_session_acked: bool,
+    /// The hold on the VM in etcd (`--etcd`).
+    pub fencing: Option<super::fence::Fencing>,
+    /// Set when etcd says another node holds the VM.
+    pub fenced_by: Option<String>,
 }
 
 type Writes = Vec<(u64, Vec<u8>)>;
@@ -80,10 +86,20 @@ impl Daemon<'_> {
                 Ok(s) => s,
                 Err(e) => return Ok(End::Lost(format!("setting up the link: {e}"))),
             };
+        if let Some(f) = &mut self.fencing {
+            match f.begin_session(self.site) {
+                Ok(s) => self.proto.set_session(s),
+                Err(why) => return Ok(End::Lost(why)),
+            }
+        }
         let start = self.epoch;
         let shared = Arc::new(Shared::new(Acks::new(self.proto.vm_id(), start), start));
         let reader = self.spawn_reader(reader_stream, shared.clone());
         let end = self.copy_and_run(vm, &stream, &shared);
+        let end = match self.fenced_by.take() {
+            Some(by) => Ok(End::FencedBy(by)),
+            None => end,
+        };
         self.last_session_acked = shared.acks().acked() > start;
         // Unblock the reader (and a sender stuck in a write), then collect them.
         let _ = stream.shutdown(std::net::Shutdown::Both);
@@ -249,6 +265,8 @@ impl Daemon<'_> {
                 status: &self.status,
             },
             watchdog: &self.watchdog,
+            fencing: self.fencing.as_mut(),
+            fenced_by: &mut self.fenced_by,
             qemu,
             writes: Ok(Vec::new()),
             err: None,
@@ -418,6 +436,8 @@ fn record_acked(
 struct LinkSink<'a> {
     st: Step<'a>,
     watchdog: &'a Watchdog,
+    fencing: Option<&'a mut super::fence::Fencing>,
+    fenced_by: &'a mut Option<String>,
     /// QEMU's pid, for the pause-kill fault hook (0: none).
     qemu: u32,
     writes: std::io::Result<Writes>,
@@ -445,6 +465,13 @@ impl EpochSink for LinkSink<'_> {
         self.st.site.relays.seal(epoch);
         if let Some(d) = &self.st.site.disk {
             self.writes = d.try_take_epoch_writes();
+        }
+        // The guest is stopped here: it stays stopped while the lease is not certainly valid.
+        if let Some(f) = self.fencing.as_mut() {
+            if let super::fence::Wait::Fenced(by) = f.wait_valid(self.st.site, self.watchdog) {
+                *self.fenced_by = Some(by);
+                self.st.shared.lose("etcd says another node holds the VM".into());
+            }
         }
         if let Some(why) = self.st.site.mirror_health.broken() {
             // A mirror failed during the epoch: its writes are incomplete.
