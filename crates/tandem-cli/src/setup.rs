@@ -27,7 +27,9 @@ pub const PACKAGES: &[&str] = &[
     "libc6-dev",
     "binutils",
     "iproute2",
-    "nftables", // fault tests: partitions of the replication link
+    "nftables",    // fault tests: partitions of the replication link
+    "etcd-server", // fencing: the lab's 3-member cluster (docs/FENCING.md)
+    "etcd-client", // etcdctl: the lab's health checks and operators
     "zstd",
     // The Debian test VM (`tandem setup --debian`) and its clients.
     "debootstrap",

@@ -7,43 +7,9 @@
 //! reached the clients' bridge after the backup ran the guest (packet capture), the primary's
 //! copy is gone (exactly one runs), and nothing of the round is left behind.
 
-use std::process::Command;
+mod common;
 
-fn demo(faults: &str, extra: &[&str]) -> serde_json::Value {
-    let out = Command::new(env!("CARGO_BIN_EXE_tandem"))
-        .args(["demo", "--json", "--timeout-ms", "2000", "--before", "3"])
-        .args(["--after", "2", "--faults", faults])
-        .args(extra)
-        .output()
-        .expect("run tandem demo");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    eprintln!("{}", String::from_utf8_lossy(&out.stderr));
-    assert!(
-        out.status.success(),
-        "tandem demo --faults {faults} failed:\n{stdout}"
-    );
-    let v: serde_json::Value =
-        serde_json::from_str(&stdout).unwrap_or_else(|e| panic!("{e}: {stdout}"));
-    let r = &v["rounds"][0];
-    assert_eq!(v["ok"], true, "{v:#}");
-    assert!(r["acked_keys_checked"].as_u64().unwrap() > 0, "{r:#}");
-    assert_eq!(r["acked_keys_lost"], 0, "{r:#}");
-    assert_eq!(r["guest_continued"], true, "{r:#}");
-    assert_eq!(r["primary_frames_after_failover"], 0, "{r:#}");
-    assert!(r["primary_frames_captured"].as_u64().unwrap() > 0, "{r:#}");
-    assert_eq!(r["primary_copy_stopped"], true, "{r:#}");
-    assert_eq!(r["leftovers"].as_array().unwrap().len(), 0, "{r:#}");
-    r.clone()
-}
-
-fn outcomes(r: &serde_json::Value) -> Vec<String> {
-    r["faults"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|f| f.as_str().unwrap().to_string())
-        .collect()
-}
+use common::{demo, outcomes};
 
 #[test]
 fn survivable_faults_on_a_full_tmpfs_then_qemu_killed_alone() {

@@ -151,11 +151,7 @@ impl Cluster {
                 .iter()
                 .zip(&self.children)
                 .filter(|(_, c)| c.is_some())
-                .all(|(m, _)| {
-                    Client::new(&[m.client_url()], Duration::from_millis(500))
-                        .and_then(|c| c.get("/tandem/health"))
-                        .is_ok()
-                });
+                .all(|(m, _)| self.answers(m));
             if ok {
                 return Ok(());
             }
@@ -163,6 +159,25 @@ impl Cluster {
                 return Err(ClusterError::Unhealthy(within, self.dir.clone()));
             }
             std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// Whether member `m` answers a linearizable read (inside the cluster's namespace with
+    /// `etcdctl`, from Debian's etcd-client, when there is one).
+    fn answers(&self, m: &Member) -> bool {
+        match &self.netns {
+            None => Client::new(&[m.client_url()], Duration::from_millis(500))
+                .and_then(|c| c.get("/tandem/health"))
+                .is_ok(),
+            Some(ns) => Command::new("ip")
+                .args(["netns", "exec", ns, "etcdctl", "--endpoints"])
+                .arg(m.client_url())
+                .args(["--command-timeout=500ms", "get", "/tandem/health"])
+                .env("ETCDCTL_API", "3")
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .status()
+                .is_ok_and(|s| s.success()),
         }
     }
 

@@ -192,10 +192,7 @@ impl Client {
     /// revoked).
     pub fn keepalive(&self, id: i64) -> Result<Option<i64>, EtcdError> {
         let v = self.post("/v3/lease/keepalive", &json!({ "ID": id.to_string() }))?;
-        let ttl = v
-            .get("result")
-            .and_then(|r| r.get("TTL"))
-            .map_or(0, int);
+        let ttl = v.get("result").and_then(|r| r.get("TTL")).map_or(0, int);
         Ok((ttl > 0).then_some(ttl))
     }
 

@@ -359,7 +359,11 @@ impl Holder {
 
     /// The replica this holder last recorded.
     pub fn recorded(&self) -> Option<Replica> {
-        *self.inner.recorded.lock().unwrap_or_else(|e| e.into_inner())
+        *self
+            .inner
+            .recorded
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
     }
 
     /// Records which replica may take over, guarded by this holder's key (`If(create
@@ -405,14 +409,17 @@ impl Holder {
     }
 }
 
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
     fn replica_records_round_trip_and_garbage_is_refused() {
-        for r in [Replica::None, Replica::Session(0), Replica::Session(u64::MAX)] {
+        for r in [
+            Replica::None,
+            Replica::Session(0),
+            Replica::Session(u64::MAX),
+        ] {
             assert_eq!(Replica::parse(&r.encode()), Some(r));
         }
         for bad in [&b""[..], b"nonex", b"session:", b"session:xyz", b"\xff"] {

@@ -58,7 +58,9 @@ fn one_holder_replica_record_and_guarded_takeover() {
     let e = campaign(&cfg("again"), Claim::Fresh).err().unwrap();
     assert!(matches!(e, FenceError::ReplicaExists { .. }), "{e}");
     // A backup of another session is not eligible; the right one wins and records `none`.
-    let e = campaign(&cfg("stale"), Claim::Takeover(0x999)).err().unwrap();
+    let e = campaign(&cfg("stale"), Claim::Takeover(0x999))
+        .err()
+        .unwrap();
     assert!(matches!(e, FenceError::NotEligible { .. }), "{e}");
     let backup = won(campaign(&cfg("backup"), Claim::Takeover(0xabc)).unwrap());
     assert_eq!(backup.recorded(), Some(Replica::None));

@@ -22,6 +22,10 @@ pub const BRIDGE: &str = "br0";
 pub const PRIMARY_IP: &str = "10.78.0.1";
 /// The backup's address on the replication link.
 pub const BACKUP_IP: &str = "10.78.0.2";
+/// The etcd segment (namespace `<p>-et`, see [`NetLab::add_etcd`]).
+pub const ETCD_NET: &str = "10.79.0.0/24";
+/// The etcd members' addresses on it.
+pub const ETCD_IPS: [&str; 3] = ["10.79.0.11", "10.79.0.12", "10.79.0.13"];
 
 /// Lab errors.
 #[derive(Debug, thiserror::Error)]
@@ -47,6 +51,8 @@ pub struct NetLab {
     pub backup: String,
     /// How the link is limited (`netem rate …`, `tbf rate …` or `none`).
     pub shaping: String,
+    /// The etcd members' namespace, once added.
+    pub etcd: Option<String>,
 }
 
 fn tc(ns: &str, args: &[&str]) -> Result<(), TapError> {
@@ -84,6 +90,7 @@ impl NetLab {
             primary: format!("{prefix}-pr"),
             backup: format!("{prefix}-bk"),
             shaping: "none".into(),
+            etcd: None,
         };
         lab.delete();
         lab.shaping = lab.build(rate_mbit)?;
@@ -165,6 +172,54 @@ impl NetLab {
         Ok(shaping)
     }
 
+    /// Adds the etcd segment: namespace `<p>-et` with bridge `ebr0` (10.79.0.1/24) holding the
+    /// members' addresses [`ETCD_IPS`], and a link `etc0` from the primary's namespace
+    /// (10.79.0.2) and from the backup's (10.79.0.3) to it — separate from the replication
+    /// link, so each can be cut alone.
+    pub fn add_etcd(&mut self) -> Result<String, LabError> {
+        let ns = self.primary.replace("-pr", "-et");
+        let _ = ip(None, &["netns", "del", &ns]);
+        ip(None, &["netns", "add", &ns])?;
+        self.etcd = Some(ns.clone());
+        let e = Some(ns.as_str());
+        ip(e, &["link", "set", "lo", "up"])?;
+        ip(e, &["link", "add", "name", "ebr0", "type", "bridge"])?;
+        ip(
+            e,
+            &[
+                "link",
+                "set",
+                "ebr0",
+                "type",
+                "bridge",
+                "forward_delay",
+                "0",
+            ],
+        )?;
+        ip(e, &["addr", "add", "10.79.0.1/24", "dev", "ebr0"])?;
+        for a in ETCD_IPS {
+            ip(e, &["addr", "add", &format!("{a}/24"), "dev", "ebr0"])?;
+        }
+        ip(e, &["link", "set", "ebr0", "up"])?;
+        for (host, port, addr) in [
+            (&self.primary, "ep0", "10.79.0.2/24"),
+            (&self.backup, "eb0", "10.79.0.3/24"),
+        ] {
+            ip(
+                Some(host),
+                &[
+                    "link", "add", "name", "etc0", "type", "veth", "peer", "name", port, "netns",
+                    &ns,
+                ],
+            )?;
+            ip(Some(host), &["addr", "add", addr, "dev", "etc0"])?;
+            ip(Some(host), &["link", "set", "etc0", "up"])?;
+            ip(e, &["link", "set", port, "master", "ebr0"])?;
+            ip(e, &["link", "set", port, "up"])?;
+        }
+        Ok(ns)
+    }
+
     /// Leaves the namespaces in place when dropped (`tandem lab up`).
     pub fn keep(self) {
         std::mem::forget(self);
@@ -172,13 +227,16 @@ impl NetLab {
 
     /// Deletes the namespaces of the lab with `prefix`, if any.
     pub fn remove(prefix: &str) {
-        for suffix in ["cl", "pr", "bk"] {
+        for suffix in ["cl", "pr", "bk", "et"] {
             let _ = ip(None, &["netns", "del", &format!("{prefix}-{suffix}")]);
         }
     }
 
     fn delete(&self) {
-        for ns in [&self.clients, &self.primary, &self.backup] {
+        for ns in [&self.clients, &self.primary, &self.backup]
+            .into_iter()
+            .chain(&self.etcd)
+        {
             let _ = ip(None, &["netns", "del", ns]);
         }
     }

@@ -359,7 +359,13 @@ impl Registry {
         if let Some(h) = &s.lease {
             let v = format!("{:.3}", h.remaining().as_secs_f64());
             let help = "Time this node may still let guest output out under its etcd lease.";
-            family(&mut o, "tandem_lease_remaining_seconds", "gauge", help, &[(String::new(), v)]);
+            family(
+                &mut o,
+                "tandem_lease_remaining_seconds",
+                "gauge",
+                help,
+                &[(String::new(), v)],
+            );
         }
         let help = "Guest pause per epoch (type II downtime).";
         histogram(&mut o, "tandem_pause_seconds", help, &s.pause);

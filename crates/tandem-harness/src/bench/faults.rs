@@ -106,6 +106,8 @@ impl Soak<'_> {
             stall_epoch: None,
             faults: faults.clone(),
             backup_tmpfs: r.is_multiple_of(5),
+            etcd: None,
+            vm_id: 1,
             vm_config: None,
         };
         let res = round::run(r, &o, self.pb)

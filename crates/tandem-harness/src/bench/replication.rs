@@ -76,6 +76,8 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
                 faults: vec![crate::demo::fault::Fault::HostKill],
                 backup_tmpfs: false,
                 vm_config: None,
+                etcd: None,
+                vm_id: 1,
             };
             let r = round::run(n, &o, &pb)
                 .with_context(|| format!("{w}, {schedule} schedule at {ms} ms"))?;

@@ -32,6 +32,15 @@ pub enum Fault {
     CorruptFrame,
     /// SIGKILL of the backup (tandem and standby), then a new backup on the same address.
     BackupRestart,
+    /// The primary's host cut from the backup and from etcd for this many milliseconds
+    /// (needs `--etcd`): the backup takes over once the lease expired; the primary pauses.
+    Isolate(u64),
+    /// The backup's host cut from etcd for this many milliseconds (needs `--etcd`).
+    BackupEtcdCut(u64),
+    /// One etcd member killed (and restarted after the round's next check).
+    EtcdMemberKill,
+    /// Two of three etcd members down for this many milliseconds: quorum lost, then back.
+    EtcdQuorumLoss(u64),
 }
 
 impl Fault {
@@ -44,6 +53,18 @@ impl Fault {
                 | Fault::TandemKill
                 | Fault::QemuStop
                 | Fault::Handover
+                | Fault::Isolate(_)
+        )
+    }
+
+    /// Whether the fault needs the demo's etcd cluster.
+    pub fn needs_etcd(self) -> bool {
+        matches!(
+            self,
+            Fault::Isolate(_)
+                | Fault::BackupEtcdCut(_)
+                | Fault::EtcdMemberKill
+                | Fault::EtcdQuorumLoss(_)
         )
     }
 }
@@ -60,6 +81,10 @@ impl std::fmt::Display for Fault {
             Fault::Partition(ms) => write!(f, "partition:{ms}"),
             Fault::CorruptFrame => write!(f, "corrupt-frame"),
             Fault::BackupRestart => write!(f, "backup-restart"),
+            Fault::Isolate(ms) => write!(f, "isolate:{ms}"),
+            Fault::BackupEtcdCut(ms) => write!(f, "backup-etcd-cut:{ms}"),
+            Fault::EtcdMemberKill => write!(f, "etcd-member-kill"),
+            Fault::EtcdQuorumLoss(ms) => write!(f, "etcd-quorum-loss:{ms}"),
         }
     }
 }
@@ -76,14 +101,23 @@ impl std::str::FromStr for Fault {
             "handover" => Fault::Handover,
             "corrupt-frame" => Fault::CorruptFrame,
             "backup-restart" => Fault::BackupRestart,
-            p if p.starts_with("partition:") => Fault::Partition(
-                p["partition:".len()..]
+            "etcd-member-kill" => Fault::EtcdMemberKill,
+            p if p.contains(':') => {
+                let (name, ms) = p.split_once(':').unwrap_or_default();
+                let ms = ms
                     .parse()
-                    .map_err(|_| format!("{p}: partition:MILLISECONDS"))?,
-            ),
+                    .map_err(|_| format!("{p}: {name}:MILLISECONDS"))?;
+                match name {
+                    "partition" => Fault::Partition(ms),
+                    "isolate" => Fault::Isolate(ms),
+                    "backup-etcd-cut" => Fault::BackupEtcdCut(ms),
+                    "etcd-quorum-loss" => Fault::EtcdQuorumLoss(ms),
+                    _ => return Err(format!("unknown fault {p:?}")),
+                }
+            }
             other => {
                 return Err(format!(
-                    "unknown fault {other:?}; one of host-kill, qemu-kill, pause-kill, tandem-kill, qemu-stop, handover, partition:MS, corrupt-frame, backup-restart"
+                    "unknown fault {other:?}; one of host-kill, qemu-kill, pause-kill, tandem-kill, qemu-stop, handover, partition:MS, corrupt-frame, backup-restart, and with --etcd isolate:MS, backup-etcd-cut:MS, etcd-member-kill, etcd-quorum-loss:MS"
                 ))
             }
         })
@@ -113,12 +147,12 @@ fn is_zombie(pid: u32) -> bool {
         .unwrap_or(false)
 }
 
-/// Drops every packet between the primary's namespace and the backup's address (both ways)
-/// with nftables, until [`heal`].
-pub fn partition(primary_ns: &str, backup_ip: &str) -> anyhow::Result<()> {
+/// Drops every packet between namespace `ns` and each of `peers` (addresses or prefixes, both
+/// ways) with nftables, until [`heal`].
+pub fn partition(ns: &str, peers: &[&str]) -> anyhow::Result<()> {
     let nft = |args: &[&str]| -> anyhow::Result<()> {
         let out = Command::new("ip")
-            .args(["netns", "exec", primary_ns, "nft"])
+            .args(["netns", "exec", ns, "nft"])
             .args(args)
             .output()
             .context("running nft (install nftables with `tandem setup`)")?;
@@ -136,28 +170,30 @@ pub fn partition(primary_ns: &str, backup_ip: &str) -> anyhow::Result<()> {
         "add chain inet tandem_fault out { type filter hook output priority 0; policy accept; }",
     ])?;
     nft(&["add chain inet tandem_fault in { type filter hook input priority 0; policy accept; }"])?;
-    nft(&[
-        "add",
-        "rule",
-        "inet",
-        "tandem_fault",
-        "out",
-        "ip",
-        "daddr",
-        backup_ip,
-        "drop",
-    ])?;
-    nft(&[
-        "add",
-        "rule",
-        "inet",
-        "tandem_fault",
-        "in",
-        "ip",
-        "saddr",
-        backup_ip,
-        "drop",
-    ])?;
+    for peer in peers {
+        nft(&[
+            "add",
+            "rule",
+            "inet",
+            "tandem_fault",
+            "out",
+            "ip",
+            "daddr",
+            peer,
+            "drop",
+        ])?;
+        nft(&[
+            "add",
+            "rule",
+            "inet",
+            "tandem_fault",
+            "in",
+            "ip",
+            "saddr",
+            peer,
+            "drop",
+        ])?;
+    }
     Ok(())
 }
 

@@ -83,6 +83,10 @@ pub struct Args {
     /// Put the backup's directory on a small tmpfs that is full while the guest writes.
     #[arg(long)]
     pub backup_tmpfs: bool,
+    /// Fence with a real 3-member etcd cluster in its own namespace (docs/FENCING.md): the
+    /// backup takes over only after winning the VM's leader key. Implied by the etcd faults.
+    #[arg(long)]
+    pub etcd: bool,
     /// How the guest's writable disk is captured: `nbd` (tandem's NBD server is the disk)
     /// or `mirror` (the guest's own raw file in QEMU's block layer, captured with
     /// blockdev-mirror; the guest is then described as your own VM would be).
@@ -118,6 +122,31 @@ fn next(seed: &mut u64) -> u64 {
     seed.wrapping_mul(0x2545_f491_4f6c_dd1d)
 }
 
+/// Adds the etcd segment to `lab` and starts a 3-member cluster on it (data in `dir`).
+fn start_etcd(
+    lab: &mut NetLab,
+    dir: &std::path::Path,
+) -> anyhow::Result<tandem_fence::cluster::Cluster> {
+    let ns = lab.add_etcd().context("adding the etcd namespace")?;
+    let members = tandem_net::lab::ETCD_IPS
+        .iter()
+        .enumerate()
+        .map(|(i, ip)| tandem_fence::cluster::Member {
+            name: format!("e{}", i + 1),
+            ip: ip.to_string(),
+            client_port: 2379,
+            peer_port: 2380,
+        })
+        .collect();
+    let d = dir.join("etcd");
+    std::fs::create_dir_all(&d)?;
+    Ok(tandem_fence::cluster::Cluster::start(
+        members,
+        &d,
+        Some(&ns),
+    )?)
+}
+
 /// Runs the demo.
 pub fn run(a: Args) -> anyhow::Result<()> {
     match a.vm.as_str() {
@@ -133,17 +162,29 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         bail!("--rounds must be at least 1");
     }
     let exe = std::env::current_exe().context("locating the tandem binary")?;
-    let lab = NetLab::create(&format!("td{}", std::process::id() % 100_000), a.rate_mbit)
+    let mut lab = NetLab::create(&format!("td{}", std::process::id() % 100_000), a.rate_mbit)
         .context("creating the network lab (tandem demo needs root for network namespaces)")?;
     let dir = tempfile::Builder::new()
         .prefix("tandem-demo-")
         .tempdir_in("/dev/shm")?;
     tandem_vm::stale::mark_owned(dir.path())?;
+    let etcd = if a.etcd || a.faults.iter().any(|f| f.needs_etcd()) {
+        Some(std::sync::Mutex::new(start_etcd(&mut lab, dir.path())?))
+    } else {
+        None
+    };
     let mut seed = a.seed.unwrap_or_else(tandem_protect::unix_ms) | 1;
     eprintln!(
         "tandem demo: clients on bridge br0 in netns {}, primary host {}, backup host {} (link {}); logs in {}",
         lab.clients, lab.primary, lab.backup, lab.shaping, dir.path().display()
     );
+    if let Some(e) = &etcd {
+        eprintln!(
+            "tandem demo: etcd cluster of 3 members in netns {} ({}); leader key per round: /tandem/vm/ROUND/leader, lease TTL 3 s",
+            lab.etcd.clone().unwrap_or_default(),
+            e.lock().unwrap_or_else(|e| e.into_inner()).endpoints().join(",")
+        );
+    }
     let pb = indicatif::ProgressBar::new_spinner();
     pb.enable_steady_tick(Duration::from_millis(200));
     let mut results = Vec::new();
@@ -172,6 +213,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                 a.faults.clone()
             },
             backup_tmpfs: a.backup_tmpfs,
+            etcd: etcd.as_ref(),
+            vm_id: r as u64,
             vm_config: match a.disk_capture.as_str() {
                 "nbd" => None,
                 "mirror" => Some(vmdesc::described_vm(dir.path(), a.mem)?),
@@ -187,12 +230,13 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             }
         };
         say(&pb, format!(
-            "round {r}: {}; backup resumed epoch {} {:.0} ms after the fault ({:.0} ms detection + {:.1} ms resume); {} keys read back, {} missing an acknowledged write; primary frames after failover: {}; primary copy stopped: {}; leftovers: {}; redis {}",
+            "round {r}: {}; backup resumed epoch {} {:.0} ms after the fault ({:.0} ms detection + {:.1} ms resume{}); {} keys read back, {} missing an acknowledged write; primary frames after failover: {}; primary copy stopped: {}; leftovers: {}; redis {}",
             res.faults.join(", "),
             res.failover_epoch,
             res.kill_to_running_ms,
             res.detection_ms,
             res.resume_after_detection_ms,
+            if res.lease_wait_ms > 0.0 { format!(", of which {:.0} ms waiting for the primary's etcd lease", res.lease_wait_ms) } else { String::new() },
             res.acked_keys_checked,
             res.acked_keys_lost,
             res.primary_frames_after_failover,
@@ -203,6 +247,9 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         results.push(res);
     }
     pb.finish_and_clear();
+    if std::env::var_os("TANDEM_DEMO_KEEP").is_some() {
+        eprintln!("logs kept in {}", dir.keep().display());
+    }
     let s = Summary {
         ok: results.iter().all(|r| r.ok()),
         acked_keys_checked: results.iter().map(|r| r.acked_keys_checked).sum(),

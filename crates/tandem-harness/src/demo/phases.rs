@@ -484,6 +484,10 @@ impl<'a> Ctx<'a> {
                 .get("resume_ms")
                 .and_then(|v| v.as_f64())
                 .unwrap_or(f64::NAN),
+            lease_wait_ms: rep
+                .get("lease_wait_ms")
+                .and_then(|v| v.as_f64())
+                .unwrap_or(0.0),
             kill_to_running_ms: field(rep, "running_at_ms").saturating_sub(kill_unix) as f64,
             client_gap_ms: g.gap,
             acked_keys_checked: g.checked,

@@ -47,6 +47,10 @@ pub struct Opts<'a> {
     /// Run the guest from this description (a writable disk captured by mirroring) instead
     /// of `--workload` with tandem's NBD data disk.
     pub vm_config: Option<PathBuf>,
+    /// Fence both daemons with this etcd cluster (`--etcd`).
+    pub etcd: Option<&'a std::sync::Mutex<tandem_fence::cluster::Cluster>>,
+    /// The VM id (its leader key in etcd).
+    pub vm_id: u64,
 }
 
 #[derive(Serialize, Clone, Debug)]
@@ -76,6 +80,8 @@ pub struct RoundResult {
     pub failover_reason: String,
     pub detection_ms: f64,
     pub resume_after_detection_ms: f64,
+    /// Of the resume: waiting for the primary's lease and winning the key (with --etcd).
+    pub lease_wait_ms: f64,
     pub kill_to_running_ms: f64,
     pub client_gap_ms: f64,
     pub acked_keys_checked: u64,

@@ -4,7 +4,7 @@
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use anyhow::bail;
+use anyhow::{bail, Context};
 
 use super::daemon::Daemon;
 use indicatif::ProgressBar;
@@ -37,6 +37,20 @@ impl Pair<'_> {
 
 pub fn common(o: &Opts<'_>, v: &mut Vec<String>) {
     v.extend(["--workload", &o.workload, "--tap-netns", &o.lab.clients].map(String::from));
+    if let Some(e) = o.etcd {
+        let eps = e
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .endpoints()
+            .join(",");
+        // A VM id per round: each round's guest is another VM for etcd.
+        v.extend([
+            "--etcd".to_string(),
+            eps,
+            "--vm-id".into(),
+            o.vm_id.to_string(),
+        ]);
+    }
     if let Some(d) = &o.vm_config {
         v.extend(["--vm-config".to_string(), d.display().to_string()]);
         v.extend(["--disk-mib", "0"].map(String::from));
@@ -196,9 +210,34 @@ pub fn inject_faults(
             Fault::QemuStop => fault::signal(t.qemu, libc::SIGSTOP),
             Fault::Handover => fault::signal(t.primary.pid(), libc::SIGTERM),
             Fault::Partition(ms) => {
-                fault::partition(&o.lab.primary, BACKUP_IP)?;
+                fault::partition(&o.lab.primary, &[BACKUP_IP])?;
                 std::thread::sleep(Duration::from_millis(ms));
                 fault::heal(&o.lab.primary);
+            }
+            Fault::Isolate(ms) => {
+                fault::partition(&o.lab.primary, &[BACKUP_IP, tandem_net::lab::ETCD_NET])?;
+                std::thread::sleep(Duration::from_millis(ms));
+                fault::heal(&o.lab.primary);
+            }
+            Fault::BackupEtcdCut(ms) => {
+                fault::partition(&o.lab.backup, &[tandem_net::lab::ETCD_NET])?;
+                std::thread::sleep(Duration::from_millis(ms));
+                fault::heal(&o.lab.backup);
+            }
+            Fault::EtcdMemberKill => {
+                let e = o.etcd.context("etcd-member-kill needs --etcd")?;
+                e.lock().unwrap_or_else(|e| e.into_inner()).kill(0);
+            }
+            Fault::EtcdQuorumLoss(ms) => {
+                let e = o.etcd.context("etcd-quorum-loss needs --etcd")?;
+                let mut c = e.lock().unwrap_or_else(|e| e.into_inner());
+                // The member killed by an earlier etcd-member-kill stays down.
+                c.restart(0)?;
+                c.kill(1);
+                c.kill(2);
+                std::thread::sleep(Duration::from_millis(ms));
+                c.restart(1)?;
+                c.restart(2)?;
             }
             Fault::CorruptFrame => {
                 if let Some(p) = t.proxy {

@@ -341,6 +341,11 @@ pub fn run(cfg: BackupConfig, status: Status) -> Result<(), BackupError> {
             standby.quit();
             return Ok(());
         };
+        if link.reconnected {
+            // A primary came back since the last attempt: this is a new loss.
+            lost = None;
+            said.clear();
+        }
         // The first reason (and time) of this loss is the one reported.
         let (why, detected, at_ms) = lost.get_or_insert((why, Instant::now(), unix_ms())).clone();
         let Some(fc) = &cfg.fence else {
@@ -357,14 +362,34 @@ pub fn run(cfg: BackupConfig, status: Status) -> Result<(), BackupError> {
         }
         // Keep serving: a primary that reconnects starts a new session.
         wait = Some(Duration::from_millis(100));
-        if link.reconnected {
-            lost = None;
-            said.clear();
-        }
     };
     let (why, detected, at_ms) = lost.unwrap_or_else(|| (String::new(), Instant::now(), unix_ms()));
     let fence = holder.map(|(h, _, _)| h);
-    failover(&cfg, &site, &mut bk, &mut standby, &listener, (why, detected, at_ms), fence, &status)
+    failover(
+        &cfg,
+        &site,
+        &mut bk,
+        &mut standby,
+        &listener,
+        Loss {
+            why,
+            detected,
+            at_ms,
+            fence,
+        },
+        &status,
+    )
+}
+
+/// A lost primary the backup takes over from.
+struct Loss {
+    /// Why it was declared lost.
+    why: String,
+    /// When (monotonic and Unix milliseconds).
+    detected: Instant,
+    at_ms: u64,
+    /// The leader key this backup won (with `--etcd`).
+    fence: Option<tandem_fence::Holder>,
 }
 
 impl Link<'_> {
@@ -439,10 +464,15 @@ fn failover(
     bk: &mut Backup<MirrorFile>,
     standby: &mut Standby,
     listener: &TcpListener,
-    (why, detected, detected_at_ms): (String, Instant, u64),
-    fence: Option<tandem_fence::Holder>,
+    loss: Loss,
     status: &Status,
 ) -> Result<(), BackupError> {
+    let Loss {
+        why,
+        detected,
+        at_ms: detected_at_ms,
+        fence,
+    } = loss;
     let lease_wait = detected.elapsed();
     let epoch = bk.committed();
     let state = bk.device_state().to_vec();

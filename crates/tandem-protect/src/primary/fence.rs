@@ -177,7 +177,9 @@ impl Fencing {
                         if let Some(r) = &self.registry {
                             r.set_lease(Some(self.holder.clone()));
                         }
-                        self.status.info("took the leader key back after its lease expired (nobody took over)");
+                        self.status.info(
+                            "took the leader key back after its lease expired (nobody took over)",
+                        );
                         continue;
                     }
                     Ok(Outcome::Held(by)) => return Wait::Fenced(by),

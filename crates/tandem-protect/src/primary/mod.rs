@@ -138,7 +138,9 @@ pub enum PrimaryError {
     #[error("fencing")]
     Fence(#[from] tandem_fence::FenceError),
     /// etcd says another node holds the VM.
-    #[error("etcd says {0:?} holds the VM now: this copy was stopped and its held output discarded")]
+    #[error(
+        "etcd says {0:?} holds the VM now: this copy was stopped and its held output discarded"
+    )]
     FencedBy(String),
     /// The host-side load reported a failure.
     #[error("the load on the guest's workload: {0}")]
@@ -248,7 +250,8 @@ pub fn run(cfg: PrimaryConfig, status: Status) -> Result<(), PrimaryError> {
 /// connected).
 fn sessions(d: &mut Daemon<'_>, vm: &mut Vm) -> Result<Option<End>, PrimaryError> {
     if d.fencing.is_some() && d.site.relays.is_empty() {
-        d.status.warn("fencing without a bridged NIC: there is no output to gate");
+        d.status
+            .warn("fencing without a bridged NIC: there is no output to gate");
     }
     // Sessions that end before any acknowledgement back off (0.2 s doubling to 5 s), so a
     // backup that refuses this VM (wrong size, another VM id) is not flooded with copies.

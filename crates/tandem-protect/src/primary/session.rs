@@ -470,7 +470,9 @@ impl EpochSink for LinkSink<'_> {
         if let Some(f) = self.fencing.as_mut() {
             if let super::fence::Wait::Fenced(by) = f.wait_valid(self.st.site, self.watchdog) {
                 *self.fenced_by = Some(by);
-                self.st.shared.lose("etcd says another node holds the VM".into());
+                self.st
+                    .shared
+                    .lose("etcd says another node holds the VM".into());
             }
         }
         if let Some(why) = self.st.site.mirror_health.broken() {
