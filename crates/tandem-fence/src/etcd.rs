@@ -242,24 +242,38 @@ impl Client {
         };
         let body = json!({"compare": cmp, "success": ops(success), "failure": ops(failure)});
         let v = self.post("/v3/kv/txn", &body)?;
-        if v.get("header").is_none() {
-            return Err(reply("/v3/kv/txn", &v));
-        }
-        let reads = v
-            .get("responses")
-            .and_then(Value::as_array)
-            .map(|rs| {
-                rs.iter()
-                    .filter_map(|r| r.get("response_range"))
-                    .map(kv_of)
-                    .collect()
-            })
-            .unwrap_or_default();
-        Ok(TxnResult {
-            succeeded: v.get("succeeded").and_then(Value::as_bool).unwrap_or(false),
-            reads,
-        })
+        txn_result(&v).ok_or_else(|| reply("/v3/kv/txn", &v))
     }
+}
+
+/// The TTL a keepalive reply renewed the lease for (`None`: the lease is gone).
+pub(crate) fn keepalive_ttl(v: &Value) -> Option<i64> {
+    let ttl = v.get("result").and_then(|r| r.get("TTL")).map_or(0, int);
+    (ttl > 0).then_some(ttl)
+}
+
+/// A transaction reply (`None`: not one).
+pub(crate) fn txn_result(v: &Value) -> Option<TxnResult> {
+    v.get("header")?;
+    let reads = v
+        .get("responses")
+        .and_then(Value::as_array)
+        .map(|rs| {
+            rs.iter()
+                .filter_map(|r| r.get("response_range"))
+                .map(kv_of)
+                .collect()
+        })
+        .unwrap_or_default();
+    Some(TxnResult {
+        succeeded: v.get("succeeded").and_then(Value::as_bool).unwrap_or(false),
+        reads,
+    })
+}
+
+/// A range reply's first key.
+pub(crate) fn range_kv(v: &Value) -> Option<Kv> {
+    kv_of(v)
 }
 
 fn reply(path: &'static str, v: &Value) -> EtcdError {

@@ -10,6 +10,7 @@
 
 pub mod cluster;
 pub mod etcd;
+pub mod fuzz;
 pub mod lease;
 
 pub use lease::{campaign, Claim, FenceConfig, FenceError, Holder, Outcome, Replica};

@@ -32,8 +32,9 @@ pub struct Args {
     /// VM from `tandem setup --debian` with PostgreSQL and SSH, described as your own VM).
     #[arg(long, default_value = "lab")]
     pub vm: String,
-    /// Failover rounds (each boots a fresh primary and backup and kills the primary once;
-    /// default 1 for the lab guest, 5 for debian).
+    /// Failover rounds (each boots a fresh primary and backup and ends with a failover;
+    /// default 2 for the lab guest — a host kill and an isolation, fenced by etcd —, 1 with
+    /// --faults or --no-etcd, 5 for debian).
     #[arg(long)]
     pub rounds: Option<usize>,
     /// Seconds of replicated client load before the kill (a random 0–50 % is added per round).
@@ -84,9 +85,14 @@ pub struct Args {
     #[arg(long)]
     pub backup_tmpfs: bool,
     /// Fence with a real 3-member etcd cluster in its own namespace (docs/FENCING.md): the
-    /// backup takes over only after winning the VM's leader key. Implied by the etcd faults.
+    /// backup takes over only after winning the VM's leader key. Implied by the etcd faults
+    /// and by the default plan (no --rounds, no --faults: round 1 kills the primary's host,
+    /// round 2 isolates it from the backup and from etcd for 6 s).
     #[arg(long)]
     pub etcd: bool,
+    /// Do not fence with etcd in the default plan (host kills only).
+    #[arg(long)]
+    pub no_etcd: bool,
     /// How the guest's writable disk is captured: `nbd` (tandem's NBD server is the disk)
     /// or `mirror` (the guest's own raw file in QEMU's block layer, captured with
     /// blockdev-mirror; the guest is then described as your own VM would be).
@@ -157,7 +163,10 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     if a.pgbench.is_some() {
         bail!("--pgbench needs --vm debian (the lab guest runs redis)");
     }
-    let rounds = a.rounds.unwrap_or(1);
+    // The embedded default: a host kill, then a partition that isolates the primary from the
+    // backup and from etcd, both fenced by a real etcd cluster.
+    let default_plan = a.rounds.is_none() && a.faults.is_empty() && !a.no_etcd;
+    let rounds = a.rounds.unwrap_or(if default_plan { 2 } else { 1 });
     if rounds == 0 {
         bail!("--rounds must be at least 1");
     }
@@ -168,7 +177,10 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         .prefix("tandem-demo-")
         .tempdir_in("/dev/shm")?;
     tandem_vm::stale::mark_owned(dir.path())?;
-    let etcd = if a.etcd || a.faults.iter().any(|f| f.needs_etcd()) {
+    if a.no_etcd && (a.etcd || a.faults.iter().any(|f| f.needs_etcd())) {
+        bail!("--no-etcd cannot be combined with --etcd or the etcd faults");
+    }
+    let etcd = if default_plan || a.etcd || a.faults.iter().any(|f| f.needs_etcd()) {
         Some(std::sync::Mutex::new(start_etcd(&mut lab, dir.path())?))
     } else {
         None
@@ -207,7 +219,9 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             before: Duration::from_millis(a.before * 1000 + jitter),
             after: Duration::from_secs(a.after),
             stall_epoch: stall,
-            faults: if a.faults.is_empty() {
+            faults: if default_plan && r % 2 == 0 {
+                vec![fault::Fault::Isolate(6000)]
+            } else if a.faults.is_empty() {
                 vec![fault::Fault::HostKill]
             } else {
                 a.faults.clone()
