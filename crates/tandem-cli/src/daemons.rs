@@ -106,6 +106,9 @@ pub struct PrimaryArgs {
     pub metrics_listen: Option<String>,
     #[command(flatten)]
     pub fence: FenceArgs,
+    /// The control socket `tandem status` asks (default: /run/tandem/primary-vmID-PID.sock).
+    #[arg(long)]
+    pub control: Option<PathBuf>,
     /// Fault injection for tests: send half of this epoch's frame, then stall until killed.
     #[arg(long, hide = true)]
     pub fault_stall_epoch: Option<u64>,
@@ -143,6 +146,45 @@ pub struct BackupArgs {
     pub vm_id: u64,
     #[command(flatten)]
     pub fence: FenceArgs,
+    /// Serve Prometheus metrics on this address (GET /metrics).
+    #[arg(long)]
+    pub metrics_listen: Option<String>,
+    /// The control socket `tandem status` asks (default: /run/tandem/backup-vmID-PID.sock).
+    #[arg(long)]
+    pub control: Option<PathBuf>,
+}
+
+#[derive(clap::Args)]
+pub struct StatusArgs {
+    /// Ask this control socket only (default: every daemon in /run/tandem, or
+    /// $TANDEM_RUN_DIR).
+    #[arg(long)]
+    pub socket: Option<PathBuf>,
+    /// One JSON document: an array of the daemons' status.
+    #[arg(long)]
+    pub json: bool,
+}
+
+pub fn status(a: StatusArgs) -> anyhow::Result<()> {
+    use tandem_protect::control;
+    let all = match &a.socket {
+        Some(p) => vec![(p.clone(), control::ask(p)?)],
+        None => control::ask_all(&control::run_dir())?,
+    };
+    if a.json {
+        let docs: Vec<_> = all.into_iter().map(|(_, v)| v).collect();
+        println!("{}", serde_json::to_string_pretty(&docs)?);
+    } else if all.is_empty() {
+        println!(
+            "no tandem daemon runs on this host (no control socket in {})",
+            control::run_dir().display()
+        );
+    } else {
+        for (_, v) in &all {
+            println!("{}", control::describe(v));
+        }
+    }
+    Ok(())
 }
 
 /// Status lines on the terminal: progress on stdout, warnings on stderr.
@@ -198,6 +240,7 @@ pub fn primary(a: PrimaryArgs) -> anyhow::Result<()> {
         fault_stall_epoch: a.fault_stall_epoch,
         load: Some(kv_load()),
         fence: a.fence.config(a.vm_id, "primary"),
+        control: a.control,
     };
     Ok(tandem_protect::primary::run(cfg, stdio("primary"))?)
 }
@@ -214,6 +257,9 @@ pub fn backup(a: BackupArgs) -> anyhow::Result<()> {
         stall: a.stall_ms.map(ms),
         report: a.report,
         fence: a.fence.config(a.vm_id, "backup"),
+        vm_id: a.vm_id,
+        metrics_listen: a.metrics_listen,
+        control: a.control,
     };
     Ok(tandem_protect::backup::run(cfg, stdio("backup"))?)
 }

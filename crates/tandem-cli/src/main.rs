@@ -49,6 +49,8 @@ enum Cmd {
     Primary(daemons::PrimaryArgs),
     /// Receive epochs into a mirror and fail over onto a standby QEMU when the primary is lost.
     Backup(daemons::BackupArgs),
+    /// What the daemons on this host are doing (role, committed epoch, lag, lease, link).
+    Status(daemons::StatusArgs),
     /// Incremental checkpoints on disk: save, list, restore, verify.
     #[command(subcommand)]
     Checkpoint(checkpoint::Cmd),
@@ -72,7 +74,10 @@ fn main() {
         .init();
     // Whatever killed tandem processes left behind (QEMU runtime directories, working
     // directories, RAM files) goes first.
-    if !matches!(cli.cmd, Cmd::Trace(_) | Cmd::Setup(_) | Cmd::Vm(_)) {
+    if !matches!(
+        cli.cmd,
+        Cmd::Trace(_) | Cmd::Setup(_) | Cmd::Vm(_) | Cmd::Status(_)
+    ) {
         tandem_vm::clean_stale();
     }
     let result = match cli.cmd {
@@ -89,6 +94,7 @@ fn main() {
         Cmd::Lab(c) => tandem_harness::lab::run(c),
         Cmd::Primary(a) => daemons::primary(a),
         Cmd::Backup(a) => daemons::backup(a),
+        Cmd::Status(a) => daemons::status(a),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

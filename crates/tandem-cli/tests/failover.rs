@@ -94,10 +94,19 @@ fn primary_killed_backup_resumes_the_guest() {
     // Detection time is not what this test checks: a long timeout avoids spurious failover under load.
     let lab = tandem_net::NetLab::create(&format!("tf{}", std::process::id() % 100_000), 0)
         .expect("network lab (this test needs root)");
+    let run = tempfile::tempdir().unwrap();
+    let (bsock, psock) = (run.path().join("b.sock"), run.path().join("p.sock"));
     let (mut backup, brx, addr, dir) = start_backup(
         "kv",
         2000,
-        &["--tap-netns", &lab.clients, "--disk-mib", "32"],
+        &[
+            "--tap-netns",
+            &lab.clients,
+            "--disk-mib",
+            "32",
+            "--control",
+            bsock.to_str().unwrap(),
+        ],
     );
     let jsonl = dir.path().join("epochs.jsonl");
     let (mut primary, prx) = spawn(&[
@@ -114,6 +123,8 @@ fn primary_killed_backup_resumes_the_guest() {
         &lab.clients,
         "--disk-mib",
         "32",
+        "--control",
+        psock.to_str().unwrap(),
     ]);
     let ready = wait_line(&prx, "QEMU pid", Duration::from_secs(180));
     let qemu = number_after(&ready, "QEMU pid ");
@@ -188,6 +199,23 @@ fn primary_killed_backup_resumes_the_guest() {
             "{k} missing in {first}"
         );
     }
+    assert!(text.contains("tandem_role{role=\"primary\"} 1"), "{text}");
+    // `tandem status`: every daemon's control socket in the run directory.
+    let st = status(run.path());
+    assert_eq!(st.len(), 2, "{st:#?}");
+    let (b, p) = (&st[0], &st[1]);
+    assert_eq!(
+        (b["role"].as_str(), p["role"].as_str()),
+        (Some("backup"), Some("primary"))
+    );
+    assert_eq!(p["state"], "protected", "{p:#}");
+    assert_eq!(p["link"], "up", "{p:#}");
+    assert!(p["committed_epoch"].as_u64().unwrap() >= 10, "{p:#}");
+    assert!(
+        b["state"].as_str().unwrap().starts_with("protecting"),
+        "{b:#}"
+    );
+    assert!(b["committed_epoch"].as_u64().unwrap() >= 10, "{b:#}");
     // Host failure: the primary's tandem process and its QEMU die at once.
     primary.kill().unwrap();
     // SAFETY: plain kill(2) of a process id we read from the primary's output.
@@ -206,10 +234,36 @@ fn primary_killed_backup_resumes_the_guest() {
         kv.get(b"after-failover").unwrap().as_deref(),
         Some(&b"ok"[..])
     );
+    // The dead primary's socket is cleaned up; the backup tells what happened.
+    let st = status(run.path());
+    assert_eq!(st.len(), 1, "{st:#?}");
+    assert_eq!(st[0]["failovers"], 1, "{:#}", st[0]);
+    assert_eq!(st[0]["last_failover"]["epoch"], epoch, "{:#}", st[0]);
+    assert!(st[0]["state"]
+        .as_str()
+        .unwrap()
+        .starts_with("running the guest"));
+    assert!(!psock.exists());
     // SAFETY: SIGTERM to our own child asks it to shut its standby QEMU down.
     unsafe { libc::kill(backup.id() as i32, libc::SIGTERM) };
     let st = backup.wait().unwrap();
     assert!(st.success(), "backup exited with {st}");
+    assert!(!bsock.exists(), "the backup removes its control socket");
+}
+
+/// `tandem status --json` over the control sockets in `run`.
+fn status(run: &std::path::Path) -> Vec<serde_json::Value> {
+    let out = Command::new(env!("CARGO_BIN_EXE_tandem"))
+        .args(["status", "--json"])
+        .env("TANDEM_RUN_DIR", run)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
 }
 
 #[test]

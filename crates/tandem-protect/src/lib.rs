@@ -11,6 +11,7 @@
 #![warn(missing_docs)]
 
 pub mod backup;
+pub mod control;
 pub mod libvirt;
 pub mod metrics;
 pub mod primary;

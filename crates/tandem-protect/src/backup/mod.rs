@@ -47,6 +47,12 @@ pub struct BackupConfig {
     pub report: Option<PathBuf>,
     /// Take over only after winning the VM's leader key in etcd (docs/FENCING.md).
     pub fence: Option<tandem_fence::FenceConfig>,
+    /// The protected VM's id (status and metrics; the leader key with `fence`).
+    pub vm_id: u64,
+    /// Serve Prometheus metrics on this address (GET /metrics).
+    pub metrics_listen: Option<String>,
+    /// The control socket `tandem status` asks (default: in /run/tandem).
+    pub control: Option<PathBuf>,
 }
 
 impl BackupConfig {
@@ -61,6 +67,9 @@ impl BackupConfig {
             stall: None,
             report: None,
             fence: None,
+            vm_id: 1,
+            metrics_listen: None,
+            control: None,
         }
     }
 }
@@ -146,6 +155,7 @@ struct Link<'a> {
     status: Status,
     /// A primary connected during the last [`Link::until_lost`].
     reconnected: bool,
+    registry: crate::metrics::Registry,
 }
 
 impl Link<'_> {
@@ -161,6 +171,9 @@ impl Link<'_> {
         }))?;
         stream.set_write_timeout(Some(self.timeout))?;
         stream.set_nodelay(true)?;
+        self.registry.set_link_up(true);
+        self.registry
+            .set_peer(stream.peer_addr().ok().map(|a| a.to_string()));
         let mut r = BufReader::with_capacity(1 << 20, stream.try_clone()?);
         let mut w = BufWriter::new(stream);
         let (mut progress, mut progress_at) = (self.bk.committed(), Instant::now());
@@ -209,11 +222,19 @@ impl Link<'_> {
             };
             match applied {
                 Applied::Hello => {
+                    self.registry
+                        .set_state("receiving the initial copy (cannot fail over yet)");
                     self.status.info(format!("session from epoch {}: receiving the initial copy (no failover possible until its first epoch commits)", self.bk.committed()));
                     r.get_ref().set_read_timeout(Some(SETUP))?;
                     in_setup = true;
                 }
                 Applied::Committed(seq) => {
+                    self.registry.committed(seq);
+                    if in_setup {
+                        self.registry.set_state(
+                            "protecting: standby ready to resume the last committed epoch",
+                        );
+                    }
                     // A waitpid(WNOHANG) per epoch: the ack says whether failover is possible.
                     let standby_ok = self.standby.check() && self.bk.consistent();
                     (progress, progress_at) = (seq, Instant::now());
@@ -313,6 +334,32 @@ pub fn run(cfg: BackupConfig, status: Status) -> Result<(), BackupError> {
         let _ = std::fs::remove_file(p);
     }
     let mut standby = Standby::start(&vmc, &mirror_path, status.clone())?;
+    let registry = crate::metrics::Registry::default();
+    registry.set_identity(
+        "backup",
+        cfg.vm_id,
+        cfg.fence.as_ref().map(|f| f.node.clone()),
+    );
+    registry.set_state("standby: waiting for a primary");
+    if let Some(addr) = &cfg.metrics_listen {
+        let bound = crate::metrics::serve(addr, registry.clone())
+            .map_err(io(format!("serving metrics on {addr}")))?;
+        status.info(format!("metrics on http://{bound}/metrics"));
+    }
+    let control_path = cfg
+        .control
+        .clone()
+        .unwrap_or_else(|| crate::control::Control::default_path("backup", cfg.vm_id));
+    let _control = match crate::control::Control::serve(&control_path, registry.clone()) {
+        Ok(c) => Some(c),
+        Err(e) => {
+            status.warn(format!(
+                "no control socket ({}): `tandem status` will not see this daemon",
+                crate::chain(&e)
+            ));
+            None
+        }
+    };
     let listener =
         TcpListener::bind(&cfg.listen).map_err(io(format!("listening on {}", cfg.listen)))?;
     status.info(format!(
@@ -332,6 +379,7 @@ pub fn run(cfg: BackupConfig, status: Status) -> Result<(), BackupError> {
             .max(Duration::from_millis(1)),
         status: status.clone(),
         reconnected: false,
+        registry: registry.clone(),
     };
     let mut wait = None;
     let mut lost: Option<(String, Instant, u64)> = None;
@@ -358,6 +406,7 @@ pub fn run(cfg: BackupConfig, status: Status) -> Result<(), BackupError> {
         };
         if msg != said {
             status.warn(&msg);
+            link.registry.set_state(format!("not taking over: {msg}"));
             said = msg;
         }
         // Keep serving: a primary that reconnects starts a new session.
@@ -377,6 +426,7 @@ pub fn run(cfg: BackupConfig, status: Status) -> Result<(), BackupError> {
             at_ms,
             fence,
         },
+        &registry,
         &status,
     )
 }
@@ -424,6 +474,8 @@ impl Link<'_> {
                 Ok(end) => end,
                 Err(e) => LinkEnd::Lost(format!("link error: {e}")),
             };
+            self.registry.set_link_up(false);
+            self.registry.set_peer(None);
             match end {
                 LinkEnd::Stop => return Ok(None),
                 LinkEnd::Bye => self.status.info(format!(
@@ -465,6 +517,7 @@ fn failover(
     standby: &mut Standby,
     listener: &TcpListener,
     loss: Loss,
+    registry: &crate::metrics::Registry,
     status: &Status,
 ) -> Result<(), BackupError> {
     let Loss {
@@ -514,6 +567,13 @@ fn failover(
             String::new()
         }
     ));
+    registry.failed_over(
+        &why,
+        epoch,
+        lease_wait.as_secs_f64() * 1000.0,
+        resume.as_secs_f64() * 1000.0,
+    );
+    registry.set_lease(fence.clone());
     if let Some(p) = &cfg.report {
         let r = FailoverReport {
             reason: why,

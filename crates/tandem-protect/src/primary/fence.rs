@@ -107,6 +107,9 @@ impl Fencing {
                 .set_policy(Policy::Hold)
                 .map_err(|e| format!("holding output again: {e}"))?;
             self.unprotected = false;
+            if let Some(r) = &self.registry {
+                r.set_unprotected(false);
+            }
         }
         let s = random_session();
         self.holder
@@ -125,6 +128,9 @@ impl Fencing {
             Ok(()) => match site.relays.set_policy(Policy::Pass) {
                 Ok(()) => {
                     self.unprotected = true;
+                    if let Some(r) = &self.registry {
+                        r.set_unprotected(true);
+                    }
                     self.warned = false;
                     self.status.warn(format!(
                         "recorded in etcd that VM {} runs WITHOUT a replica (no backup can take over); its output passes unprotected until a backup re-syncs",
@@ -156,6 +162,7 @@ impl Fencing {
             "cannot renew the lease of VM {} in etcd: guest paused, output held (no copy may run past its lease)",
             self.cfg.vm_id
         ));
+        let _paused = Paused::new(self.registry.clone());
         loop {
             watchdog.beat();
             if stopping() {
@@ -209,6 +216,26 @@ impl Fencing {
             self.status.warn(format!(
                 "releasing the leader key ({e}): the backup takes over when the lease expires"
             ));
+        }
+    }
+}
+
+/// Marks the guest as paused for its lease in the metrics while alive.
+struct Paused(Option<crate::metrics::Registry>);
+
+impl Paused {
+    fn new(r: Option<crate::metrics::Registry>) -> Paused {
+        if let Some(r) = &r {
+            r.set_paused_for_lease(true);
+        }
+        Paused(r)
+    }
+}
+
+impl Drop for Paused {
+    fn drop(&mut self) {
+        if let Some(r) = &self.0 {
+            r.set_paused_for_lease(false);
         }
     }
 }

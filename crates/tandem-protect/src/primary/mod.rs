@@ -71,6 +71,8 @@ pub struct PrimaryConfig {
     /// Fence with a leader key in etcd (docs/FENCING.md); `None`: no lease (the backup
     /// cannot tell a partition from a dead host, and output stays held without a backup).
     pub fence: Option<tandem_fence::FenceConfig>,
+    /// The control socket `tandem status` asks (default: in /run/tandem).
+    pub control: Option<PathBuf>,
 }
 
 impl PrimaryConfig {
@@ -94,6 +96,7 @@ impl PrimaryConfig {
             fault_stall_epoch: None,
             load: None,
             fence: None,
+            control: None,
         }
     }
 }
@@ -201,9 +204,28 @@ pub fn run(cfg: PrimaryConfig, status: Status) -> Result<(), PrimaryError> {
         .unwrap_or_else(|| Duration::from_millis((20 * epoch_ms).max(3000)));
     let watchdog = Watchdog::start(vm.pid(), stall, status.clone());
     let registry = Registry::default();
+    registry.set_identity(
+        "primary",
+        cfg.vm_id,
+        cfg.fence.as_ref().map(|f| f.node.clone()),
+    );
     if let Some(f) = &mut fencing {
         f.attach_metrics(registry.clone());
     }
+    let control_path = cfg
+        .control
+        .clone()
+        .unwrap_or_else(|| crate::control::Control::default_path("primary", cfg.vm_id));
+    let _control = match crate::control::Control::serve(&control_path, registry.clone()) {
+        Ok(c) => Some(c),
+        Err(e) => {
+            status.warn(format!(
+                "no control socket ({}): `tandem status` will not see this daemon",
+                crate::chain(&e)
+            ));
+            None
+        }
+    };
     if let Some(addr) = &cfg.metrics_listen {
         let bound = crate::metrics::serve(addr, registry.clone())
             .map_err(|e| PrimaryError::Metrics(format!("endpoint {addr}"), e))?;
@@ -405,6 +427,7 @@ fn wait_for_backup(d: &mut Daemon<'_>, vm: &mut Vm) -> Result<Option<TcpStream>,
         match link::connect_once(addr, Duration::from_secs(1)) {
             Ok(s) => {
                 d.status.info(format!("connected to the backup at {addr}"));
+                d.registry.set_peer(Some(addr.to_string()));
                 return Ok(Some(s));
             }
             Err(e) => {

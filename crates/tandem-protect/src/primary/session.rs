@@ -105,6 +105,7 @@ impl Daemon<'_> {
         let _ = stream.shutdown(std::net::Shutdown::Both);
         let _ = reader.join();
         self.registry.set_link_up(false);
+        self.registry.set_peer(None);
         self.registry.set_protected(false);
         end
     }

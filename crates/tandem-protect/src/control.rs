@@ -1,0 +1,169 @@
+//! The daemons' control socket: a unix socket that answers every connection with the daemon's
+//! status as one JSON document (role, committed epoch, lag, lease remaining, link, last
+//! failover and why) and closes it. `tandem status` reads every socket in the run directory.
+//!
+//! Sockets live in `/run/tandem` (override with `TANDEM_RUN_DIR`), one per daemon, named
+//! `<role>-vm<id>-<pid>.sock`; a daemon removes its own when it ends, `tandem status` removes
+//! those of daemons that died.
+
+use std::io::{Read, Write};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use crate::metrics::Registry;
+
+/// The directory of the control sockets.
+pub fn run_dir() -> PathBuf {
+    std::env::var_os("TANDEM_RUN_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("/run/tandem"))
+}
+
+/// A control socket failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ControlError {
+    /// The socket could not be created.
+    #[error("creating the control socket {0}")]
+    Bind(PathBuf, #[source] std::io::Error),
+    /// The run directory could not be read.
+    #[error("reading {0} (is a tandem daemon running on this host?)")]
+    Dir(PathBuf, #[source] std::io::Error),
+    /// A daemon did not answer.
+    #[error("asking {0}")]
+    Ask(PathBuf, #[source] std::io::Error),
+    /// A daemon answered something that is not a status document.
+    #[error("{0} answered something that is not a status document")]
+    Reply(PathBuf),
+}
+
+/// Serves the status of `registry` on a socket; removes it when dropped.
+pub struct Control {
+    path: PathBuf,
+}
+
+impl Control {
+    /// Listens on `path` (its directory is created) and answers on a background thread.
+    pub fn serve(path: &Path, registry: Registry) -> Result<Control, ControlError> {
+        let bind = |e| ControlError::Bind(path.to_path_buf(), e);
+        if let Some(d) = path.parent() {
+            std::fs::create_dir_all(d).map_err(bind)?;
+        }
+        let _ = std::fs::remove_file(path);
+        let l = UnixListener::bind(path).map_err(bind)?;
+        std::thread::Builder::new()
+            .name("control".into())
+            .spawn(move || {
+                for c in l.incoming() {
+                    let Ok(mut c) = c else { continue };
+                    let _ = c.set_write_timeout(Some(Duration::from_secs(1)));
+                    let mut doc = registry.status().to_string();
+                    doc.push('\n');
+                    let _ = c.write_all(doc.as_bytes());
+                }
+            })
+            .map_err(bind)?;
+        Ok(Control {
+            path: path.to_path_buf(),
+        })
+    }
+
+    /// The default socket of a daemon: `<run dir>/<role>-vm<id>-<pid>.sock`.
+    pub fn default_path(role: &str, vm_id: u64) -> PathBuf {
+        run_dir().join(format!("{role}-vm{vm_id}-{}.sock", std::process::id()))
+    }
+
+    /// The socket's path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+impl Drop for Control {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+/// Asks the daemon at `path` for its status.
+pub fn ask(path: &Path) -> Result<serde_json::Value, ControlError> {
+    let err = |e| ControlError::Ask(path.to_path_buf(), e);
+    let c = UnixStream::connect(path).map_err(err)?;
+    c.set_read_timeout(Some(Duration::from_secs(2)))
+        .map_err(err)?;
+    let mut s = String::new();
+    c.take(1 << 20).read_to_string(&mut s).map_err(err)?;
+    let v: serde_json::Value =
+        serde_json::from_str(&s).map_err(|_| ControlError::Reply(path.to_path_buf()))?;
+    if !v.is_object() || v.get("role").is_none() {
+        return Err(ControlError::Reply(path.to_path_buf()));
+    }
+    Ok(v)
+}
+
+/// Asks every daemon with a socket in `dir`; removes sockets nobody listens on any more.
+pub fn ask_all(dir: &Path) -> Result<Vec<(PathBuf, serde_json::Value)>, ControlError> {
+    let rd = match std::fs::read_dir(dir) {
+        Ok(rd) => rd,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(ControlError::Dir(dir.to_path_buf(), e)),
+    };
+    let mut paths: Vec<PathBuf> = rd
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "sock"))
+        .collect();
+    paths.sort();
+    let mut out = Vec::new();
+    for p in paths {
+        match ask(&p) {
+            Ok(v) => out.push((p, v)),
+            Err(ControlError::Ask(_, e)) if e.kind() == std::io::ErrorKind::ConnectionRefused => {
+                // The daemon died without removing its socket.
+                let _ = std::fs::remove_file(&p);
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(out)
+}
+
+/// One line per daemon, for people.
+pub fn describe(v: &serde_json::Value) -> String {
+    let f = |k: &str| v.get(k).cloned().unwrap_or(serde_json::Value::Null);
+    let mut line = format!(
+        "{} vm {} (pid {}{}): {}; committed epoch {}",
+        f("role").as_str().unwrap_or("?"),
+        f("vm_id"),
+        f("pid"),
+        f("node")
+            .as_str()
+            .map(|n| format!(", {n}"))
+            .unwrap_or_default(),
+        f("state").as_str().unwrap_or("?"),
+        f("committed_epoch"),
+    );
+    if let Some(l) = f("lag_epochs").as_u64() {
+        line += &format!(", lag {l} epoch(s)");
+    }
+    if let Some(a) = f("last_ack_ms_ago").as_u64() {
+        line += &format!(" (last {a} ms ago)");
+    }
+    line += &format!("; link {}", f("link").as_str().unwrap_or("?"));
+    if let Some(p) = f("peer").as_str() {
+        line += &format!(" to {p}");
+    }
+    if let Some(l) = f("lease_remaining_s").as_f64() {
+        line += &format!("; lease {l:.2} s left");
+    }
+    match f("last_failover") {
+        serde_json::Value::Null => {}
+        lf => {
+            line += &format!(
+                "; failed over from epoch {} ({})",
+                lf["epoch"],
+                lf["reason"].as_str().unwrap_or("?")
+            )
+        }
+    }
+    line
+}
