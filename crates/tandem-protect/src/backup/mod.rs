@@ -414,18 +414,20 @@ pub fn run(cfg: BackupConfig, status: Status) -> Result<(), BackupError> {
     };
     let (why, detected, at_ms) = lost.unwrap_or_else(|| (String::new(), Instant::now(), unix_ms()));
     let fence = holder.map(|(h, _, _)| h);
+    let loss = Loss {
+        why,
+        detected,
+        at_ms,
+        fence,
+    };
+    let registry = link.registry.clone();
     failover(
         &cfg,
         &site,
         &mut bk,
         &mut standby,
         &listener,
-        Loss {
-            why,
-            detected,
-            at_ms,
-            fence,
-        },
+        loss,
         &registry,
         &status,
     )
@@ -510,6 +512,7 @@ fn send(w: &mut impl std::io::Write, f: &Frame) -> std::io::Result<()> {
 
 /// Resumes the guest on the standby from the last committed epoch, then runs it (and fences
 /// every primary that connects) until told to stop.
+#[allow(clippy::too_many_arguments)] // the backup's parts, each used once
 fn failover(
     cfg: &BackupConfig,
     site: &Site,
