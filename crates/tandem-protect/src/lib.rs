@@ -18,6 +18,7 @@ pub mod primary;
 pub mod recorder;
 pub mod restorer;
 pub mod saver;
+pub mod service;
 pub mod signals;
 pub mod site;
 pub mod stats;

@@ -156,6 +156,7 @@ struct Link<'a> {
     /// A primary connected during the last [`Link::until_lost`].
     reconnected: bool,
     registry: crate::metrics::Registry,
+    beat: crate::service::Beat,
 }
 
 impl Link<'_> {
@@ -179,6 +180,7 @@ impl Link<'_> {
         let (mut progress, mut progress_at) = (self.bk.committed(), Instant::now());
         self.standby.check();
         loop {
+            self.beat.beat();
             if stopping() {
                 return Ok(LinkEnd::Stop);
             }
@@ -271,6 +273,7 @@ fn accept_within(
     l: &TcpListener,
     timeout: Option<Duration>,
     status: &Status,
+    beat: &crate::service::Beat,
 ) -> std::io::Result<Option<TcpStream>> {
     l.set_nonblocking(true)?;
     let deadline = timeout.map(|t| Instant::now() + t);
@@ -282,6 +285,7 @@ fn accept_within(
                 break Some(s);
             }
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                beat.beat();
                 if stopping() || deadline.is_some_and(|d| Instant::now() >= d) {
                     break None;
                 }
@@ -346,6 +350,9 @@ pub fn run(cfg: BackupConfig, status: Status) -> Result<(), BackupError> {
             .map_err(io(format!("serving metrics on {addr}")))?;
         status.info(format!("metrics on http://{bound}/metrics"));
     }
+    let beat = crate::service::Beat::default();
+    let b = beat.clone();
+    let service = crate::service::Service::start(registry.clone(), move || b.idle());
     let control_path = cfg
         .control
         .clone()
@@ -380,7 +387,9 @@ pub fn run(cfg: BackupConfig, status: Status) -> Result<(), BackupError> {
         status: status.clone(),
         reconnected: false,
         registry: registry.clone(),
+        beat: beat.clone(),
     };
+    service.ready();
     let mut wait = None;
     let mut lost: Option<(String, Instant, u64)> = None;
     let mut said = String::new();
@@ -420,17 +429,19 @@ pub fn run(cfg: BackupConfig, status: Status) -> Result<(), BackupError> {
         at_ms,
         fence,
     };
-    let registry = link.registry.clone();
-    failover(
+    let (registry, beat) = (link.registry.clone(), link.beat.clone());
+    let r = failover(
         &cfg,
         &site,
         &mut bk,
         &mut standby,
         &listener,
         loss,
-        &registry,
+        (&registry, &beat),
         &status,
-    )
+    );
+    drop(service);
+    r
 }
 
 /// A lost primary the backup takes over from.
@@ -454,7 +465,7 @@ impl Link<'_> {
     ) -> Result<Option<String>, BackupError> {
         self.reconnected = false;
         loop {
-            let accepted = accept_within(listener, wait, &self.status)
+            let accepted = accept_within(listener, wait, &self.status, &self.beat)
                 .map_err(io("accepting a connection"))?;
             let Some(stream) = accepted else {
                 if stopping() {
@@ -520,7 +531,7 @@ fn failover(
     standby: &mut Standby,
     listener: &TcpListener,
     loss: Loss,
-    registry: &crate::metrics::Registry,
+    (registry, beat): (&crate::metrics::Registry, &crate::service::Beat),
     status: &Status,
 ) -> Result<(), BackupError> {
     let Loss {
@@ -597,7 +608,7 @@ fn failover(
         if let Some(st) = vm.exit_status() {
             return Err(BackupError::Exited(st.to_string()));
         }
-        let accepted = accept_within(listener, Some(Duration::from_millis(100)), status)
+        let accepted = accept_within(listener, Some(Duration::from_millis(100)), status, beat)
             .map_err(io("accepting a connection"))?;
         if let Some(s) = accepted {
             let _ = s.set_write_timeout(Some(Duration::from_secs(1)));

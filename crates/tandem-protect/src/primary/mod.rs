@@ -231,6 +231,9 @@ pub fn run(cfg: PrimaryConfig, status: Status) -> Result<(), PrimaryError> {
             .map_err(|e| PrimaryError::Metrics(format!("endpoint {addr}"), e))?;
         status.info(format!("metrics on http://{bound}/metrics"));
     }
+    let w = watchdog.clone();
+    let service = crate::service::Service::start(registry.clone(), move || w.idle());
+    service.ready();
     let jsonl = match &cfg.metrics_jsonl {
         Some(p) => Some(BufWriter::new(std::fs::File::create(p).map_err(|e| {
             PrimaryError::Metrics(format!("file {}", p.display()), e)

@@ -45,7 +45,8 @@ impl Watchdog {
         self.start.elapsed().as_millis() as u64
     }
 
-    fn idle(&self) -> Duration {
+    /// Time since the main loop last made progress.
+    pub fn idle(&self) -> Duration {
         Duration::from_millis(
             self.now_ms()
                 .saturating_sub(self.last_ms.load(Ordering::SeqCst)),
