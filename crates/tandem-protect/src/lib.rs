@@ -11,6 +11,7 @@
 #![warn(missing_docs)]
 
 pub mod backup;
+pub mod conn;
 pub mod control;
 pub mod libvirt;
 pub mod metrics;
@@ -23,6 +24,7 @@ pub mod signals;
 pub mod site;
 pub mod stats;
 mod status;
+pub mod tls;
 pub mod vmfile;
 pub mod vmspec;
 pub mod watcher;

@@ -1,0 +1,101 @@
+//! Mutual TLS on loopback sockets: keys from `tls::generate`, a handshake each way, a few MiB
+//! through the pump in both directions, EOF; a peer from another CA, a client without a
+//! certificate and a silent client are refused within the deadline.
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::time::{Duration, Instant};
+
+use tandem_protect::tls::{self, TlsFiles};
+
+fn pair(dir: &std::path::Path) -> (TlsFiles, TlsFiles) {
+    tls::generate(dir, &["127.0.0.1".into(), "localhost".into()]).unwrap();
+    (
+        TlsFiles::in_dir(dir, "primary"),
+        TlsFiles::in_dir(dir, "backup"),
+    )
+}
+
+#[test]
+fn mutual_tls_carries_data_both_ways() {
+    let dir = tempfile::tempdir().unwrap();
+    let (p, b) = pair(dir.path());
+    let server = tls::server_config(&b).unwrap();
+    let client = tls::client_config(&p).unwrap();
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap().to_string();
+    let srv = std::thread::spawn(move || {
+        let (s, _) = l.accept().unwrap();
+        let mut c = tls::accept(s, &server, Duration::from_secs(5)).unwrap();
+        let mut got = Vec::new();
+        c.read_to_end(&mut got).unwrap();
+        c.write_all(&(got.len() as u64).to_le_bytes()).unwrap();
+        c.flush().unwrap();
+        got
+    });
+    let name = tls::server_name(&addr, None).unwrap();
+    let tcp = TcpStream::connect(&addr).unwrap();
+    let mut c = tls::connect(tcp, &client, name, Duration::from_secs(5)).unwrap();
+    assert!(c.is_tls());
+    let data: Vec<u8> = (0..(3 << 20)).map(|i| (i * 7 % 251) as u8).collect();
+    let mut w = c.try_clone().unwrap();
+    w.write_all(&data).unwrap();
+    // Half-close: the server reads to EOF, then answers.
+    c.shutdown_write();
+    let mut n = [0u8; 8];
+    c.read_exact(&mut n).unwrap();
+    assert_eq!(u64::from_le_bytes(n), data.len() as u64);
+    assert_eq!(srv.join().unwrap(), data);
+}
+
+#[test]
+fn peers_without_a_certificate_of_the_ca_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let other = tempfile::tempdir().unwrap();
+    let (_, b) = pair(dir.path());
+    let (stranger, _) = pair(other.path());
+    let server = tls::server_config(&b).unwrap();
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap().to_string();
+    let srv = std::thread::spawn(move || {
+        let mut errors = Vec::new();
+        for _ in 0..3 {
+            let (s, _) = l.accept().unwrap();
+            let t = Instant::now();
+            let e = tls::accept(s, &server, Duration::from_secs(1))
+                .err()
+                .unwrap();
+            assert!(t.elapsed() < Duration::from_secs(3));
+            errors.push(e.to_string());
+        }
+        errors
+    });
+    // 1: a certificate from another CA.
+    let c = tls::client_config(&stranger).unwrap();
+    let tcp = TcpStream::connect(&addr).unwrap();
+    let name = tls::server_name(&addr, None).unwrap();
+    assert!(tls::connect(tcp, &c, name, Duration::from_secs(5)).is_err());
+    // 2: random bytes instead of a ClientHello.
+    let mut tcp = TcpStream::connect(&addr).unwrap();
+    tcp.write_all(b"\x16\x03\x01garbage that is not TLS at all....")
+        .unwrap();
+    // 3: connects and says nothing (slow loris): cut at the deadline.
+    let _silent = TcpStream::connect(&addr).unwrap();
+    let errors = srv.join().unwrap();
+    assert!(
+        errors.iter().all(|e| e.contains("TLS handshake")),
+        "{errors:?}"
+    );
+    assert!(errors[2].contains("not completed within"), "{errors:?}");
+}
+
+#[test]
+fn missing_or_empty_pem_files_are_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let f = TlsFiles::in_dir(dir.path(), "primary");
+    let e = tls::client_config(&f).err().unwrap().to_string();
+    assert!(e.contains("ca.pem"), "{e}");
+    std::fs::write(dir.path().join("ca.pem"), "not pem").unwrap();
+    let e = tls::client_config(&f).err().unwrap().to_string();
+    assert!(e.contains("ca.pem") && e.contains("no certificate"), "{e}");
+}
