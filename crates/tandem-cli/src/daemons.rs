@@ -49,6 +49,56 @@ impl FenceArgs {
     }
 }
 
+/// Mutual TLS on the replication link, the same on both daemons.
+#[derive(clap::Args, Clone, Default)]
+pub struct TlsArgs {
+    /// Encrypt and mutually authenticate the replication link with the files in this
+    /// directory: ca.pem, and primary.pem + primary.key or backup.pem + backup.key (what
+    /// `tandem keys` writes). --tls-ca/--tls-cert/--tls-key override single files (your PKI).
+    #[arg(long)]
+    pub tls_dir: Option<PathBuf>,
+    /// CA certificate(s) the peer's certificate must chain to (PEM).
+    #[arg(long)]
+    pub tls_ca: Option<PathBuf>,
+    /// This side's certificate chain (PEM).
+    #[arg(long)]
+    pub tls_cert: Option<PathBuf>,
+    /// This side's private key (PEM).
+    #[arg(long)]
+    pub tls_key: Option<PathBuf>,
+}
+
+impl TlsArgs {
+    fn files(&self, role: &str) -> anyhow::Result<Option<tandem_protect::tls::TlsFiles>> {
+        let base = self
+            .tls_dir
+            .as_ref()
+            .map(|d| tandem_protect::tls::TlsFiles::in_dir(d, role));
+        let pick = |given: &Option<PathBuf>, from_dir: Option<PathBuf>, what: &str| {
+            given
+                .clone()
+                .or(from_dir)
+                .ok_or_else(|| anyhow::anyhow!("TLS needs {what}: give --tls-dir or --tls-{what}"))
+        };
+        if base.is_none()
+            && self.tls_ca.is_none()
+            && self.tls_cert.is_none()
+            && self.tls_key.is_none()
+        {
+            return Ok(None);
+        }
+        Ok(Some(tandem_protect::tls::TlsFiles {
+            ca: pick(&self.tls_ca, base.as_ref().map(|b| b.ca.clone()), "ca")?,
+            cert: pick(
+                &self.tls_cert,
+                base.as_ref().map(|b| b.cert.clone()),
+                "cert",
+            )?,
+            key: pick(&self.tls_key, base.as_ref().map(|b| b.key.clone()), "key")?,
+        }))
+    }
+}
+
 #[derive(clap::Args)]
 pub struct PrimaryArgs {
     /// Backup address (host:port).
@@ -109,6 +159,11 @@ pub struct PrimaryArgs {
     /// The control socket `tandem status` asks (default: /run/tandem/primary-vmID-PID.sock).
     #[arg(long)]
     pub control: Option<PathBuf>,
+    #[command(flatten)]
+    pub tls: TlsArgs,
+    /// The name the backup's certificate must carry (default: the host of --backup).
+    #[arg(long)]
+    pub tls_server_name: Option<String>,
     /// Fault injection for tests: send half of this epoch's frame, then stall until killed.
     #[arg(long, hide = true)]
     pub fault_stall_epoch: Option<u64>,
@@ -152,6 +207,39 @@ pub struct BackupArgs {
     /// The control socket `tandem status` asks (default: /run/tandem/backup-vmID-PID.sock).
     #[arg(long)]
     pub control: Option<PathBuf>,
+    #[command(flatten)]
+    pub tls: TlsArgs,
+}
+
+#[derive(clap::Args)]
+pub struct KeysArgs {
+    /// Where to write ca.pem, primary.pem/.key and backup.pem/.key.
+    #[arg(long)]
+    pub dir: PathBuf,
+    /// Names and addresses the certificates are valid for (repeat; default: localhost,
+    /// 127.0.0.1 and the lab's replication addresses 10.78.0.1 and 10.78.0.2).
+    #[arg(long)]
+    pub san: Vec<String>,
+}
+
+/// `tandem keys`: a lab CA and a certificate for each side.
+pub fn keys(a: KeysArgs) -> anyhow::Result<()> {
+    let sans = if a.san.is_empty() {
+        ["localhost", "127.0.0.1", "10.78.0.1", "10.78.0.2"]
+            .map(String::from)
+            .to_vec()
+    } else {
+        a.san
+    };
+    let files = tandem_protect::tls::generate(&a.dir, &sans)?;
+    for f in files {
+        println!("{}", f.display());
+    }
+    eprintln!(
+        "keys: a lab CA and certificates for primary and backup, valid for {}; the CA's key was not kept (use your PKI in production)",
+        sans.join(", ")
+    );
+    Ok(())
 }
 
 #[derive(clap::Args)]
@@ -218,7 +306,7 @@ pub fn primary(a: PrimaryArgs) -> anyhow::Result<()> {
     }
     let ms = Duration::from_millis;
     let cfg = PrimaryConfig {
-        backup: a.backup,
+        backup: a.backup.clone(),
         vm: a.vm.spec(),
         site: a.site.config(),
         dir: a.dir,
@@ -241,6 +329,13 @@ pub fn primary(a: PrimaryArgs) -> anyhow::Result<()> {
         load: Some(kv_load()),
         fence: a.fence.config(a.vm_id, "primary"),
         control: a.control,
+        tls: match a.tls.files("primary")? {
+            Some(f) => Some((
+                tandem_protect::tls::client_config(&f)?,
+                tandem_protect::tls::server_name(&a.backup, a.tls_server_name.as_deref())?,
+            )),
+            None => None,
+        },
     };
     Ok(tandem_protect::primary::run(cfg, stdio("primary"))?)
 }
@@ -260,6 +355,10 @@ pub fn backup(a: BackupArgs) -> anyhow::Result<()> {
         vm_id: a.vm_id,
         metrics_listen: a.metrics_listen,
         control: a.control,
+        tls: match a.tls.files("backup")? {
+            Some(f) => Some(tandem_protect::tls::server_config(&f)?),
+            None => None,
+        },
     };
     Ok(tandem_protect::backup::run(cfg, stdio("backup"))?)
 }

@@ -49,6 +49,8 @@ enum Cmd {
     Primary(daemons::PrimaryArgs),
     /// Receive epochs into a mirror and fail over onto a standby QEMU when the primary is lost.
     Backup(daemons::BackupArgs),
+    /// Make a lab CA and TLS certificates for the replication link (--tls-dir).
+    Keys(daemons::KeysArgs),
     /// What the daemons on this host are doing (role, committed epoch, lag, lease, link).
     Status(daemons::StatusArgs),
     /// Incremental checkpoints on disk: save, list, restore, verify.
@@ -62,11 +64,18 @@ enum Cmd {
 }
 
 fn main() {
-    // Behave like other Unix tools when stdout is a closed pipe (`tandem trace info F | head`):
-    // die quietly from SIGPIPE instead of failing a write.
-    // SAFETY: called first thing in main, before any other thread exists; SIG_DFL is valid.
-    unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
     let cli = Cli::parse();
+    // Commands that only print behave like other Unix tools when stdout is a closed pipe
+    // (`tandem trace info F | head`): die quietly from SIGPIPE instead of failing a write.
+    // Never the daemons: a peer that closes its socket must not kill them (writes fail with
+    // EPIPE instead).
+    if matches!(
+        cli.cmd,
+        Cmd::Trace(_) | Cmd::Vm(_) | Cmd::Status(_) | Cmd::Keys(_)
+    ) {
+        // SAFETY: called in main before any other thread exists; SIG_DFL is valid.
+        unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
+    }
     let filter = std::env::var("RUST_LOG").unwrap_or_else(|_| cli.log.clone());
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
@@ -76,7 +85,7 @@ fn main() {
     // directories, RAM files) goes first.
     if !matches!(
         cli.cmd,
-        Cmd::Trace(_) | Cmd::Setup(_) | Cmd::Vm(_) | Cmd::Status(_)
+        Cmd::Trace(_) | Cmd::Setup(_) | Cmd::Vm(_) | Cmd::Status(_) | Cmd::Keys(_)
     ) {
         tandem_vm::clean_stale();
     }
@@ -95,6 +104,7 @@ fn main() {
         Cmd::Primary(a) => daemons::primary(a),
         Cmd::Backup(a) => daemons::backup(a),
         Cmd::Status(a) => daemons::status(a),
+        Cmd::Keys(a) => daemons::keys(a),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

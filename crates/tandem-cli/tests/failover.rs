@@ -3,59 +3,13 @@
 //! SIGKILLed as a host failure would; the backup must resume the guest on its standby QEMU from
 //! the last committed epoch, and redis must answer there over the same bridge.
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc::{channel, Receiver};
+mod common;
+
+use std::process::{Child, Command};
+use std::sync::mpsc::Receiver;
 use std::time::{Duration, Instant};
 
-/// Runs tandem with stdout and stderr merged, line by line, into a channel.
-fn spawn(args: &[&str]) -> (Child, Receiver<String>) {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_tandem"))
-        .args(args)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn tandem");
-    let (tx, rx) = channel();
-    let out: Box<dyn std::io::Read + Send> = Box::new(c.stdout.take().unwrap());
-    let err: Box<dyn std::io::Read + Send> = Box::new(c.stderr.take().unwrap());
-    for stream in [out, err] {
-        let tx = tx.clone();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stream).lines().map_while(Result::ok) {
-                eprintln!("  | {line}");
-                if tx.send(line).is_err() {
-                    break;
-                }
-            }
-        });
-    }
-    (c, rx)
-}
-
-fn wait_line(rx: &Receiver<String>, pat: &str, timeout: Duration) -> String {
-    let deadline = Instant::now() + timeout;
-    loop {
-        let left = deadline.saturating_duration_since(Instant::now());
-        match rx.recv_timeout(left) {
-            Ok(l) if l.contains(pat) => return l,
-            Ok(_) => {}
-            Err(_) => panic!("no line containing {pat:?} within {timeout:?}"),
-        }
-    }
-}
-
-fn number_after(line: &str, key: &str) -> u64 {
-    let rest = &line[line
-        .find(key)
-        .unwrap_or_else(|| panic!("{key:?} in {line:?}"))
-        + key.len()..];
-    rest.chars()
-        .take_while(|c| c.is_ascii_digit())
-        .collect::<String>()
-        .parse()
-        .unwrap()
-}
+use common::{number_after, spawn, wait_line};
 
 /// Starts `tandem backup` for `workload` on a free port with its mirror in a fresh /dev/shm
 /// directory, and waits until it listens. Returns the child, its output, address and directory.
@@ -264,34 +218,4 @@ fn status(run: &std::path::Path) -> Vec<serde_json::Value> {
         String::from_utf8_lossy(&out.stderr)
     );
     serde_json::from_slice(&out.stdout).unwrap()
-}
-
-#[test]
-fn refused_input_drops_the_link_without_failing_over() {
-    let (mut backup, brx, addr, _dir) = start_backup("idle", 3000, &[]);
-    // A peer that does not speak the protocol.
-    let mut s = std::net::TcpStream::connect(&addr).unwrap();
-    std::io::Write::write_all(
-        &mut s,
-        b"GET / HTTP/1.0\r\n\r\n0123456789abcdefghijklmnopqrstuv",
-    )
-    .unwrap();
-    let refused = wait_line(&brx, "refusing", Duration::from_secs(10));
-    assert!(
-        refused.contains("link dropped") && refused.contains("mirror stays at epoch 0"),
-        "{refused}"
-    );
-    // The backup waits for the primary to come back instead of failing over at once.
-    let _again = std::net::TcpStream::connect(&addr).unwrap();
-    wait_line(&brx, "primary connected", Duration::from_secs(10));
-    drop(_again);
-    // Nothing was ever committed: the backup says so, resumes nothing, and keeps serving.
-    wait_line(&brx, "without a consistent epoch", Duration::from_secs(80));
-    assert!(
-        backup.try_wait().unwrap().is_none(),
-        "the backup must keep running"
-    );
-    // SAFETY: SIGTERM to our own child.
-    unsafe { libc::kill(backup.id() as i32, libc::SIGTERM) };
-    assert!(backup.wait().unwrap().success());
 }

@@ -90,12 +90,18 @@ impl Conn {
         }
     }
 
-    /// Closes the connection both ways (unblocks every thread using it).
+    /// Closes the connection both ways (unblocks every thread using it). What was written
+    /// before still reaches the peer: TCP sends it before its FIN; with TLS the pump forwards
+    /// it, then sends close_notify and closes TCP.
     pub fn shutdown(&self) {
-        if let Io::Tls(s) = &self.io {
-            let _ = s.shutdown(Shutdown::Both);
+        match &self.io {
+            Io::Plain(_) => {
+                let _ = self.tcp.shutdown(Shutdown::Both);
+            }
+            Io::Tls(s) => {
+                let _ = s.shutdown(Shutdown::Both);
+            }
         }
-        let _ = self.tcp.shutdown(Shutdown::Both);
     }
 
     /// Closes the sending direction only (the peer reads EOF; replies still arrive).

@@ -1,7 +1,11 @@
-//! Shared by the fault and fencing tests: one `tandem demo --json` run and the checks every
-//! round must pass.
+//! Shared by the integration tests: one `tandem demo --json` run and the checks every round
+//! must pass; daemons as child processes whose output lines are watched.
+#![allow(dead_code)] // each test binary uses its own part
 
-use std::process::Command;
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc::{channel, Receiver};
+use std::time::{Duration, Instant};
 
 /// Runs `tandem demo` with `faults` and `extra` flags; checks every round (every acknowledged
 /// write read back, redis kept running, no primary frame after failover, exactly one copy,
@@ -36,7 +40,6 @@ pub fn demo_rounds(faults: &str, extra: &[&str]) -> Vec<serde_json::Value> {
 }
 
 /// One round of [`demo_rounds`].
-#[allow(dead_code)]
 pub fn demo(faults: &str, extra: &[&str]) -> serde_json::Value {
     demo_rounds(faults, extra).remove(0)
 }
@@ -49,4 +52,53 @@ pub fn outcomes(r: &serde_json::Value) -> Vec<String> {
         .iter()
         .map(|f| f.as_str().unwrap().to_string())
         .collect()
+}
+
+/// Runs tandem with stdout and stderr merged, line by line, into a channel.
+pub fn spawn(args: &[&str]) -> (Child, Receiver<String>) {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_tandem"))
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn tandem");
+    let (tx, rx) = channel();
+    let out: Box<dyn std::io::Read + Send> = Box::new(c.stdout.take().unwrap());
+    let err: Box<dyn std::io::Read + Send> = Box::new(c.stderr.take().unwrap());
+    for stream in [out, err] {
+        let tx = tx.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stream).lines().map_while(Result::ok) {
+                eprintln!("  | {line}");
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+    }
+    (c, rx)
+}
+
+pub fn wait_line(rx: &Receiver<String>, pat: &str, timeout: Duration) -> String {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match rx.recv_timeout(left) {
+            Ok(l) if l.contains(pat) => return l,
+            Ok(_) => {}
+            Err(_) => panic!("no line containing {pat:?} within {timeout:?}"),
+        }
+    }
+}
+
+pub fn number_after(line: &str, key: &str) -> u64 {
+    let rest = &line[line
+        .find(key)
+        .unwrap_or_else(|| panic!("{key:?} in {line:?}"))
+        + key.len()..];
+    rest.chars()
+        .take_while(|c| c.is_ascii_digit())
+        .collect::<String>()
+        .parse()
+        .unwrap()
 }

@@ -8,11 +8,13 @@
 //! holds a consistent epoch, or at once on a handover; afterwards it answers every primary
 //! that connects with `fenced`.
 
+mod gate;
 mod standby;
 
 use std::io::{BufReader, BufWriter};
-use std::net::{TcpListener, TcpStream};
+use std::net::TcpListener;
 use std::path::PathBuf;
+use std::sync::mpsc::Receiver;
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
@@ -53,6 +55,8 @@ pub struct BackupConfig {
     pub metrics_listen: Option<String>,
     /// The control socket `tandem status` asks (default: in /run/tandem).
     pub control: Option<PathBuf>,
+    /// Mutual TLS on the replication link (only primaries with a certificate of its CA).
+    pub tls: Option<std::sync::Arc<rustls::ServerConfig>>,
 }
 
 impl BackupConfig {
@@ -70,6 +74,7 @@ impl BackupConfig {
             vm_id: 1,
             metrics_listen: None,
             control: None,
+            tls: None,
         }
     }
 }
@@ -161,7 +166,12 @@ struct Link<'a> {
 
 impl Link<'_> {
     /// Applies and acknowledges frames from one connection until it ends.
-    fn serve(&mut self, stream: TcpStream) -> std::io::Result<LinkEnd> {
+    fn serve(&mut self, vetted: gate::Vetted) -> std::io::Result<LinkEnd> {
+        let gate::Vetted {
+            conn: stream,
+            hello,
+        } = vetted;
+        let mut first = Some(hello);
         // During an initial copy there is nothing to fail over to: allow it time.
         const SETUP: Duration = Duration::from_secs(60);
         let mut in_setup = !self.bk.consistent();
@@ -171,7 +181,7 @@ impl Link<'_> {
             SETUP
         }))?;
         stream.set_write_timeout(Some(self.timeout))?;
-        stream.set_nodelay(true)?;
+        stream.tcp().set_nodelay(true)?;
         self.registry.set_link_up(true);
         self.registry
             .set_peer(stream.peer_addr().ok().map(|a| a.to_string()));
@@ -184,7 +194,11 @@ impl Link<'_> {
             if stopping() {
                 return Ok(LinkEnd::Stop);
             }
-            let f = match Frame::read_from(&mut r) {
+            let next = match first.take() {
+                Some(f) => Ok(Some(f)),
+                None => Frame::read_from(&mut r),
+            };
+            let f = match next {
                 Ok(Some(f)) => f,
                 Ok(None) => return Ok(LinkEnd::Lost("the primary closed the link".into())),
                 Err(WireError::Io(e))
@@ -267,35 +281,30 @@ impl Link<'_> {
     }
 }
 
-/// Waits up to `timeout` for a new connection (`None`: wait as long as it takes, but return
-/// when asked to stop).
+/// Waits up to `timeout` for a vetted connection (`None`: wait as long as it takes, but
+/// return when asked to stop).
 fn accept_within(
-    l: &TcpListener,
+    incoming: &Receiver<gate::Vetted>,
     timeout: Option<Duration>,
     status: &Status,
     beat: &crate::service::Beat,
-) -> std::io::Result<Option<TcpStream>> {
-    l.set_nonblocking(true)?;
+) -> Option<gate::Vetted> {
     let deadline = timeout.map(|t| Instant::now() + t);
-    let r = loop {
-        match l.accept() {
-            Ok((s, peer)) => {
-                s.set_nonblocking(false)?;
-                status.info(format!("primary connected from {peer}"));
-                break Some(s);
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                beat.beat();
-                if stopping() || deadline.is_some_and(|d| Instant::now() >= d) {
-                    break None;
-                }
-                std::thread::sleep(Duration::from_millis(10))
-            }
-            Err(e) => return Err(e),
+    loop {
+        beat.beat();
+        if let Ok(v) = incoming.recv_timeout(Duration::from_millis(10)) {
+            let peer = v
+                .conn
+                .peer_addr()
+                .map_or_else(|_| "?".into(), |a| a.to_string());
+            let tls = if v.conn.is_tls() { " (TLS)" } else { "" };
+            status.info(format!("primary connected from {peer}{tls}"));
+            return Some(v);
         }
-    };
-    l.set_nonblocking(false)?;
-    Ok(r)
+        if stopping() || deadline.is_some_and(|d| Instant::now() >= d) {
+            return None;
+        }
+    }
 }
 
 /// Whether `dir` is on a file system that lives in memory (tmpfs, hugetlbfs).
@@ -367,8 +376,13 @@ pub fn run(cfg: BackupConfig, status: Status) -> Result<(), BackupError> {
             None
         }
     };
-    let listener =
+    let tcp_listener =
         TcpListener::bind(&cfg.listen).map_err(io(format!("listening on {}", cfg.listen)))?;
+    let gate = gate::Gate {
+        vm_id: cfg.vm_id,
+        tls: cfg.tls.clone(),
+    };
+    let listener = gate::start(tcp_listener, gate, status.clone());
     status.info(format!(
         "listening on {}, standby QEMU pid {} ready on {}",
         cfg.listen,
@@ -460,13 +474,12 @@ impl Link<'_> {
     /// the daemon is asked to stop (`None`).
     fn until_lost(
         &mut self,
-        listener: &TcpListener,
+        listener: &Receiver<gate::Vetted>,
         mut wait: Option<Duration>,
     ) -> Result<Option<String>, BackupError> {
         self.reconnected = false;
         loop {
-            let accepted = accept_within(listener, wait, &self.status, &self.beat)
-                .map_err(io("accepting a connection"))?;
+            let accepted = accept_within(listener, wait, &self.status, &self.beat);
             let Some(stream) = accepted else {
                 if stopping() {
                     return Ok(None);
@@ -529,7 +542,7 @@ fn failover(
     site: &Site,
     bk: &mut Backup<MirrorFile>,
     standby: &mut Standby,
-    listener: &TcpListener,
+    listener: &Receiver<gate::Vetted>,
     loss: Loss,
     (registry, beat): (&crate::metrics::Registry, &crate::service::Beat),
     status: &Status,
@@ -608,9 +621,8 @@ fn failover(
         if let Some(st) = vm.exit_status() {
             return Err(BackupError::Exited(st.to_string()));
         }
-        let accepted = accept_within(listener, Some(Duration::from_millis(100)), status, beat)
-            .map_err(io("accepting a connection"))?;
-        if let Some(s) = accepted {
+        let accepted = accept_within(listener, Some(Duration::from_millis(100)), status, beat);
+        if let Some(gate::Vetted { conn: s, .. }) = accepted {
             let _ = s.set_write_timeout(Some(Duration::from_secs(1)));
             let fenced = Frame {
                 kind: Kind::Fenced,

@@ -146,7 +146,7 @@ pub fn send(w: &mut impl Write, f: &Frame) -> std::io::Result<()> {
 /// nothing else was sent for `heartbeat`. Ends when `rx` closes or a write fails (then the
 /// session is marked lost). Never sends `bye` by itself: only an `Out::Control` does.
 pub fn spawn_sender(
-    stream: TcpStream,
+    stream: crate::conn::Conn,
     rx: Receiver<Out>,
     shared: Arc<Shared>,
     registry: Registry,

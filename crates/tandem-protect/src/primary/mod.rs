@@ -14,8 +14,8 @@ mod link;
 mod session;
 mod watchdog;
 
+use crate::conn::Conn;
 use std::io::BufWriter;
-use std::net::TcpStream;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -73,6 +73,12 @@ pub struct PrimaryConfig {
     pub fence: Option<tandem_fence::FenceConfig>,
     /// The control socket `tandem status` asks (default: in /run/tandem).
     pub control: Option<PathBuf>,
+    /// Mutual TLS on the replication link: the configuration and the name the backup's
+    /// certificate must carry.
+    pub tls: Option<(
+        Arc<rustls::ClientConfig>,
+        rustls::pki_types::ServerName<'static>,
+    )>,
 }
 
 impl PrimaryConfig {
@@ -97,6 +103,7 @@ impl PrimaryConfig {
             load: None,
             fence: None,
             control: None,
+            tls: None,
         }
     }
 }
@@ -375,7 +382,7 @@ fn finish(
 /// Connects to the backup, retrying until it answers. Meanwhile the guest runs with its
 /// output held; the disk write log is dropped (the next session copies the whole disk).
 /// Returns `None` when the daemon is asked to stop first.
-fn wait_for_backup(d: &mut Daemon<'_>, vm: &mut Vm) -> Result<Option<TcpStream>, PrimaryError> {
+fn wait_for_backup(d: &mut Daemon<'_>, vm: &mut Vm) -> Result<Option<Conn>, PrimaryError> {
     let addr = d.opts.backup.as_str();
     let mut said = None::<Instant>;
     let since = Instant::now();
@@ -427,16 +434,26 @@ fn wait_for_backup(d: &mut Daemon<'_>, vm: &mut Vm) -> Result<Option<TcpStream>,
         if let Some(disk) = &d.site.disk {
             disk.reset_log();
         }
-        match link::connect_once(addr, Duration::from_secs(1)) {
+        let conn = link::connect_once(addr, Duration::from_secs(1))
+            .map_err(|e| crate::chain(&e))
+            .and_then(|tcp| match &d.opts.tls {
+                Some((c, name)) => {
+                    crate::tls::connect(tcp, c, name.clone(), Duration::from_secs(5))
+                        .map_err(|e| crate::chain(&e))
+                }
+                None => Conn::plain(tcp).map_err(|e| e.to_string()),
+            });
+        match conn {
             Ok(s) => {
-                d.status.info(format!("connected to the backup at {addr}"));
+                let tls = if s.is_tls() { " (mutual TLS)" } else { "" };
+                d.status
+                    .info(format!("connected to the backup at {addr}{tls}"));
                 d.registry.set_peer(Some(addr.to_string()));
                 return Ok(Some(s));
             }
             Err(e) => {
                 if said.is_none_or(|t| t.elapsed() > Duration::from_secs(10)) {
-                    d.status
-                        .warn(format!("waiting for the backup ({})", crate::chain(&e)));
+                    d.status.warn(format!("waiting for the backup ({e})"));
                     said = Some(Instant::now());
                 }
                 std::thread::sleep(Duration::from_millis(200));

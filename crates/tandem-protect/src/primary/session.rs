@@ -2,8 +2,8 @@
 //! guest runs), then the epoch loop until the link is lost, the backup fences this primary,
 //! or the operator stops it (handover or shutdown).
 
+use crate::conn::Conn;
 use std::io::{BufReader, BufWriter, Write};
-use std::net::TcpStream;
 use std::sync::atomic::Ordering;
 use std::sync::mpsc::{sync_channel, SyncSender, TrySendError};
 use std::sync::{Arc, Mutex};
@@ -80,12 +80,13 @@ impl From<std::io::Error> for CopyError {
 
 impl Daemon<'_> {
     /// Runs one session on `stream`.
-    pub fn session(&mut self, vm: &mut Vm, stream: TcpStream) -> Result<End, PrimaryError> {
-        let reader_stream =
-            match link::tune(&stream, self.opts.ack_timeout).and_then(|()| stream.try_clone()) {
-                Ok(s) => s,
-                Err(e) => return Ok(End::Lost(format!("setting up the link: {e}"))),
-            };
+    pub fn session(&mut self, vm: &mut Vm, stream: Conn) -> Result<End, PrimaryError> {
+        let reader_stream = match link::tune(stream.tcp(), self.opts.ack_timeout)
+            .and_then(|()| stream.try_clone())
+        {
+            Ok(s) => s,
+            Err(e) => return Ok(End::Lost(format!("setting up the link: {e}"))),
+        };
         if let Some(f) = &mut self.fencing {
             match f.begin_session(self.site) {
                 Ok(s) => self.proto.set_session(s),
@@ -102,7 +103,7 @@ impl Daemon<'_> {
         };
         self.last_session_acked = shared.acks().acked() > start;
         // Unblock the reader (and a sender stuck in a write), then collect them.
-        let _ = stream.shutdown(std::net::Shutdown::Both);
+        stream.shutdown();
         let _ = reader.join();
         self.registry.set_link_up(false);
         self.registry.set_peer(None);
@@ -113,7 +114,7 @@ impl Daemon<'_> {
     fn copy_and_run(
         &mut self,
         vm: &mut Vm,
-        stream: &TcpStream,
+        stream: &Conn,
         shared: &Arc<Shared>,
     ) -> Result<End, PrimaryError> {
         let start = self.epoch;
@@ -350,7 +351,7 @@ impl Daemon<'_> {
     }
 
     /// Reads the backup's frames: validated acks release their epochs' output.
-    fn spawn_reader(&self, stream: TcpStream, shared: Arc<Shared>) -> std::thread::JoinHandle<()> {
+    fn spawn_reader(&self, stream: Conn, shared: Arc<Shared>) -> std::thread::JoinHandle<()> {
         let (relay, registry, jsonl, status) = (
             self.site.relays.clone(),
             self.registry.clone(),
