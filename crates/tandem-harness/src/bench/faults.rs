@@ -108,6 +108,7 @@ impl Soak<'_> {
             backup_tmpfs: r.is_multiple_of(5),
             etcd: None,
             vm_id: 1,
+            tls_dir: None,
             vm_config: None,
         };
         let res = round::run(r, &o, self.pb)

@@ -3,6 +3,7 @@
 
 mod codec;
 mod faults;
+mod link;
 mod replication;
 mod store;
 
@@ -61,6 +62,9 @@ pub struct Args {
     /// --replication with the adaptive schedule: the primary's `--run-per-pause`.
     #[arg(long, default_value_t = 1.0)]
     pub run_per_pause: f64,
+    /// With --replication: the link axis, `plain` and/or `tls` (mutual TLS with lab keys).
+    #[arg(long, value_delimiter = ',')]
+    pub links: Vec<String>,
     /// Measure the checkpoint store against QEMU's full save and page-granular increments.
     #[arg(long)]
     pub store: bool,
@@ -95,6 +99,13 @@ pub struct Args {
     /// Seed for --faults (default: from the clock).
     #[arg(long)]
     pub seed: Option<u64>,
+    /// What mutual TLS costs on the replication link: throughput, CPU and round trip, plain
+    /// TCP vs TLS through the daemons' connection code (docs/BENCHMARKS.md, "Link security").
+    #[arg(long)]
+    pub link: bool,
+    /// MiB per throughput run with --link.
+    #[arg(long, default_value_t = 512)]
+    pub link_mib: usize,
     /// Machine-readable output.
     #[arg(long)]
     pub json: bool,
@@ -188,6 +199,9 @@ fn scan_rates(ram: &std::sync::Arc<tandem_vm::GuestRam>) -> Scan {
 pub fn run(a: Args) -> anyhow::Result<()> {
     if !a.trace.is_empty() {
         return run_trace(&a);
+    }
+    if a.link {
+        return link::run(a.json, a.link_mib);
     }
     if let Some(n) = a.faults {
         return faults::run(n, a.seed, a.mem, a.json);

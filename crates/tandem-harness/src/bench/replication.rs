@@ -34,6 +34,14 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     } else {
         a.schedules.clone()
     };
+    let links = if a.links.is_empty() {
+        vec!["plain".to_string()]
+    } else {
+        a.links.clone()
+    };
+    if let Some(l) = links.iter().find(|l| !["plain", "tls"].contains(&l.as_str())) {
+        anyhow::bail!("--links {l:?}: use plain and/or tls");
+    }
     if let Some(s) = schedules
         .iter()
         .find(|s| !["fixed", "adaptive"].contains(&s.as_str()))
@@ -50,12 +58,17 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     pb.enable_steady_tick(Duration::from_millis(200));
     let mut rows: Vec<RoundResult> = Vec::new();
     let mut n = 0;
-    let axes: Vec<(&String, u64)> = schedules
+    let keys = dir.path().join("keys");
+    if links.iter().any(|l| l == "tls") {
+        tandem_protect::tls::generate(&keys, &[tandem_net::lab::BACKUP_IP.to_string()])?;
+    }
+    let axes: Vec<(&String, u64, &String)> = schedules
         .iter()
         .flat_map(|s| epochs.iter().map(move |&ms| (s, ms)))
+        .flat_map(|(s, ms)| links.iter().map(move |l| (s, ms, l)))
         .collect();
     for w in &workloads {
-        for &(schedule, ms) in &axes {
+        for &(schedule, ms, link) in &axes {
             n += 1;
             let o = Opts {
                 exe: exe.clone(),
@@ -78,6 +91,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
                 vm_config: None,
                 etcd: None,
                 vm_id: 1,
+                tls_dir: (link == "tls").then(|| keys.clone()),
             };
             let r = round::run(n, &o, &pb)
                 .with_context(|| format!("{w}, {schedule} schedule at {ms} ms"))?;
@@ -121,10 +135,11 @@ fn line(r: &RoundResult) -> String {
         )
     };
     format!(
-        "{:<8} {:>8} {:>3} ms | {thr}{lat} | link {:.2} MiB vs Remus {:.1} MiB ({:.3}x) | pause p50 {:.1} ms p99 {:.1} ms ({:.0} % of the time) | failover {:.0} ms after kill ({:.0} detection + {:.1} resume)",
+        "{:<8} {:>8} {:>3} ms{} | {thr}{lat} | link {:.2} MiB vs Remus {:.1} MiB ({:.3}x) | pause p50 {:.1} ms p99 {:.1} ms ({:.0} % of the time) | failover {:.0} ms after kill ({:.0} detection + {:.1} resume)",
         r.workload,
         r.schedule,
         r.epoch_ms,
+        if r.tls { " TLS" } else { "" },
         r.sent_mib,
         r.raw_mib,
         r.sent_over_raw,

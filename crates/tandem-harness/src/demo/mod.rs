@@ -93,6 +93,10 @@ pub struct Args {
     /// Do not fence with etcd in the default plan (host kills only).
     #[arg(long)]
     pub no_etcd: bool,
+    /// Encrypt and mutually authenticate the replication link with lab keys (`tandem keys`);
+    /// on in the default plan.
+    #[arg(long)]
+    pub tls: bool,
     /// How the guest's writable disk is captured: `nbd` (tandem's NBD server is the disk)
     /// or `mirror` (the guest's own raw file in QEMU's block layer, captured with
     /// blockdev-mirror; the guest is then described as your own VM would be).
@@ -180,6 +184,13 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     if a.no_etcd && (a.etcd || a.faults.iter().any(|f| f.needs_etcd())) {
         bail!("--no-etcd cannot be combined with --etcd or the etcd faults");
     }
+    let tls_dir = if default_plan || a.tls {
+        let k = dir.path().join("keys");
+        tandem_protect::tls::generate(&k, &[tandem_net::lab::BACKUP_IP.to_string()])?;
+        Some(k)
+    } else {
+        None
+    };
     let etcd = if default_plan || a.etcd || a.faults.iter().any(|f| f.needs_etcd()) {
         Some(std::sync::Mutex::new(start_etcd(&mut lab, dir.path())?))
     } else {
@@ -190,6 +201,9 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         "tandem demo: clients on bridge br0 in netns {}, primary host {}, backup host {} (link {}); logs in {}",
         lab.clients, lab.primary, lab.backup, lab.shaping, dir.path().display()
     );
+    if tls_dir.is_some() {
+        eprintln!("tandem demo: replication link encrypted and mutually authenticated (TLS 1.3, lab keys as `tandem keys` makes them)");
+    }
     if let Some(e) = &etcd {
         eprintln!(
             "tandem demo: etcd cluster of 3 members in netns {} ({}); leader key per round: /tandem/vm/ROUND/leader, lease TTL 3 s",
@@ -229,6 +243,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             backup_tmpfs: a.backup_tmpfs,
             etcd: etcd.as_ref(),
             vm_id: r as u64,
+            tls_dir: tls_dir.clone(),
             vm_config: match a.disk_capture.as_str() {
                 "nbd" => None,
                 "mirror" => Some(vmdesc::described_vm(dir.path(), a.mem)?),

@@ -451,6 +451,7 @@ impl<'a> Ctx<'a> {
             round: self.round,
             workload: o.workload.clone(),
             schedule: o.schedule.clone(),
+            tls: o.tls_dir.is_some(),
             epoch_ms: o.epoch_ms,
             kill_point: match o.stall_epoch {
                 Some(e) => format!("in the middle of epoch {e}'s transfer"),

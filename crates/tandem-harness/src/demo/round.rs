@@ -51,6 +51,8 @@ pub struct Opts<'a> {
     pub etcd: Option<&'a std::sync::Mutex<tandem_fence::cluster::Cluster>>,
     /// The VM id (its leader key in etcd).
     pub vm_id: u64,
+    /// Mutual TLS on the replication link with the keys in this directory (`tandem keys`).
+    pub tls_dir: Option<PathBuf>,
 }
 
 #[derive(Serialize, Clone, Debug)]
@@ -58,6 +60,8 @@ pub struct RoundResult {
     pub round: usize,
     pub workload: String,
     pub schedule: String,
+    /// Whether the replication link used mutual TLS.
+    pub tls: bool,
     pub epoch_ms: u64,
     pub kill_point: String,
     pub epochs_acked: u64,

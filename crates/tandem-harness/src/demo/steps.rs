@@ -37,6 +37,9 @@ impl Pair<'_> {
 
 pub fn common(o: &Opts<'_>, v: &mut Vec<String>) {
     v.extend(["--workload", &o.workload, "--tap-netns", &o.lab.clients].map(String::from));
+    if let Some(d) = &o.tls_dir {
+        v.extend(["--tls-dir".to_string(), d.display().to_string()]);
+    }
     if let Some(e) = o.etcd {
         let eps = e
             .lock()
