@@ -82,7 +82,11 @@ fn median(v: &mut [f64]) -> f64 {
     v[v.len() / 2]
 }
 
-fn measure(name: &'static str, keys: Option<&std::path::Path>, mib: usize) -> anyhow::Result<LinkRow> {
+fn measure(
+    name: &'static str,
+    keys: Option<&std::path::Path>,
+    mib: usize,
+) -> anyhow::Result<LinkRow> {
     let mut rates = Vec::new();
     let mut cpu = Vec::new();
     for _ in 0..5 {
@@ -118,7 +122,11 @@ fn measure(name: &'static str, keys: Option<&std::path::Path>, mib: usize) -> an
     let echo = std::thread::spawn(move || {
         let mut m = [0u8; 64];
         while server.read_exact(&mut m).is_ok() {
-            if server.write_all(&m[..16]).and_then(|()| server.flush()).is_err() {
+            if server
+                .write_all(&m[..16])
+                .and_then(|()| server.flush())
+                .is_err()
+            {
                 break;
             }
         }
@@ -149,7 +157,11 @@ pub fn run(json: bool, mib: usize) -> anyhow::Result<()> {
     tls::generate(keys.path(), &["127.0.0.1".into()])?;
     let rows = vec![
         measure("plain TCP", None, mib)?,
-        measure("mutual TLS (rustls, TLS 1.3, AES-GCM via ring)", Some(keys.path()), mib)?,
+        measure(
+            "mutual TLS (rustls, TLS 1.3, AES-GCM via ring)",
+            Some(keys.path()),
+            mib,
+        )?,
     ];
     if json {
         println!("{}", serde_json::to_string_pretty(&rows)?);

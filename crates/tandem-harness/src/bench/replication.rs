@@ -39,7 +39,10 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     } else {
         a.links.clone()
     };
-    if let Some(l) = links.iter().find(|l| !["plain", "tls"].contains(&l.as_str())) {
+    if let Some(l) = links
+        .iter()
+        .find(|l| !["plain", "tls"].contains(&l.as_str()))
+    {
         anyhow::bail!("--links {l:?}: use plain and/or tls");
     }
     if let Some(s) = schedules
