@@ -5,7 +5,7 @@
 
 mod common;
 
-use std::process::{Child, Command};
+use std::process::Command;
 use std::sync::mpsc::Receiver;
 use std::time::{Duration, Instant};
 
@@ -17,7 +17,7 @@ fn start_backup(
     workload: &str,
     timeout_ms: u64,
     extra: &[&str],
-) -> (Child, Receiver<String>, String, tempfile::TempDir) {
+) -> (common::Proc, Receiver<String>, String, tempfile::TempDir) {
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()

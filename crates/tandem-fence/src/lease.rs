@@ -398,6 +398,11 @@ impl Holder {
         Ok(())
     }
 
+    /// The configuration it was won with.
+    pub fn config(&self) -> &FenceConfig {
+        &self.inner.cfg
+    }
+
     /// The leader key's node name.
     pub fn node(&self) -> &str {
         &self.inner.cfg.node

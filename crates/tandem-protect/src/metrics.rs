@@ -324,10 +324,10 @@ impl Registry {
     pub fn status(&self) -> serde_json::Value {
         let s = self.lock();
         let w = &s.who;
-        let state = if !w.state.is_empty() {
-            w.state.clone()
-        } else if w.paused_for_lease {
+        let state = if w.paused_for_lease {
             "paused: the lease in etcd is not certainly valid (output held)".into()
+        } else if !w.state.is_empty() {
+            w.state.clone()
         } else if s.protected {
             "protected".into()
         } else if s.link_up {

@@ -54,8 +54,34 @@ pub fn outcomes(r: &serde_json::Value) -> Vec<String> {
         .collect()
 }
 
+/// A daemon of a test: killed when the test ends early (an orphan would keep the test
+/// harness's output open and hang the run).
+pub struct Proc(pub Child);
+
+impl std::ops::Deref for Proc {
+    type Target = Child;
+    fn deref(&self) -> &Child {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for Proc {
+    fn deref_mut(&mut self) -> &mut Child {
+        &mut self.0
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        if matches!(self.0.try_wait(), Ok(None)) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+}
+
 /// Runs tandem with stdout and stderr merged, line by line, into a channel.
-pub fn spawn(args: &[&str]) -> (Child, Receiver<String>) {
+pub fn spawn(args: &[&str]) -> (Proc, Receiver<String>) {
     let mut c = Command::new(env!("CARGO_BIN_EXE_tandem"))
         .args(args)
         .stdout(Stdio::piped())
@@ -76,7 +102,7 @@ pub fn spawn(args: &[&str]) -> (Child, Receiver<String>) {
             }
         });
     }
-    (c, rx)
+    (Proc(c), rx)
 }
 
 pub fn wait_line(rx: &Receiver<String>, pat: &str, timeout: Duration) -> String {

@@ -111,6 +111,12 @@ pub enum BackupError {
     /// The resumed guest's QEMU exited.
     #[error("the resumed guest's QEMU exited ({0})")]
     Exited(String),
+    /// etcd says another node holds the VM now: this copy was stopped.
+    #[error("etcd says {0:?} holds the VM now: the guest resumed here was stopped")]
+    FencedBy(String),
+    /// QEMU did not pause or continue for the lease.
+    #[error("{0}")]
+    Lease(&'static str, #[source] VmError),
 }
 
 fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> BackupError {
@@ -424,7 +430,7 @@ pub fn run(cfg: BackupConfig, status: Status) -> Result<(), BackupError> {
         };
         let msg = match tandem_fence::campaign(fc, tandem_fence::Claim::Takeover(link.bk.session())) {
             Ok(tandem_fence::Outcome::Won(h)) => break Some((h, detected, at_ms)),
-            Ok(tandem_fence::Outcome::Held(by)) => format!("primary lost ({why}) but {by:?} still holds VM {} in etcd: not taking over (a partition, not a dead primary); waiting for its lease or its reconnect", fc.vm_id),
+            Ok(tandem_fence::Outcome::Held(by)) => format!("primary lost ({why}) but {by:?} still holds VM {} in etcd: not taking over yet (a dead primary's lease runs out within {} s; a partitioned primary keeps it and keeps running the guest); waiting for the lease or a reconnect", fc.vm_id, fc.ttl.as_secs()),
             Err(e) => format!("primary lost ({why}); cannot take over: {e}; retrying"),
         };
         if msg != said {
@@ -456,6 +462,56 @@ pub fn run(cfg: BackupConfig, status: Status) -> Result<(), BackupError> {
     );
     drop(service);
     r
+}
+
+/// The guest runs here under this side's lease: while it is not certainly valid the guest is
+/// stopped (its output is gated anyway); a lease that expired is taken back if nobody else
+/// holds the key, otherwise this copy stops for good.
+fn keep_paused_while_invalid(
+    h: &mut tandem_fence::Holder,
+    vm: &mut tandem_vm::Vm,
+    site: &Site,
+    registry: &crate::metrics::Registry,
+    status: &Status,
+    beat: &crate::service::Beat,
+) -> Result<(), BackupError> {
+    vm.stop()
+        .map_err(|e| BackupError::Lease("pausing the guest for its lease", e))?;
+    status.warn("cannot renew this side's lease in etcd: guest paused, output held");
+    registry.set_paused_for_lease(true);
+    let cfg = h.config().clone();
+    while !h.valid() {
+        beat.beat();
+        if stopping() {
+            break;
+        }
+        if h.expired() {
+            match tandem_fence::campaign(
+                &cfg,
+                tandem_fence::Claim::Reacquire(tandem_fence::Replica::None),
+            ) {
+                Ok(tandem_fence::Outcome::Won(n)) => {
+                    *h = n;
+                    site.relays.set_gate(Some(h.gate()));
+                    registry.set_lease(Some(h.clone()));
+                }
+                Ok(tandem_fence::Outcome::Held(by)) => {
+                    site.relays.discard_held();
+                    vm.kill();
+                    return Err(BackupError::FencedBy(by));
+                }
+                Err(_) => {}
+            }
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    registry.set_paused_for_lease(false);
+    if h.valid() {
+        vm.cont()
+            .map_err(|e| BackupError::Lease("continuing the guest", e))?;
+        status.info("lease renewed: guest continues");
+    }
+    Ok(())
 }
 
 /// A lost primary the backup takes over from.
@@ -617,9 +673,15 @@ fn failover(
     }
     // The guest runs here now: any primary that connects is told to stop its copy.
     let vm_id = bk.vm_id().unwrap_or(0);
+    let mut fence = fence;
     while !stopping() {
         if let Some(st) = vm.exit_status() {
             return Err(BackupError::Exited(st.to_string()));
+        }
+        if let Some(h) = fence.as_mut() {
+            if !h.valid() {
+                keep_paused_while_invalid(h, &mut vm, site, registry, status, beat)?;
+            }
         }
         let accepted = accept_within(listener, Some(Duration::from_millis(100)), status, beat);
         if let Some(gate::Vetted { conn: s, .. }) = accepted {
