@@ -61,3 +61,12 @@ fn backup_cut_from_etcd_one_member_down_and_quorum_lost_then_back() {
         rounds[0]
     );
 }
+
+#[test]
+fn a_primary_whose_qemu_died_gives_its_key_up_at_once() {
+    let r = demo_rounds("qemu-kill", &["--etcd"]).remove(0);
+    assert_eq!(outcomes(&r), vec!["qemu-kill: failover"], "{r:#}");
+    // No wait for the lease: the primary revoked it when its QEMU was gone.
+    let w = lease_wait(&r);
+    assert!(w < 1000.0, "lease wait {w} ms: {r:#}");
+}

@@ -264,8 +264,21 @@ pub fn run(cfg: PrimaryConfig, status: Status) -> Result<(), PrimaryError> {
         fenced_by: None,
     };
     let end = match sessions(&mut d, &mut vm) {
-        Err(e) if watchdog.fired() => return Err(PrimaryError::Watchdog(Box::new(e))),
-        r => r?,
+        Err(e) => {
+            // A guest whose QEMU is gone releases nothing any more: give the key up at once,
+            // so that the backup need not wait for the lease to expire.
+            if vm.exit_status().is_some() {
+                if let Some(f) = &d.fencing {
+                    f.hand_over();
+                }
+            }
+            return Err(if watchdog.fired() {
+                PrimaryError::Watchdog(Box::new(e))
+            } else {
+                e
+            });
+        }
+        Ok(end) => end,
     };
     let summary = format!(
         "{} epochs, {:.1} MiB raw, {:.2} MiB sent",
