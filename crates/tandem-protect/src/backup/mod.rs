@@ -8,6 +8,7 @@
 //! holds a consistent epoch, or at once on a handover; afterwards it answers every primary
 //! that connects with `fenced`.
 
+mod failover;
 mod gate;
 mod standby;
 
@@ -17,16 +18,16 @@ use std::path::PathBuf;
 use std::sync::mpsc::Receiver;
 use std::time::{Duration, Instant};
 
-use serde::Serialize;
-use tandem_net::Policy;
 use tandem_replication::wire::ack_frame;
-use tandem_replication::{Applied, Backup, FileDisk, Frame, Kind, WireError};
+use tandem_replication::{Applied, Backup, FileDisk, Frame, WireError};
 use tandem_vm::{DirtyMode, MirrorFile, VmError};
 
 use crate::signals::stopping;
 use crate::site::{Role, Site, SiteConfig, SiteError};
 use crate::vmspec::{VmSpec, VmSpecError};
 use crate::{unix_ms, Status};
+pub use failover::FailoverReport;
+use failover::{failover, send, Loss};
 use standby::Standby;
 
 /// What the backup daemon runs.
@@ -122,27 +123,6 @@ pub enum BackupError {
 fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> BackupError {
     let what = what.into();
     move |e| BackupError::Io(what, e)
-}
-
-/// What the backup did at failover (wall-clock times in Unix milliseconds).
-#[derive(Serialize)]
-pub struct FailoverReport {
-    /// Why the primary was declared lost.
-    pub reason: String,
-    /// The epoch the guest resumed from.
-    pub epoch: u64,
-    /// When the loss was detected.
-    pub detected_at_ms: u64,
-    /// When the guest ran again.
-    pub running_at_ms: u64,
-    /// Detection to guest running (type I downtime without detection time), including the
-    /// wait for the leader key.
-    pub resume_ms: f64,
-    /// Of which: waiting for the primary's lease to expire and winning the key (0 without
-    /// fencing).
-    pub lease_wait_ms: f64,
-    /// The silence timeout.
-    pub timeout_ms: u64,
 }
 
 enum LinkEnd {
@@ -464,67 +444,6 @@ pub fn run(cfg: BackupConfig, status: Status) -> Result<(), BackupError> {
     r
 }
 
-/// The guest runs here under this side's lease: while it is not certainly valid the guest is
-/// stopped (its output is gated anyway); a lease that expired is taken back if nobody else
-/// holds the key, otherwise this copy stops for good.
-fn keep_paused_while_invalid(
-    h: &mut tandem_fence::Holder,
-    vm: &mut tandem_vm::Vm,
-    site: &Site,
-    registry: &crate::metrics::Registry,
-    status: &Status,
-    beat: &crate::service::Beat,
-) -> Result<(), BackupError> {
-    vm.stop()
-        .map_err(|e| BackupError::Lease("pausing the guest for its lease", e))?;
-    status.warn("cannot renew this side's lease in etcd: guest paused, output held");
-    registry.set_paused_for_lease(true);
-    let cfg = h.config().clone();
-    while !h.valid() {
-        beat.beat();
-        if stopping() {
-            break;
-        }
-        if h.expired() {
-            match tandem_fence::campaign(
-                &cfg,
-                tandem_fence::Claim::Reacquire(tandem_fence::Replica::None),
-            ) {
-                Ok(tandem_fence::Outcome::Won(n)) => {
-                    *h = n;
-                    site.relays.set_gate(Some(h.gate()));
-                    registry.set_lease(Some(h.clone()));
-                }
-                Ok(tandem_fence::Outcome::Held(by)) => {
-                    site.relays.discard_held();
-                    vm.kill();
-                    return Err(BackupError::FencedBy(by));
-                }
-                Err(_) => {}
-            }
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    registry.set_paused_for_lease(false);
-    if h.valid() {
-        vm.cont()
-            .map_err(|e| BackupError::Lease("continuing the guest", e))?;
-        status.info("lease renewed: guest continues");
-    }
-    Ok(())
-}
-
-/// A lost primary the backup takes over from.
-struct Loss {
-    /// Why it was declared lost.
-    why: String,
-    /// When (monotonic and Unix milliseconds).
-    detected: Instant,
-    at_ms: u64,
-    /// The leader key this backup won (with `--etcd`).
-    fence: Option<tandem_fence::Holder>,
-}
-
 impl Link<'_> {
     /// Serves primaries until one is lost while a consistent epoch exists (its reason), or
     /// the daemon is asked to stop (`None`).
@@ -583,120 +502,4 @@ impl Link<'_> {
             }
         }
     }
-}
-
-fn send(w: &mut impl std::io::Write, f: &Frame) -> std::io::Result<()> {
-    f.write_to(w)?;
-    w.flush()
-}
-
-/// Resumes the guest on the standby from the last committed epoch, then runs it (and fences
-/// every primary that connects) until told to stop.
-#[allow(clippy::too_many_arguments)] // the backup's parts, each used once
-fn failover(
-    cfg: &BackupConfig,
-    site: &Site,
-    bk: &mut Backup<MirrorFile>,
-    standby: &mut Standby,
-    listener: &Receiver<gate::Vetted>,
-    loss: Loss,
-    (registry, beat): (&crate::metrics::Registry, &crate::service::Beat),
-    status: &Status,
-) -> Result<(), BackupError> {
-    let Loss {
-        why,
-        detected,
-        at_ms: detected_at_ms,
-        fence,
-    } = loss;
-    let lease_wait = detected.elapsed();
-    let epoch = bk.committed();
-    let state = bk.device_state().to_vec();
-    if !standby.check_now() {
-        return Err(BackupError::NoStandby { why, epoch });
-    }
-    let Some(mut vm) = standby.take() else {
-        return Err(BackupError::NoStandby { why, epoch });
-    };
-    // The resumed guest's output is gated by this side's lease from now on.
-    if let Some(h) = &fence {
-        site.relays.set_gate(Some(h.gate()));
-    }
-    site.relays
-        .set_policy(Policy::Pass)
-        .map_err(BackupError::Relay)?;
-    vm.resume(&state)
-        .map_err(|e| BackupError::Standby("resuming the standby", e))?;
-    let resume = detected.elapsed();
-    crate::echo_guest_progress(vm.serial_path(), status.clone());
-    let running_at_ms = unix_ms();
-    // Move the guest's MAC to this side of the bridge at once (QEMU also announces after an
-    // incoming migration; this makes it explicit).
-    if let Err(e) = vm.qmp.execute(
-        "announce-self",
-        Some(serde_json::json!({
-            "initial": 50, "max": 550, "rounds": 5, "step": 100
-        })),
-    ) {
-        tracing::warn!("announce-self: {e}");
-    }
-    status.info(format!(
-        "failover: {why}; resumed the guest from epoch {epoch} in {:.1} ms after detection (+ up to {} ms detection timeout){}",
-        resume.as_secs_f64() * 1000.0,
-        cfg.timeout.as_millis(),
-        if fence.is_some() {
-            format!("; of which {:.1} ms waiting for the primary's lease and winning the leader key in etcd", lease_wait.as_secs_f64() * 1000.0)
-        } else {
-            String::new()
-        }
-    ));
-    registry.failed_over(
-        &why,
-        epoch,
-        lease_wait.as_secs_f64() * 1000.0,
-        resume.as_secs_f64() * 1000.0,
-    );
-    registry.set_lease(fence.clone());
-    if let Some(p) = &cfg.report {
-        let r = FailoverReport {
-            reason: why,
-            epoch,
-            detected_at_ms,
-            running_at_ms,
-            resume_ms: resume.as_secs_f64() * 1000.0,
-            lease_wait_ms: lease_wait.as_secs_f64() * 1000.0,
-            timeout_ms: cfg.timeout.as_millis() as u64,
-        };
-        let json = serde_json::to_vec_pretty(&r).map_err(std::io::Error::other);
-        json.and_then(|j| std::fs::write(p, j))
-            .map_err(io(format!("writing {}", p.display())))?;
-    }
-    // The guest runs here now: any primary that connects is told to stop its copy.
-    let vm_id = bk.vm_id().unwrap_or(0);
-    let mut fence = fence;
-    while !stopping() {
-        if let Some(st) = vm.exit_status() {
-            return Err(BackupError::Exited(st.to_string()));
-        }
-        if let Some(h) = fence.as_mut() {
-            if !h.valid() {
-                keep_paused_while_invalid(h, &mut vm, site, registry, status, beat)?;
-            }
-        }
-        let accepted = accept_within(listener, Some(Duration::from_millis(100)), status, beat);
-        if let Some(gate::Vetted { conn: s, .. }) = accepted {
-            let _ = s.set_write_timeout(Some(Duration::from_secs(1)));
-            let fenced = Frame {
-                kind: Kind::Fenced,
-                vm_id,
-                seq: epoch,
-                payload: Vec::new(),
-            };
-            let mut w = BufWriter::new(s);
-            let _ = send(&mut w, &fenced);
-            status.info("told a connecting primary that the guest runs here (fenced)");
-        }
-    }
-    vm.quit();
-    Ok(())
 }

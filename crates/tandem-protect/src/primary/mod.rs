@@ -12,6 +12,7 @@
 mod fence;
 mod link;
 mod session;
+mod sink;
 mod watchdog;
 
 use crate::conn::Conn;

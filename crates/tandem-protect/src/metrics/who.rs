@@ -1,0 +1,107 @@
+//! What a daemon says about itself: its identity and state for `tandem status` (the control
+//! socket, docs/OPERATIONS.md) and `tandem_role`.
+
+use super::Registry;
+
+/// What `tandem status` and `tandem_role` say about a daemon (docs/OPERATIONS.md).
+#[derive(Clone, Default)]
+pub(super) struct Who {
+    pub(super) role: &'static str,
+    pub(super) vm_id: u64,
+    pub(super) node: Option<String>,
+    /// A short state a human reads ("protected", "paused: lease not renewed", ...); the
+    /// primary's is derived from its flags when empty.
+    pub(super) state: String,
+    pub(super) peer: Option<String>,
+    pub(super) started_ms: u64,
+    pub(super) last_ack_ms: u64,
+    pub(super) paused_for_lease: bool,
+    pub(super) unprotected: bool,
+    pub(super) failovers: u64,
+    pub(super) last_failover: Option<serde_json::Value>,
+}
+
+/// Identity, state and the status document.
+impl Registry {
+    /// Who this daemon is: `role` (`primary`, `backup`) and the VM it protects.
+    pub fn set_identity(&self, role: &'static str, vm_id: u64, node: Option<String>) {
+        let mut s = self.lock();
+        (s.who.role, s.who.vm_id, s.who.node) = (role, vm_id, node);
+    }
+
+    /// The daemon's state in words (the primary derives its own when none is set).
+    pub fn set_state(&self, state: impl Into<String>) {
+        self.lock().who.state = state.into();
+    }
+
+    /// The peer on the replication link (`None`: not connected).
+    pub fn set_peer(&self, peer: Option<String>) {
+        self.lock().who.peer = peer;
+    }
+
+    /// The backup's committed epoch (what it could resume from).
+    pub fn committed(&self, epoch: u64) {
+        let mut s = self.lock();
+        s.acked = epoch;
+        s.who.last_ack_ms = crate::unix_ms();
+    }
+
+    /// The guest is paused because the lease is not certainly valid.
+    pub fn set_paused_for_lease(&self, paused: bool) {
+        self.lock().who.paused_for_lease = paused;
+    }
+
+    /// The guest's output passes unprotected (recorded in etcd).
+    pub fn set_unprotected(&self, unprotected: bool) {
+        self.lock().who.unprotected = unprotected;
+    }
+
+    /// A failover happened here: the backup resumed the guest from `epoch`.
+    pub fn failed_over(&self, reason: &str, epoch: u64, lease_wait_ms: f64, resume_ms: f64) {
+        let mut s = self.lock();
+        s.who.failovers += 1;
+        s.who.role = "backup";
+        s.who.state = format!("running the guest (failed over from epoch {epoch})");
+        s.who.last_failover = Some(serde_json::json!({
+            "at_unix_ms": crate::unix_ms(), "reason": reason, "epoch": epoch,
+            "lease_wait_ms": lease_wait_ms, "resume_ms": resume_ms,
+        }));
+    }
+
+    /// The document `tandem status` prints.
+    pub fn status(&self) -> serde_json::Value {
+        let s = self.lock();
+        let w = &s.who;
+        let state = if w.paused_for_lease {
+            "paused: the lease in etcd is not certainly valid (output held)".into()
+        } else if !w.state.is_empty() {
+            w.state.clone()
+        } else if s.protected {
+            "protected".into()
+        } else if s.link_up {
+            "copying the guest to the backup (not yet protected; output held)".into()
+        } else if w.unprotected {
+            "running WITHOUT a replica (recorded in etcd; output passes)".into()
+        } else {
+            "waiting for a backup (output held)".into()
+        };
+        let now = crate::unix_ms();
+        serde_json::json!({
+            "role": w.role,
+            "vm_id": w.vm_id,
+            "node": w.node,
+            "pid": std::process::id(),
+            "state": state,
+            "committed_epoch": s.acked,
+            "lag_epochs": (w.role == "primary").then(|| s.last.epoch.saturating_sub(s.acked)),
+            "last_ack_ms_ago": (w.last_ack_ms > 0).then(|| now.saturating_sub(w.last_ack_ms)),
+            "link": if s.link_up { "up" } else { "down" },
+            "peer": w.peer,
+            "lease_remaining_s": s.lease.as_ref().map(|h| h.remaining().as_secs_f64()),
+            "held_frames": s.held_frames,
+            "failovers": w.failovers,
+            "last_failover": w.last_failover,
+            "uptime_s": now.saturating_sub(w.started_ms) / 1000,
+        })
+    }
+}

@@ -1,0 +1,206 @@
+//! The replication link as the epoch pipeline's sink: at the checkpoint boundary it seals the
+//! relays' epoch, takes the disk write log and keeps the guest stopped while the lease is not
+//! certainly valid; after the pause it encodes the epoch and hands it to the sender.
+
+use std::sync::atomic::Ordering;
+use std::sync::mpsc::{SyncSender, TrySendError};
+use std::time::{Duration, Instant};
+
+use tandem_replication::{EpochInput, Primary};
+use tandem_vm::epoch::{Checkpoint, Pending};
+use tandem_vm::{Epoch, EpochSink};
+
+use super::link::{Out, Shared};
+use super::session::Writes;
+use super::watchdog::Watchdog;
+use super::{PrimaryConfig, PrimaryError};
+use crate::metrics::{EpochMetrics, Registry};
+use crate::signals::{stopping, take_kill_in_pause};
+use crate::site::Site;
+use crate::Status;
+
+/// The replication link as the epoch pipeline's sink: at the checkpoint's boundary it seals
+/// the relay's epoch and takes the disk write log; after the pause it ships the epoch.
+pub(super) struct LinkSink<'a> {
+    pub(super) st: Step<'a>,
+    pub(super) watchdog: &'a Watchdog,
+    pub(super) fencing: Option<&'a mut super::fence::Fencing>,
+    pub(super) fenced_by: &'a mut Option<String>,
+    /// QEMU's pid, for the pause-kill fault hook (0: none).
+    pub(super) qemu: u32,
+    pub(super) writes: std::io::Result<Writes>,
+    pub(super) err: Option<PrimaryError>,
+    pub(super) last_print: Instant,
+}
+
+impl EpochSink for LinkSink<'_> {
+    fn pending(&self) -> Pending {
+        Pending {
+            output_frames: self.st.site.relays.unsealed_frames(),
+            unacked: self.st.shared.pending().len() as u64,
+            disk_bytes: self.st.site.disk_log_bytes(),
+        }
+    }
+
+    fn in_pause(&mut self, epoch: Epoch) {
+        if self.qemu != 0 && take_kill_in_pause() {
+            self.st.status.warn(format!(
+                "fault injection: killing QEMU inside the pause of epoch {epoch}"
+            ));
+            // SAFETY: kill(2) of the QEMU this daemon started.
+            unsafe { libc::kill(self.qemu as i32, libc::SIGKILL) };
+        }
+        self.st.site.relays.seal(epoch);
+        if let Some(d) = &self.st.site.disk {
+            self.writes = d.try_take_epoch_writes();
+        }
+        // The guest is stopped here: it stays stopped while the lease is not certainly valid.
+        if let Some(f) = self.fencing.as_mut() {
+            if let super::fence::Wait::Fenced(by) = f.wait_valid(self.st.site, self.watchdog) {
+                *self.fenced_by = Some(by);
+                self.st
+                    .shared
+                    .lose("etcd says another node holds the VM".into());
+            }
+        }
+        if let Some(why) = self.st.site.mirror_health.broken() {
+            // A mirror failed during the epoch: its writes are incomplete.
+            self.writes = Err(std::io::Error::other(why));
+        }
+    }
+
+    fn checkpoint(&mut self, cp: &Checkpoint<'_>) -> bool {
+        self.watchdog.beat();
+        let shared = self.st.shared;
+        shared.progress.store(cp.epoch, Ordering::SeqCst);
+        if shared.is_lost() {
+            return false;
+        }
+        let w = match std::mem::replace(&mut self.writes, Ok(Vec::new())) {
+            Ok(w) => w,
+            Err(e) => {
+                // The epoch's disk writes are unknown: only a full copy is safe.
+                shared.lose(format!(
+                    "reading back the epoch's disk writes failed ({e}); re-syncing"
+                ));
+                return false;
+            }
+        };
+        if let Err(e) = self.st.ship(cp.epoch, cp, &w) {
+            self.err = Some(e);
+            return false;
+        }
+        if self.last_print.elapsed() >= Duration::from_secs(1) {
+            self.last_print = Instant::now();
+            self.st.print(cp.epoch);
+        }
+        !shared.is_lost() && !stopping()
+    }
+}
+
+/// Borrowed state for shipping one epoch.
+pub(super) struct Step<'a> {
+    pub(super) proto: &'a mut Primary,
+    pub(super) registry: &'a Registry,
+    pub(super) opts: &'a PrimaryConfig,
+    pub(super) site: &'a Site,
+    pub(super) shared: &'a Shared,
+    pub(super) tx: &'a SyncSender<Out>,
+    pub(super) raw: &'a mut u64,
+    pub(super) sent: &'a mut u64,
+    pub(super) status: &'a Status,
+}
+
+impl Step<'_> {
+    /// Encodes epoch `seq` and hands it to the sender; marks the link lost when the backup
+    /// has not acknowledged an epoch within the ack timeout.
+    pub(super) fn ship(
+        &mut self,
+        seq: u64,
+        cp: &Checkpoint<'_>,
+        writes: &Writes,
+    ) -> Result<(), PrimaryError> {
+        let t = Instant::now();
+        let input = EpochInput {
+            seq,
+            pfns: cp.pfns,
+            pages: cp.pages,
+            device_state: cp.device_state,
+            disk_writes: self.site.disk.as_ref().map(|_| writes.as_slice()),
+        };
+        let (frame, sizes) = self.proto.epoch(&input)?;
+        let held = self.held();
+        self.registry.set_held(held.held_frames, held.held_bytes);
+        self.registry.set_dropped_frames(held.overflow_frames);
+        let tm = cp.timing;
+        let m = EpochMetrics {
+            epoch: seq,
+            pause: tm,
+            pause_us: tm.total_us(),
+            dirty_pages: cp.pfns.len() as u64,
+            raw_bytes: sizes.raw,
+            sent_bytes: sizes.sent,
+            encode_us: t.elapsed().as_micros() as u64,
+            held_frames: held.held_frames,
+            held_bytes: held.held_bytes,
+            disk_writes: sizes.disk_writes,
+            disk_bytes: sizes.disk_bytes,
+            ..Default::default()
+        };
+        *self.raw += m.raw_bytes;
+        *self.sent += m.sent_bytes;
+        self.shared.pending().push_back(m.clone());
+        let mut item = Out::Epoch(frame, Box::new(m));
+        loop {
+            match self.tx.try_send(item) {
+                Ok(()) => break,
+                Err(TrySendError::Full(back)) => item = back,
+                Err(TrySendError::Disconnected(_)) => {
+                    self.shared.lose("the sender stopped".into());
+                    break;
+                }
+            }
+            if self.check_deadline() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        self.check_deadline();
+        Ok(())
+    }
+
+    /// The relays' counters (zeros without a relay).
+    fn held(&self) -> tandem_net::RelayStats {
+        self.site.relays.stats()
+    }
+
+    /// Marks the link lost if the oldest unacknowledged epoch is older than the ack timeout.
+    fn check_deadline(&self) -> bool {
+        let age = self.shared.acks().oldest_unacked(Instant::now());
+        if let Some(age) = age.filter(|a| *a > self.opts.ack_timeout) {
+            self.shared.lose(format!(
+                "no acknowledgement for {} ms (ack timeout {} ms)",
+                age.as_millis(),
+                self.opts.ack_timeout.as_millis()
+            ));
+        }
+        self.shared.is_lost()
+    }
+
+    fn print(&self, seq: u64) {
+        // Pause quantiles from the metrics histogram (epochs the sender has shipped).
+        let pauses = self.registry.pause_histogram();
+        let held = self.held();
+        let acks = self.shared.acks();
+        self.status.info(format!(
+            "epoch {seq} acked {} | raw {:.1} MiB sent {:.2} MiB | pause p50 {:.1} ms p99 {:.1} ms | held frames {}{}",
+            acks.acked(),
+            *self.raw as f64 / (1 << 20) as f64,
+            *self.sent as f64 / (1 << 20) as f64,
+            pauses.quantile(0.5) * 1e3,
+            pauses.quantile(0.99) * 1e3,
+            held.held_frames,
+            if acks.can_fail_over() { "" } else { " | backup CANNOT fail over" },
+        ));
+    }
+}
