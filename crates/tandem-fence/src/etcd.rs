@@ -277,7 +277,6 @@ pub(crate) fn range_kv(v: &Value) -> Option<Kv> {
 }
 
 fn reply(path: &'static str, v: &Value) -> EtcdError {
-    let mut reply = v.to_string();
-    reply.truncate(200);
+    let reply = v.to_string().chars().take(200).collect();
     EtcdError::Reply { path, reply }
 }

@@ -150,6 +150,9 @@ struct Inner {
     cfg: FenceConfig,
     lease: AtomicI64,
     create_rev: AtomicI64,
+    /// Mod revision of this holder's last successful write of the replica record (0: the
+    /// last write's outcome is unknown).
+    replica_rev: AtomicI64,
     start: Instant,
     /// Microseconds since `start` until which output may leave (0: never).
     deadline_us: AtomicU64,
@@ -195,9 +198,14 @@ pub enum Claim {
     Fresh,
     /// A backup holding replication session `.0` resumes the guest.
     Takeover(u64),
-    /// A holder whose lease expired takes the key back, if the replica record is still what
-    /// it recorded (nobody took over meanwhile).
-    Reacquire(Replica),
+    /// A holder whose lease expired takes the key back, if the replica record is still the
+    /// one it wrote last (same mod revision: nobody took over or booted a fresh guest since).
+    Reacquire {
+        /// The mod revision of the holder's last successful write of the replica record.
+        replica_rev: i64,
+        /// What it wrote.
+        replica: Replica,
+    },
 }
 
 /// Campaigns for the VM's leader key: `If(leader absent ∧ replica condition) Then put leader
@@ -207,20 +215,20 @@ pub fn campaign(cfg: &FenceConfig, claim: Claim) -> Result<Outcome, FenceError> 
     let client = Client::new(&cfg.endpoints, cfg.request_timeout)?;
     let (leader, replica) = (cfg.leader_key(), cfg.replica_key());
     let after = match claim {
-        Claim::Reacquire(r) => r,
+        Claim::Reacquire { replica: r, .. } => r,
         _ => Replica::None,
     };
+    // A key that is held needs no lease to find out (the backup asks every 100 ms).
+    if let Some(l) = client.get(&leader)? {
+        return Ok(Outcome::Held(text(&l.value)));
+    }
     let cond = match claim {
         Claim::Takeover(s) => Compare::Value(replica.clone(), Replica::Session(s).encode()),
-        Claim::Reacquire(r) => Compare::Value(replica.clone(), r.encode()),
+        Claim::Reacquire { replica_rev, .. } => Compare::ModRevision(replica.clone(), replica_rev),
         Claim::Fresh => {
             let seen = client.get(&replica)?;
             if let Some(kv) = &seen {
                 if matches!(Replica::parse(&kv.value), Some(Replica::Session(_))) {
-                    // Unless nobody may take over anyway (leader held): then say that.
-                    if let Some(l) = client.get(&leader)? {
-                        return Ok(Outcome::Held(text(&l.value)));
-                    }
                     return Err(FenceError::ReplicaExists {
                         vm_id: cfg.vm_id,
                         key: replica,
@@ -233,15 +241,31 @@ pub fn campaign(cfg: &FenceConfig, claim: Claim) -> Result<Outcome, FenceError> 
     };
     let sent = Instant::now();
     let (lease, _ttl) = client.grant(cfg.ttl.as_secs().max(2))?;
-    let r = client.txn(
+    let txn = client.txn(
         &[Compare::CreateRevision(leader.clone(), 0), cond],
         &[
             Op::Put(leader.clone(), cfg.node.as_bytes().to_vec(), lease),
             Op::Put(replica.clone(), after.encode(), 0),
             Op::Get(leader.clone()),
+            Op::Get(replica.clone()),
         ],
         &[Op::Get(leader.clone()), Op::Get(replica.clone())],
-    )?;
+    );
+    let r = match txn {
+        Ok(r) => r,
+        Err(e) => {
+            // The reply was lost, but the transaction may have committed: if the key is on
+            // our lease, we won; otherwise give the lease back and report the error.
+            if let (Ok(Some(l)), Ok(rep)) = (client.get(&leader), client.get(&replica)) {
+                if l.lease == lease {
+                    let rev = rep.map_or(0, |kv| kv.mod_revision);
+                    return won(client, cfg, lease, l.create_revision, rev, after, sent);
+                }
+            }
+            let _ = client.revoke(lease);
+            return Err(e.into());
+        }
+    };
     if !r.succeeded {
         let _ = client.revoke(lease);
         if let Some(Some(l)) = r.reads.first() {
@@ -254,7 +278,7 @@ pub fn campaign(cfg: &FenceConfig, claim: Claim) -> Result<Outcome, FenceError> 
                 recorded: recorded.unwrap_or_else(|| "nothing".into()),
                 session,
             },
-            Claim::Reacquire(_) => FenceError::Lost(cfg.vm_id),
+            Claim::Reacquire { .. } => FenceError::Lost(cfg.vm_id),
             // The replica record changed between our read and the transaction.
             Claim::Fresh => FenceError::ReplicaExists {
                 vm_id: cfg.vm_id,
@@ -263,22 +287,33 @@ pub fn campaign(cfg: &FenceConfig, claim: Claim) -> Result<Outcome, FenceError> 
             },
         });
     }
-    let create_rev = r
-        .reads
-        .first()
-        .cloned()
-        .flatten()
-        .map_or(0, |kv: Kv| kv.create_revision);
+    let read = |i: usize| r.reads.get(i).cloned().flatten();
+    let create_rev = read(0).map_or(0, |kv: Kv| kv.create_revision);
+    let replica_rev = read(1).map_or(0, |kv: Kv| kv.mod_revision);
+    won(client, cfg, lease, create_rev, replica_rev, after, sent)
+}
+
+/// The holder of a won key: starts its keepalive thread.
+fn won(
+    client: Client,
+    cfg: &FenceConfig,
+    lease: i64,
+    create_rev: i64,
+    replica_rev: i64,
+    recorded: Replica,
+    sent: Instant,
+) -> Result<Outcome, FenceError> {
     let inner = Arc::new(Inner {
         client,
         cfg: cfg.clone(),
         lease: AtomicI64::new(lease),
         create_rev: AtomicI64::new(create_rev),
+        replica_rev: AtomicI64::new(replica_rev),
         start: sent,
         deadline_us: AtomicU64::new(0),
         lost: AtomicBool::new(false),
         stop: AtomicBool::new(false),
-        recorded: Mutex::new(Some(after)),
+        recorded: Mutex::new(Some(recorded)),
     });
     inner.extend(sent);
     let me = Arc::downgrade(&inner);
@@ -371,21 +406,45 @@ impl Holder {
     /// it: `None` before unprotected output, `Session(s)` before a session's epochs count.
     pub fn record(&self, replica: Replica) -> Result<(), FenceError> {
         let i = &self.inner;
+        // Until the outcome is known, nothing is known: no reacquire on a stale record.
         *i.recorded.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        i.replica_rev.store(0, Ordering::SeqCst);
         let r = i.client.txn(
             &[Compare::CreateRevision(
                 i.cfg.leader_key(),
                 i.create_rev.load(Ordering::SeqCst),
             )],
-            &[Op::Put(i.cfg.replica_key(), replica.encode(), 0)],
+            &[
+                Op::Put(i.cfg.replica_key(), replica.encode(), 0),
+                Op::Get(i.cfg.replica_key()),
+            ],
             &[],
         )?;
         if !r.succeeded {
             i.lost.store(true, Ordering::SeqCst);
             return Err(FenceError::Lost(i.cfg.vm_id));
         }
+        let rev = r
+            .reads
+            .first()
+            .cloned()
+            .flatten()
+            .map_or(0, |kv| kv.mod_revision);
+        i.replica_rev.store(rev, Ordering::SeqCst);
         *i.recorded.lock().unwrap_or_else(|e| e.into_inner()) = Some(replica);
         Ok(())
+    }
+
+    /// The claim that takes this holder's key back after its lease expired (`None`: the last
+    /// write of the replica record has an unknown outcome, so taking the key back could revive
+    /// a stale copy).
+    pub fn reacquire_claim(&self) -> Option<Claim> {
+        let rev = self.inner.replica_rev.load(Ordering::SeqCst);
+        let replica = self.recorded()?;
+        (rev > 0).then_some(Claim::Reacquire {
+            replica_rev: rev,
+            replica,
+        })
     }
 
     /// Gives the key up at once (planned handover): the lease is revoked, so the key is

@@ -117,3 +117,25 @@ fn an_unreachable_cluster_is_named() {
         .to_string()
         .contains("--etcd"));
 }
+
+#[test]
+fn a_holder_takes_its_key_back_only_if_nobody_ran_the_vm_since() {
+    let dir = tempfile::tempdir().unwrap();
+    let c = cluster(dir.path());
+    let cfg = |node: &str| FenceConfig::new(c.endpoints(), 3, node);
+    let a = won(campaign(&cfg("a"), Claim::Fresh).unwrap());
+    a.record(Replica::Session(1)).unwrap();
+    let claim = a.reacquire_claim().unwrap();
+    a.resign().unwrap();
+    // Nobody took over: the same record is still there, the key comes back.
+    let a2 = won(campaign(&cfg("a"), claim).unwrap());
+    assert_eq!(a2.recorded(), Some(Replica::Session(1)));
+    let claim2 = a2.reacquire_claim().unwrap();
+    a2.resign().unwrap();
+    // The backup of session 1 takes over (and later loses its lease) ...
+    let b = won(campaign(&cfg("b"), Claim::Takeover(1)).unwrap());
+    b.resign().unwrap();
+    // ... so the old holder's claim must not revive its stale copy.
+    let e = campaign(&cfg("a"), claim2).err().unwrap();
+    assert!(matches!(e, FenceError::Lost(3)), "{e}");
+}

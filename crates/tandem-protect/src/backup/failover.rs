@@ -71,10 +71,12 @@ fn keep_paused_while_invalid(
             break;
         }
         if h.expired() {
-            match tandem_fence::campaign(
-                &cfg,
-                tandem_fence::Claim::Reacquire(tandem_fence::Replica::None),
-            ) {
+            let Some(claim) = h.reacquire_claim() else {
+                // Unknown outcome of the last record: stay paused, never revive a stale copy.
+                std::thread::sleep(Duration::from_millis(200));
+                continue;
+            };
+            match tandem_fence::campaign(&cfg, claim) {
                 Ok(tandem_fence::Outcome::Won(n)) => {
                     *h = n;
                     site.relays.set_gate(Some(h.gate()));

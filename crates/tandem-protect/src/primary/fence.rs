@@ -163,6 +163,7 @@ impl Fencing {
             self.cfg.vm_id
         ));
         let _paused = Paused::new(self.registry.clone());
+        let mut unknown_said = false;
         loop {
             watchdog.beat();
             if stopping() {
@@ -176,8 +177,16 @@ impl Fencing {
                 return Wait::Valid;
             }
             if self.holder.expired() {
-                let recorded = self.holder.recorded().unwrap_or(Replica::None);
-                match campaign(&self.cfg, Claim::Reacquire(recorded)) {
+                let Some(claim) = self.holder.reacquire_claim() else {
+                    // The last record's outcome is unknown: another copy may have taken over.
+                    // Stay paused (nothing is released); an operator decides.
+                    if !std::mem::replace(&mut unknown_said, true) {
+                        self.status.warn("the lease expired and the outcome of the last replica record in etcd is unknown: this copy stays paused and will not take the key back (if the backup runs the guest, stop this primary)");
+                    }
+                    std::thread::sleep(Duration::from_millis(200));
+                    continue;
+                };
+                match campaign(&self.cfg, claim) {
                     Ok(Outcome::Won(h)) => {
                         self.holder = h;
                         site.relays.set_gate(Some(self.holder.gate()));
