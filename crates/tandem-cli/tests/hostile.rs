@@ -219,7 +219,9 @@ fn hostile(tls: bool) {
     );
     if !tls {
         assert!(
-            refusals.iter().any(|l| l.contains("hello for VM 8")),
+            refusals
+                .iter()
+                .any(|l| l.contains("hello for another VM: VM 8")),
             "{refusals:#?}"
         );
     }

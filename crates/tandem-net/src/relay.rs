@@ -210,6 +210,10 @@ impl Relay {
         if policy == Policy::Pass {
             self.seal(u64::MAX);
             self.release(u64::MAX)?;
+            // What the gate kept back now would only wait behind frames that pass: in Pass
+            // a closed gate drops frames, so these go the same way (TCP resends).
+            let kept = take_all(&self.shared);
+            self.shared.dropped.fetch_add(kept, Ordering::Relaxed);
         }
         Ok(())
     }

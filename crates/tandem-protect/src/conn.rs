@@ -169,13 +169,33 @@ fn pump(mut tls: rustls::Connection, tcp: &TcpStream, local: &UnixStream) -> std
     let (mut tcp_eof, mut local_eof) = (false, false);
     let (mut tcp_shut, mut local_shut) = (false, false);
     let mut local_eof_at = std::time::Instant::now();
+    // Application data that arrived with the last handshake messages is already decrypted.
+    loop {
+        match tls.reader().read(&mut buf) {
+            Ok(0) => {
+                tcp_eof = true;
+                break;
+            }
+            Ok(n) => to_local.extend_from_slice(&buf[..n]),
+            Err(_) => break,
+        }
+    }
     loop {
         // Flush what is pending in both directions.
         while off < to_local.len() {
             match loc.write(&to_local[off..]) {
                 Ok(n) => off += n,
                 Err(e) if would_block(&e) => break,
-                Err(e) => return Err(e),
+                Err(_) => {
+                    // The daemon closed its end: what the peer sends is dropped, but what
+                    // the daemon wrote before (a last `fenced` or `bye`) still goes out.
+                    off = to_local.len();
+                    if !local_eof {
+                        local_eof = true;
+                        local_eof_at = std::time::Instant::now();
+                        tls.send_close_notify();
+                    }
+                }
             }
         }
         if off == to_local.len() {
@@ -198,46 +218,41 @@ fn pump(mut tls: rustls::Connection, tcp: &TcpStream, local: &UnixStream) -> std
             tcp_shut = true;
         }
         let drained = to_local.is_empty() && !tls.wants_write();
-        // Done when both sides closed, or the daemon closed and the peer does not follow.
-        if drained && local_eof && (tcp_eof || local_eof_at.elapsed() > LINGER) {
+        // Done when both sides closed and everything went out; or the daemon closed and the
+        // peer neither reads nor closes within the linger time.
+        if local_eof && ((drained && tcp_eof) || local_eof_at.elapsed() > LINGER) {
             return Ok(());
         }
+        let tcp_events = (if !tcp_eof && to_local.len() < PENDING_LIMIT {
+            libc::POLLIN
+        } else {
+            0
+        }) | (if tls.wants_write() { libc::POLLOUT } else { 0 });
+        let local_events = (if !local_eof && !tls.wants_write() {
+            libc::POLLIN
+        } else {
+            0
+        }) | (if to_local.is_empty() {
+            0
+        } else {
+            libc::POLLOUT
+        });
+        // A descriptor with nothing to wait for is left out (-1): its HUP would spin the loop.
+        let fd = |f: i32, ev: i16| if ev == 0 { -1 } else { f };
         let mut fds = [
             libc::pollfd {
-                // A negative descriptor is ignored: a closed side is not polled (its HUP
-                // would spin the loop).
-                fd: if tcp_eof && !tls.wants_write() {
-                    -1
-                } else {
-                    tcp.as_raw_fd()
-                },
-                events: (if !tcp_eof && to_local.len() < PENDING_LIMIT {
-                    libc::POLLIN
-                } else {
-                    0
-                }) | (if tls.wants_write() { libc::POLLOUT } else { 0 }),
+                fd: fd(tcp.as_raw_fd(), tcp_events),
+                events: tcp_events,
                 revents: 0,
             },
             libc::pollfd {
-                fd: if local_eof && to_local.is_empty() {
-                    -1
-                } else {
-                    local.as_raw_fd()
-                },
-                events: (if !local_eof && !tls.wants_write() {
-                    libc::POLLIN
-                } else {
-                    0
-                }) | (if to_local.is_empty() {
-                    0
-                } else {
-                    libc::POLLOUT
-                }),
+                fd: fd(local.as_raw_fd(), local_events),
+                events: local_events,
                 revents: 0,
             },
         ];
         // SAFETY: `fds` holds two valid pollfds for descriptors this thread keeps open.
-        let r = unsafe { libc::poll(fds.as_mut_ptr(), 2, 1000) };
+        let r = unsafe { libc::poll(fds.as_mut_ptr(), 2, 200) };
         if r < 0 {
             let e = std::io::Error::last_os_error();
             if e.kind() == std::io::ErrorKind::Interrupted {

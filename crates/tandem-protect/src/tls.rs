@@ -141,25 +141,55 @@ fn handshake(
         why,
     };
     let deadline = Instant::now() + within;
+    let timed_out = || fail(format!("not completed within {within:?}"));
     let mut s = &tcp;
+    // Driven by hand so that every read is bounded by what is left of the deadline: a peer
+    // that trickles bytes cannot stretch the handshake.
     while tls.is_handshaking() {
+        while tls.wants_write() {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(timed_out());
+            }
+            tcp.set_write_timeout(Some(left))
+                .map_err(|e| fail(e.to_string()))?;
+            tls.write_tls(&mut s).map_err(|e| match e.kind() {
+                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => timed_out(),
+                _ => fail(e.to_string()),
+            })?;
+        }
+        if !tls.is_handshaking() {
+            break;
+        }
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
-            return Err(fail(format!("not completed within {within:?}")));
+            return Err(timed_out());
         }
         tcp.set_read_timeout(Some(left))
-            .and_then(|()| tcp.set_write_timeout(Some(left)))
             .map_err(|e| fail(e.to_string()))?;
-        tls.complete_io(&mut s).map_err(|e| {
-            if matches!(
-                e.kind(),
-                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
-            ) {
-                fail(format!("not completed within {within:?}"))
-            } else {
-                fail(e.to_string())
+        match tls.read_tls(&mut s) {
+            Ok(0) => return Err(fail("the peer closed the connection".into())),
+            Ok(_) => {
+                if let Err(e) = tls.process_new_packets() {
+                    // Tell the peer why (an alert), then fail.
+                    let _ = tls.write_tls(&mut s);
+                    return Err(fail(e.to_string()));
+                }
             }
-        })?;
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) =>
+            {
+                return Err(timed_out())
+            }
+            Err(e) => return Err(fail(e.to_string())),
+        }
+    }
+    // The last handshake messages (the client's Finished) go out before the pump starts.
+    while tls.wants_write() {
+        tls.write_tls(&mut s).map_err(|e| fail(e.to_string()))?;
     }
     let _ = tcp.set_read_timeout(None);
     let _ = tcp.set_write_timeout(None);

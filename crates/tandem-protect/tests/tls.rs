@@ -59,7 +59,7 @@ fn peers_without_a_certificate_of_the_ca_are_refused() {
     let addr = l.local_addr().unwrap().to_string();
     let srv = std::thread::spawn(move || {
         let mut errors = Vec::new();
-        for _ in 0..3 {
+        for _ in 0..4 {
             let (s, _) = l.accept().unwrap();
             let t = Instant::now();
             let e = tls::accept(s, &server, Duration::from_secs(1))
@@ -81,12 +81,27 @@ fn peers_without_a_certificate_of_the_ca_are_refused() {
         .unwrap();
     // 3: connects and says nothing (slow loris): cut at the deadline.
     let _silent = TcpStream::connect(&addr).unwrap();
+    // 4: a record header that promises a large handshake, then a byte every 200 ms: the
+    // deadline holds for the whole handshake, not per read.
+    let to = addr.clone();
+    let trickle = std::thread::spawn(move || {
+        let mut s = TcpStream::connect(&to).unwrap();
+        let _ = s.write_all(&[0x16, 0x03, 0x01, 0x40, 0x00]);
+        for _ in 0..30 {
+            if s.write_all(&[0]).is_err() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    });
     let errors = srv.join().unwrap();
+    let _ = trickle.join();
     assert!(
         errors.iter().all(|e| e.contains("TLS handshake")),
         "{errors:?}"
     );
     assert!(errors[2].contains("not completed within"), "{errors:?}");
+    assert!(errors[3].contains("not completed within"), "{errors:?}");
 }
 
 #[test]

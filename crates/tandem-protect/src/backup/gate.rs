@@ -2,14 +2,14 @@
 //! before the daemon sees it: the TLS handshake (with `--tls-*`), then the first frame, which
 //! must be a hello for this backup's VM, each within a deadline. Only vetted connections reach
 //! the link; a hostile client — random bytes, a replay, a frame for another VM, a slow-loris
-//! connection — is dropped there, logged once per address and reason, and cannot delay the
-//! real primary (which is vetted in parallel) or touch the mirror.
+//! connection — is dropped there, logged once per address and reason (a fixed category), and
+//! cannot touch the mirror. The real primary is vetted in parallel: a hostile address holds at
+//! most 4 of the 32 vetting slots, each for at most 5 s.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::io::Read;
 use std::net::{IpAddr, TcpListener};
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
+use std::sync::mpsc::{sync_channel, Receiver};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -22,7 +22,13 @@ use crate::Status;
 pub const VET_WITHIN: Duration = Duration::from_secs(5);
 
 /// Connections being vetted at once; more are closed at once.
-const MAX_VETTING: usize = 16;
+const MAX_VETTING: usize = 32;
+
+/// Connections from one address being vetted at once.
+const MAX_PER_ADDRESS: usize = 4;
+
+/// Distinct (address, reason) pairs remembered for logging once.
+const MAX_REMEMBERED: usize = 4096;
 
 /// A vetted connection and the hello it opened with.
 pub struct Vetted {
@@ -45,7 +51,7 @@ pub fn start(listener: TcpListener, gate: Gate, status: Status) -> Receiver<Vett
     let (tx, rx) = sync_channel(4);
     let gate = Arc::new(gate);
     let said = Arc::new(Mutex::new(HashSet::new()));
-    let busy = Arc::new(AtomicUsize::new(0));
+    let busy = Arc::new(Mutex::new(HashMap::<IpAddr, usize>::new()));
     let _ = std::thread::Builder::new()
         .name("gate".into())
         .spawn(move || {
@@ -57,15 +63,22 @@ pub fn start(listener: TcpListener, gate: Gate, status: Status) -> Receiver<Vett
                 let ip = tcp
                     .peer_addr()
                     .map_or(IpAddr::from([0, 0, 0, 0]), |a| a.ip());
-                if busy.fetch_add(1, Ordering::SeqCst) >= MAX_VETTING {
-                    busy.fetch_sub(1, Ordering::SeqCst);
-                    once(
-                        &said,
-                        &status,
-                        ip,
-                        "too many connections being vetted: closed at once",
-                    );
-                    continue;
+                {
+                    let mut b = busy.lock().unwrap_or_else(|e| e.into_inner());
+                    let total: usize = b.values().sum();
+                    let mine = b.get(&ip).copied().unwrap_or(0);
+                    if mine >= MAX_PER_ADDRESS || total >= MAX_VETTING {
+                        drop(b);
+                        once(
+                            &said,
+                            &status,
+                            ip,
+                            "too many connections being vetted",
+                            "closed at once",
+                        );
+                        continue;
+                    }
+                    b.insert(ip, mine + 1);
                 }
                 let (gate, said, busy, status, tx) = (
                     gate.clone(),
@@ -78,45 +91,63 @@ pub fn start(listener: TcpListener, gate: Gate, status: Status) -> Receiver<Vett
                     .name("vet".into())
                     .spawn(move || {
                         match vet(tcp, &gate) {
-                            Ok(v) => send(&tx, v),
-                            Err(why) => once(&said, &status, ip, &why),
+                            Ok(v) => {
+                                if tx.try_send(v).is_err() {
+                                    once(
+                                        &said,
+                                        &status,
+                                        ip,
+                                        "the daemon has vetted connections waiting",
+                                        "this one was closed (the primary reconnects)",
+                                    );
+                                }
+                            }
+                            Err((what, detail)) => once(&said, &status, ip, what, &detail),
                         }
-                        busy.fetch_sub(1, Ordering::SeqCst);
+                        let mut b = busy.lock().unwrap_or_else(|e| e.into_inner());
+                        if let Some(n) = b.get_mut(&ip) {
+                            *n -= 1;
+                            if *n == 0 {
+                                b.remove(&ip);
+                            }
+                        }
                     });
             }
         });
     rx
 }
 
-fn send(tx: &SyncSender<Vetted>, v: Vetted) {
-    // The daemon takes connections one at a time; a full queue drops the oldest caller's
-    // chance, not the daemon's (the primary reconnects).
-    let _ = tx.try_send(v);
-}
-
-/// Logs `why` for `ip` the first time only (reasons carry no per-connection details).
-fn once(said: &Mutex<HashSet<(IpAddr, String)>>, status: &Status, ip: IpAddr, why: &str) {
-    let key = why.to_string();
-    let first = said
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .insert((ip, key));
+/// Logs a refusal for `ip` the first time its reason (a fixed category, `what`) is seen; the
+/// detail of that first time goes with it.
+fn once(
+    said: &Mutex<HashSet<(IpAddr, &'static str)>>,
+    status: &Status,
+    ip: IpAddr,
+    what: &'static str,
+    detail: &str,
+) {
+    let first = {
+        let mut s = said.lock().unwrap_or_else(|e| e.into_inner());
+        s.len() < MAX_REMEMBERED && s.insert((ip, what))
+    };
     if first {
         status.warn(format!(
-            "refused a connection from {ip}: {why} (logged once per address and reason; the mirror is untouched)"
+            "refused a connection from {ip}: {what}: {detail} (logged once per address and reason; the mirror is untouched)"
         ));
     }
 }
 
-fn vet(tcp: std::net::TcpStream, gate: &Gate) -> Result<Vetted, String> {
+fn vet(tcp: std::net::TcpStream, gate: &Gate) -> Result<Vetted, (&'static str, String)> {
     let deadline = Instant::now() + VET_WITHIN;
     let mut conn = match &gate.tls {
         Some(c) => crate::tls::accept(tcp, c, VET_WITHIN).map_err(|e| match e {
-            // Without the peer's port: the same failure is the same reason.
-            crate::tls::TlsError::Handshake { why, .. } => format!("TLS handshake failed: {why}"),
-            e => e.to_string(),
+            crate::tls::TlsError::Handshake { why, .. } if why.starts_with("not completed") => {
+                ("no complete TLS handshake in time", why)
+            }
+            crate::tls::TlsError::Handshake { why, .. } => ("TLS handshake failed", why),
+            e => ("TLS handshake failed", e.to_string()),
         })?,
-        None => Conn::plain(tcp).map_err(|e| e.to_string())?,
+        None => Conn::plain(tcp).map_err(|e| ("socket error", e.to_string()))?,
     };
     // Unbuffered, so that nothing after the hello is consumed here; bounded in time and size,
     // so that a trickle or a huge declared length cannot hold the thread.
@@ -127,11 +158,15 @@ fn vet(tcp: std::net::TcpStream, gate: &Gate) -> Result<Vetted, String> {
     };
     let f = match Frame::read_from(&mut r) {
         Ok(Some(f)) => f,
-        Ok(None) => return Err("closed before its hello".into()),
-        Err(e) => return Err(format!("not a replication hello: {}", crate::chain(&e))),
+        Ok(None) => return Err(("closed before its hello", String::new())),
+        Err(tandem_replication::WireError::Io(e)) if e.kind() == std::io::ErrorKind::TimedOut => {
+            return Err(("no complete hello in time", e.to_string()))
+        }
+        Err(e) => return Err(("not a replication hello", crate::chain(&e))),
     };
     let hello = check(f, gate)?;
-    conn.set_read_timeout(None).map_err(|e| e.to_string())?;
+    conn.set_read_timeout(None)
+        .map_err(|e| ("socket error", e.to_string()))?;
     Ok(Vetted { conn, hello })
 }
 
@@ -176,14 +211,20 @@ impl Read for Bounded<'_> {
     }
 }
 
-fn check(f: Frame, gate: &Gate) -> Result<Frame, String> {
+fn check(f: Frame, gate: &Gate) -> Result<Frame, (&'static str, String)> {
     if f.kind != Kind::Hello {
-        return Err(format!("first frame is {:?}, not a hello", f.kind));
+        return Err((
+            "not a replication hello",
+            format!("first frame is {:?}", f.kind),
+        ));
     }
     if f.vm_id != gate.vm_id {
-        return Err(format!(
-            "hello for VM {}: this backup protects VM {} (--vm-id)",
-            f.vm_id, gate.vm_id
+        return Err((
+            "hello for another VM",
+            format!(
+                "VM {}; this backup protects VM {} (--vm-id)",
+                f.vm_id, gate.vm_id
+            ),
         ));
     }
     Ok(f)

@@ -408,6 +408,16 @@ pub fn run(cfg: BackupConfig, status: Status) -> Result<(), BackupError> {
         let Some(fc) = &cfg.fence else {
             break None;
         };
+        if !link.standby.check_now() {
+            // Winning the key without a standby to resume would leave nobody allowed to run.
+            let msg = format!("primary lost ({why}) but the standby QEMU is not running: not taking the leader key");
+            if msg != said {
+                status.warn(&msg);
+                said = msg;
+            }
+            wait = Some(Duration::from_millis(100));
+            continue;
+        }
         let msg = match tandem_fence::campaign(fc, tandem_fence::Claim::Takeover(link.bk.session())) {
             Ok(tandem_fence::Outcome::Won(h)) => break Some((h, detected, at_ms)),
             Ok(tandem_fence::Outcome::Held(by)) => format!("primary lost ({why}) but {by:?} still holds VM {} in etcd: not taking over yet (a dead primary's lease runs out within {} s; a partitioned primary keeps it and keeps running the guest); waiting for the lease or a reconnect", fc.vm_id, fc.ttl.as_secs()),

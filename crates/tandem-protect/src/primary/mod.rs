@@ -424,6 +424,7 @@ fn wait_for_backup(d: &mut Daemon<'_>, vm: &mut Vm) -> Result<Option<Conn>, Prim
             // No backup for the ack timeout: etcd records that nobody may take over, then
             // the output passes unprotected.
             if since.elapsed() >= d.opts.ack_timeout {
+                d.watchdog.allow(Duration::from_secs(3));
                 f.go_unprotected(d.site);
             }
         }
@@ -448,6 +449,9 @@ fn wait_for_backup(d: &mut Daemon<'_>, vm: &mut Vm) -> Result<Option<Conn>, Prim
         if let Some(disk) = &d.site.disk {
             disk.reset_log();
         }
+        // Recording in etcd, connecting and the TLS handshake take up to ~7 s together: that
+        // is progress for the watchdog, not a hung QEMU.
+        d.watchdog.allow(Duration::from_secs(10));
         let conn = link::connect_once(addr, Duration::from_secs(1))
             .map_err(|e| crate::chain(&e))
             .and_then(|tcp| match &d.opts.tls {

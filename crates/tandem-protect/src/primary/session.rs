@@ -83,6 +83,8 @@ impl Daemon<'_> {
     /// Runs one session on `stream`.
     pub fn session(&mut self, vm: &mut Vm, stream: Conn) -> Result<End, PrimaryError> {
         let reader_stream = match link::tune(stream.tcp(), self.opts.ack_timeout)
+            // With TLS the daemon writes to the pump's socket: bound those writes too.
+            .and_then(|()| stream.set_write_timeout(Some(self.opts.ack_timeout)))
             .and_then(|()| stream.try_clone())
         {
             Ok(s) => s,
