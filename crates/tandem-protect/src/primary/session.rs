@@ -181,7 +181,11 @@ impl Daemon<'_> {
         w: &mut impl Write,
         shared: &Shared,
     ) -> Result<(), CopyError> {
-        self.watchdog.beat();
+        // The initial copy stops the guest and copies all of its RAM in one pause: seconds for
+        // a 1 GiB guest on a loaded host. That is progress for the watchdog, not a hang.
+        let mib = (vm.ram().len() >> 20) as u64;
+        self.watchdog
+            .allow(Duration::from_secs(10) + Duration::from_millis(10 * mib));
         let (site, epoch) = (self.site, self.epoch);
         let ram = vm.initial_copy(&mut || {
             site.relays.seal(epoch);
