@@ -5,7 +5,6 @@
 
 mod common;
 
-use std::process::Command;
 use std::sync::mpsc::Receiver;
 use std::time::{Duration, Instant};
 
@@ -207,15 +206,5 @@ fn primary_killed_backup_resumes_the_guest() {
 
 /// `tandem status --json` over the control sockets in `run`.
 fn status(run: &std::path::Path) -> Vec<serde_json::Value> {
-    let out = Command::new(env!("CARGO_BIN_EXE_tandem"))
-        .args(["status", "--json"])
-        .env("TANDEM_RUN_DIR", run)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).unwrap()
+    common::status_json(&[], Some(run))
 }

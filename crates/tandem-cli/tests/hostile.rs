@@ -14,7 +14,7 @@ use std::sync::mpsc::Receiver;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use common::{number_after, spawn, wait_line};
+use common::{free_port, number_after, spawn, wait_line};
 use tandem_replication::{Frame, Hello, Kind};
 
 /// A TCP proxy to `to` that records the first 64 KiB its clients send.
@@ -62,11 +62,6 @@ impl Proxy {
     }
 }
 
-fn free_addr() -> String {
-    let l = TcpListener::bind("127.0.0.1:0").unwrap();
-    l.local_addr().unwrap().to_string()
-}
-
 /// Waits until the primary reports an acknowledged epoch of at least `n`.
 fn acked_at_least(prx: &Receiver<String>, n: u64) -> u64 {
     loop {
@@ -96,7 +91,7 @@ fn hostile(tls: bool) {
         assert!(st.success());
         tls_args = vec!["--tls-dir".into(), keys.display().to_string()];
     }
-    let listen = free_addr();
+    let listen = format!("127.0.0.1:{}", free_port());
     let bdir = dir.path().join("b");
     let mut bargs: Vec<&str> = vec!["backup", "--listen", &listen, "--dir"];
     bargs.push(bdir.to_str().unwrap());

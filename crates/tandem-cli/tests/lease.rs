@@ -7,29 +7,11 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{spawn, wait_line};
+use common::{free_port, spawn, status_json, wait_line};
 use tandem_fence::cluster::{Cluster, Member};
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 fn state(sock: &std::path::Path) -> String {
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_tandem"))
-        .args(["status", "--json", "--socket"])
-        .arg(sock)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let v = status_json(&["--socket".as_ref(), sock.as_os_str()], None);
     v[0]["state"].as_str().unwrap().to_string()
 }
 

@@ -3,20 +3,15 @@
 //! primary's RAM (checksums taken while stopped); then the primary is killed and a standby
 //! QEMU, pre-started on the mirror file, resumes the guest from the last committed epoch.
 
+mod common;
+
 use std::time::Duration;
 
+use common::free_port;
 use tandem_codec::{Codec, Config};
 use tandem_harness::kv::wait_for_server;
 use tandem_replication::{Applied, Backup, EpochInput, Frame, Primary};
 use tandem_vm::{DirtyMode, Guest, MirrorFile, Vm, VmConfig};
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
 
 /// Ships a frame through the wire format (as the link would) into the backup.
 fn ship(bk: &mut Backup<MirrorFile>, f: Frame) -> Applied {

@@ -101,7 +101,12 @@ struct Shared {
 impl Shared {
     fn open(&self) -> bool {
         let g = lock(&self.gate).clone();
-        let open = g.is_none_or(|g| g());
+        self.open_with(g.as_ref())
+    }
+
+    /// Whether `gate` (fetched once for a batch of frames) lets a frame out now.
+    fn open_with(&self, gate: Option<&Gate>) -> bool {
+        let open = gate.is_none_or(|g| g());
         if !open {
             self.gated.fetch_add(1, Ordering::Relaxed);
         }
@@ -169,6 +174,7 @@ impl Relay {
     /// how many were written (a frame the outside refuses is counted as dropped).
     pub fn release(&self, epoch: u64) -> Result<u64, RelayError> {
         let mut n = 0;
+        let gate = lock(&self.shared.gate).clone();
         let mut q = lock(&self.shared.queues);
         'epochs: while q.sealed.front().is_some_and(|(e, _)| *e <= epoch) {
             let Some((e, frames)) = q.sealed.pop_front() else {
@@ -176,7 +182,7 @@ impl Relay {
             };
             let mut frames = frames.into_iter();
             while let Some(f) = frames.next() {
-                if !self.shared.open() {
+                if !self.shared.open_with(gate.as_ref()) {
                     // The gate closed: this frame and the rest stay held, in order.
                     let mut rest = vec![f];
                     rest.extend(frames);

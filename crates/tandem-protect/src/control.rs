@@ -73,6 +73,28 @@ impl Control {
         run_dir().join(format!("{role}-vm{vm_id}-{}.sock", std::process::id()))
     }
 
+    /// A daemon's socket at `path` (default [`Control::default_path`]); a socket that cannot be
+    /// created is reported on `status` and the daemon goes on without one.
+    pub fn serve_or_warn(
+        path: Option<&Path>,
+        role: &str,
+        vm_id: u64,
+        registry: Registry,
+        status: &crate::Status,
+    ) -> Option<Control> {
+        let path = path.map_or_else(|| Control::default_path(role, vm_id), Path::to_path_buf);
+        match Control::serve(&path, registry) {
+            Ok(c) => Some(c),
+            Err(e) => {
+                status.warn(format!(
+                    "no control socket ({}): `tandem status` will not see this daemon",
+                    crate::chain(&e)
+                ));
+                None
+            }
+        }
+    }
+
     /// The socket's path.
     pub fn path(&self) -> &Path {
         &self.path

@@ -128,3 +128,31 @@ pub fn number_after(line: &str, key: &str) -> u64 {
         .parse()
         .unwrap()
 }
+
+/// A TCP port on 127.0.0.1 that was free a moment ago.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// `tandem status --json` with `args` (e.g. `--socket P`), the run directory `run` if given.
+pub fn status_json(
+    args: &[&std::ffi::OsStr],
+    run: Option<&std::path::Path>,
+) -> Vec<serde_json::Value> {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_tandem"));
+    c.args(["status", "--json"]).args(args);
+    if let Some(r) = run {
+        c.env("TANDEM_RUN_DIR", r);
+    }
+    let out = c.output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}

@@ -348,20 +348,13 @@ pub fn run(cfg: BackupConfig, status: Status) -> Result<(), BackupError> {
     let beat = crate::service::Beat::default();
     let b = beat.clone();
     let service = crate::service::Service::start(registry.clone(), move || b.idle());
-    let control_path = cfg
-        .control
-        .clone()
-        .unwrap_or_else(|| crate::control::Control::default_path("backup", cfg.vm_id));
-    let _control = match crate::control::Control::serve(&control_path, registry.clone()) {
-        Ok(c) => Some(c),
-        Err(e) => {
-            status.warn(format!(
-                "no control socket ({}): `tandem status` will not see this daemon",
-                crate::chain(&e)
-            ));
-            None
-        }
-    };
+    let _control = crate::control::Control::serve_or_warn(
+        cfg.control.as_deref(),
+        "backup",
+        cfg.vm_id,
+        registry.clone(),
+        &status,
+    );
     let tcp_listener =
         TcpListener::bind(&cfg.listen).map_err(io(format!("listening on {}", cfg.listen)))?;
     let gate = gate::Gate {

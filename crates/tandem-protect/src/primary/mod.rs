@@ -220,20 +220,13 @@ pub fn run(cfg: PrimaryConfig, status: Status) -> Result<(), PrimaryError> {
     if let Some(f) = &mut fencing {
         f.attach_metrics(registry.clone());
     }
-    let control_path = cfg
-        .control
-        .clone()
-        .unwrap_or_else(|| crate::control::Control::default_path("primary", cfg.vm_id));
-    let _control = match crate::control::Control::serve(&control_path, registry.clone()) {
-        Ok(c) => Some(c),
-        Err(e) => {
-            status.warn(format!(
-                "no control socket ({}): `tandem status` will not see this daemon",
-                crate::chain(&e)
-            ));
-            None
-        }
-    };
+    let _control = crate::control::Control::serve_or_warn(
+        cfg.control.as_deref(),
+        "primary",
+        cfg.vm_id,
+        registry.clone(),
+        &status,
+    );
     if let Some(addr) = &cfg.metrics_listen {
         let bound = crate::metrics::serve(addr, registry.clone())
             .map_err(|e| PrimaryError::Metrics(format!("endpoint {addr}"), e))?;
