@@ -170,6 +170,17 @@ pub struct PrimaryArgs {
     /// Fault injection for tests: SIGUSR2 kills QEMU inside the next checkpoint pause.
     #[arg(long, hide = true)]
     pub fault_hooks: bool,
+    /// This node's own replication address (host:port): after a planned switchover
+    /// (`tandem switchover`) it serves as the backup of the guest there, and while it runs
+    /// the guest it turns away old copies that connect. Without it a switchover is refused.
+    #[arg(long)]
+    pub listen: Option<String>,
+    /// With --listen: the backup role's directory for the mirror and disk copy (a tmpfs).
+    #[arg(long)]
+    pub backup_dir: Option<PathBuf>,
+    /// With --listen: the backup role fails over when the primary has been silent this long.
+    #[arg(long, default_value_t = 1000)]
+    pub timeout_ms: u64,
 }
 
 #[derive(clap::Args)]
@@ -209,6 +220,21 @@ pub struct BackupArgs {
     pub control: Option<PathBuf>,
     #[command(flatten)]
     pub tls: TlsArgs,
+    /// Protect the guest after this backup resumed it (failover or switchover): replicate it
+    /// to a backup at this address (host:port; typically the old primary's host, restarted
+    /// as `tandem backup`, or one that took part in a switchover). Without it the resumed
+    /// guest runs unprotected until stopped.
+    #[arg(long)]
+    pub peer: Option<String>,
+    /// With --peer: epoch length in milliseconds once this node protects the guest.
+    #[arg(long, default_value_t = 100)]
+    pub epoch_ms: u64,
+    /// With --peer: the next backup is lost when an epoch stays unacknowledged this long.
+    #[arg(long, default_value_t = 2000)]
+    pub ack_timeout_ms: u64,
+    /// With --peer: the name the next backup's certificate must carry (default: its host).
+    #[arg(long)]
+    pub tls_server_name: Option<String>,
 }
 
 #[derive(clap::Args)]
@@ -337,7 +363,37 @@ pub fn primary(a: PrimaryArgs) -> anyhow::Result<()> {
             None => None,
         },
     };
-    Ok(tandem_protect::primary::run(cfg, stdio("primary"))?)
+    let Some(listen) = a.listen else {
+        return Ok(tandem_protect::primary::run(cfg, stdio("primary"))?);
+    };
+    let backup = BackupConfig {
+        listen,
+        dir: a
+            .backup_dir
+            .unwrap_or_else(|| PathBuf::from(format!("/dev/shm/tandem-vm{}", a.vm_id))),
+        vm: a.vm.spec(),
+        site: a.site.config(),
+        timeout: ms(a.timeout_ms.max(1)),
+        stall: None,
+        report: None,
+        fence: cfg.fence.clone(),
+        vm_id: a.vm_id,
+        metrics_listen: None,
+        control: None,
+        tls: match a.tls.files("primary")? {
+            Some(f) => Some(tandem_protect::tls::server_config(&f)?),
+            None => None,
+        },
+    };
+    let node = tandem_protect::node::NodeConfig {
+        primary: cfg,
+        backup,
+    };
+    Ok(tandem_protect::node::run(
+        tandem_protect::node::Start::Primary,
+        node,
+        stdio("primary"),
+    )?)
 }
 
 pub fn backup(a: BackupArgs) -> anyhow::Result<()> {
@@ -360,5 +416,31 @@ pub fn backup(a: BackupArgs) -> anyhow::Result<()> {
             None => None,
         },
     };
-    Ok(tandem_protect::backup::run(cfg, stdio("backup"))?)
+    let Some(peer) = a.peer else {
+        return Ok(tandem_protect::backup::run(cfg, stdio("backup"))?);
+    };
+    let mut primary = PrimaryConfig::new(peer.clone(), a.vm.spec());
+    primary.site = a.site.config();
+    primary.epoch = ms(a.epoch_ms.max(1));
+    primary.ack_timeout = ms(a.ack_timeout_ms.max(100));
+    primary.vm_id = a.vm_id;
+    primary.fence = cfg.fence.clone();
+    primary.control = cfg.control.clone();
+    primary.metrics_listen = cfg.metrics_listen.clone();
+    primary.tls = match a.tls.files("backup")? {
+        Some(f) => Some((
+            tandem_protect::tls::client_config(&f)?,
+            tandem_protect::tls::server_name(&peer, a.tls_server_name.as_deref())?,
+        )),
+        None => None,
+    };
+    let node = tandem_protect::node::NodeConfig {
+        primary,
+        backup: cfg,
+    };
+    Ok(tandem_protect::node::run(
+        tandem_protect::node::Start::Backup,
+        node,
+        stdio("backup"),
+    )?)
 }

@@ -5,6 +5,7 @@ mod daemons;
 mod doctor;
 mod record;
 mod setup;
+mod switchover;
 mod vm;
 mod vmargs;
 mod watch;
@@ -53,6 +54,9 @@ enum Cmd {
     Keys(daemons::KeysArgs),
     /// What the daemons on this host are doing (role, committed epoch, lag, lease, link).
     Status(daemons::StatusArgs),
+    /// Planned maintenance: the primary on this host hands the guest over to its backup and
+    /// serves as its backup (started with --listen); run it again to fail back.
+    Switchover(switchover::Args),
     /// Incremental checkpoints on disk: save, list, restore, verify.
     #[command(subcommand)]
     Checkpoint(checkpoint::Cmd),
@@ -71,7 +75,7 @@ fn main() {
     // EPIPE instead).
     if matches!(
         cli.cmd,
-        Cmd::Trace(_) | Cmd::Vm(_) | Cmd::Status(_) | Cmd::Keys(_)
+        Cmd::Trace(_) | Cmd::Vm(_) | Cmd::Status(_) | Cmd::Keys(_) | Cmd::Switchover(_)
     ) {
         // SAFETY: called in main before any other thread exists; SIG_DFL is valid.
         unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
@@ -85,7 +89,12 @@ fn main() {
     // directories, RAM files) goes first.
     if !matches!(
         cli.cmd,
-        Cmd::Trace(_) | Cmd::Setup(_) | Cmd::Vm(_) | Cmd::Status(_) | Cmd::Keys(_)
+        Cmd::Trace(_)
+            | Cmd::Setup(_)
+            | Cmd::Vm(_)
+            | Cmd::Status(_)
+            | Cmd::Keys(_)
+            | Cmd::Switchover(_)
     ) {
         tandem_vm::clean_stale();
     }
@@ -105,6 +114,7 @@ fn main() {
         Cmd::Backup(a) => daemons::backup(a),
         Cmd::Status(a) => daemons::status(a),
         Cmd::Keys(a) => daemons::keys(a),
+        Cmd::Switchover(a) => switchover::run(a),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

@@ -128,7 +128,7 @@ pub struct Image {
     size: u64,
     log: Mutex<Log>,
     limit: AtomicU64,
-    logging: bool,
+    logging: std::sync::atomic::AtomicBool,
 }
 
 impl Image {
@@ -144,16 +144,23 @@ impl Image {
             size,
             log: Mutex::new(Log::new()),
             limit: AtomicU64::new(DEFAULT_LOG_LIMIT),
-            logging: true,
+            logging: std::sync::atomic::AtomicBool::new(true),
         })
     }
 
     /// Opens a raw image read-write without a write log (a backup's disk after failover).
     pub fn open_unlogged(path: &Path) -> std::io::Result<Self> {
         Ok(Image {
-            logging: false,
+            logging: std::sync::atomic::AtomicBool::new(false),
             ..Self::open(path)?
         })
+    }
+
+    /// Starts logging writes (a backup's disk whose guest now runs here and is protected in
+    /// turn: the next initial copy reads the whole image after this, so nothing is missed).
+    pub fn start_logging(&self) {
+        self.reset_log();
+        self.logging.store(true, Ordering::Release);
     }
 
     /// Export size in bytes.
@@ -169,7 +176,7 @@ impl Image {
     /// Writes and logs.
     pub fn write_at(&self, data: &[u8], offset: u64) -> std::io::Result<()> {
         self.file.write_all_at(data, offset)?;
-        if !self.logging {
+        if !self.logging.load(Ordering::Acquire) {
             return Ok(());
         }
         let len = data.len() as u64;
@@ -418,6 +425,22 @@ mod tests {
         assert_eq!(shape, [(10_000, 100), (0, 300), (10_050, 10)]);
         replay(&mut copy, &writes);
         assert!(copy == contents(&img));
+    }
+
+    #[test]
+    fn unlogged_image_starts_logging_on_request() {
+        let mut rng = Rng(5);
+        let (d, img, _) = image(64 << 10, &mut rng);
+        drop(img);
+        let img = Image::open_unlogged(&d.path().join("disk.img")).unwrap();
+        img.write_at(&[7; 10], 0).unwrap();
+        assert!(img.take_epoch_writes().is_empty());
+        img.start_logging();
+        img.write_at(&[8; 10], 4096).unwrap();
+        assert_eq!(img.take_epoch_writes(), vec![(4096, vec![8; 10])]);
+        let mut b = [0u8; 10];
+        img.read_at(&mut b, 0).unwrap();
+        assert_eq!(b, [7; 10]);
     }
 
     #[test]

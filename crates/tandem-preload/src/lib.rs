@@ -171,7 +171,26 @@ fn report(status: &str, text: &str) {
     }
 }
 
+/// The file a `/proc/<pid>/fd/<n>` path stands for, as `/proc/self/maps` names it (a
+/// restarted standby opens the backup's mirror through its descriptor after the name was
+/// removed; maps then shows the original path followed by ` (deleted)`).
+pub fn mapped_name(path: &str) -> String {
+    if !path.starts_with("/proc/") {
+        return path.to_string();
+    }
+    match fs::read_link(path) {
+        Ok(t) => {
+            let t = t.to_string_lossy().into_owned();
+            t.strip_suffix(" (deleted)")
+                .map(str::to_string)
+                .unwrap_or(t)
+        }
+        Err(_) => path.to_string(),
+    }
+}
+
 fn run(ram_path: String, status: String) {
+    let ram_path = mapped_name(&ram_path);
     let deadline = Instant::now() + Duration::from_secs(30);
     let (start, len) = loop {
         if let Ok(maps) = fs::read_to_string("/proc/self/maps") {
@@ -230,6 +249,17 @@ mod tests {
             Some((0x7f00_0000_0000, 0x20_0000))
         );
         assert_eq!(find_mapping(maps, "/dev/shm/other"), None);
+    }
+
+    #[test]
+    fn descriptor_paths_resolve_to_the_mapped_name() {
+        let d = std::env::temp_dir().join(format!("tandem-preload-{}", std::process::id()));
+        std::fs::write(&d, b"x").unwrap();
+        let f = std::fs::File::open(&d).unwrap();
+        std::fs::remove_file(&d).unwrap();
+        let by_fd = format!("/proc/self/fd/{}", std::os::fd::AsRawFd::as_raw_fd(&f));
+        assert_eq!(mapped_name(&by_fd), d.display().to_string());
+        assert_eq!(mapped_name("/dev/shm/vm"), "/dev/shm/vm");
     }
 
     #[test]

@@ -1,6 +1,8 @@
-//! The daemons' control socket: a unix socket that answers every connection with the daemon's
-//! status as one JSON document (role, committed epoch, lag, lease remaining, link, last
-//! failover and why) and closes it. `tandem status` reads every socket in the run directory.
+//! The daemons' control socket: a unix socket that reads one request line and answers with one
+//! JSON document, then closes. `status` (or nothing) gets the daemon's status (role, committed
+//! epoch, lag, lease remaining, link, last failover and why); `switchover` asks a primary for a
+//! planned switchover (`tandem switchover`). `tandem status` reads every socket in the run
+//! directory.
 //!
 //! Sockets live in `/run/tandem` (override with `TANDEM_RUN_DIR`), one per daemon, named
 //! `<role>-vm<id>-<pid>.sock`; a daemon removes its own when it ends, `tandem status` removes
@@ -37,14 +39,41 @@ pub enum ControlError {
     Reply(PathBuf),
 }
 
+/// Answers a request other than `status` (the daemon's commands).
+pub type Handler = std::sync::Arc<dyn Fn(&str) -> serde_json::Value + Send + Sync>;
+
 /// Serves the status of `registry` on a socket; removes it when dropped.
 pub struct Control {
     path: PathBuf,
 }
 
+/// Reads the request line of a control connection: empty when the client sent none within
+/// 300 ms (clients of older versions just read).
+fn request(c: &mut UnixStream) -> String {
+    let _ = c.set_read_timeout(Some(Duration::from_millis(300)));
+    let mut buf = Vec::new();
+    let mut b = [0u8; 1];
+    while buf.len() < 64 {
+        match c.read(&mut b) {
+            Ok(1) if b[0] != b'\n' => buf.push(b[0]),
+            _ => break,
+        }
+    }
+    String::from_utf8_lossy(&buf).trim().to_string()
+}
+
 impl Control {
     /// Listens on `path` (its directory is created) and answers on a background thread.
     pub fn serve(path: &Path, registry: Registry) -> Result<Control, ControlError> {
+        Self::serve_with(path, registry, None)
+    }
+
+    /// Like [`Control::serve`], with `handler` answering every request but `status`.
+    pub fn serve_with(
+        path: &Path,
+        registry: Registry,
+        handler: Option<Handler>,
+    ) -> Result<Control, ControlError> {
         let bind = |e| ControlError::Bind(path.to_path_buf(), e);
         if let Some(d) = path.parent() {
             std::fs::create_dir_all(d).map_err(bind)?;
@@ -57,7 +86,16 @@ impl Control {
                 for c in l.incoming() {
                     let Ok(mut c) = c else { continue };
                     let _ = c.set_write_timeout(Some(Duration::from_secs(1)));
-                    let mut doc = registry.status().to_string();
+                    let req = request(&mut c);
+                    let reply = match (req.as_str(), &handler) {
+                        ("" | "status", _) => registry.status(),
+                        (cmd, Some(h)) => h(cmd),
+                        (cmd, None) => serde_json::json!({
+                            "ok": false,
+                            "error": format!("this daemon does not take {cmd:?}")
+                        }),
+                    };
+                    let mut doc = reply.to_string();
                     doc.push('\n');
                     let _ = c.write_all(doc.as_bytes());
                 }
@@ -82,8 +120,20 @@ impl Control {
         registry: Registry,
         status: &crate::Status,
     ) -> Option<Control> {
+        Self::serve_or_warn_with(path, role, vm_id, registry, None, status)
+    }
+
+    /// [`Control::serve_or_warn`] with a command handler.
+    pub fn serve_or_warn_with(
+        path: Option<&Path>,
+        role: &str,
+        vm_id: u64,
+        registry: Registry,
+        handler: Option<Handler>,
+        status: &crate::Status,
+    ) -> Option<Control> {
         let path = path.map_or_else(|| Control::default_path(role, vm_id), Path::to_path_buf);
-        match Control::serve(&path, registry) {
+        match Control::serve_with(&path, registry, handler) {
             Ok(c) => Some(c),
             Err(e) => {
                 status.warn(format!(
@@ -109,15 +159,26 @@ impl Drop for Control {
 
 /// Asks the daemon at `path` for its status.
 pub fn ask(path: &Path) -> Result<serde_json::Value, ControlError> {
+    let v = command(path, "status")?;
+    if v.get("role").is_none() {
+        return Err(ControlError::Reply(path.to_path_buf()));
+    }
+    Ok(v)
+}
+
+/// Sends the request `cmd` to the daemon at `path`; its JSON answer.
+pub fn command(path: &Path, cmd: &str) -> Result<serde_json::Value, ControlError> {
     let err = |e| ControlError::Ask(path.to_path_buf(), e);
-    let c = UnixStream::connect(path).map_err(err)?;
-    c.set_read_timeout(Some(Duration::from_secs(2)))
+    let mut c = UnixStream::connect(path).map_err(err)?;
+    c.set_read_timeout(Some(Duration::from_secs(5)))
         .map_err(err)?;
+    c.write_all(format!("{cmd}\n").as_bytes()).map_err(err)?;
+    let _ = c.shutdown(std::net::Shutdown::Write);
     let mut s = String::new();
     c.take(1 << 20).read_to_string(&mut s).map_err(err)?;
     let v: serde_json::Value =
         serde_json::from_str(&s).map_err(|_| ControlError::Reply(path.to_path_buf()))?;
-    if !v.is_object() || v.get("role").is_none() {
+    if !v.is_object() {
         return Err(ControlError::Reply(path.to_path_buf()));
     }
     Ok(v)

@@ -13,8 +13,10 @@
 pub mod backup;
 pub mod conn;
 pub mod control;
+pub mod frontend;
 pub mod libvirt;
 pub mod metrics;
+pub mod node;
 pub mod primary;
 pub mod recorder;
 pub mod restorer;

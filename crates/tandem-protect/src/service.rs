@@ -35,6 +35,12 @@ impl Beat {
             .store(self.start.elapsed().as_millis() as u64, Ordering::Relaxed);
     }
 
+    /// The main loop is about to do something that may take up to `d`: progress until then.
+    pub fn allow(&self, d: Duration) {
+        let until = (self.start.elapsed() + d).as_millis() as u64;
+        self.last_ms.store(until, Ordering::Relaxed);
+    }
+
     /// Time since the last [`Beat::beat`].
     pub fn idle(&self) -> Duration {
         let now = self.start.elapsed().as_millis() as u64;

@@ -9,6 +9,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 static STOP: AtomicBool = AtomicBool::new(false);
 static SHUTDOWN: AtomicBool = AtomicBool::new(false);
+static SWITCHOVER: AtomicBool = AtomicBool::new(false);
 static KILL_IN_PAUSE: AtomicBool = AtomicBool::new(false);
 
 extern "C" fn on_fault_signal(_: libc::c_int) {
@@ -62,4 +63,25 @@ pub fn stopping() -> bool {
 /// over.
 pub fn shutdown_requested() -> bool {
     SHUTDOWN.load(Ordering::SeqCst)
+}
+
+/// Asks the primary for a planned switchover (`tandem switchover`): hand the guest over to
+/// the backup, then serve as its backup.
+pub fn request_switchover() {
+    SWITCHOVER.store(true, Ordering::SeqCst);
+}
+
+/// Whether a switchover was requested and not yet carried out.
+pub fn switchover_requested() -> bool {
+    SWITCHOVER.load(Ordering::SeqCst)
+}
+
+/// The switchover was carried out (or refused): clears the request.
+pub fn clear_switchover() {
+    SWITCHOVER.store(false, Ordering::SeqCst);
+}
+
+/// Whether the primary's epoch loop should end: a stop or a switchover was requested.
+pub fn leaving() -> bool {
+    stopping() || switchover_requested()
 }

@@ -251,6 +251,43 @@ impl Site {
         Ok(site)
     }
 
+    /// A backup's site whose guest now runs here and is protected in turn: the data disk logs
+    /// its writes from now on, and writable disks get a capture file in `dir` that
+    /// [`Site::start_capture`] mirrors them into (the copy they run from stays as it is).
+    pub fn become_primary(&mut self, dir: &Path) -> Result<(), SiteError> {
+        if self.mirrors.is_empty() {
+            if let Some(d) = &self.disk {
+                d.start_logging();
+            }
+            return Ok(());
+        }
+        let total = self
+            .mirrors
+            .iter()
+            .map(|m| (m.offset + m.size).next_multiple_of(1 << 20))
+            .max()
+            .unwrap_or(0);
+        let path = dir.join("capture.img");
+        let io = |e| SiteError::Io(format!("creating {}", path.display()), e);
+        let f = std::fs::File::create(&path).map_err(io)?;
+        f.set_len(total).map_err(io)?;
+        drop(f);
+        let image =
+            Image::open(&path).map_err(|e| SiteError::Image(path.display().to_string(), e))?;
+        let _ = std::fs::remove_file(&path);
+        let image = Arc::new(image);
+        let sock = dir.join("capture.sock");
+        let _ = std::fs::remove_file(&sock);
+        let listener = UnixListener::bind(&sock)
+            .map_err(|e| SiteError::Io(format!("listening on {}", sock.display()), e))?;
+        let served = image.clone();
+        std::thread::spawn(move || tandem_disk::nbd::serve(listener, served));
+        self.disk = Some(image);
+        self.nbd_sock = Some(sock);
+        self.mirror_health = MirrorHealth::default();
+        Ok(())
+    }
+
     /// The capture of `cfg`'s writable disks alone, as on a primary without network relays
     /// (the checkpoint saver's).
     pub fn capture_only(dir: &Path, cfg: &mut VmConfig) -> Result<Site, SiteError> {
@@ -355,15 +392,27 @@ impl Relays {
                 (Some(t), 0) => t.clone(),
                 _ => format!("{prefix}{i}"),
             };
-            let tap =
-                tandem_net::open_tap(netns.as_deref(), &name, Some(bridge)).map_err(|source| {
-                    SiteError::Tap {
-                        tap: name.clone(),
-                        bridge: bridge.clone(),
-                        netns: netns.clone().unwrap_or_else(|| "(tandem's own)".into()),
-                        source,
+            // A tap this process just gave up (a node changing role) disappears once the old
+            // relay's threads closed it, within ~100 ms: a busy name is retried for 3 s.
+            let since = std::time::Instant::now();
+            let tap = loop {
+                match tandem_net::open_tap(netns.as_deref(), &name, Some(bridge)) {
+                    Err(tandem_net::TapError::Create(_, e))
+                        if e.raw_os_error() == Some(libc::EBUSY)
+                            && since.elapsed() < std::time::Duration::from_secs(3) =>
+                    {
+                        std::thread::sleep(std::time::Duration::from_millis(50));
                     }
-                })?;
+                    r => {
+                        break r.map_err(|source| SiteError::Tap {
+                            tap: name.clone(),
+                            bridge: bridge.clone(),
+                            netns: netns.clone().unwrap_or_else(|| "(tandem's own)".into()),
+                            source,
+                        })?
+                    }
+                }
+            };
             let socket = dir.join(format!("net{i}.sock"));
             let relay =
                 Relay::listen(&socket, OwnedFd::from(tap), policy).map_err(SiteError::Relay)?;

@@ -106,19 +106,23 @@ pub(super) fn send(w: &mut impl std::io::Write, f: &Frame) -> std::io::Result<()
     w.flush()
 }
 
-/// Resumes the guest on the standby from the last committed epoch, then runs it (and fences
-/// every primary that connects) until told to stop.
-#[allow(clippy::too_many_arguments)] // the backup's parts, each used once
+/// The guest, resumed here.
+pub(super) struct Running {
+    pub vm: tandem_vm::Vm,
+    pub fence: Option<tandem_fence::Holder>,
+    pub epoch: u64,
+}
+
+/// Resumes the guest on the standby from the last committed epoch and reports it.
 pub(super) fn failover(
     cfg: &BackupConfig,
     site: &Site,
     bk: &mut Backup<MirrorFile>,
     standby: &mut Standby,
-    listener: &Receiver<gate::Vetted>,
     loss: Loss,
-    (registry, beat): (&crate::metrics::Registry, &crate::service::Beat),
+    registry: &crate::metrics::Registry,
     status: &Status,
-) -> Result<(), BackupError> {
+) -> Result<Running, BackupError> {
     let Loss {
         why,
         detected,
@@ -187,9 +191,23 @@ pub(super) fn failover(
         json.and_then(|j| std::fs::write(p, j))
             .map_err(io(format!("writing {}", p.display())))?;
     }
-    // The guest runs here now: any primary that connects is told to stop its copy.
-    let vm_id = bk.vm_id().unwrap_or(0);
-    let mut fence = fence;
+    Ok(Running { vm, fence, epoch })
+}
+
+/// Runs the resumed guest here, fencing every primary that connects, until told to stop.
+pub(super) fn run_resumed(
+    r: Running,
+    vm_id: u64,
+    site: &Site,
+    listener: &Receiver<gate::Vetted>,
+    (registry, beat): (&crate::metrics::Registry, &crate::service::Beat),
+    status: &Status,
+) -> Result<(), BackupError> {
+    let Running {
+        mut vm,
+        mut fence,
+        epoch,
+    } = r;
     while !stopping() {
         if let Some(st) = vm.exit_status() {
             return Err(BackupError::Exited(st.to_string()));
@@ -200,19 +218,26 @@ pub(super) fn failover(
             }
         }
         let accepted = accept_within(listener, Some(Duration::from_millis(100)), status, beat);
-        if let Some(gate::Vetted { conn: s, .. }) = accepted {
-            let _ = s.set_write_timeout(Some(Duration::from_secs(1)));
-            let fenced = Frame {
-                kind: Kind::Fenced,
-                vm_id,
-                seq: epoch,
-                payload: Vec::new(),
-            };
-            let mut w = BufWriter::new(s);
-            let _ = send(&mut w, &fenced);
-            status.info("told a connecting primary that the guest runs here (fenced)");
+        if let Some(v) = accepted {
+            tell_fenced(v, vm_id, epoch, status);
         }
     }
     vm.quit();
     Ok(())
+}
+
+/// Tells a primary that connected that the guest runs here (resumed from `epoch`): it must
+/// stop its copy.
+pub fn tell_fenced(v: gate::Vetted, vm_id: u64, epoch: u64, status: &Status) {
+    let s = v.conn;
+    let _ = s.set_write_timeout(Some(Duration::from_secs(1)));
+    let fenced = Frame {
+        kind: Kind::Fenced,
+        vm_id,
+        seq: epoch,
+        payload: Vec::new(),
+    };
+    let mut w = BufWriter::new(s);
+    let _ = send(&mut w, &fenced);
+    status.info("told a connecting primary that the guest runs here (fenced)");
 }

@@ -27,7 +27,7 @@ use crate::site::{Role, Site, SiteConfig, SiteError};
 use crate::vmspec::{VmSpec, VmSpecError};
 use crate::{unix_ms, Status};
 pub use failover::FailoverReport;
-use failover::{failover, send, Loss};
+use failover::{failover, run_resumed, send, Loss};
 use standby::Standby;
 
 /// What the backup daemon runs.
@@ -302,11 +302,70 @@ fn in_memory_fs(dir: &std::path::Path) -> bool {
     rustix::fs::statfs(dir).is_ok_and(|s| [TMPFS, HUGETLBFS].contains(&(s.f_type as i64)))
 }
 
+/// Binds the listen port and starts vetting connections on it.
+pub fn listen(cfg: &BackupConfig, status: &Status) -> Result<Listener, BackupError> {
+    let tcp_listener =
+        TcpListener::bind(&cfg.listen).map_err(io(format!("listening on {}", cfg.listen)))?;
+    let gate = gate::Gate {
+        vm_id: cfg.vm_id,
+        tls: cfg.tls.clone(),
+    };
+    Ok(Listener(gate::start(tcp_listener, gate, status.clone())))
+}
+
+/// The backup's listen port: vetted connections of primaries for its VM.
+pub struct Listener(Receiver<gate::Vetted>);
+
+impl Listener {
+    /// Answers every primary that connects within `wait`: `Some(epoch)` tells it that the
+    /// guest runs here since `epoch` (fenced); `None` just closes the connection (this node
+    /// runs a guest it booted and is nobody's backup now).
+    pub fn turn_away(&self, wait: Duration, fenced: Option<(u64, u64)>, status: &Status) {
+        if let Ok(v) = self.0.recv_timeout(wait) {
+            match fenced {
+                Some((vm_id, epoch)) => failover::tell_fenced(v, vm_id, epoch, status),
+                None => status.warn(
+                    "a primary connected, but this node runs the guest as its primary: connection closed",
+                ),
+            }
+        }
+    }
+}
+
 /// Runs the backup until told to stop: applies and acknowledges epochs; fails over when the
 /// primary is lost while a consistent epoch exists, then runs the guest.
 pub fn run(cfg: BackupConfig, status: Status) -> Result<(), BackupError> {
+    let fe = crate::frontend::Frontend::start(
+        crate::frontend::FrontendConfig {
+            role: "backup",
+            vm_id: cfg.vm_id,
+            node: cfg.fence.as_ref().map(|f| f.node.clone()),
+            control: cfg.control.as_deref(),
+            metrics_listen: cfg.metrics_listen.as_deref(),
+            switchover: None,
+        },
+        &status,
+    )
+    .map_err(io(format!("serving metrics on {:?}", cfg.metrics_listen)))?;
+    let listener = listen(&cfg, &status)?;
+    serve(&cfg, &fe, &listener, false, status).map(|_| ())
+}
+
+/// Serves as the backup on `listener`, reporting through `fe`. Without `reprotect` it runs
+/// the guest after a failover until told to stop (`None`); with it, it returns the resumed
+/// guest for this node to protect in turn (its standby was started with a dirty log).
+pub fn serve(
+    cfg: &BackupConfig,
+    fe: &crate::frontend::Frontend,
+    listener: &Listener,
+    reprotect: bool,
+    status: Status,
+) -> Result<Option<crate::primary::Resumed>, BackupError> {
+    let listener = &listener.0;
     let mut vmc = cfg.vm.config("standby")?;
-    vmc.dirty = DirtyMode::None;
+    if !reprotect {
+        vmc.dirty = DirtyMode::None;
+    }
     std::fs::create_dir_all(&cfg.dir).map_err(io(format!("creating {}", cfg.dir.display())))?;
     let site = Site::prepare(&cfg.site, &cfg.dir, Role::Backup, &mut vmc)?;
     let mirror_path = cfg.dir.join("mirror.ram");
@@ -333,35 +392,10 @@ pub fn run(cfg: BackupConfig, status: Status) -> Result<(), BackupError> {
         let _ = std::fs::remove_file(p);
     }
     let mut standby = Standby::start(&vmc, &mirror_path, status.clone())?;
-    let registry = crate::metrics::Registry::default();
-    registry.set_identity(
-        "backup",
-        cfg.vm_id,
-        cfg.fence.as_ref().map(|f| f.node.clone()),
-    );
+    let registry = fe.registry.clone();
+    registry.switch_role("backup");
     registry.set_state("standby: waiting for a primary");
-    if let Some(addr) = &cfg.metrics_listen {
-        let bound = crate::metrics::serve(addr, registry.clone())
-            .map_err(io(format!("serving metrics on {addr}")))?;
-        status.info(format!("metrics on http://{bound}/metrics"));
-    }
-    let beat = crate::service::Beat::default();
-    let b = beat.clone();
-    let service = crate::service::Service::start(registry.clone(), move || b.idle());
-    let _control = crate::control::Control::serve_or_warn(
-        cfg.control.as_deref(),
-        "backup",
-        cfg.vm_id,
-        registry.clone(),
-        &status,
-    );
-    let tcp_listener =
-        TcpListener::bind(&cfg.listen).map_err(io(format!("listening on {}", cfg.listen)))?;
-    let gate = gate::Gate {
-        vm_id: cfg.vm_id,
-        tls: cfg.tls.clone(),
-    };
-    let listener = gate::start(tcp_listener, gate, status.clone());
+    let beat = fe.beat.clone();
     status.info(format!(
         "listening on {}, standby QEMU pid {} ready on {}",
         cfg.listen,
@@ -382,14 +416,14 @@ pub fn run(cfg: BackupConfig, status: Status) -> Result<(), BackupError> {
         registry: registry.clone(),
         beat: beat.clone(),
     };
-    service.ready();
+    fe.ready();
     let mut wait = None;
     let mut lost: Option<(String, Instant, u64)> = None;
     let mut said = String::new();
     let holder = loop {
-        let Some(why) = link.until_lost(&listener, wait)? else {
+        let Some(why) = link.until_lost(listener, wait)? else {
             standby.quit();
-            return Ok(());
+            return Ok(None);
         };
         if link.reconnected {
             // A primary came back since the last attempt: this is a new loss.
@@ -432,19 +466,19 @@ pub fn run(cfg: BackupConfig, status: Status) -> Result<(), BackupError> {
         at_ms,
         fence,
     };
-    let (registry, beat) = (link.registry.clone(), link.beat.clone());
-    let r = failover(
-        &cfg,
-        &site,
-        &mut bk,
-        &mut standby,
-        &listener,
-        loss,
-        (&registry, &beat),
-        &status,
-    );
-    drop(service);
-    r
+    let running = failover(cfg, &site, &mut bk, &mut standby, loss, &registry, &status)?;
+    let vm_id = bk.vm_id().unwrap_or(cfg.vm_id);
+    if reprotect {
+        return Ok(Some(crate::primary::Resumed {
+            epoch: running.epoch,
+            vm: running.vm,
+            holder: running.fence,
+            site,
+            dir: cfg.dir.clone(),
+        }));
+    }
+    run_resumed(running, vm_id, &site, listener, (&registry, &beat), &status)?;
+    Ok(None)
 }
 
 impl Link<'_> {

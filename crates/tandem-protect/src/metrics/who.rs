@@ -19,6 +19,8 @@ pub(super) struct Who {
     pub(super) unprotected: bool,
     pub(super) failovers: u64,
     pub(super) last_failover: Option<serde_json::Value>,
+    pub(super) switchovers: u64,
+    pub(super) last_switchover: Option<serde_json::Value>,
 }
 
 /// Identity, state and the status document.
@@ -27,6 +29,36 @@ impl Registry {
     pub fn set_identity(&self, role: &'static str, vm_id: u64, node: Option<String>) {
         let mut s = self.lock();
         (s.who.role, s.who.vm_id, s.who.node) = (role, vm_id, node);
+    }
+
+    /// This node changes role (a switchover, or a backup that resumed the guest and protects
+    /// it in turn): the link, protection and lease flags of the old role are cleared.
+    pub fn switch_role(&self, role: &'static str) {
+        let mut s = self.lock();
+        s.who.role = role;
+        s.who.state.clear();
+        s.who.peer = None;
+        s.who.paused_for_lease = false;
+        s.who.unprotected = false;
+        s.link_up = false;
+        s.protected = false;
+    }
+
+    /// A planned switchover left the guest with the backup from `epoch` (`acked`: the backup
+    /// confirmed the last epoch).
+    pub fn switched_over(&self, epoch: u64, acked: bool) {
+        let mut s = self.lock();
+        s.who.switchovers += 1;
+        s.who.last_switchover = Some(serde_json::json!({
+            "at_unix_ms": crate::unix_ms(), "epoch": epoch, "acked": acked,
+        }));
+    }
+
+    /// Whether the primary's guest is protected now (a backup that can fail over acknowledged
+    /// its last epoch).
+    pub fn is_protected(&self) -> bool {
+        let s = self.lock();
+        s.protected && s.who.role == "primary"
     }
 
     /// The daemon's state in words (the primary derives its own when none is set).
@@ -101,6 +133,8 @@ impl Registry {
             "held_frames": s.held_frames,
             "failovers": w.failovers,
             "last_failover": w.last_failover,
+            "switchovers": w.switchovers,
+            "last_switchover": w.last_switchover,
             "uptime_s": now.saturating_sub(w.started_ms) / 1000,
         })
     }

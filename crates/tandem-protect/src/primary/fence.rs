@@ -93,6 +93,19 @@ impl Fencing {
         })
     }
 
+    /// The hold of a node whose backup role won the key and resumed the guest (its relays are
+    /// gated by `holder` already).
+    pub fn resumed(holder: Holder, cfg: FenceConfig, status: Status) -> Fencing {
+        Fencing {
+            holder,
+            cfg,
+            status,
+            unprotected: false,
+            warned: false,
+            registry: None,
+        }
+    }
+
     /// Reports the lease's remaining right in `registry` (also after a reacquire).
     pub fn attach_metrics(&mut self, registry: crate::metrics::Registry) {
         registry.set_lease(Some(self.holder.clone()));

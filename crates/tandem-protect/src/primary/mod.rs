@@ -25,7 +25,7 @@ use tandem_codec::{Codec, Config};
 use tandem_replication::Primary;
 use tandem_vm::{Vm, VmError};
 
-use crate::metrics::Registry;
+use crate::frontend::{Frontend, FrontendConfig};
 use crate::signals::{shutdown_requested, stopping};
 use crate::site::{Role, Site, SiteConfig, SiteError};
 use crate::vmspec::{boot, BootError, Load, StartLoad, VmSpec, VmSpecError};
@@ -158,8 +158,55 @@ pub enum PrimaryError {
     Load(String),
 }
 
+/// How the primary ended without an error.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ended {
+    /// Replication ended (a handover on SIGTERM, a shutdown, the duration): the daemon exits.
+    Stopped,
+    /// A planned switchover (`tandem switchover`): the backup resumes the guest from `epoch`
+    /// (`acked`: it confirmed that epoch); this node may now serve as its backup.
+    SwitchedOver {
+        /// The handover epoch.
+        epoch: u64,
+        /// Whether the backup acknowledged it.
+        acked: bool,
+    },
+}
+
+/// A guest that already runs on this node: the backup role resumed it (failover or
+/// switchover) and this node protects it in turn.
+pub struct Resumed {
+    /// The resumed QEMU (started as the standby, with its dirty log armed).
+    pub vm: Vm,
+    /// The backup's relay, disk copy and captures.
+    pub site: Site,
+    /// The leader key this node won (with fencing).
+    pub holder: Option<tandem_fence::Holder>,
+    /// The epoch the guest resumed from.
+    pub epoch: u64,
+    /// The backup's directory (the capture of writable disks goes there).
+    pub dir: PathBuf,
+}
+
 /// Boots the guest described by `cfg` and protects it until told to stop.
 pub fn run(cfg: PrimaryConfig, status: Status) -> Result<(), PrimaryError> {
+    let fe = Frontend::start(
+        FrontendConfig {
+            role: "primary",
+            vm_id: cfg.vm_id,
+            node: cfg.fence.as_ref().map(|f| f.node.clone()),
+            control: cfg.control.as_deref(),
+            metrics_listen: cfg.metrics_listen.as_deref(),
+            switchover: Some(false),
+        },
+        &status,
+    )
+    .map_err(|e| PrimaryError::Metrics(format!("endpoint {:?}", cfg.metrics_listen), e))?;
+    run_in(&cfg, &fe, status).map(|_| ())
+}
+
+/// Boots the guest and protects it, reporting through `fe`.
+pub fn run_in(cfg: &PrimaryConfig, fe: &Frontend, status: Status) -> Result<Ended, PrimaryError> {
     let mut vmc = cfg.vm.config("primary")?;
     let tmp;
     let dir = match &cfg.dir {
@@ -179,11 +226,11 @@ pub fn run(cfg: PrimaryConfig, status: Status) -> Result<(), PrimaryError> {
     };
     let site = Site::prepare(&cfg.site, &dir, Role::Primary, &mut vmc)?;
     // The leader key before the guest runs: no second copy may ever boot next to another.
-    let mut fencing = match &cfg.fence {
+    let fencing = match &cfg.fence {
         Some(f) => Some(fence::Fencing::acquire(f.clone(), &site, status.clone())?),
         None => None,
     };
-    let (mut vm, ready, load) = boot(&vmc, cfg.load.as_ref())?;
+    let (vm, ready, load) = boot(&vmc, cfg.load.as_ref())?;
     status.info(format!(
         "guest ready in {:.1} s, QEMU pid {}, network {}, replicated disk {} MiB",
         ready.as_secs_f64(),
@@ -196,6 +243,84 @@ pub fn run(cfg: PrimaryConfig, status: Status) -> Result<(), PrimaryError> {
         site.disk.as_ref().map_or(0, |d| d.size() >> 20)
     ));
     crate::echo_guest_progress(vm.serial_path(), status.clone());
+    let guest = Guest {
+        vm,
+        load,
+        fencing,
+        epoch: 0,
+        passing: false,
+    };
+    protect(cfg, fe, guest, &site, status)
+}
+
+/// Protects a guest the backup role resumed on this node: its disks are captured again, its
+/// output (passing since the resume) is recorded in etcd as unprotected, and the next backup
+/// that connects gets a full copy while the guest runs.
+pub fn run_resumed(
+    cfg: &PrimaryConfig,
+    fe: &Frontend,
+    r: Resumed,
+    status: Status,
+) -> Result<Ended, PrimaryError> {
+    let Resumed {
+        vm,
+        mut site,
+        holder,
+        epoch,
+        dir,
+    } = r;
+    fe.registry.switch_role("primary");
+    site.become_primary(&dir)?;
+    let fencing = match (holder, &cfg.fence) {
+        (Some(h), Some(fc)) => {
+            let mut f = fence::Fencing::resumed(h, fc.clone(), status.clone());
+            // The resumed guest's output already passes: etcd says so before anything else.
+            f.go_unprotected(&site);
+            Some(f)
+        }
+        _ => None,
+    };
+    status.info(format!(
+        "protecting the resumed guest (epoch {epoch}) in turn: connecting to the next backup at {}",
+        cfg.backup
+    ));
+    let guest = Guest {
+        vm,
+        load: None,
+        passing: fencing.is_none(),
+        fencing,
+        epoch,
+    };
+    protect(cfg, fe, guest, &site, status)
+}
+
+/// A running guest and what goes with it into [`protect`].
+struct Guest {
+    vm: Vm,
+    load: Option<Box<dyn Load>>,
+    fencing: Option<fence::Fencing>,
+    /// The epoch numbers go on from here.
+    epoch: u64,
+    /// The relays pass output (a resumed guest without fencing): hold it again when a session
+    /// begins.
+    passing: bool,
+}
+
+/// Protects a running guest until told to stop.
+fn protect(
+    cfg: &PrimaryConfig,
+    fe: &Frontend,
+    g: Guest,
+    site: &Site,
+    status: Status,
+) -> Result<Ended, PrimaryError> {
+    let Guest {
+        mut vm,
+        load,
+        mut fencing,
+        epoch,
+        passing,
+    } = g;
     if !site.mirrors.is_empty() {
         let t = Instant::now();
         site.start_capture(&mut vm)?;
@@ -210,31 +335,12 @@ pub fn run(cfg: PrimaryConfig, status: Status) -> Result<(), PrimaryError> {
     let stall = cfg
         .stall
         .unwrap_or_else(|| Duration::from_millis((20 * epoch_ms).max(3000)));
-    let watchdog = Watchdog::start(vm.pid(), stall, status.clone());
-    let registry = Registry::default();
-    registry.set_identity(
-        "primary",
-        cfg.vm_id,
-        cfg.fence.as_ref().map(|f| f.node.clone()),
-    );
+    let watchdog = Watchdog::start(vm.pid(), stall, fe.beat.clone(), status.clone());
+    let registry = fe.registry.clone();
     if let Some(f) = &mut fencing {
         f.attach_metrics(registry.clone());
     }
-    let _control = crate::control::Control::serve_or_warn(
-        cfg.control.as_deref(),
-        "primary",
-        cfg.vm_id,
-        registry.clone(),
-        &status,
-    );
-    if let Some(addr) = &cfg.metrics_listen {
-        let bound = crate::metrics::serve(addr, registry.clone())
-            .map_err(|e| PrimaryError::Metrics(format!("endpoint {addr}"), e))?;
-        status.info(format!("metrics on http://{bound}/metrics"));
-    }
-    let w = watchdog.clone();
-    let service = crate::service::Service::start(registry.clone(), move || w.idle());
-    service.ready();
+    fe.ready();
     let jsonl = match &cfg.metrics_jsonl {
         Some(p) => Some(BufWriter::new(std::fs::File::create(p).map_err(|e| {
             PrimaryError::Metrics(format!("file {}", p.display()), e)
@@ -242,13 +348,13 @@ pub fn run(cfg: PrimaryConfig, status: Status) -> Result<(), PrimaryError> {
         None => None,
     };
     let mut d = Daemon {
-        site: &site,
+        site,
         proto: Primary::new(cfg.vm_id, cfg.codec, Config::default()),
         registry,
-        opts: &cfg,
+        opts: cfg,
         status: status.clone(),
         watchdog: watchdog.clone(),
-        epoch: 0,
+        epoch,
         jsonl: Arc::new(Mutex::new(jsonl)),
         raw: 0,
         sent: 0,
@@ -256,8 +362,13 @@ pub fn run(cfg: PrimaryConfig, status: Status) -> Result<(), PrimaryError> {
         last_session_acked: false,
         fencing,
         fenced_by: None,
+        passing,
     };
-    let end = match sessions(&mut d, &mut vm) {
+    let end = sessions(&mut d, &mut vm);
+    // The main loop is done with this QEMU: whatever comes next (a handover, a shutdown, a
+    // role change) is not a hang.
+    watchdog.stop();
+    let end = match end {
         Err(e) => {
             // A guest whose QEMU is gone releases nothing any more: give the key up at once,
             // so that the backup need not wait for the lease to expire.
@@ -281,8 +392,13 @@ pub fn run(cfg: PrimaryConfig, status: Status) -> Result<(), PrimaryError> {
         d.sent as f64 / (1 << 20) as f64,
     );
     let fencing = d.fencing.take();
+    let registry = d.registry.clone();
     drop(d);
-    finish(end, &site, vm, load, &summary, &status, fencing.as_ref())
+    let ended = finish(end, site, vm, load, &summary, &status, fencing.as_ref())?;
+    if let Ended::SwitchedOver { epoch, acked } = ended {
+        registry.switched_over(epoch, acked);
+    }
+    Ok(ended)
 }
 
 /// Sessions until one ends for good (`None`: stopped or out of time while no backup was
@@ -339,7 +455,7 @@ fn finish(
     summary: &str,
     status: &Status,
     fencing: Option<&fence::Fencing>,
-) -> Result<(), PrimaryError> {
+) -> Result<Ended, PrimaryError> {
     match end {
         Some(End::FencedBy(by)) => {
             site.relays.discard_held();
@@ -363,7 +479,11 @@ fn finish(
             } else {
                 status.info(format!("handover at epoch {epoch} was not acknowledged: the backup resumes from the last epoch it committed; this copy is stopped; {summary}"));
             }
-            Ok(())
+            if crate::signals::switchover_requested() {
+                crate::signals::clear_switchover();
+                return Ok(Ended::SwitchedOver { epoch, acked });
+            }
+            Ok(Ended::Stopped)
         }
         Some(End::Shutdown) | Some(End::Lost(_)) | None => {
             if let Some(l) = load {
@@ -381,7 +501,7 @@ fn finish(
             if let Some(f) = fencing {
                 f.shutdown();
             }
-            Ok(())
+            Ok(Ended::Stopped)
         }
     }
 }
@@ -400,6 +520,11 @@ fn wait_for_backup(d: &mut Daemon<'_>, vm: &mut Vm) -> Result<Option<Conn>, Prim
         }
         if let Some(st) = vm.exit_status() {
             return Err(PrimaryError::QemuExited(st.to_string()));
+        }
+        if crate::signals::switchover_requested() {
+            crate::signals::clear_switchover();
+            d.status
+                .warn("switchover refused: no backup is connected to take the guest over");
         }
         if let Some(f) = &mut d.fencing {
             if !f.valid() {

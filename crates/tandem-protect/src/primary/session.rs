@@ -18,7 +18,7 @@ use super::sink::{LinkSink, Step};
 use super::watchdog::Watchdog;
 use super::{PrimaryConfig, PrimaryError};
 use crate::metrics::Registry;
-use crate::signals::{shutdown_requested, stopping};
+use crate::signals::{shutdown_requested, stopping, switchover_requested};
 use crate::site::Site;
 use crate::Status;
 
@@ -57,6 +57,9 @@ pub struct Daemon<'a> {
     pub fencing: Option<super::fence::Fencing>,
     /// Set when etcd says another node holds the VM.
     pub fenced_by: Option<String>,
+    /// The relays pass output (a guest resumed here without fencing): the next session holds
+    /// it again.
+    pub passing: bool,
 }
 
 pub(super) type Writes = Vec<(u64, Vec<u8>)>;
@@ -90,6 +93,12 @@ impl Daemon<'_> {
             Ok(s) => s,
             Err(e) => return Ok(End::Lost(format!("setting up the link: {e}"))),
         };
+        if std::mem::take(&mut self.passing) {
+            if let Err(e) = self.site.relays.set_policy(tandem_net::Policy::Hold) {
+                self.passing = true;
+                return Ok(End::Lost(format!("holding output again: {e}")));
+            }
+        }
         if let Some(f) = &mut self.fencing {
             match f.begin_session(self.site) {
                 Ok(s) => self.proto.set_session(s),
@@ -157,7 +166,9 @@ impl Daemon<'_> {
                 Ok(End::Fenced(shared.fenced_at.load(Ordering::SeqCst)))
             }
             Ok(()) if shared.is_lost() => Ok(End::Lost(shared.why())),
-            Ok(()) if stopping() && !shutdown_requested() => self.handover(vm, &tx, shared),
+            Ok(()) if (stopping() && !shutdown_requested()) || switchover_requested() => {
+                self.handover(vm, &tx, shared)
+            }
             Ok(()) => Ok(self.goodbye(&tx, shared)),
         };
         drop(tx);

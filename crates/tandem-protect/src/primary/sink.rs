@@ -15,7 +15,7 @@ use super::session::Writes;
 use super::watchdog::Watchdog;
 use super::{PrimaryConfig, PrimaryError};
 use crate::metrics::{EpochMetrics, Registry};
-use crate::signals::{stopping, take_kill_in_pause};
+use crate::signals::{leaving, take_kill_in_pause};
 use crate::site::Site;
 use crate::Status;
 
@@ -94,7 +94,7 @@ impl EpochSink for LinkSink<'_> {
             self.last_print = Instant::now();
             self.st.print(cp.epoch);
         }
-        !shared.is_lost() && !stopping()
+        !shared.is_lost() && !leaving()
     }
 }
 

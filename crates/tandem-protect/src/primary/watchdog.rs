@@ -12,19 +12,34 @@ pub struct Watchdog {
     start: Instant,
     last_ms: Arc<AtomicU64>,
     fired: Arc<AtomicBool>,
+    /// The guest is no longer this watchdog's (the node changed role): its thread ends.
+    done: Arc<AtomicBool>,
+    /// The daemon's progress for systemd's watchdog, moved along with this one.
+    service: crate::service::Beat,
 }
 
 impl Watchdog {
     /// Watches `qemu_pid`; kills it when no [`Watchdog::beat`] came for `limit`.
-    pub fn start(qemu_pid: u32, limit: Duration, status: crate::Status) -> Watchdog {
+    /// Every beat also moves `service` (systemd's watchdog).
+    pub fn start(
+        qemu_pid: u32,
+        limit: Duration,
+        service: crate::service::Beat,
+        status: crate::Status,
+    ) -> Watchdog {
         let w = Watchdog {
             start: Instant::now(),
             last_ms: Arc::new(AtomicU64::new(0)),
             fired: Arc::new(AtomicBool::new(false)),
+            done: Arc::new(AtomicBool::new(false)),
+            service,
         };
         let me = w.clone();
         std::thread::spawn(move || loop {
             std::thread::sleep(Duration::from_millis(50));
+            if me.done.load(Ordering::SeqCst) {
+                return;
+            }
             let idle = me.idle();
             if idle > limit {
                 status.warn(format!(
@@ -58,11 +73,18 @@ impl Watchdog {
     pub fn allow(&self, d: Duration) {
         let until = self.now_ms().saturating_add(d.as_millis() as u64);
         self.last_ms.store(until, Ordering::SeqCst);
+        self.service.allow(d);
     }
 
     /// The main loop made progress.
     pub fn beat(&self) {
         self.last_ms.store(self.now_ms(), Ordering::SeqCst);
+        self.service.beat();
+    }
+
+    /// Stops watching (the daemon let go of this QEMU).
+    pub fn stop(&self) {
+        self.done.store(true, Ordering::SeqCst);
     }
 
     /// Whether the watchdog killed QEMU.

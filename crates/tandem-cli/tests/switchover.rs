@@ -1,0 +1,259 @@
+//! Re-protection and planned switchover, with real processes on a lab bridge: node A
+//! (`tandem primary --listen`) protects a kv guest on node B (`tandem backup --peer`);
+//! `tandem switchover` moves the guest to B with A as its backup, a second one fails back;
+//! then A dies as a host does, B resumes the guest and protects it again on A restarted as a
+//! backup, and B dies in turn: A resumes it. Every key acknowledged on the way survives, and
+//! the guest (redis) never restarts.
+
+mod common;
+
+use std::process::Command;
+use std::sync::mpsc::Receiver;
+use std::time::{Duration, Instant};
+
+use common::{free_port, spawn, wait_line, Proc};
+
+struct Lab {
+    lab: tandem_net::NetLab,
+    a: String,
+    b: String,
+    asock: std::path::PathBuf,
+    bsock: std::path::PathBuf,
+    adir: tempfile::TempDir,
+    bdir: tempfile::TempDir,
+    _run: tempfile::TempDir,
+}
+
+impl Lab {
+    fn common(&self, tap: &str) -> Vec<String> {
+        [
+            "--workload",
+            "kv",
+            "--tap-netns",
+            &self.lab.clients,
+            "--tap",
+            tap,
+            "--disk-mib",
+            "32",
+        ]
+        .map(String::from)
+        .to_vec()
+    }
+
+    /// Node A as `tandem primary --listen A`.
+    fn primary_a(&self) -> (Proc, Receiver<String>) {
+        let mut args: Vec<String> = [
+            "primary",
+            "--backup",
+            &self.b,
+            "--listen",
+            &self.a,
+            "--backup-dir",
+            self.adir.path().to_str().unwrap(),
+            "--control",
+            self.asock.to_str().unwrap(),
+            "--timeout-ms",
+            "2000",
+        ]
+        .map(String::from)
+        .to_vec();
+        args.extend(self.common("tdp0"));
+        let r: Vec<&str> = args.iter().map(String::as_str).collect();
+        spawn(&r)
+    }
+
+    /// A node as `tandem backup --listen ME --peer PEER`.
+    fn backup(&self, a_side: bool) -> (Proc, Receiver<String>) {
+        let (me, peer, dir, sock, tap) = if a_side {
+            (&self.a, &self.b, &self.adir, &self.asock, "tdp0")
+        } else {
+            (&self.b, &self.a, &self.bdir, &self.bsock, "tdb0")
+        };
+        let mut args: Vec<String> = [
+            "backup",
+            "--listen",
+            me,
+            "--peer",
+            peer,
+            "--dir",
+            dir.path().to_str().unwrap(),
+            "--control",
+            sock.to_str().unwrap(),
+            "--timeout-ms",
+            "2000",
+        ]
+        .map(String::from)
+        .to_vec();
+        args.extend(self.common(tap));
+        let r: Vec<&str> = args.iter().map(String::as_str).collect();
+        spawn(&r)
+    }
+}
+
+fn status(sock: &std::path::Path) -> serde_json::Value {
+    let out = Command::new(env!("CARGO_BIN_EXE_tandem"))
+        .args(["status", "--json", "--socket"])
+        .arg(sock)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    v[0].clone()
+}
+
+/// Waits until the node at `sock` is the backup of a protected guest with an epoch committed
+/// after `after`.
+fn wait_protected(sock: &std::path::Path, after: u64) -> serde_json::Value {
+    let deadline = Instant::now() + Duration::from_secs(180);
+    loop {
+        if let Ok(o) = Command::new(env!("CARGO_BIN_EXE_tandem"))
+            .args(["status", "--json", "--socket"])
+            .arg(sock)
+            .output()
+        {
+            if let Ok(v) = serde_json::from_slice::<serde_json::Value>(&o.stdout) {
+                let v = &v[0];
+                if v["role"] == "backup"
+                    && v["state"].as_str().unwrap_or("").starts_with("protecting")
+                    && v["committed_epoch"].as_u64().unwrap_or(0) > after
+                {
+                    return v.clone();
+                }
+            }
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{} never protected",
+            sock.display()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+fn switchover(sock: &std::path::Path) -> serde_json::Value {
+    let out = Command::new(env!("CARGO_BIN_EXE_tandem"))
+        .args(["switchover", "--json", "--socket"])
+        .arg(sock)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "switchover failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+fn kv(ns: &str) -> tandem_harness::kv::KvClient {
+    let guest: std::net::SocketAddr = "10.77.0.2:6379".parse().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let s = tandem_net::netns::in_netns(Some(ns), move || {
+            std::net::TcpStream::connect_timeout(&guest, Duration::from_secs(2))
+        })
+        .unwrap();
+        match s {
+            Ok(s) => {
+                return tandem_harness::kv::KvClient::from_stream(s, Duration::from_secs(60))
+                    .unwrap()
+            }
+            Err(e) if Instant::now() > deadline => panic!("redis in the guest: {e}"),
+            Err(_) => std::thread::sleep(Duration::from_millis(200)),
+        }
+    }
+}
+
+/// Writes `key`, then checks every key written so far.
+fn write_and_check(c: &mut tandem_harness::kv::KvClient, keys: &mut Vec<String>, key: &str) {
+    c.set(key.as_bytes(), b"acked").unwrap();
+    keys.push(key.to_string());
+    for k in keys.iter() {
+        assert_eq!(
+            c.get(k.as_bytes()).unwrap().as_deref(),
+            Some(&b"acked"[..]),
+            "key {k} lost"
+        );
+    }
+}
+
+fn run_id(c: &mut tandem_harness::kv::KvClient) -> String {
+    let info = c.info("server").unwrap();
+    info.lines()
+        .find_map(|l| l.strip_prefix("run_id:"))
+        .unwrap_or("")
+        .trim()
+        .to_string()
+}
+
+/// SIGKILL, as a host failure: its QEMU dies with it (parent-death signal).
+fn kill_host(p: &mut Proc, sock: &std::path::Path) {
+    // SAFETY: kill(2) of our own child.
+    unsafe { libc::kill(p.id() as i32, libc::SIGKILL) };
+    p.wait().unwrap();
+    let _ = std::fs::remove_file(sock);
+}
+
+#[test]
+fn switchover_failback_and_reprotection_after_failover() {
+    let lab = tandem_net::NetLab::create(&format!("ts{}", std::process::id() % 100_000), 0)
+        .expect("network lab (this test needs root)");
+    let run = tempfile::tempdir().unwrap();
+    let l = Lab {
+        a: format!("127.0.0.1:{}", free_port()),
+        b: format!("127.0.0.1:{}", free_port()),
+        asock: run.path().join("a.sock"),
+        bsock: run.path().join("b.sock"),
+        adir: tempfile::tempdir_in("/dev/shm").unwrap(),
+        bdir: tempfile::tempdir_in("/dev/shm").unwrap(),
+        _run: run,
+        lab,
+    };
+    let (mut nb, brx) = l.backup(false);
+    wait_line(&brx, "listening on", Duration::from_secs(60));
+    let (mut na, arx) = l.primary_a();
+    wait_protected(&l.bsock, 3);
+    let mut c = kv(&l.lab.clients);
+    let rid = run_id(&mut c);
+    let mut keys = Vec::new();
+    write_and_check(&mut c, &mut keys, "k-on-a");
+
+    // Planned switchover: B runs the guest, A is its backup.
+    let s = switchover(&l.asock);
+    let epoch = s["handover_epoch"].as_u64().unwrap();
+    assert_eq!(status(&l.bsock)["role"], "primary");
+    assert_eq!(status(&l.asock)["role"], "backup");
+    assert!(status(&l.asock)["committed_epoch"].as_u64().unwrap() > epoch);
+    write_and_check(&mut c, &mut keys, "k-on-b");
+
+    // Failback: A runs it again, B is its backup.
+    let s = switchover(&l.bsock);
+    assert_eq!(status(&l.asock)["role"], "primary");
+    assert_eq!(status(&l.bsock)["switchovers"], 1);
+    let epoch = s["handover_epoch"].as_u64().unwrap();
+    write_and_check(&mut c, &mut keys, "k-on-a-again");
+    wait_protected(&l.bsock, epoch + 3);
+
+    // A dies as a host does: B resumes the guest, and protects it on A restarted as a backup.
+    kill_host(&mut na, &l.asock);
+    wait_line(&brx, "failover:", Duration::from_secs(30));
+    write_and_check(&mut c, &mut keys, "k-after-failover");
+    drop(arx);
+    let (mut na, arx) = l.backup(true);
+    let v = wait_protected(&l.asock, 0);
+    assert_eq!(status(&l.bsock)["role"], "primary");
+    write_and_check(&mut c, &mut keys, "k-reprotected");
+    wait_protected(&l.asock, v["committed_epoch"].as_u64().unwrap() + 3);
+
+    // B dies too: A resumes the guest from its new replica, nothing acknowledged is lost.
+    kill_host(&mut nb, &l.bsock);
+    wait_line(&arx, "failover:", Duration::from_secs(30));
+    write_and_check(&mut c, &mut keys, "k-on-a-after-second-failover");
+    assert_eq!(
+        run_id(&mut c),
+        rid,
+        "redis restarted: the guest did not continue"
+    );
+    // SAFETY: SIGTERM to our own child.
+    unsafe { libc::kill(na.id() as i32, libc::SIGTERM) };
+    let _ = na.wait();
+}
