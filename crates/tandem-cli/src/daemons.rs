@@ -30,6 +30,15 @@ pub struct FenceArgs {
     /// This node's name in the leader key (default: ROLE@HOSTNAME).
     #[arg(long)]
     pub node: Option<String>,
+    /// CA certificate(s) of the etcd members (PEM), for https:// endpoints.
+    #[arg(long)]
+    pub etcd_ca: Option<PathBuf>,
+    /// This node's client certificate for etcd (PEM; clusters with --client-cert-auth).
+    #[arg(long, requires = "etcd_key")]
+    pub etcd_cert: Option<PathBuf>,
+    /// The key of --etcd-cert (PEM).
+    #[arg(long, requires = "etcd_cert")]
+    pub etcd_key: Option<PathBuf>,
 }
 
 impl FenceArgs {
@@ -45,6 +54,11 @@ impl FenceArgs {
         let mut c = tandem_fence::FenceConfig::new(self.etcd.clone(), vm_id, node);
         c.ttl = Duration::from_secs(self.lease_ttl_s.max(2));
         c.prefix = self.etcd_prefix.trim_end_matches('/').to_string();
+        c.tls = self.etcd_ca.as_ref().map(|ca| tandem_fence::EtcdTls {
+            ca: ca.clone(),
+            cert: self.etcd_cert.clone(),
+            key: self.etcd_key.clone(),
+        });
         Some(c)
     }
 }

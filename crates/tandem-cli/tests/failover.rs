@@ -79,9 +79,10 @@ fn primary_killed_backup_resumes_the_guest() {
         "--control",
         psock.to_str().unwrap(),
     ]);
+    // The metrics endpoint is served from the start, before the guest boots.
+    let metrics = wait_line(&prx, "metrics on http://", Duration::from_secs(30));
     let ready = wait_line(&prx, "QEMU pid", Duration::from_secs(180));
     let qemu = number_after(&ready, "QEMU pid ");
-    let metrics = wait_line(&prx, "metrics on http://", Duration::from_secs(30));
     let metrics_addr = metrics
         .split("http://")
         .nth(1)

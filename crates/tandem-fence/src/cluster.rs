@@ -19,6 +19,9 @@ pub enum ClusterError {
     /// A member could not be started.
     #[error("starting etcd member {0}")]
     Spawn(String, #[source] std::io::Error),
+    /// The lab's TLS material could not be made.
+    #[error("making the lab's etcd certificates: {0}")]
+    Keys(String),
     /// The members did not form a cluster in time.
     #[error("the etcd cluster did not become healthy within {0:?} (member logs in {1})")]
     Unhealthy(Duration, PathBuf),
@@ -48,12 +51,65 @@ impl Member {
     }
 }
 
+/// TLS of a lab cluster: the members serve `https` client URLs with a certificate of the lab
+/// CA and require client certificates of it (`--client-cert-auth`), as a production cluster
+/// would.
+#[derive(Debug, Clone)]
+pub struct ClusterTls {
+    /// The members' certificate and key.
+    pub server_cert: PathBuf,
+    /// The members' key.
+    pub server_key: PathBuf,
+    /// What a client needs (CA, client certificate and key).
+    pub client: crate::EtcdTls,
+}
+
+impl ClusterTls {
+    /// A lab CA, a member certificate for `ips` (and 127.0.0.1) and a client certificate,
+    /// written to `dir`.
+    pub fn generate(dir: &Path, ips: &[&str]) -> Result<ClusterTls, ClusterError> {
+        use rcgen::{BasicConstraints, CertificateParams, IsCa, KeyPair};
+        let k = |e: rcgen::Error| ClusterError::Keys(e.to_string());
+        let w = |name: &str, text: String| -> Result<PathBuf, ClusterError> {
+            let p = dir.join(name);
+            std::fs::write(&p, text)
+                .map_err(|e| ClusterError::Keys(format!("{}: {e}", p.display())))?;
+            Ok(p)
+        };
+        std::fs::create_dir_all(dir).map_err(|e| ClusterError::Keys(e.to_string()))?;
+        let mut ca = CertificateParams::new(Vec::<String>::new()).map_err(k)?;
+        ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        let ca_key = KeyPair::generate().map_err(k)?;
+        let ca_cert = ca.self_signed(&ca_key).map_err(k)?;
+        let mut sans: Vec<String> = ips.iter().map(|s| s.to_string()).collect();
+        sans.extend(["127.0.0.1".to_string(), "localhost".to_string()]);
+        let leaf = |sans: Vec<String>| -> Result<(String, String), ClusterError> {
+            let p = CertificateParams::new(sans).map_err(k)?;
+            let key = KeyPair::generate().map_err(k)?;
+            let cert = p.signed_by(&key, &ca_cert, &ca_key).map_err(k)?;
+            Ok((cert.pem(), key.serialize_pem()))
+        };
+        let (sc, sk) = leaf(sans)?;
+        let (cc, ck) = leaf(vec!["tandem-client".to_string()])?;
+        Ok(ClusterTls {
+            server_cert: w("etcd-server.pem", sc)?,
+            server_key: w("etcd-server.key", sk)?,
+            client: crate::EtcdTls {
+                ca: w("etcd-ca.pem", ca_cert.pem())?,
+                cert: Some(w("etcd-client.pem", cc)?),
+                key: Some(w("etcd-client.key", ck)?),
+            },
+        })
+    }
+}
+
 /// A running cluster; dropping it kills the members.
 pub struct Cluster {
     members: Vec<Member>,
     children: Vec<Option<Child>>,
     dir: PathBuf,
     netns: Option<String>,
+    tls: Option<ClusterTls>,
 }
 
 impl Cluster {
@@ -64,6 +120,16 @@ impl Cluster {
         dir: &Path,
         netns: Option<&str>,
     ) -> Result<Cluster, ClusterError> {
+        Self::start_with(members, dir, netns, None)
+    }
+
+    /// Like [`Cluster::start`], serving clients over mutual TLS with `tls`.
+    pub fn start_with(
+        members: Vec<Member>,
+        dir: &Path,
+        netns: Option<&str>,
+        tls: Option<ClusterTls>,
+    ) -> Result<Cluster, ClusterError> {
         if !Path::new("/usr/bin/etcd").exists() && which("etcd").is_none() {
             return Err(ClusterError::Missing);
         }
@@ -72,6 +138,7 @@ impl Cluster {
             members,
             dir: dir.to_path_buf(),
             netns: netns.map(str::to_string),
+            tls,
         };
         for i in 0..c.members.len() {
             c.spawn(i, true)?;
@@ -82,7 +149,19 @@ impl Cluster {
 
     /// The client URLs.
     pub fn endpoints(&self) -> Vec<String> {
-        self.members.iter().map(Member::client_url).collect()
+        self.members.iter().map(|m| self.url(m)).collect()
+    }
+
+    /// What a client needs for the members' TLS (`None`: plain http).
+    pub fn client_tls(&self) -> Option<&crate::EtcdTls> {
+        self.tls.as_ref().map(|t| &t.client)
+    }
+
+    fn url(&self, m: &Member) -> String {
+        match &self.tls {
+            Some(_) => m.client_url().replacen("http://", "https://", 1),
+            None => m.client_url(),
+        }
     }
 
     /// The members.
@@ -113,14 +192,24 @@ impl Cluster {
             }
             None => Command::new("etcd"),
         };
+        let url = self.url(m);
+        if let Some(t) = &self.tls {
+            cmd.arg("--cert-file")
+                .arg(&t.server_cert)
+                .arg("--key-file")
+                .arg(&t.server_key)
+                .arg("--trusted-ca-file")
+                .arg(&t.client.ca)
+                .arg("--client-cert-auth");
+        }
         cmd.arg("--name")
             .arg(&m.name)
             .arg("--data-dir")
             .arg(self.dir.join(&m.name))
             .arg("--listen-client-urls")
-            .arg(m.client_url())
+            .arg(&url)
             .arg("--advertise-client-urls")
-            .arg(m.client_url())
+            .arg(&url)
             .arg("--listen-peer-urls")
             .arg(m.peer_url())
             .arg("--initial-advertise-peer-urls")
@@ -165,13 +254,22 @@ impl Cluster {
     /// Whether member `m` answers a linearizable read (inside the cluster's namespace with
     /// `etcdctl`, from Debian's etcd-client, when there is one).
     fn answers(&self, m: &Member) -> bool {
+        let tls = self.client_tls();
         match &self.netns {
-            None => Client::new(&[m.client_url()], Duration::from_millis(500))
+            None => Client::with_tls(&[self.url(m)], Duration::from_millis(500), tls)
                 .and_then(|c| c.get("/tandem/health"))
                 .is_ok(),
             Some(ns) => Command::new("ip")
                 .args(["netns", "exec", ns, "etcdctl", "--endpoints"])
-                .arg(m.client_url())
+                .arg(self.url(m))
+                .args(tls.map_or_else(Vec::new, |t| {
+                    let mut a = vec![format!("--cacert={}", t.ca.display())];
+                    if let (Some(c), Some(k)) = (&t.cert, &t.key) {
+                        a.push(format!("--cert={}", c.display()));
+                        a.push(format!("--key={}", k.display()));
+                    }
+                    a
+                }))
                 .args(["--command-timeout=500ms", "get", "/tandem/health"])
                 .env("ETCDCTL_API", "3")
                 .stdout(Stdio::null())

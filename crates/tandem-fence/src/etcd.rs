@@ -35,6 +35,66 @@ pub enum EtcdError {
     /// No endpoints were given.
     #[error("no etcd endpoints given (use --etcd http://HOST:2379[,...])")]
     NoEndpoints,
+    /// The TLS material for etcd could not be read.
+    #[error("etcd TLS: {0}")]
+    Tls(String),
+}
+
+/// TLS to etcd (`https://` endpoints): the CA that signed the members' certificates and, for
+/// clusters with `--client-cert-auth`, this client's certificate and key (PEM files).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EtcdTls {
+    /// CA certificate(s).
+    pub ca: std::path::PathBuf,
+    /// Client certificate chain.
+    pub cert: Option<std::path::PathBuf>,
+    /// Client private key.
+    pub key: Option<std::path::PathBuf>,
+}
+
+impl EtcdTls {
+    fn config(&self) -> Result<ureq::tls::TlsConfig, EtcdError> {
+        use ureq::tls::{parse_pem, Certificate, ClientCert, PemItem, PrivateKey, RootCerts};
+        // One process-wide provider (ring, as the replication link's TLS); set once.
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let read = |p: &std::path::Path| {
+            std::fs::read(p).map_err(|e| EtcdError::Tls(format!("reading {}: {e}", p.display())))
+        };
+        let certs = |p: &std::path::Path| -> Result<Vec<Certificate<'static>>, EtcdError> {
+            let pem = read(p)?;
+            let c: Vec<_> = parse_pem(&pem)
+                .filter_map(|i| match i {
+                    Ok(PemItem::Certificate(c)) => Some(c.to_owned()),
+                    _ => None,
+                })
+                .collect();
+            if c.is_empty() {
+                return Err(EtcdError::Tls(format!(
+                    "{} holds no PEM certificate",
+                    p.display()
+                )));
+            }
+            Ok(c)
+        };
+        let mut b = ureq::tls::TlsConfig::builder()
+            .provider(ureq::tls::TlsProvider::Rustls)
+            .root_certs(RootCerts::new_with_certs(&certs(&self.ca)?));
+        match (&self.cert, &self.key) {
+            (Some(c), Some(k)) => {
+                let key = PrivateKey::from_pem(&read(k)?).map_err(|e| {
+                    EtcdError::Tls(format!("{} holds no PEM private key: {e}", k.display()))
+                })?;
+                b = b.client_cert(Some(ClientCert::new_with_certs(&certs(c)?, key)));
+            }
+            (None, None) => {}
+            _ => {
+                return Err(EtcdError::Tls(
+                    "a client certificate needs its key and the other way round (--etcd-cert with --etcd-key)".into(),
+                ))
+            }
+        }
+        Ok(b.build())
+    }
 }
 
 /// A key as etcd stores it.
@@ -118,14 +178,30 @@ impl Client {
     /// A client of the cluster at `endpoints` (`http://host:port`), each request bounded by
     /// `timeout` per endpoint.
     pub fn new(endpoints: &[String], timeout: Duration) -> Result<Client, EtcdError> {
+        Self::with_tls(endpoints, timeout, None)
+    }
+
+    /// Like [`Client::new`], with TLS for `https://` endpoints.
+    pub fn with_tls(
+        endpoints: &[String],
+        timeout: Duration,
+        tls: Option<&EtcdTls>,
+    ) -> Result<Client, EtcdError> {
         if endpoints.is_empty() {
             return Err(EtcdError::NoEndpoints);
         }
-        let agent = ureq::Agent::config_builder()
+        if tls.is_none() && endpoints.iter().any(|e| e.starts_with("https://")) {
+            return Err(EtcdError::Tls(
+                "https:// endpoints need the CA of the etcd members (--etcd-ca, and --etcd-cert/--etcd-key if the cluster asks for client certificates)".into(),
+            ));
+        }
+        let mut b = ureq::Agent::config_builder()
             .timeout_global(Some(timeout))
-            .http_status_as_error(false)
-            .build()
-            .into();
+            .http_status_as_error(false);
+        if let Some(t) = tls {
+            b = b.tls_config(t.config()?);
+        }
+        let agent = b.build().into();
         Ok(Client {
             endpoints: endpoints
                 .iter()

@@ -35,6 +35,8 @@ pub struct FenceConfig {
     pub margin: Duration,
     /// Timeout of one request to one endpoint.
     pub request_timeout: Duration,
+    /// TLS to etcd (`https://` endpoints).
+    pub tls: Option<crate::etcd::EtcdTls>,
 }
 
 impl FenceConfig {
@@ -49,6 +51,7 @@ impl FenceConfig {
             drift: 0.01,
             margin: Duration::from_millis(500),
             request_timeout: Duration::from_millis(300),
+            tls: None,
         }
     }
 
@@ -212,7 +215,7 @@ pub enum Claim {
 /// (with a new lease) and the replica record` (`none`, or the same record for
 /// [`Claim::Reacquire`]).
 pub fn campaign(cfg: &FenceConfig, claim: Claim) -> Result<Outcome, FenceError> {
-    let client = Client::new(&cfg.endpoints, cfg.request_timeout)?;
+    let client = Client::with_tls(&cfg.endpoints, cfg.request_timeout, cfg.tls.as_ref())?;
     let (leader, replica) = (cfg.leader_key(), cfg.replica_key());
     let after = match claim {
         Claim::Reacquire { replica: r, .. } => r,

@@ -13,4 +13,5 @@ pub mod etcd;
 pub mod fuzz;
 pub mod lease;
 
+pub use etcd::EtcdTls;
 pub use lease::{campaign, Claim, FenceConfig, FenceError, Holder, Outcome, Replica};

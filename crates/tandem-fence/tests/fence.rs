@@ -139,3 +139,51 @@ fn a_holder_takes_its_key_back_only_if_nobody_ran_the_vm_since() {
     let e = campaign(&cfg("a"), claim2).err().unwrap();
     assert!(matches!(e, FenceError::Lost(3)), "{e}");
 }
+
+#[test]
+fn etcd_over_mutual_tls() {
+    let dir = tempfile::tempdir().unwrap();
+    let tls = tandem_fence::cluster::ClusterTls::generate(&dir.path().join("keys"), &[]).unwrap();
+    let members = vec![Member {
+        name: "e1".into(),
+        ip: "127.0.0.1".into(),
+        client_port: free_port(),
+        peer_port: free_port(),
+    }];
+    let c = Cluster::start_with(members, dir.path(), None, Some(tls.clone()))
+        .expect("etcd cluster with TLS");
+    assert!(c.endpoints()[0].starts_with("https://"));
+    let mut cfg = FenceConfig::new(c.endpoints(), 9, "primary");
+    cfg.tls = Some(tls.client.clone());
+    // A holder over TLS: campaign, keepalives keep it valid, records, resign.
+    let h = won(campaign(&cfg, Claim::Fresh).unwrap());
+    std::thread::sleep(Duration::from_millis(1500));
+    assert!(h.valid(), "keepalives over TLS");
+    h.record(Replica::None).unwrap();
+    h.resign().unwrap();
+    // Without a client certificate the cluster refuses (client-cert-auth), named as such.
+    let mut no_cert = cfg.clone();
+    no_cert.tls = Some(tandem_fence::EtcdTls {
+        cert: None,
+        key: None,
+        ..tls.client.clone()
+    });
+    let e = campaign(&no_cert, Claim::Fresh).err().expect("refused");
+    assert!(matches!(e, FenceError::Etcd(_)), "{e}");
+    // Without TLS at all the https endpoint does not answer.
+    let mut plain = cfg.clone();
+    plain.tls = None;
+    assert!(campaign(&plain, Claim::Fresh).is_err());
+    // Unreadable material is named.
+    let mut missing = cfg.clone();
+    missing.tls = Some(tandem_fence::EtcdTls {
+        ca: dir.path().join("nope.pem"),
+        cert: None,
+        key: None,
+    });
+    let e = campaign(&missing, Claim::Fresh).err().unwrap();
+    assert!(
+        format!("{e:#}").contains("nope.pem") || format!("{:?}", e).contains("nope.pem"),
+        "{e:?}"
+    );
+}

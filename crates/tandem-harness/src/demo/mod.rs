@@ -7,6 +7,7 @@
 
 mod capture;
 mod client;
+mod cycle;
 mod daemon;
 mod debian;
 pub(crate) mod fault;
@@ -106,6 +107,11 @@ pub struct Args {
     /// again on the backup after failover (the same VM unprotected).
     #[arg(long)]
     pub pgbench: Option<u64>,
+    /// Run only the HA cycle (part of the default plan): `tandem switchover` to the backup
+    /// and back, then a host kill with the dead node restarted as a backup and re-protected,
+    /// then a host kill of the other node — all fenced by etcd, over TLS.
+    #[arg(long)]
+    pub cycle: bool,
     /// Print the summary as JSON.
     #[arg(long)]
     pub json: bool,
@@ -122,6 +128,8 @@ struct Summary {
     epoch_ms: u64,
     mem_mib: u64,
     codec: String,
+    /// Re-protection and switchover (the default plan's last part, or `--cycle`).
+    cycle: Option<cycle::CycleResult>,
 }
 
 fn next(seed: &mut u64) -> u64 {
@@ -150,10 +158,15 @@ fn start_etcd(
         .collect();
     let d = dir.join("etcd");
     std::fs::create_dir_all(&d)?;
-    Ok(tandem_fence::cluster::Cluster::start(
+    // As a production cluster: https with the members' certificates, client certificates
+    // required (the daemons get --etcd-ca/--etcd-cert/--etcd-key).
+    let tls =
+        tandem_fence::cluster::ClusterTls::generate(&d.join("keys"), &tandem_net::lab::ETCD_IPS)?;
+    Ok(tandem_fence::cluster::Cluster::start_with(
         members,
         &d,
         Some(&ns),
+        Some(tls),
     )?)
 }
 
@@ -169,9 +182,14 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     }
     // The embedded default: a host kill, then a partition that isolates the primary from the
     // backup and from etcd, both fenced by a real etcd cluster.
-    let default_plan = a.rounds.is_none() && a.faults.is_empty() && !a.no_etcd;
-    let rounds = a.rounds.unwrap_or(if default_plan { 2 } else { 1 });
-    if rounds == 0 {
+    let default_plan = a.rounds.is_none() && a.faults.is_empty() && !a.no_etcd && !a.cycle;
+    let rounds = if a.cycle {
+        0
+    } else {
+        a.rounds.unwrap_or(if default_plan { 2 } else { 1 })
+    };
+    let with_cycle = default_plan || a.cycle;
+    if rounds == 0 && !a.cycle {
         bail!("--rounds must be at least 1");
     }
     let exe = std::env::current_exe().context("locating the tandem binary")?;
@@ -184,14 +202,16 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     if a.no_etcd && (a.etcd || a.faults.iter().any(|f| f.needs_etcd())) {
         bail!("--no-etcd cannot be combined with --etcd or the etcd faults");
     }
-    let tls_dir = if default_plan || a.tls {
+    let tls_dir = if with_cycle || a.tls {
         let k = dir.path().join("keys");
-        tandem_protect::tls::generate(&k, &[tandem_net::lab::BACKUP_IP.to_string()])?;
+        // Either node may serve as the backup (the HA cycle): both addresses.
+        let sans = [tandem_net::lab::BACKUP_IP, tandem_net::lab::PRIMARY_IP].map(String::from);
+        tandem_protect::tls::generate(&k, &sans)?;
         Some(k)
     } else {
         None
     };
-    let etcd = if default_plan || a.etcd || a.faults.iter().any(|f| f.needs_etcd()) {
+    let etcd = if with_cycle || a.etcd || a.faults.iter().any(|f| f.needs_etcd()) {
         Some(std::sync::Mutex::new(start_etcd(&mut lab, dir.path())?))
     } else {
         None
@@ -206,7 +226,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     }
     if let Some(e) = &etcd {
         eprintln!(
-            "tandem demo: etcd cluster of 3 members in netns {} ({}); leader key per round: /tandem/vm/ROUND/leader, lease TTL 3 s",
+            "tandem demo: etcd cluster of 3 members in netns {} ({}, mutual TLS); leader key per round: /tandem/vm/ROUND/leader, lease TTL 3 s",
             lab.etcd.clone().unwrap_or_default(),
             e.lock().unwrap_or_else(|e| e.into_inner()).endpoints().join(",")
         );
@@ -275,12 +295,59 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         ));
         results.push(res);
     }
+    let cycle = if with_cycle {
+        let o = Opts {
+            exe: exe.clone(),
+            workload: "kv".into(),
+            lab: &lab,
+            dir: dir.path().to_path_buf(),
+            mem: a.mem,
+            epoch_ms: a.epoch_ms,
+            schedule: "fixed".into(),
+            run_per_pause: a.run_per_pause,
+            timeout_ms: a.timeout_ms,
+            codec: a.codec.clone(),
+            conns: a.conns,
+            batch: a.batch,
+            before: Duration::from_secs(a.before.min(5)),
+            after: Duration::from_secs(a.after.min(3)),
+            stall_epoch: None,
+            faults: Vec::new(),
+            backup_tmpfs: false,
+            etcd: etcd.as_ref(),
+            vm_id: rounds as u64 + 1,
+            tls_dir: tls_dir.clone(),
+            vm_config: None,
+        };
+        let c = match cycle::run(&o, &pb) {
+            Ok(c) => c,
+            Err(e) => {
+                let kept = dir.keep();
+                return Err(e.context(format!("HA cycle (logs kept in {})", kept.display())));
+            }
+        };
+        for m in &c.moves {
+            say(&pb, format!(
+                "HA cycle: {}: guest running on the other node from epoch {} after {:.0} ms{}{}; longest client round trip {:.0} ms",
+                m.what,
+                m.epoch,
+                m.to_running_ms,
+                if m.lease_wait_ms > 0.0 { format!(" (of which {:.0} ms for the leader key)", m.lease_wait_ms) } else { String::new() },
+                m.to_protected_ms.map_or(String::new(), |p| format!(", protected again after {:.1} s (full copy while it runs)", p / 1000.0)),
+                m.client_gap_ms
+            ));
+        }
+        Some(c)
+    } else {
+        None
+    };
     pb.finish_and_clear();
     if std::env::var_os("TANDEM_DEMO_KEEP").is_some() {
         eprintln!("logs kept in {}", dir.keep().display());
     }
     let s = Summary {
-        ok: results.iter().all(|r| r.ok()),
+        ok: results.iter().all(|r| r.ok()) && cycle.as_ref().is_none_or(|c| c.ok()),
+        cycle,
         acked_keys_checked: results.iter().map(|r| r.acked_keys_checked).sum(),
         acked_keys_lost: results.iter().map(|r| r.acked_keys_lost).sum(),
         guest_rebooted: results.iter().any(|r| r.guest_continued != Some(true)),
@@ -410,6 +477,19 @@ fn run_debian(a: Args) -> anyhow::Result<()> {
 }
 
 fn print_summary(s: &Summary) {
+    if let Some(c) = &s.cycle {
+        println!(
+            "HA cycle: {} moves of the guest (switchover, failback, host kill + re-protection, host kill); {} keys read back, {} missing an acknowledged write; redis {}  =>  {}",
+            c.moves.len(),
+            c.acked_keys_checked,
+            c.acked_keys_lost,
+            if c.guest_continued { "never restarted" } else { "RESTARTED" },
+            if c.ok() { "OK" } else { "FAILED" }
+        );
+    }
+    if s.rounds.is_empty() {
+        return;
+    }
     let col = |f: &dyn Fn(&RoundResult) -> f64| s.rounds.iter().map(f).collect::<Vec<f64>>();
     let med = |f: &dyn Fn(&RoundResult) -> f64| quantile(&col(f), 0.5);
     println!(

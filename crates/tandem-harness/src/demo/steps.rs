@@ -41,11 +41,16 @@ pub fn common(o: &Opts<'_>, v: &mut Vec<String>) {
         v.extend(["--tls-dir".to_string(), d.display().to_string()]);
     }
     if let Some(e) = o.etcd {
-        let eps = e
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .endpoints()
-            .join(",");
+        let c = e.lock().unwrap_or_else(|e| e.into_inner());
+        let eps = c.endpoints().join(",");
+        if let Some(t) = c.client_tls() {
+            v.extend(["--etcd-ca".to_string(), t.ca.display().to_string()]);
+            if let (Some(cert), Some(key)) = (&t.cert, &t.key) {
+                v.extend(["--etcd-cert".to_string(), cert.display().to_string()]);
+                v.extend(["--etcd-key".to_string(), key.display().to_string()]);
+            }
+        }
+        drop(c);
         // A VM id per round: each round's guest is another VM for etcd.
         v.extend([
             "--etcd".to_string(),

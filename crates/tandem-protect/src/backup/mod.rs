@@ -146,6 +146,9 @@ struct Link<'a> {
     status: Status,
     /// A primary connected during the last [`Link::until_lost`].
     reconnected: bool,
+    /// The last loss was a handover: the primary releases the key at once, so the key is
+    /// asked for again sooner.
+    handed_over: bool,
     registry: crate::metrics::Registry,
     beat: crate::service::Beat,
 }
@@ -413,6 +416,7 @@ pub fn serve(
             .max(Duration::from_millis(1)),
         status: status.clone(),
         reconnected: false,
+        handed_over: false,
         registry: registry.clone(),
         beat: beat.clone(),
     };
@@ -456,7 +460,11 @@ pub fn serve(
             said = msg;
         }
         // Keep serving: a primary that reconnects starts a new session.
-        wait = Some(Duration::from_millis(100));
+        wait = Some(Duration::from_millis(if link.handed_over {
+            10
+        } else {
+            100
+        }));
     };
     let (why, detected, at_ms) = lost.unwrap_or_else(|| (String::new(), Instant::now(), unix_ms()));
     let fence = holder.map(|(h, _, _)| h);
@@ -508,6 +516,7 @@ impl Link<'_> {
             };
             wait = None;
             self.reconnected = true;
+            self.handed_over = false;
             let end = match self.serve(stream) {
                 Ok(end) => end,
                 Err(e) => LinkEnd::Lost(format!("link error: {e}")),
@@ -521,6 +530,7 @@ impl Link<'_> {
                     self.bk.committed()
                 )),
                 LinkEnd::Handover(n) => {
+                    self.handed_over = true;
                     return Ok(Some(format!("the primary handed the guest over at epoch {n}")))
                 }
                 LinkEnd::Lost(why) if self.bk.consistent() => return Ok(Some(why)),

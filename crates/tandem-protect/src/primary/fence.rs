@@ -23,6 +23,8 @@ pub struct Fencing {
     pub unprotected: bool,
     /// A failure to go unprotected was reported (once per streak).
     warned: bool,
+    /// A session was recorded in etcd as the replica since output last went unprotected.
+    session_recorded: bool,
     registry: Option<crate::metrics::Registry>,
 }
 
@@ -89,6 +91,7 @@ impl Fencing {
             status,
             unprotected: false,
             warned: false,
+            session_recorded: false,
             registry: None,
         })
     }
@@ -102,6 +105,7 @@ impl Fencing {
             status,
             unprotected: false,
             warned: false,
+            session_recorded: false,
             registry: None,
         }
     }
@@ -112,9 +116,20 @@ impl Fencing {
         self.registry = Some(registry);
     }
 
-    /// A new session begins: output is held again and the session is recorded as the replica
-    /// that may take over. Returns the session id for the hello.
-    pub fn begin_session(&mut self, site: &Site) -> Result<u64, String> {
+    /// A new session begins: it is recorded as the replica that may take over. Returns the
+    /// session id for the hello. Output that passes unprotected keeps passing until the
+    /// session's first checkpoint ([`Fencing::hold`]): the backup can resume no earlier state.
+    pub fn begin_session(&mut self, _site: &Site) -> Result<u64, String> {
+        let s = random_session();
+        self.holder
+            .record(Replica::Session(s))
+            .map_err(|e| format!("recording the new replica in etcd: {e}"))?;
+        self.session_recorded = true;
+        Ok(s)
+    }
+
+    /// The session's first checkpoint (called in its pause): output is held from here on.
+    pub fn hold(&mut self, site: &Site) -> Result<(), String> {
         if self.unprotected {
             site.relays
                 .set_policy(Policy::Hold)
@@ -124,22 +139,21 @@ impl Fencing {
                 r.set_unprotected(false);
             }
         }
-        let s = random_session();
-        self.holder
-            .record(Replica::Session(s))
-            .map_err(|e| format!("recording the new replica in etcd: {e}"))?;
-        Ok(s)
+        Ok(())
     }
 
     /// The backup is lost: record in etcd that the VM runs without a replica, then let the
     /// output out (held frames first). If etcd cannot be told, output stays held.
     pub fn go_unprotected(&mut self, site: &Site) {
-        if self.unprotected {
+        // Already passing, and no session recorded since (one that failed during its initial
+        // copy must not stay recorded as a replica).
+        if self.unprotected && !self.session_recorded {
             return;
         }
         match self.holder.record(Replica::None) {
             Ok(()) => match site.relays.set_policy(Policy::Pass) {
                 Ok(()) => {
+                    self.session_recorded = false;
                     self.unprotected = true;
                     if let Some(r) = &self.registry {
                         r.set_unprotected(true);

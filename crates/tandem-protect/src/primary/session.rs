@@ -93,12 +93,6 @@ impl Daemon<'_> {
             Ok(s) => s,
             Err(e) => return Ok(End::Lost(format!("setting up the link: {e}"))),
         };
-        if std::mem::take(&mut self.passing) {
-            if let Err(e) = self.site.relays.set_policy(tandem_net::Policy::Hold) {
-                self.passing = true;
-                return Ok(End::Lost(format!("holding output again: {e}")));
-            }
-        }
         if let Some(f) = &mut self.fencing {
             match f.begin_session(self.site) {
                 Ok(s) => self.proto.set_session(s),
@@ -287,6 +281,7 @@ impl Daemon<'_> {
             watchdog: &self.watchdog,
             fencing: self.fencing.as_mut(),
             fenced_by: &mut self.fenced_by,
+            passing: &mut self.passing,
             qemu,
             writes: Ok(Vec::new()),
             err: None,

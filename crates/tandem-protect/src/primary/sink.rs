@@ -26,6 +26,8 @@ pub(super) struct LinkSink<'a> {
     pub(super) watchdog: &'a Watchdog,
     pub(super) fencing: Option<&'a mut super::fence::Fencing>,
     pub(super) fenced_by: &'a mut Option<String>,
+    /// Output passes (a resumed guest without fencing): held from the first checkpoint on.
+    pub(super) passing: &'a mut bool,
     /// QEMU's pid, for the pause-kill fault hook (0: none).
     pub(super) qemu: u32,
     pub(super) writes: std::io::Result<Writes>,
@@ -51,6 +53,23 @@ impl EpochSink for LinkSink<'_> {
             unsafe { libc::kill(self.qemu as i32, libc::SIGKILL) };
         }
         self.st.site.relays.seal(epoch);
+        // A session that began while output passed holds it from its first checkpoint on:
+        // what passed was produced before this boundary, and the backup can resume no state
+        // before it (it is consistent only once this epoch commits).
+        let held = match self.fencing.as_mut() {
+            Some(f) => f.hold(self.st.site),
+            None if *self.passing => self
+                .st
+                .site
+                .relays
+                .set_policy(tandem_net::Policy::Hold)
+                .map(|()| *self.passing = false)
+                .map_err(|e| format!("holding output again: {e}")),
+            None => Ok(()),
+        };
+        if let Err(why) = held {
+            self.st.shared.lose(why);
+        }
         if let Some(d) = &self.st.site.disk {
             self.writes = d.try_take_epoch_writes();
         }
