@@ -257,3 +257,32 @@ fn switchover_failback_and_reprotection_after_failover() {
     unsafe { libc::kill(na.id() as i32, libc::SIGTERM) };
     let _ = na.wait();
 }
+
+/// The demo's HA cycle, fenced by a 3-member etcd cluster over mutual TLS, with the replication
+/// link over mutual TLS, and the guest's disk captured by mirroring (as your own VM's is):
+/// switchover, failback, host kill + re-protection, host kill — every acknowledged write kept.
+#[test]
+fn ha_cycle_fenced_by_etcd_over_tls() {
+    let out = Command::new(env!("CARGO_BIN_EXE_tandem"))
+        .args(["demo", "--cycle", "--json", "--disk-capture", "mirror"])
+        .args(["--timeout-ms", "2000", "--before", "3", "--after", "2"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "demo --cycle failed: {err}");
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let c = &v["cycle"];
+    assert_eq!(c["acked_keys_lost"], 0, "{c:#}");
+    assert!(c["acked_keys_checked"].as_u64().unwrap() > 0, "{c:#}");
+    assert_eq!(c["guest_continued"], true, "{c:#}");
+    let moves = c["moves"].as_array().unwrap();
+    assert_eq!(moves.len(), 4, "{c:#}");
+    for m in &moves[..3] {
+        assert!(m["to_protected_ms"].as_f64().unwrap() > 0.0, "{m:#}");
+    }
+    // A switchover does not wait for a lease: the old primary releases the key at once.
+    for m in &moves[..2] {
+        assert!(m["lease_wait_ms"].as_f64().unwrap() < 1000.0, "{m:#}");
+    }
+    assert!(err.contains("mutual TLS"), "{err}");
+}

@@ -86,7 +86,7 @@ pub fn run(start: Start, cfg: NodeConfig, status: Status) -> Result<(), NodeErro
         next = match next {
             Next::Mirror => {
                 let l = listener.lock().unwrap_or_else(|e| e.into_inner());
-                match backup::serve(&cfg.backup, &fe, &l, true, status.clone())? {
+                match backup::serve(&cfg.backup, &fe, &l, true, status.with_role("backup"))? {
                     Some(r) => Next::Protect(Box::new(r)),
                     None => return Ok(()),
                 }
@@ -107,11 +107,10 @@ pub fn run(start: Start, cfg: NodeConfig, status: Status) -> Result<(), NodeErro
                             l.turn_away(Duration::from_millis(100), fenced, &status);
                         }
                     });
+                    let st = status.with_role("primary");
                     let r = match run_as_primary {
-                        Next::Protect(r) => {
-                            primary::run_resumed(&cfg.primary, &fe, *r, status.clone())
-                        }
-                        _ => primary::run_in(&cfg.primary, &fe, status.clone()),
+                        Next::Protect(r) => primary::run_resumed(&cfg.primary, &fe, *r, st),
+                        _ => primary::run_in(&cfg.primary, &fe, st),
                     };
                     done.store(true, Ordering::SeqCst);
                     r

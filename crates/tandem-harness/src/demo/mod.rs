@@ -317,7 +317,10 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             etcd: etcd.as_ref(),
             vm_id: rounds as u64 + 1,
             tls_dir: tls_dir.clone(),
-            vm_config: None,
+            vm_config: match a.disk_capture.as_str() {
+                "mirror" => Some(vmdesc::described_vm(dir.path(), a.mem)?),
+                _ => None,
+            },
         };
         let c = match cycle::run(&o, &pb) {
             Ok(c) => c,
