@@ -56,6 +56,19 @@ pub fn echo_guest_progress(serial: std::path::PathBuf, status: Status) {
             for line in text[done.min(complete)..complete].lines() {
                 if line.contains(" txns=") || line.contains(" objs=") || line.contains(" mbps=") {
                     status.info(format!("guest: {}", line.trim()));
+                } else if [
+                    "clocksource",
+                    "timekeeping",
+                    "rcu: INFO",
+                    "soft lockup",
+                    "hung_task",
+                ]
+                .iter()
+                .any(|k| line.contains(k))
+                {
+                    // What the guest kernel says about its clocks and stalls matters after a
+                    // resume (a clock that jumped, timers that do not fire).
+                    status.warn(format!("guest kernel: {}", line.trim()));
                 }
             }
             done = complete;
