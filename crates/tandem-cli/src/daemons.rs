@@ -34,7 +34,7 @@ pub struct FenceArgs {
     #[arg(long)]
     pub etcd_ca: Option<PathBuf>,
     /// This node's client certificate for etcd (PEM; clusters with --client-cert-auth).
-    #[arg(long, requires = "etcd_key")]
+    #[arg(long, requires_all = ["etcd_key", "etcd_ca"])]
     pub etcd_cert: Option<PathBuf>,
     /// The key of --etcd-cert (PEM).
     #[arg(long, requires = "etcd_cert")]
@@ -190,7 +190,7 @@ pub struct PrimaryArgs {
     #[arg(long)]
     pub listen: Option<String>,
     /// With --listen: the backup role's directory for the mirror and disk copy (a tmpfs).
-    #[arg(long)]
+    #[arg(long, requires = "listen")]
     pub backup_dir: Option<PathBuf>,
     /// With --listen: the backup role fails over when the primary has been silent this long.
     #[arg(long, default_value_t = 1000)]
@@ -247,7 +247,7 @@ pub struct BackupArgs {
     #[arg(long, default_value_t = 2000)]
     pub ack_timeout_ms: u64,
     /// With --peer: the name the next backup's certificate must carry (default: its host).
-    #[arg(long)]
+    #[arg(long, requires = "peer")]
     pub tls_server_name: Option<String>,
 }
 

@@ -61,6 +61,10 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         Some(p) => p.clone(),
         None => find_primary(a.vm_id)?,
     };
+    // Counted before the request: a fast handover may be done by the first poll.
+    let before = control::ask(&sock)
+        .map(|v| field(&v, "switchovers").as_u64().unwrap_or(0))
+        .with_context(|| format!("asking the primary at {}", sock.display()))?;
     let t = Instant::now();
     let reply = control::command(&sock, "switchover")
         .with_context(|| format!("asking the primary at {}", sock.display()))?;
@@ -71,9 +75,6 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         );
     }
     let pid = field(&reply, "pid").as_u64().unwrap_or(0);
-    let before = field(&control::ask(&sock).unwrap_or(Value::Null), "switchovers")
-        .as_u64()
-        .unwrap_or(0);
     if !a.json {
         eprintln!("switchover: the primary (pid {pid}) hands the guest over to its backup");
     }

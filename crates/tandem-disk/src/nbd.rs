@@ -210,7 +210,24 @@ pub fn serve_client(mut s: UnixStream, image: &Image) -> Result<(), NbdError> {
 
 /// Accepts clients on `listener` forever, one thread each.
 pub fn serve(listener: UnixListener, image: Arc<Image>) {
+    serve_until(
+        listener,
+        image,
+        Arc::new(std::sync::atomic::AtomicBool::new(false)),
+    )
+}
+
+/// Like [`serve`], until `stop` is set: the next connection (a wake-up) ends the accept loop
+/// and drops this server's hold on the image (clients still connected keep theirs).
+pub fn serve_until(
+    listener: UnixListener,
+    image: Arc<Image>,
+    stop: Arc<std::sync::atomic::AtomicBool>,
+) {
     for s in listener.incoming().map_while(Result::ok) {
+        if stop.load(std::sync::atomic::Ordering::SeqCst) {
+            return;
+        }
         let image = image.clone();
         std::thread::spawn(move || {
             if let Err(e) = serve_client(s, &image) {

@@ -104,17 +104,32 @@ pub fn run(start: Start, cfg: NodeConfig, status: Status) -> Result<(), NodeErro
                     sc.spawn(|| {
                         let l = listener.lock().unwrap_or_else(|e| e.into_inner());
                         while !done.load(Ordering::SeqCst) {
-                            l.turn_away(Duration::from_millis(100), fenced, &status);
+                            // From a switchover request on, the next primary is about to
+                            // connect (to this node as its backup): leave its connection
+                            // queued for the backup role.
+                            if crate::signals::switchover_requested() {
+                                std::thread::sleep(Duration::from_millis(10));
+                                continue;
+                            }
+                            l.turn_away(
+                                Duration::from_millis(20),
+                                fenced,
+                                &crate::signals::switchover_requested,
+                                &status,
+                            );
                         }
                     });
+                    // `done` is set however the primary role ends (a panic included).
+                    let _done = SetOnDrop(&done);
                     let st = status.with_role("primary");
-                    let r = match run_as_primary {
+                    match run_as_primary {
                         Next::Protect(r) => primary::run_resumed(&cfg.primary, &fe, *r, st),
                         _ => primary::run_in(&cfg.primary, &fe, st),
-                    };
-                    done.store(true, Ordering::SeqCst);
-                    r
-                })?;
+                    }
+                });
+                // A refused request (no backup connected) was cleared already.
+                crate::signals::clear_switchover();
+                let ended = ended?;
                 match ended {
                     Ended::Stopped => return Ok(()),
                     Ended::SwitchedOver { epoch, acked } => {
@@ -128,5 +143,14 @@ pub fn run(start: Start, cfg: NodeConfig, status: Status) -> Result<(), NodeErro
                 }
             }
         };
+    }
+}
+
+/// Sets a flag when dropped.
+struct SetOnDrop<'a>(&'a AtomicBool);
+
+impl Drop for SetOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::SeqCst);
     }
 }

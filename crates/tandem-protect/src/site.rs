@@ -102,11 +102,19 @@ pub struct Site {
     /// Whether the primary's disk mirrors still capture every write.
     pub mirror_health: MirrorHealth,
     nbd_sock: Option<PathBuf>,
+    /// Ends the NBD servers' accept loops when the site goes (a node changing role).
+    nbd_stop: Arc<std::sync::atomic::AtomicBool>,
+    /// Every socket an NBD server of this site listens on.
+    nbd_socks: Vec<PathBuf>,
 }
 
 impl Drop for Site {
     fn drop(&mut self) {
-        if let Some(s) = &self.nbd_sock {
+        self.nbd_stop
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        for s in &self.nbd_socks {
+            // Wake the accept loop so that it sees the stop, then remove the socket.
+            let _ = std::os::unix::net::UnixStream::connect(s);
             let _ = std::fs::remove_file(s);
         }
     }
@@ -125,6 +133,7 @@ impl Site {
         if cfg.writable_disk().is_some() {
             return Self::with_capture(relays, dir, role, cfg);
         }
+        let nbd_stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
         // tandem's NBD data disk belongs to the lab guest.
         let (disk, disk_path) = if a.disk_mib == 0 || cfg.workload.is_none() {
             (None, None)
@@ -174,7 +183,8 @@ impl Site {
             let listener = UnixListener::bind(&sock)
                 .map_err(|e| SiteError::Io(format!("listening on {}", sock.display()), e))?;
             let served = image.clone();
-            std::thread::spawn(move || tandem_disk::nbd::serve(listener, served));
+            let stop = nbd_stop.clone();
+            std::thread::spawn(move || tandem_disk::nbd::serve_until(listener, served, stop));
             cfg.data_disk = Some(sock.clone());
             (Some(image), Some((path, sock)))
         };
@@ -183,7 +193,9 @@ impl Site {
             relays,
             disk,
             disk_path,
+            nbd_socks: nbd_sock.iter().cloned().collect(),
             nbd_sock,
+            nbd_stop,
             mirrors: Vec::new(),
             _copy: None,
             mirror_health: MirrorHealth::default(),
@@ -212,6 +224,8 @@ impl Site {
             disk: None,
             disk_path: Some(path.clone()),
             nbd_sock: None,
+            nbd_stop: Arc::default(),
+            nbd_socks: Vec::new(),
             mirrors: slices.clone(),
             _copy: None,
             mirror_health: MirrorHealth::default(),
@@ -226,9 +240,10 @@ impl Site {
                 let _ = std::fs::remove_file(&sock);
                 let listener = UnixListener::bind(&sock)
                     .map_err(|e| SiteError::Io(format!("listening on {}", sock.display()), e))?;
-                let served = image.clone();
-                std::thread::spawn(move || tandem_disk::nbd::serve(listener, served));
+                let (served, stop) = (image.clone(), site.nbd_stop.clone());
+                std::thread::spawn(move || tandem_disk::nbd::serve_until(listener, served, stop));
                 site.disk = Some(image);
+                site.nbd_socks.push(sock.clone());
                 site.nbd_sock = Some(sock);
             }
             Role::Backup => {
@@ -280,9 +295,10 @@ impl Site {
         let _ = std::fs::remove_file(&sock);
         let listener = UnixListener::bind(&sock)
             .map_err(|e| SiteError::Io(format!("listening on {}", sock.display()), e))?;
-        let served = image.clone();
-        std::thread::spawn(move || tandem_disk::nbd::serve(listener, served));
+        let (served, stop) = (image.clone(), self.nbd_stop.clone());
+        std::thread::spawn(move || tandem_disk::nbd::serve_until(listener, served, stop));
         self.disk = Some(image);
+        self.nbd_socks.push(sock.clone());
         self.nbd_sock = Some(sock);
         self.mirror_health = MirrorHealth::default();
         Ok(())

@@ -323,8 +323,19 @@ impl Listener {
     /// Answers every primary that connects within `wait`: `Some(epoch)` tells it that the
     /// guest runs here since `epoch` (fenced); `None` just closes the connection (this node
     /// runs a guest it booted and is nobody's backup now).
-    pub fn turn_away(&self, wait: Duration, fenced: Option<(u64, u64)>, status: &Status) {
+    /// A connection that arrives while `close_only()` holds is just closed (its primary
+    /// retries).
+    pub fn turn_away(
+        &self,
+        wait: Duration,
+        fenced: Option<(u64, u64)>,
+        close_only: &dyn Fn() -> bool,
+        status: &Status,
+    ) {
         if let Ok(v) = self.0.recv_timeout(wait) {
+            if close_only() {
+                return;
+            }
             match fenced {
                 Some((vm_id, epoch)) => failover::tell_fenced(v, vm_id, epoch, status),
                 None => status.warn(
@@ -365,6 +376,8 @@ pub fn serve(
     status: Status,
 ) -> Result<Option<crate::primary::Resumed>, BackupError> {
     let listener = &listener.0;
+    // Setting up (tap, mirror, disk copy, standby QEMU) is progress for systemd's watchdog.
+    fe.beat.allow(Duration::from_secs(60));
     let mut vmc = cfg.vm.config("standby")?;
     if !reprotect {
         vmc.dirty = DirtyMode::None;

@@ -97,15 +97,17 @@ impl Fencing {
     }
 
     /// The hold of a node whose backup role won the key and resumed the guest (its relays are
-    /// gated by `holder` already).
+    /// gated by `holder` already and pass output since the resume): it counts as passing with
+    /// a replica still recorded, so [`Fencing::go_unprotected`] records `none` and every
+    /// session holds output from its first checkpoint, whatever etcd answered.
     pub fn resumed(holder: Holder, cfg: FenceConfig, status: Status) -> Fencing {
         Fencing {
             holder,
             cfg,
             status,
-            unprotected: false,
+            unprotected: true,
             warned: false,
-            session_recorded: false,
+            session_recorded: true,
             registry: None,
         }
     }
@@ -143,7 +145,8 @@ impl Fencing {
     }
 
     /// The backup is lost: record in etcd that the VM runs without a replica, then let the
-    /// output out (held frames first). If etcd cannot be told, output stays held.
+    /// output out (held frames first). If etcd cannot be told, output stays held (a resumed
+    /// guest's, which passes already, is held from the next session's first checkpoint).
     pub fn go_unprotected(&mut self, site: &Site) {
         // Already passing, and no session recorded since (one that failed during its initial
         // copy must not stay recorded as a replica).
@@ -167,7 +170,7 @@ impl Fencing {
                 Err(e) => self.status.warn(format!("releasing output: {e}")),
             },
             Err(e) if !std::mem::replace(&mut self.warned, true) => self.status.warn(format!(
-                "cannot record in etcd that the VM runs without a replica ({e}); output stays held"
+                "cannot record in etcd that the VM runs without a replica ({e}); output stays held (or, on a node that resumed the guest, is held from the next session's first checkpoint); retrying"
             )),
             Err(_) => {}
         }

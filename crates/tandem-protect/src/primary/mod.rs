@@ -10,6 +10,7 @@
 //! same as SIGUSR1 when it expires.
 
 mod fence;
+mod finish;
 mod link;
 mod session;
 mod sink;
@@ -26,10 +27,11 @@ use tandem_replication::Primary;
 use tandem_vm::{Vm, VmError};
 
 use crate::frontend::{Frontend, FrontendConfig};
-use crate::signals::{shutdown_requested, stopping};
+use crate::signals::stopping;
 use crate::site::{Role, Site, SiteConfig, SiteError};
 use crate::vmspec::{boot, BootError, Load, StartLoad, VmSpec, VmSpecError};
 use crate::Status;
+use finish::finish;
 use session::{Daemon, End};
 use watchdog::Watchdog;
 
@@ -321,15 +323,31 @@ fn protect(
         epoch,
         passing,
     } = g;
+    let mut recapture = false;
     if !site.mirrors.is_empty() {
         let t = Instant::now();
-        site.start_capture(&mut vm)?;
-        status.info(format!(
-            "capturing {} writable disk(s) ({} MiB) through QEMU's block layer (blockdev-mirror, write-blocking): first pass done in {:.1} s",
-            site.mirrors.len(),
-            site.mirrors.iter().map(|m| m.size).sum::<u64>() >> 20,
-            t.elapsed().as_secs_f64()
-        ));
+        // A full pass over every disk: progress for systemd's watchdog, not a hang.
+        fe.beat
+            .allow(site.capture_timeout() + Duration::from_secs(30));
+        match site.start_capture(&mut vm) {
+            Ok(()) => status.info(format!(
+                "capturing {} writable disk(s) ({} MiB) through QEMU's block layer (blockdev-mirror, write-blocking): first pass done in {:.1} s",
+                site.mirrors.len(),
+                site.mirrors.iter().map(|m| m.size).sum::<u64>() >> 20,
+                t.elapsed().as_secs_f64()
+            )),
+            // A guest resumed here is the only copy: it keeps running and the capture is
+            // tried again before each connection to the next backup.
+            Err(e) if passing || fencing.as_ref().is_some_and(|f| f.unprotected) => {
+                status.warn(format!(
+                    "capturing the writable disks failed ({}); retrying before the next backup gets a copy",
+                    crate::chain(&e)
+                ));
+                recapture = true;
+            }
+            Err(e) => return Err(e.into()),
+        }
+        fe.beat.beat();
     }
     let epoch_ms = cfg.epoch.as_millis() as u64;
     let stall = cfg
@@ -363,6 +381,7 @@ fn protect(
         fencing,
         fenced_by: None,
         passing,
+        recapture,
     };
     let end = sessions(&mut d, &mut vm);
     // The main loop is done with this QEMU: whatever comes next (a handover, a shutdown, a
@@ -446,66 +465,6 @@ fn sessions(d: &mut Daemon<'_>, vm: &mut Vm) -> Result<Option<End>, PrimaryError
     }
 }
 
-/// What becomes of this copy of the guest once replication ended.
-fn finish(
-    end: Option<End>,
-    site: &Site,
-    mut vm: Vm,
-    load: Option<Box<dyn Load>>,
-    summary: &str,
-    status: &Status,
-    fencing: Option<&fence::Fencing>,
-) -> Result<Ended, PrimaryError> {
-    match end {
-        Some(End::FencedBy(by)) => {
-            site.relays.discard_held();
-            vm.kill();
-            Err(PrimaryError::FencedBy(by))
-        }
-        Some(End::Fenced(n)) => {
-            site.relays.discard_held();
-            vm.kill();
-            Err(PrimaryError::Fenced(n))
-        }
-        Some(End::HandedOver { epoch, acked }) => {
-            vm.kill();
-            if let Some(f) = fencing {
-                f.hand_over();
-            }
-            if acked {
-                status.info(format!(
-                    "handed the guest over to the backup at epoch {epoch}; {summary}"
-                ));
-            } else {
-                status.info(format!("handover at epoch {epoch} was not acknowledged: the backup resumes from the last epoch it committed; this copy is stopped; {summary}"));
-            }
-            if crate::signals::switchover_requested() {
-                crate::signals::clear_switchover();
-                return Ok(Ended::SwitchedOver { epoch, acked });
-            }
-            Ok(Ended::Stopped)
-        }
-        Some(End::Shutdown) | Some(End::Lost(_)) | None => {
-            if let Some(l) = load {
-                l.stop().map_err(PrimaryError::Load)?;
-            }
-            let what = if end.is_none() && stopping() && !shutdown_requested() {
-                "stopped while no backup was connected: nothing to hand the guest over to; guest shut down"
-            } else if stopping() {
-                "replication ended on request; guest shut down"
-            } else {
-                "replication ended (duration reached); guest shut down"
-            };
-            status.info(format!("{what}; {summary}"));
-            vm.quit();
-            if let Some(f) = fencing {
-                f.shutdown();
-            }
-            Ok(Ended::Stopped)
-        }
-    }
-}
-
 /// Connects to the backup, retrying until it answers. Meanwhile the guest runs with its
 /// output held; the disk write log is dropped (the next session copies the whole disk).
 /// Returns `None` when the daemon is asked to stop first.
@@ -546,7 +505,11 @@ fn wait_for_backup(d: &mut Daemon<'_>, vm: &mut Vm) -> Result<Option<Conn>, Prim
                 f.go_unprotected(d.site);
             }
         }
-        if let Some(why) = d.site.mirror_health.broken() {
+        let broken = d.site.mirror_health.broken().or_else(|| {
+            d.recapture
+                .then(|| "the first capture after the resume failed".to_string())
+        });
+        if let Some(why) = broken {
             d.status.warn(format!(
                 "{why}: the disk capture missed writes; mirroring every disk again before the re-sync"
             ));
@@ -554,6 +517,7 @@ fn wait_for_backup(d: &mut Daemon<'_>, vm: &mut Vm) -> Result<Option<Conn>, Prim
                 .allow(d.site.capture_timeout() + Duration::from_secs(30));
             let r = d.site.start_capture(vm);
             d.watchdog.beat();
+            d.recapture &= r.is_err();
             if let Err(e) = r {
                 // Output stays held; try again (the guest keeps running meanwhile).
                 d.status.warn(format!(

@@ -60,6 +60,9 @@ pub struct Daemon<'a> {
     /// The relays pass output (a guest resumed here without fencing): the next session holds
     /// it again.
     pub passing: bool,
+    /// The first capture of the writable disks failed (a resumed guest): redo it before the
+    /// next session.
+    pub recapture: bool,
 }
 
 pub(super) type Writes = Vec<(u64, Vec<u8>)>;

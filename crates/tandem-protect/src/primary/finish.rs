@@ -1,0 +1,72 @@
+//! What becomes of the primary's copy of the guest once replication ended: killed after a
+//! handover or when fenced, shut down after `bye`, or kept for the backup role of a node.
+
+use tandem_vm::Vm;
+
+use super::session::End;
+use super::{fence, Ended, PrimaryError};
+use crate::signals::{shutdown_requested, stopping};
+use crate::site::Site;
+use crate::vmspec::Load;
+use crate::Status;
+
+/// What becomes of this copy of the guest once replication ended.
+pub(super) fn finish(
+    end: Option<End>,
+    site: &Site,
+    mut vm: Vm,
+    load: Option<Box<dyn Load>>,
+    summary: &str,
+    status: &Status,
+    fencing: Option<&fence::Fencing>,
+) -> Result<Ended, PrimaryError> {
+    match end {
+        Some(End::FencedBy(by)) => {
+            site.relays.discard_held();
+            vm.kill();
+            Err(PrimaryError::FencedBy(by))
+        }
+        Some(End::Fenced(n)) => {
+            site.relays.discard_held();
+            vm.kill();
+            Err(PrimaryError::Fenced(n))
+        }
+        Some(End::HandedOver { epoch, acked }) => {
+            vm.kill();
+            if let Some(f) = fencing {
+                f.hand_over();
+            }
+            if acked {
+                status.info(format!(
+                    "handed the guest over to the backup at epoch {epoch}; {summary}"
+                ));
+            } else {
+                status.info(format!("handover at epoch {epoch} was not acknowledged: the backup resumes from the last epoch it committed; this copy is stopped; {summary}"));
+            }
+            // The request stays set until the node serves as the backup (node.rs clears it):
+            // until then no connection to this node's port is answered.
+            if crate::signals::switchover_requested() {
+                return Ok(Ended::SwitchedOver { epoch, acked });
+            }
+            Ok(Ended::Stopped)
+        }
+        Some(End::Shutdown) | Some(End::Lost(_)) | None => {
+            if let Some(l) = load {
+                l.stop().map_err(PrimaryError::Load)?;
+            }
+            let what = if end.is_none() && stopping() && !shutdown_requested() {
+                "stopped while no backup was connected: nothing to hand the guest over to; guest shut down"
+            } else if stopping() {
+                "replication ended on request; guest shut down"
+            } else {
+                "replication ended (duration reached); guest shut down"
+            };
+            status.info(format!("{what}; {summary}"));
+            vm.quit();
+            if let Some(f) = fencing {
+                f.shutdown();
+            }
+            Ok(Ended::Stopped)
+        }
+    }
+}
