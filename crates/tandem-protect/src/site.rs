@@ -231,21 +231,7 @@ impl Site {
             mirror_health: MirrorHealth::default(),
         };
         match role {
-            Role::Primary => {
-                let image = Image::open(&path)
-                    .map_err(|e| SiteError::Image(path.display().to_string(), e))?;
-                let _ = std::fs::remove_file(&path);
-                let image = Arc::new(image);
-                let sock = dir.join("capture.sock");
-                let _ = std::fs::remove_file(&sock);
-                let listener = UnixListener::bind(&sock)
-                    .map_err(|e| SiteError::Io(format!("listening on {}", sock.display()), e))?;
-                let (served, stop) = (image.clone(), site.nbd_stop.clone());
-                std::thread::spawn(move || tandem_disk::nbd::serve_until(listener, served, stop));
-                site.disk = Some(image);
-                site.nbd_socks.push(sock.clone());
-                site.nbd_sock = Some(sock);
-            }
+            Role::Primary => site.serve_capture(&path, dir)?,
             Role::Backup => {
                 // The standby opens the copy through this process's descriptor, so the
                 // copy's name can go once the backup opened it.
@@ -287,9 +273,17 @@ impl Site {
         let f = std::fs::File::create(&path).map_err(io)?;
         f.set_len(total).map_err(io)?;
         drop(f);
+        self.serve_capture(&path, dir)?;
+        self.mirror_health = MirrorHealth::default();
+        Ok(())
+    }
+
+    /// Opens the capture file at `path` (its name then goes: the NBD server holds it) and
+    /// serves it on `dir/capture.sock`, where the disk mirrors write.
+    fn serve_capture(&mut self, path: &Path, dir: &Path) -> Result<(), SiteError> {
         let image =
-            Image::open(&path).map_err(|e| SiteError::Image(path.display().to_string(), e))?;
-        let _ = std::fs::remove_file(&path);
+            Image::open(path).map_err(|e| SiteError::Image(path.display().to_string(), e))?;
+        let _ = std::fs::remove_file(path);
         let image = Arc::new(image);
         let sock = dir.join("capture.sock");
         let _ = std::fs::remove_file(&sock);
@@ -300,7 +294,6 @@ impl Site {
         self.disk = Some(image);
         self.nbd_socks.push(sock.clone());
         self.nbd_sock = Some(sock);
-        self.mirror_health = MirrorHealth::default();
         Ok(())
     }
 
