@@ -5,6 +5,7 @@
 use std::time::Duration;
 
 use tandem_harness::kv::{wait_for_server, KvClient};
+use tandem_vm::devstate::Method;
 use tandem_vm::{DirtyMode, Vm, VmConfig};
 
 fn free_port() -> u16 {
@@ -26,18 +27,37 @@ fn boot(workload: &str, dirty: DirtyMode) -> Vm {
 }
 
 /// Checkpoint a running kv guest, kill it, restore in a fresh QEMU: the console counter and
-/// redis's data continue from the checkpoint (and writes after it are gone).
+/// redis's data continue from the checkpoint (and writes after it are gone). The device state
+/// is QEMU's `migrate` stream (a VM's first capture).
 #[test]
 fn restore_continues_from_checkpoint() {
+    checkpoint_kill_restore(1, Method::Migrate);
+}
+
+/// The same from the fast device state (`xen-save-devices-state` framed as a migration
+/// stream: every capture after a VM's first).
+#[test]
+fn restore_continues_from_a_fast_device_state() {
+    checkpoint_kill_restore(3, Method::Fast);
+}
+
+fn checkpoint_kill_restore(captures: usize, method: Method) {
     let mut vm = boot("kv", DirtyMode::None);
     let port = vm.config().kv_port.unwrap();
     let mut c = wait_for_server(port, Duration::from_secs(60)).unwrap();
+    let mut state = Vec::new();
+    for _ in 1..captures {
+        vm.stop().unwrap();
+        vm.capture_device_state(&mut state).unwrap();
+        vm.cont().unwrap();
+        std::thread::sleep(Duration::from_millis(200));
+    }
     c.set(b"before", b"checkpoint").unwrap();
     std::thread::sleep(Duration::from_secs(2));
 
     vm.stop().unwrap();
-    let mut state = Vec::new();
     vm.capture_device_state(&mut state).unwrap();
+    assert_eq!(vm.devstate_method(), (Some(method), None));
     assert!(
         state.len() > 10_000,
         "device state suspiciously small: {}",

@@ -50,6 +50,9 @@ pub struct VmConfig {
     pub hash_threads: usize,
     /// A writable data disk served over NBD on this unix socket (the lab guest's `/data`).
     pub data_disk: Option<PathBuf>,
+    /// Capture device state with `xen-save-devices-state` after the first `migrate`
+    /// ([`crate::devstate::fast`]); false: always `migrate`.
+    pub fast_devstate: bool,
 }
 
 impl VmConfig {
@@ -111,6 +114,7 @@ impl VmConfig {
                 .map(|n| n.get())
                 .unwrap_or(2),
             data_disk: None,
+            fast_devstate: true,
         }
     }
 

@@ -60,6 +60,14 @@ pub struct Qmp {
     pub version: (u64, u64, u64),
 }
 
+/// A command sent with [`Qmp::start`] whose reply is still to be read.
+#[must_use = "read the reply with Qmp::reply"]
+#[derive(Debug)]
+pub struct Sent {
+    id: u64,
+    command: String,
+}
+
 impl Qmp {
     /// Connects to `path`, retrying until `timeout` (QEMU creates the socket at startup), reads
     /// the greeting and enters command mode.
@@ -151,6 +159,16 @@ impl Qmp {
         args: Option<Value>,
         fd: Option<BorrowedFd<'_>>,
     ) -> Result<Value, QmpError> {
+        let sent = self.send_command(command, args, fd)?;
+        self.reply(sent)
+    }
+
+    fn send_command(
+        &mut self,
+        command: &str,
+        args: Option<Value>,
+        fd: Option<BorrowedFd<'_>>,
+    ) -> Result<Sent, QmpError> {
         let id = self.next_id;
         self.next_id += 1;
         let mut cmd = json!({ "execute": command, "id": id });
@@ -158,18 +176,32 @@ impl Qmp {
             cmd["arguments"] = a;
         }
         self.send(&cmd, fd)?;
+        Ok(Sent {
+            id,
+            command: command.into(),
+        })
+    }
+
+    /// Sends `command` without waiting: QEMU runs it while the caller does other work; collect
+    /// the outcome with [`Qmp::reply`] before the next command.
+    pub fn start(&mut self, command: &str, args: Option<Value>) -> Result<Sent, QmpError> {
+        self.send_command(command, args, None)
+    }
+
+    /// Waits for the reply to a command sent with [`Qmp::start`] and returns its `return`.
+    pub fn reply(&mut self, sent: Sent) -> Result<Value, QmpError> {
         loop {
             let msg = self.read_message()?;
             if msg.get("event").is_some() {
                 self.events.push_back(msg);
                 continue;
             }
-            if msg.get("id").and_then(Value::as_u64) != Some(id) {
+            if msg.get("id").and_then(Value::as_u64) != Some(sent.id) {
                 continue;
             }
             if let Some(err) = msg.get("error") {
                 return Err(QmpError::Command {
-                    command: command.into(),
+                    command: sent.command,
                     class: err["class"].as_str().unwrap_or("?").into(),
                     desc: err["desc"].as_str().unwrap_or("?").into(),
                 });

@@ -143,6 +143,8 @@ pub struct Vm {
     /// Disks mirrored into tandem's NBD export ([`crate::mirror`]).
     pub(crate) mirrors: Vec<usize>,
     pub(crate) mirror_health: crate::mirror::MirrorHealth,
+    pub(crate) devstate: devstate::Capturer,
+    pub(crate) last_devstate: Option<devstate::Method>,
 }
 
 impl Vm {
@@ -251,6 +253,9 @@ impl Vm {
             }
         };
         // From here on `vm` owns the child and the RAM file: errors clean both up in Drop.
+        // The device-state file lives with QEMU's other runtime files (removed with them, and
+        // found by `clean_stale` after a kill).
+        let devstate = devstate::Capturer::new(runtime.path(), config.fast_devstate);
         let mut vm = Vm {
             child,
             qmp,
@@ -263,6 +268,8 @@ impl Vm {
             config: config.clone(),
             mirrors: Vec::new(),
             mirror_health: Default::default(),
+            devstate,
+            last_devstate: None,
         };
         devstate::prepare(&mut vm.qmp)?;
         vm.dirty = match mode {
@@ -397,8 +404,19 @@ impl Vm {
 
     /// Captures device state of the stopped guest into `out`.
     pub fn capture_device_state(&mut self, out: &mut Vec<u8>) -> Result<(), VmError> {
-        devstate::capture(&mut self.qmp, out)?;
+        self.last_devstate = Some(self.devstate.capture(&mut self.qmp, out)?);
         Ok(())
+    }
+
+    /// Turns the fast device-state path on or off (benchmarks compare both on one VM).
+    pub fn set_fast_devstate(&mut self, fast: bool) {
+        self.devstate.set_fast(fast);
+    }
+
+    /// How the last device state was captured (`migrate` or `xen-save`), and why the fast
+    /// path is off if it is.
+    pub fn devstate_method(&self) -> (Option<devstate::Method>, Option<&str>) {
+        (self.last_devstate, self.devstate.fallback.as_deref())
     }
 
     /// QEMU's own full save of the stopped VM (RAM and devices, its migration format) into a

@@ -77,6 +77,10 @@ pub struct Args {
     /// Checkpoint interval in ms for --store.
     #[arg(long, default_value_t = 200)]
     pub interval: u64,
+    /// --lab: device-state capture paths to compare, `migrate` and/or `xen-save` (default
+    /// both, side by side at every epoch length).
+    #[arg(long, value_delimiter = ',')]
+    pub devstate: Vec<String>,
     /// Replication link rate in Mbit/s for --replication (0 = unlimited).
     #[arg(long, default_value_t = 1000)]
     pub rate_mbit: u64,
@@ -115,6 +119,8 @@ pub struct Args {
 struct Row {
     workload: String,
     epoch_ms: u64,
+    /// Device-state path: migrate or xen-save.
+    devstate: String,
     epochs: usize,
     dirty_mean: f64,
     dirty_p50: f64,
@@ -253,6 +259,16 @@ fn run_lab(a: Args) -> anyhow::Result<()> {
     if a.epochs_ms.is_empty() {
         a.epochs_ms = vec![25, 100, 500];
     }
+    if a.devstate.is_empty() {
+        a.devstate = vec!["migrate".into(), "xen-save".into()];
+    }
+    if let Some(d) = a
+        .devstate
+        .iter()
+        .find(|d| !["migrate", "xen-save"].contains(&d.as_str()))
+    {
+        bail!("--devstate {d}: choose migrate and/or xen-save");
+    }
     let mut lab = Lab {
         report: Report {
             boot_to_ready_ms: Vec::new(),
@@ -299,7 +315,10 @@ impl Lab {
         // Let the workload warm up before measuring.
         std::thread::sleep(Duration::from_secs(2));
         for &ms in &a.epochs_ms {
-            self.series(&mut vm, w, ms, a.seconds)?;
+            for d in &a.devstate {
+                vm.set_fast_devstate(d == "xen-save");
+                self.series(&mut vm, w, ms, d, a.seconds)?;
+            }
         }
         if let Some(l) = load {
             l.stop().map_err(anyhow::Error::msg)?;
@@ -309,7 +328,14 @@ impl Lab {
     }
 
     /// Runs `seconds` of `ms` epochs on the booted guest and adds their row.
-    fn series(&mut self, vm: &mut Vm, w: &String, ms: u64, seconds: u64) -> anyhow::Result<()> {
+    fn series(
+        &mut self,
+        vm: &mut Vm,
+        w: &String,
+        ms: u64,
+        devstate: &str,
+        seconds: u64,
+    ) -> anyhow::Result<()> {
         let (mut dirty, mut pause, mut comps) = (Vec::new(), Vec::new(), vec![Vec::new(); 5]);
         let mut first = true;
         let harvest = &mut self.harvest;
@@ -332,8 +358,13 @@ impl Lab {
                 true
             },
         )?;
+        if let (_, Some(why)) = vm.devstate_method() {
+            if devstate == "xen-save" {
+                bail!("xen-save-devices-state unusable on this QEMU: {why}");
+            }
+        }
         eprintln!(
-            "bench: {w} @ {ms} ms: {} epochs, dirty mean {:.0}, pause p50 {:.2} ms",
+            "bench: {w} @ {ms} ms, {devstate}: {} epochs, dirty mean {:.0}, pause p50 {:.2} ms",
             dirty.len(),
             mean(&dirty),
             quantile(&pause, 0.5)
@@ -341,6 +372,7 @@ impl Lab {
         self.report.rows.push(Row {
             workload: w.clone(),
             epoch_ms: ms,
+            devstate: devstate.into(),
             epochs: dirty.len(),
             dirty_mean: mean(&dirty),
             dirty_p50: quantile(&dirty, 0.5),
@@ -396,11 +428,11 @@ impl Report {
                 .collect::<Vec<_>>()
                 .join(", ")
         );
-        println!("| workload | epoch ms | epochs | dirty pages mean / p50 / p99 | pause p50 / p99 ms | stop | harvest | copy | devstate | cont (p50 ms) |");
-        println!("|---|---|---|---|---|---|---|---|---|---|");
+        println!("| workload | epoch ms | device state | epochs | dirty pages mean / p50 / p99 | pause p50 / p99 ms | stop | harvest | copy | devstate | cont (p50 ms) |");
+        println!("|---|---|---|---|---|---|---|---|---|---|---|");
         for r in &report.rows {
             let c = r.components_p50_ms;
-            println!("| {} | {} | {} | {:.0} / {:.0} / {:.0} | {:.2} / {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} |", r.workload, r.epoch_ms, r.epochs, r.dirty_mean, r.dirty_p50, r.dirty_p99, r.pause_p50_ms, r.pause_p99_ms, c[0], c[1], c[2], c[3], c[4]);
+            println!("| {} | {} | {} | {} | {:.0} / {:.0} / {:.0} | {:.2} / {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} |", r.workload, r.epoch_ms, r.devstate, r.epochs, r.dirty_mean, r.dirty_p50, r.dirty_p99, r.pause_p50_ms, r.pause_p99_ms, c[0], c[1], c[2], c[3], c[4]);
         }
         println!(
             "\n| dirty pages | samples | harvest p50 ms | harvest p99 ms |\n|---|---|---|---|"

@@ -5,6 +5,9 @@
 //! chipset, virtio queues, ...) but skips the shared RAM block, ~0.5–1 MB. Afterwards QEMU is in
 //! `postmigrate` and `cont` resumes the guest from exactly that state.
 //!
+//! After a VM's first capture, [`fast`] captures with `xen-save-devices-state` instead (about
+//! 2 ms less per pause here), framed into the same stream; `migrate` stays the fallback.
+//!
 //! Restore: a QEMU started with the same command line plus `-incoming defer -S`, whose RAM file
 //! already holds the checkpoint's memory, reads the stream with `migrate-incoming fd:NAME` and
 //! ends `paused`; `cont` runs the guest from the checkpoint.
@@ -16,6 +19,10 @@ use std::time::Duration;
 use serde_json::json;
 
 use crate::qmp::{Qmp, QmpError};
+
+pub mod fast;
+
+pub use fast::{Capturer, Method};
 
 const FD_NAME: &str = "tandem-devstate";
 const PIPE_SIZE: usize = 1 << 20;
