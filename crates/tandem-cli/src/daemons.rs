@@ -141,6 +141,10 @@ pub struct PrimaryArgs {
     /// many times as long as the last pause (1.0: half of the time is the guest's).
     #[arg(long, default_value_t = 1.0)]
     pub run_per_pause: f64,
+    /// With `--schedule adaptive`: dirty-page-set convergence (seed 002) — end the epoch once
+    /// the dirty count grew by less than this percentage over 10 ms (the paper: 5); 0: off.
+    #[arg(long, default_value_t = 0.0)]
+    pub converge_pct: f64,
     /// For benchmarks: end protection and shut the guest down after this many seconds
     /// (default: run until stopped).
     #[arg(long)]
@@ -355,6 +359,7 @@ pub fn primary(a: PrimaryArgs) -> anyhow::Result<()> {
             max_wait: ms(a.epoch_ms.max(1)),
             min_run: ms(a.min_run_ms),
             run_per_pause: a.run_per_pause.max(0.0),
+            converge: (a.converge_pct > 0.0).then_some(a.converge_pct / 100.0),
             ..AdaptiveConfig::default()
         }),
         duration: a.duration.map(Duration::from_secs),

@@ -37,6 +37,12 @@ pub trait Guest {
     /// guest memory; the guest runs again afterwards. Epoch 1 is relative to this copy.
     fn initial_copy(&mut self, boundary: &mut dyn FnMut()) -> Result<Vec<u8>, VmError>;
 
+    /// Pages written since the last pause, counted while the guest runs (`None`: this guest
+    /// cannot count).
+    fn dirty_count(&mut self) -> Option<u64> {
+        None
+    }
+
     /// Whether the guest has no more epochs to give (a replayed trace that ended).
     fn finished(&self) -> bool {
         false
@@ -97,6 +103,7 @@ pub fn run_pipeline(
     let mut next = start + schedule.next_interval(0, &PauseTiming::default());
     let mut epoch = first.saturating_sub(1);
     let mut resumed = start;
+    let mut sampled = start;
     while start.elapsed() < duration && !guest.finished() {
         loop {
             let now = Instant::now();
@@ -107,7 +114,14 @@ pub fn run_pipeline(
                 std::thread::sleep(next - now);
                 break;
             }
-            if schedule.early(now - resumed, &sink.pending()) {
+            let mut pending = sink.pending();
+            if let Some(every) = schedule.dirty_sample() {
+                if now - sampled.max(resumed) >= every {
+                    sampled = now;
+                    pending.dirty_pages = guest.dirty_count();
+                }
+            }
+            if schedule.early(now - resumed, &pending) {
                 break;
             }
             std::thread::sleep((next - now).min(POLL));

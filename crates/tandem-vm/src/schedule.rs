@@ -22,6 +22,9 @@ pub struct Pending {
     pub unacked: u64,
     /// Disk bytes written since the last checkpoint.
     pub disk_bytes: u64,
+    /// Guest pages written since the last checkpoint, set when the loop sampled the dirty log
+    /// for this call (every [`Schedule::dirty_sample`]); `None` otherwise.
+    pub dirty_pages: Option<u64>,
 }
 
 /// Decides how long the guest runs before the next checkpoint.
@@ -33,6 +36,12 @@ pub trait Schedule {
     /// Whether the loop should call [`Schedule::early`] while the guest runs.
     fn polls(&self) -> bool {
         false
+    }
+
+    /// How often the loop should count the guest's dirty pages for [`Schedule::early`]
+    /// (`None`: never; counting walks the guest's page tables).
+    fn dirty_sample(&self) -> Option<Duration> {
+        None
     }
 
     /// Called about every millisecond while the guest runs (`ran`: since it resumed): true
@@ -68,6 +77,15 @@ pub struct AdaptiveConfig {
     /// Checkpoints in flight at most when output triggers the next (the paper waits for the
     /// previous one's acknowledgement: 1).
     pub max_unacked: u64,
+    /// Dirty-page-set convergence (seed 002: < 5 % growth between dirty-log updates): cut the
+    /// epoch once the dirty count grew by less than this fraction over one sample. `None`
+    /// (default): off, the longest wait stands in for it.
+    pub converge: Option<f64>,
+    /// How often the dirty count is sampled for `converge` (default 10 ms).
+    pub sample: Duration,
+    /// Shortest epoch that convergence may end (default 20 ms): below it the fixed cost of a
+    /// pause outweighs what an earlier checkpoint saves.
+    pub converge_min_run: Duration,
 }
 
 impl Default for AdaptiveConfig {
@@ -78,6 +96,9 @@ impl Default for AdaptiveConfig {
             run_per_pause: 1.0,
             disk_limit: 32 << 20,
             max_unacked: 1,
+            converge: None,
+            sample: Duration::from_millis(10),
+            converge_min_run: Duration::from_millis(20),
         }
     }
 }
@@ -90,6 +111,8 @@ pub struct Adaptive {
     cfg: AdaptiveConfig,
     /// The minimum run after the last pause.
     min_run_now: Duration,
+    /// The previous dirty-count sample of this epoch.
+    last_count: Option<u64>,
     /// Why the last epoch ended (for statistics): output, disk or time.
     pub last_reason: Reason,
 }
@@ -104,6 +127,8 @@ pub enum Reason {
     Output,
     /// The disk writes reached the limit.
     Disk,
+    /// The dirty page set converged.
+    Converged,
 }
 
 impl Adaptive {
@@ -112,6 +137,7 @@ impl Adaptive {
         Adaptive {
             cfg,
             min_run_now: cfg.min_run,
+            last_count: None,
             last_reason: Reason::Time,
         }
     }
@@ -124,11 +150,16 @@ impl Schedule for Adaptive {
         );
         self.min_run_now = self.cfg.min_run.max(share).min(self.cfg.max_wait);
         self.last_reason = Reason::Time;
+        self.last_count = None;
         self.cfg.max_wait
     }
 
     fn polls(&self) -> bool {
         true
+    }
+
+    fn dirty_sample(&self) -> Option<Duration> {
+        self.cfg.converge.map(|_| self.cfg.sample)
     }
 
     fn early(&mut self, ran: Duration, p: &Pending) -> bool {
@@ -142,6 +173,16 @@ impl Schedule for Adaptive {
         if p.output_frames > 0 && p.unacked < self.cfg.max_unacked {
             self.last_reason = Reason::Output;
             return true;
+        }
+        if let (Some(limit), Some(now)) = (self.cfg.converge, p.dirty_pages) {
+            let before = self.last_count.replace(now);
+            if let Some(before) = before.filter(|&b| b > 0) {
+                let growth = now.saturating_sub(before) as f64 / before as f64;
+                if ran >= self.cfg.converge_min_run && growth < limit {
+                    self.last_reason = Reason::Converged;
+                    return true;
+                }
+            }
         }
         false
     }
@@ -201,6 +242,38 @@ mod tests {
         // A pause longer than max_wait cannot push the minimum run past it.
         s.next_interval(0, &pause(900));
         assert!(s.early(Duration::from_millis(500), &disk));
+    }
+
+    #[test]
+    fn a_converged_dirty_set_cuts_the_epoch_after_the_minimum() {
+        let cfg = AdaptiveConfig {
+            converge: Some(0.05),
+            ..AdaptiveConfig::default()
+        };
+        let mut s = Adaptive::new(cfg);
+        assert_eq!(s.dirty_sample(), Some(Duration::from_millis(10)));
+        s.next_interval(0, &pause(1));
+        let at = |n| Pending {
+            dirty_pages: Some(n),
+            ..Default::default()
+        };
+        let ms = Duration::from_millis;
+        assert!(!s.early(ms(10), &at(100)), "first sample");
+        assert!(!s.early(ms(15), &Pending::default()), "no sample");
+        assert!(!s.early(ms(20), &at(150)), "grew 50 %");
+        assert!(!s.early(ms(30), &at(200)), "grew 33 %");
+        assert!(s.early(ms(40), &at(205)), "grew 2.5 %");
+        assert_eq!(s.last_reason, Reason::Converged);
+        // Samples do not carry over into the next epoch, nor cut one shorter than the minimum.
+        s.next_interval(205, &pause(1));
+        assert!(!s.early(ms(10), &at(300)));
+        assert!(!s.early(ms(15), &at(301)), "before converge_min_run");
+        assert!(s.early(ms(25), &at(302)));
+        // Off by default: no sampling.
+        assert_eq!(
+            Adaptive::new(AdaptiveConfig::default()).dirty_sample(),
+            None
+        );
     }
 
     #[test]

@@ -97,6 +97,7 @@ impl Soak<'_> {
             epoch_ms: 100,
             schedule: "fixed".into(),
             run_per_pause: 1.0,
+            converge_pct: None,
             timeout_ms: 1000,
             codec: "tandem".into(),
             conns: 8,

@@ -62,6 +62,9 @@ pub struct Args {
     /// --replication with the adaptive schedule: the primary's `--run-per-pause`.
     #[arg(long, default_value_t = 1.0)]
     pub run_per_pause: f64,
+    /// --replication with the adaptive schedule: the primary's `--converge-pct`.
+    #[arg(long)]
+    pub converge_pct: Option<f64>,
     /// With --replication: the link axis, `plain` and/or `tls` (mutual TLS with lab keys).
     #[arg(long, value_delimiter = ',')]
     pub links: Vec<String>,

@@ -82,6 +82,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
                 epoch_ms: ms,
                 schedule: schedule.clone(),
                 run_per_pause: a.run_per_pause,
+                converge_pct: a.converge_pct,
                 timeout_ms: 1000,
                 codec: "tandem".into(),
                 conns: a.conns,

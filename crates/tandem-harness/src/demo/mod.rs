@@ -56,6 +56,9 @@ pub struct Args {
     /// With `--schedule adaptive`: the primary's `--run-per-pause`.
     #[arg(long, default_value_t = 1.0)]
     pub run_per_pause: f64,
+    /// With `--schedule adaptive`: the primary's `--converge-pct` (dirty-set convergence).
+    #[arg(long)]
+    pub converge_pct: Option<f64>,
     /// Backup's failover timeout when the link goes silent.
     #[arg(long, default_value_t = 500)]
     pub timeout_ms: u64,
@@ -246,6 +249,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             epoch_ms: a.epoch_ms,
             schedule: a.schedule.clone(),
             run_per_pause: a.run_per_pause,
+            converge_pct: a.converge_pct,
             timeout_ms: a.timeout_ms,
             codec: a.codec.clone(),
             conns: a.conns,
@@ -305,6 +309,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             epoch_ms: a.epoch_ms,
             schedule: "fixed".into(),
             run_per_pause: a.run_per_pause,
+            converge_pct: a.converge_pct,
             timeout_ms: a.timeout_ms,
             codec: a.codec.clone(),
             conns: a.conns,

@@ -174,6 +174,8 @@ impl<'a> Ctx<'a> {
             o.run_per_pause.to_string(),
             "--codec".into(),
             o.codec.clone(),
+            "--converge-pct".into(),
+            o.converge_pct.unwrap_or(0.0).to_string(),
             "--metrics-jsonl".into(),
             self.jsonl.display().to_string(),
             "--fault-hooks".into(),

@@ -28,6 +28,8 @@ pub struct Opts<'a> {
     pub schedule: String,
     /// The primary's `--run-per-pause` (adaptive schedule).
     pub run_per_pause: f64,
+    /// The primary's `--converge-pct` (adaptive schedule), if any.
+    pub converge_pct: Option<f64>,
     pub timeout_ms: u64,
     pub codec: String,
     pub conns: usize,

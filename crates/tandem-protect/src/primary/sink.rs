@@ -41,6 +41,7 @@ impl EpochSink for LinkSink<'_> {
             output_frames: self.st.site.relays.unsealed_frames(),
             unacked: self.st.shared.pending().len() as u64,
             disk_bytes: self.st.site.disk_log_bytes(),
+            dirty_pages: None,
         }
     }
 

@@ -45,4 +45,10 @@ pub trait DirtyLog: Send {
     /// Appends the page numbers written since the previous harvest to `out`, sorted ascending,
     /// and re-arms tracking. Call it only while the guest is stopped.
     fn harvest(&mut self, out: &mut Vec<u64>) -> Result<HarvestStats, DirtyLogError>;
+
+    /// Pages written since the last harvest, counted while the guest runs and without
+    /// re-arming; `None` if this log cannot count cheaply (the hash log).
+    fn count(&mut self) -> Option<Result<u64, DirtyLogError>> {
+        None
+    }
 }

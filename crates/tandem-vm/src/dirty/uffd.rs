@@ -110,6 +110,26 @@ impl DirtyLog for UffdWpLog {
         }
         Ok(stats)
     }
+
+    fn count(&mut self) -> Option<Result<u64, DirtyLogError>> {
+        let end = self.start + self.len;
+        let mut from = self.start;
+        let mut pages = 0;
+        while from < end {
+            let (n, walk_end) = match self.scan(from, end, false) {
+                Ok(r) => r,
+                Err(e) => return Some(Err(e)),
+            };
+            for r in &self.regions[..n as usize] {
+                pages += (r.end - r.start) / PAGE_SIZE as u64;
+            }
+            if walk_end <= from {
+                break;
+            }
+            from = walk_end;
+        }
+        Some(Ok(pages))
+    }
 }
 
 /// Checks that this kernel has `PAGEMAP_SCAN` and async write-protect, on tandem's own memory.

@@ -118,6 +118,10 @@ impl crate::epoch::Guest for Vm {
             .map_err(|e| self.explain(e))
     }
 
+    fn dirty_count(&mut self) -> Option<u64> {
+        self.dirty.as_mut()?.count()?.ok()
+    }
+
     fn initial_copy(&mut self, boundary: &mut dyn FnMut()) -> Result<Vec<u8>, VmError> {
         let r = (|| {
             self.stop()?;
