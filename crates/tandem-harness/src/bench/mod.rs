@@ -4,6 +4,7 @@
 mod codec;
 mod faults;
 mod link;
+mod plot;
 mod replication;
 mod store;
 
@@ -62,6 +63,10 @@ pub struct Args {
     /// --replication with the adaptive schedule: the primary's `--run-per-pause`.
     #[arg(long, default_value_t = 1.0)]
     pub run_per_pause: f64,
+    /// --replication: also write the plots (client latency CDFs, epoch timelines) as one HTML
+    /// page of SVG to this file.
+    #[arg(long)]
+    pub plots: Option<std::path::PathBuf>,
     /// --replication with the adaptive schedule: the primary's `--converge-pct`.
     #[arg(long)]
     pub converge_pct: Option<f64>,

@@ -104,6 +104,12 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         }
     }
     pb.finish_and_clear();
+    if let Some(path) = &a.plots {
+        let command: Vec<String> = std::env::args().collect();
+        std::fs::write(path, super::plot::html(&rows, &command.join(" ")))
+            .with_context(|| format!("writing the plots to {}", path.display()))?;
+        eprintln!("plots: {}", path.display());
+    }
     if a.json {
         println!("{}", serde_json::to_string_pretty(&rows)?);
     } else {

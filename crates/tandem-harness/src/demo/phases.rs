@@ -90,6 +90,8 @@ pub struct Outcome {
     reconnects: u64,
     lat_p50: f64,
     lat_p99: f64,
+    /// Every request's latency before the fault (ms), for plots.
+    lat: Vec<f64>,
     gap: f64,
     identity_before: (String, u64),
     identity_after: (String, u64),
@@ -356,6 +358,7 @@ impl<'a> Ctx<'a> {
             reconnects,
             lat_p50,
             lat_p99,
+            lat: before_kill,
             gap,
             identity_before,
             identity_after,
@@ -396,6 +399,7 @@ impl<'a> Ctx<'a> {
             reconnects: 0,
             lat_p50: f64::NAN,
             lat_p99: f64::NAN,
+            lat: Vec::new(),
             gap: f64::NAN,
             identity_before: (String::new(), 0),
             identity_after: (String::new(), 0),
@@ -476,6 +480,8 @@ impl<'a> Ctx<'a> {
             rate_after_failover: g.rate_after,
             client_latency_ms_p50: g.lat_p50,
             client_latency_ms_p99: g.lat_p99,
+            latency_samples_ms: g.lat,
+            epoch_points: ep.points.clone(),
             failover_epoch: field(rep, "epoch"),
             failover_reason: rep
                 .get("reason")

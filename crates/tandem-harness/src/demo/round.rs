@@ -82,6 +82,12 @@ pub struct RoundResult {
     pub rate_after_failover: Option<f64>,
     pub client_latency_ms_p50: f64,
     pub client_latency_ms_p99: f64,
+    /// Every request's latency while replicated (ms; plots only).
+    #[serde(skip)]
+    pub latency_samples_ms: Vec<f64>,
+    /// The primary's epochs while replicated (plots only).
+    #[serde(skip)]
+    pub epoch_points: Vec<EpochPoint>,
     pub failover_epoch: u64,
     pub failover_reason: String,
     pub detection_ms: f64,
@@ -134,6 +140,22 @@ pub(crate) struct Epochs {
     pub raw: u64,
     pub sent: u64,
     pub pauses: Vec<f64>,
+    pub points: Vec<EpochPoint>,
+}
+
+/// One epoch of the primary's JSON lines, for the timeline plot.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct EpochPoint {
+    /// Epoch number.
+    pub epoch: u64,
+    /// Pause, ms.
+    pub pause_ms: f64,
+    /// Pages written in the epoch.
+    pub dirty_pages: u64,
+    /// Bytes sent.
+    pub sent_bytes: u64,
+    /// Guest frames held when it was sealed.
+    pub held_frames: u64,
 }
 
 impl Epochs {
@@ -157,6 +179,13 @@ impl Epochs {
                 self.raw += g("raw_bytes");
                 self.sent += g("sent_bytes");
                 self.pauses.push(g("pause_us") as f64 / 1000.0);
+                self.points.push(EpochPoint {
+                    epoch: g("epoch"),
+                    pause_ms: g("pause_us") as f64 / 1000.0,
+                    dirty_pages: g("dirty_pages"),
+                    sent_bytes: g("sent_bytes"),
+                    held_frames: g("held_frames"),
+                });
             }
         }
     }
