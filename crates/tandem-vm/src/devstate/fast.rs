@@ -176,16 +176,6 @@ pub enum Method {
     Fast,
 }
 
-impl Method {
-    /// Short name for reports.
-    pub fn name(self) -> &'static str {
-        match self {
-            Method::Migrate => "migrate",
-            Method::Fast => "xen-save",
-        }
-    }
-}
-
 impl Capturer {
     /// A capturer whose state file goes into `dir` (a tmpfs such as /dev/shm); `fast` false
     /// always uses `migrate`.

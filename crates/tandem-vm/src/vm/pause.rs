@@ -79,7 +79,12 @@ impl Vm {
         }
         t.copy_us = us(s);
         let s = Instant::now();
-        // Always collect the reply, so the QMP stream stays in step.
+        // Always collect a begun capture's reply, so the QMP stream stays in step; after a
+        // failed harvest do not start a `migrate` for a checkpoint that is abandoned anyway.
+        let harvested = match (harvested, started.is_some()) {
+            (Err(e), false) => return Err(e),
+            (h, _) => h,
+        };
         let method = self.devstate.finish(&mut self.qmp, started, device_state);
         harvested?;
         self.last_devstate = Some(method?);
