@@ -145,6 +145,11 @@ pub struct PrimaryArgs {
     /// the dirty count grew by less than this percentage over 10 ms (the paper: 5); 0: off.
     #[arg(long, default_value_t = 0.0)]
     pub converge_pct: f64,
+    /// With `--schedule adaptive`: seed 002's stop threshold as time — while output waits for
+    /// an acknowledgement, suspend the guest once its dirty set is as large as the link ships
+    /// (encode to acknowledgement, measured) in this many ms; 0: off.
+    #[arg(long, default_value_t = 20)]
+    pub stop_budget_ms: u64,
     /// For benchmarks: end protection and shut the guest down after this many seconds
     /// (default: run until stopped).
     #[arg(long)]
@@ -360,6 +365,7 @@ pub fn primary(a: PrimaryArgs) -> anyhow::Result<()> {
             min_run: ms(a.min_run_ms),
             run_per_pause: a.run_per_pause.max(0.0),
             converge: (a.converge_pct > 0.0).then_some(a.converge_pct / 100.0),
+            stop_budget: (a.stop_budget_ms > 0).then(|| ms(a.stop_budget_ms)),
             ..AdaptiveConfig::default()
         }),
         duration: a.duration.map(Duration::from_secs),

@@ -27,6 +27,9 @@ pub struct EpochMetrics {
     pub pause: tandem_types::PauseTiming,
     /// Total pause.
     pub pause_us: u32,
+    /// The guest was stopped this long before the pause (early suspend: output waited and
+    /// the dirty set reached the stop threshold).
+    pub suspended_us: u64,
     /// Pages written in the epoch.
     pub dirty_pages: u64,
     /// Bytes before encoding.
@@ -157,6 +160,7 @@ struct State {
     sent: u64,
     encode_us: u64,
     transfer_us: u64,
+    suspended_us: u64,
     disk_writes: u64,
     disk_bytes: u64,
     released: u64,
@@ -185,6 +189,7 @@ impl Default for State {
             sent: 0,
             encode_us: 0,
             transfer_us: 0,
+            suspended_us: 0,
             disk_writes: 0,
             disk_bytes: 0,
             released: 0,
@@ -227,6 +232,7 @@ impl Registry {
         s.sent += m.sent_bytes;
         s.encode_us += m.encode_us;
         s.transfer_us += m.transfer_us;
+        s.suspended_us += m.suspended_us;
         s.disk_writes += m.disk_writes;
         s.disk_bytes += m.disk_bytes;
         s.pause.observe(m.pause_us as f64 / 1e6);
@@ -339,6 +345,8 @@ impl Registry {
             ("tandem_encode_seconds_total", c, secs(s.encode_us), "Time spent encoding epochs."),
             ("tandem_transfer_seconds_total", c, secs(s.transfer_us),
                 "Time spent writing epochs to the link."),
+            ("tandem_suspended_seconds_total", c, secs(s.suspended_us),
+                "Guest time lost to early suspend (output waited, dirty set at the stop threshold)."),
             ("tandem_disk_writes_total", c, s.disk_writes.to_string(),
                 "Guest disk writes shipped with epochs."),
             ("tandem_disk_bytes_total", c, s.disk_bytes.to_string(),

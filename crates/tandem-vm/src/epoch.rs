@@ -10,7 +10,7 @@ pub use tandem_types::Epoch;
 
 use crate::vm::{PauseTiming, VmError};
 
-pub use crate::schedule::{Fixed, Pending, Schedule};
+pub use crate::schedule::{Cut, Fixed, Pending, Schedule};
 
 /// How often a polling schedule is asked whether to cut the epoch.
 const POLL: Duration = Duration::from_millis(1);
@@ -43,6 +43,13 @@ pub trait Guest {
         None
     }
 
+    /// Stops the guest ahead of its next pause (seed 002's early suspend); the next
+    /// [`Guest::pause`] then skips its stop. `Ok(false)`: this guest cannot be suspended and
+    /// runs on.
+    fn suspend(&mut self) -> Result<bool, VmError> {
+        Ok(false)
+    }
+
     /// Whether the guest has no more epochs to give (a replayed trace that ended).
     fn finished(&self) -> bool {
         false
@@ -57,6 +64,8 @@ pub struct Checkpoint<'a> {
     pub at: Duration,
     /// Pause components.
     pub timing: PauseTiming,
+    /// How long the guest was suspended before the pause (early suspend), on top of it.
+    pub suspended: Duration,
     /// Dirty page numbers, ascending.
     pub pfns: &'a [u64],
     /// Their contents, one page per entry of `pfns`.
@@ -105,6 +114,7 @@ pub fn run_pipeline(
     let mut resumed = start;
     let mut sampled = start;
     while start.elapsed() < duration && !guest.finished() {
+        let mut suspended_at = None;
         loop {
             let now = Instant::now();
             if now >= next {
@@ -115,17 +125,25 @@ pub fn run_pipeline(
                 break;
             }
             let mut pending = sink.pending();
-            if let Some(every) = schedule.dirty_sample() {
+            if let Some(every) = schedule.dirty_sample(&pending) {
                 if now - sampled.max(resumed) >= every {
                     sampled = now;
                     pending.dirty_pages = guest.dirty_count();
                 }
             }
-            if schedule.early(now - resumed, &pending) {
-                break;
+            match schedule.early(now - resumed, &pending) {
+                Cut::Run => {}
+                Cut::Checkpoint => break,
+                Cut::Suspend if suspended_at.is_none() => {
+                    if guest.suspend()? {
+                        suspended_at = Some(Instant::now());
+                    }
+                }
+                Cut::Suspend => {}
             }
             std::thread::sleep((next - now).min(POLL));
         }
+        let suspended = suspended_at.map_or(Duration::ZERO, |t| t.elapsed());
         let this = epoch + 1;
         let timing = guest.pause(
             &mut pfns,
@@ -142,6 +160,7 @@ pub fn run_pipeline(
             epoch,
             at: start.elapsed(),
             timing,
+            suspended,
             pfns: &pfns,
             pages: &pages,
             device_state: &dev,

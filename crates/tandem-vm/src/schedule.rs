@@ -6,7 +6,8 @@
 //! checkpoint, and — for a schedule that [`Schedule::polls`] — calls [`Schedule::early`] about
 //! every millisecond while the guest runs, with what waits on the next checkpoint
 //! ([`Pending`], from the epoch's sink: held network output, unacknowledged checkpoints, disk
-//! writes). `early` returning true cuts the epoch there.
+//! writes, the shipping rate). `early` answers with a [`Cut`]: run on, checkpoint now, or
+//! suspend the guest (seed 002's early suspend) until a later call says checkpoint.
 
 use std::time::Duration;
 
@@ -25,6 +26,24 @@ pub struct Pending {
     /// Guest pages written since the last checkpoint, set when the loop sampled the dirty log
     /// for this call (every [`Schedule::dirty_sample`]); `None` otherwise.
     pub dirty_pages: Option<u64>,
+    /// Dirty pages the sink ships per second, end to end (encode, transfer, the backup's
+    /// apply and acknowledgement), as measured over the last checkpoints; `None` before a
+    /// measurement (or for a sink that holds no output).
+    pub ship_pages_per_s: Option<u64>,
+}
+
+/// What the guest does next, as [`Schedule::early`] decides while it runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Cut {
+    /// Run on.
+    Run,
+    /// Stop the guest now but take the checkpoint later (seed 002's early suspend: the
+    /// dirty set is as large as the link ships in the stop budget and output waits for an
+    /// acknowledgement). Polling goes on; the checkpoint follows when a later call says
+    /// [`Cut::Checkpoint`] or the epoch's longest wait passes.
+    Suspend,
+    /// Take the checkpoint now.
+    Checkpoint,
 }
 
 /// Decides how long the guest runs before the next checkpoint.
@@ -38,16 +57,16 @@ pub trait Schedule {
         false
     }
 
-    /// How often the loop should count the guest's dirty pages for [`Schedule::early`]
-    /// (`None`: never; counting walks the guest's page tables).
-    fn dirty_sample(&self) -> Option<Duration> {
+    /// How often the loop should count the guest's dirty pages for [`Schedule::early`] with
+    /// `pending` waiting (`None`: not now; counting walks the guest's page tables).
+    fn dirty_sample(&self, _pending: &Pending) -> Option<Duration> {
         None
     }
 
-    /// Called about every millisecond while the guest runs (`ran`: since it resumed): true
-    /// cuts the epoch now.
-    fn early(&mut self, _ran: Duration, _pending: &Pending) -> bool {
-        false
+    /// Called about every millisecond while the guest runs or is suspended (`ran`: since it
+    /// resumed from the last checkpoint).
+    fn early(&mut self, _ran: Duration, _pending: &Pending) -> Cut {
+        Cut::Run
     }
 }
 
@@ -83,6 +102,17 @@ pub struct AdaptiveConfig {
     pub converge: Option<f64>,
     /// How often the dirty count is sampled for `converge` (default 10 ms).
     pub sample: Duration,
+    /// Seed 002's vm_stop_threshold, as time: while output waits for the previous
+    /// checkpoint's acknowledgement, suspend the guest once its dirty set is as large as the
+    /// sink ships in this long ([`Pending::ship_pages_per_s`] × budget), so the held output's
+    /// next checkpoint does not keep growing. `None`: off.
+    pub stop_budget: Option<Duration>,
+    /// How often the dirty count is sampled while the stop threshold may apply (default
+    /// 2 ms).
+    pub stop_sample: Duration,
+    /// The stop threshold never falls below this many pages (default 256: below it the
+    /// fixed cost of a pause dominates the shipping time).
+    pub stop_floor: u64,
     /// Shortest epoch that convergence may end (default 20 ms): below it the fixed cost of a
     /// pause outweighs what an earlier checkpoint saves.
     pub converge_min_run: Duration,
@@ -99,7 +129,21 @@ impl Default for AdaptiveConfig {
             converge: None,
             sample: Duration::from_millis(10),
             converge_min_run: Duration::from_millis(20),
+            stop_budget: Some(Duration::from_millis(20)),
+            stop_sample: Duration::from_millis(2),
+            stop_floor: 256,
         }
+    }
+}
+
+impl AdaptiveConfig {
+    /// The dirty-page count at which output waiting for an acknowledgement suspends the
+    /// guest (seed 002's vm_stop_threshold), given the measured shipping rate; `None` while
+    /// the rule is off or nothing was measured yet.
+    pub fn stop_threshold(&self, ship_pages_per_s: Option<u64>) -> Option<u64> {
+        let budget = self.stop_budget?;
+        let rate = ship_pages_per_s?;
+        Some(((rate as f64 * budget.as_secs_f64()) as u64).max(self.stop_floor))
     }
 }
 
@@ -111,10 +155,12 @@ pub struct Adaptive {
     cfg: AdaptiveConfig,
     /// The minimum run after the last pause.
     min_run_now: Duration,
-    /// The previous dirty-count sample of this epoch.
-    last_count: Option<u64>,
+    /// The dirty-count sample convergence compares against: when it was taken and the count.
+    last_count: Option<(Duration, u64)>,
     /// Why the last epoch ended (for statistics): output, disk or time.
     pub last_reason: Reason,
+    /// Whether this epoch suspended the guest early.
+    pub suspended: bool,
 }
 
 /// Why an adaptive epoch ended.
@@ -139,7 +185,14 @@ impl Adaptive {
             min_run_now: cfg.min_run,
             last_count: None,
             last_reason: Reason::Time,
+            suspended: false,
         }
+    }
+
+    /// Whether output waits on a checkpoint that cannot start yet (the previous ones are
+    /// not acknowledged): the state in which the stop threshold applies.
+    fn output_blocked(&self, p: &Pending) -> bool {
+        p.output_frames > 0 && p.unacked >= self.cfg.max_unacked
     }
 }
 
@@ -151,6 +204,7 @@ impl Schedule for Adaptive {
         self.min_run_now = self.cfg.min_run.max(share).min(self.cfg.max_wait);
         self.last_reason = Reason::Time;
         self.last_count = None;
+        self.suspended = false;
         self.cfg.max_wait
     }
 
@@ -158,33 +212,61 @@ impl Schedule for Adaptive {
         true
     }
 
-    fn dirty_sample(&self) -> Option<Duration> {
-        self.cfg.converge.map(|_| self.cfg.sample)
+    fn dirty_sample(&self, p: &Pending) -> Option<Duration> {
+        let stop = (self.cfg.stop_budget.is_some()
+            && p.ship_pages_per_s.is_some()
+            && self.output_blocked(p)
+            && !self.suspended)
+            .then_some(self.cfg.stop_sample);
+        let converge = self.cfg.converge.map(|_| self.cfg.sample);
+        match (stop, converge) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
     }
 
-    fn early(&mut self, ran: Duration, p: &Pending) -> bool {
+    fn early(&mut self, ran: Duration, p: &Pending) -> Cut {
         if ran < self.min_run_now {
-            return false;
+            return Cut::Run;
         }
         if p.disk_bytes >= self.cfg.disk_limit {
             self.last_reason = Reason::Disk;
-            return true;
+            return Cut::Checkpoint;
         }
         if p.output_frames > 0 && p.unacked < self.cfg.max_unacked {
             self.last_reason = Reason::Output;
-            return true;
+            return Cut::Checkpoint;
+        }
+        if self.suspended {
+            // Suspended: only the acknowledgement (above) or the longest wait ends it.
+            return Cut::Suspend;
         }
         if let (Some(limit), Some(now)) = (self.cfg.converge, p.dirty_pages) {
-            let before = self.last_count.replace(now);
-            if let Some(before) = before.filter(|&b| b > 0) {
-                let growth = now.saturating_sub(before) as f64 / before as f64;
-                if ran >= self.cfg.converge_min_run && growth < limit {
-                    self.last_reason = Reason::Converged;
-                    return true;
+            // Growth is judged over one convergence sample, even when the stop threshold
+            // samples more often.
+            match self.last_count {
+                Some((at, _)) if ran.saturating_sub(at) < self.cfg.sample => {}
+                before => {
+                    self.last_count = Some((ran, now));
+                    if let Some((_, before)) = before.filter(|&(_, b)| b > 0) {
+                        let growth = now.saturating_sub(before) as f64 / before as f64;
+                        if ran >= self.cfg.converge_min_run && growth < limit {
+                            self.last_reason = Reason::Converged;
+                            return Cut::Checkpoint;
+                        }
+                    }
                 }
             }
         }
-        false
+        if let (Some(limit), Some(now)) =
+            (self.cfg.stop_threshold(p.ship_pages_per_s), p.dirty_pages)
+        {
+            if self.output_blocked(p) && now >= limit {
+                self.suspended = true;
+                return Cut::Suspend;
+            }
+        }
+        Cut::Run
     }
 }
 
@@ -208,23 +290,27 @@ mod tests {
         }
     }
 
+    fn ms(n: u64) -> Duration {
+        Duration::from_millis(n)
+    }
+
     #[test]
     fn output_cuts_the_epoch_once_acked_and_after_the_guests_share() {
         let mut s = Adaptive::new(AdaptiveConfig::default());
-        assert_eq!(s.next_interval(10, &pause(8)), Duration::from_millis(500));
+        assert_eq!(s.next_interval(10, &pause(8)), ms(500));
         let out = Pending {
             output_frames: 3,
             ..Default::default()
         };
         // Not before the guest ran as long as the last pause.
-        assert!(!s.early(Duration::from_millis(5), &out));
-        assert!(s.early(Duration::from_millis(8), &out));
+        assert_eq!(s.early(ms(5), &out), Cut::Run);
+        assert_eq!(s.early(ms(8), &out), Cut::Checkpoint);
         assert_eq!(s.last_reason, Reason::Output);
         // Not while the previous checkpoint is unacknowledged.
         let unacked = Pending { unacked: 1, ..out };
-        assert!(!s.early(Duration::from_millis(50), &unacked));
+        assert_eq!(s.early(ms(50), &unacked), Cut::Run);
         // Nothing waiting: only the longest wait ends the epoch.
-        assert!(!s.early(Duration::from_millis(400), &Pending::default()));
+        assert_eq!(s.early(ms(400), &Pending::default()), Cut::Run);
     }
 
     #[test]
@@ -236,56 +322,120 @@ mod tests {
             unacked: 5,
             ..Default::default()
         };
-        assert!(!s.early(Duration::from_millis(1), &disk), "min_run 2 ms");
-        assert!(s.early(Duration::from_millis(2), &disk));
+        assert_eq!(s.early(ms(1), &disk), Cut::Run, "min_run 2 ms");
+        assert_eq!(s.early(ms(2), &disk), Cut::Checkpoint);
         assert_eq!(s.last_reason, Reason::Disk);
         // A pause longer than max_wait cannot push the minimum run past it.
         s.next_interval(0, &pause(900));
-        assert!(s.early(Duration::from_millis(500), &disk));
+        assert_eq!(s.early(ms(500), &disk), Cut::Checkpoint);
     }
 
     #[test]
     fn a_converged_dirty_set_cuts_the_epoch_after_the_minimum() {
         let cfg = AdaptiveConfig {
             converge: Some(0.05),
+            stop_budget: None,
             ..AdaptiveConfig::default()
         };
         let mut s = Adaptive::new(cfg);
-        assert_eq!(s.dirty_sample(), Some(Duration::from_millis(10)));
+        assert_eq!(s.dirty_sample(&Pending::default()), Some(ms(10)));
         s.next_interval(0, &pause(1));
         let at = |n| Pending {
             dirty_pages: Some(n),
             ..Default::default()
         };
-        let ms = Duration::from_millis;
-        assert!(!s.early(ms(10), &at(100)), "first sample");
-        assert!(!s.early(ms(15), &Pending::default()), "no sample");
-        assert!(!s.early(ms(20), &at(150)), "grew 50 %");
-        assert!(!s.early(ms(30), &at(200)), "grew 33 %");
-        assert!(s.early(ms(40), &at(205)), "grew 2.5 %");
+        assert_eq!(s.early(ms(10), &at(100)), Cut::Run, "first sample");
+        assert_eq!(s.early(ms(15), &Pending::default()), Cut::Run, "no sample");
+        assert_eq!(s.early(ms(20), &at(150)), Cut::Run, "grew 50 %");
+        assert_eq!(s.early(ms(30), &at(200)), Cut::Run, "grew 33 %");
+        assert_eq!(
+            s.early(ms(32), &at(201)),
+            Cut::Run,
+            "closer than one sample"
+        );
+        assert_eq!(s.early(ms(40), &at(205)), Cut::Checkpoint, "grew 2.5 %");
         assert_eq!(s.last_reason, Reason::Converged);
         // Samples do not carry over into the next epoch, nor cut one shorter than the minimum.
         s.next_interval(205, &pause(1));
-        assert!(!s.early(ms(10), &at(300)));
-        assert!(!s.early(ms(15), &at(301)), "before converge_min_run");
-        assert!(s.early(ms(25), &at(302)));
-        // Off by default: no sampling.
+        assert_eq!(s.early(ms(5), &at(300)), Cut::Run);
         assert_eq!(
-            Adaptive::new(AdaptiveConfig::default()).dirty_sample(),
-            None
+            s.early(ms(10), &at(300)),
+            Cut::Run,
+            "closer than one sample"
         );
+        assert_eq!(
+            s.early(ms(15), &at(301)),
+            Cut::Run,
+            "before converge_min_run"
+        );
+        assert_eq!(
+            s.early(ms(20), &at(301)),
+            Cut::Run,
+            "closer than one sample"
+        );
+        assert_eq!(s.early(ms(25), &at(302)), Cut::Checkpoint);
+        // Off by default: no sampling without waiting output.
+        let d = Adaptive::new(AdaptiveConfig::default());
+        assert_eq!(d.dirty_sample(&Pending::default()), None);
+    }
+
+    #[test]
+    fn the_stop_threshold_suspends_until_the_ack_then_checkpoints() {
+        let cfg = AdaptiveConfig::default();
+        // 50 000 pages/s × 20 ms = 1 000 pages; never below the floor.
+        assert_eq!(cfg.stop_threshold(Some(50_000)), Some(1000));
+        assert_eq!(cfg.stop_threshold(Some(10)), Some(256));
+        assert_eq!(cfg.stop_threshold(None), None);
+        let mut s = Adaptive::new(cfg);
+        s.next_interval(0, &pause(1));
+        let blocked = |dirty| Pending {
+            output_frames: 2,
+            unacked: 1,
+            dirty_pages: dirty,
+            ship_pages_per_s: Some(50_000),
+            ..Default::default()
+        };
+        // Sampled only while output waits on an unacknowledged checkpoint.
+        assert_eq!(s.dirty_sample(&blocked(None)), Some(ms(2)));
+        let unblocked = Pending {
+            unacked: 0,
+            ..blocked(None)
+        };
+        assert_eq!(s.dirty_sample(&unblocked), None);
+        assert_eq!(s.early(ms(3), &blocked(Some(999))), Cut::Run);
+        assert_eq!(s.early(ms(4), &blocked(None)), Cut::Run);
+        assert_eq!(s.early(ms(5), &blocked(Some(1000))), Cut::Suspend);
+        assert!(s.suspended);
+        // Suspended: no more sampling; stays so until the acknowledgement.
+        assert_eq!(s.dirty_sample(&blocked(None)), None);
+        assert_eq!(s.early(ms(9), &blocked(None)), Cut::Suspend);
+        assert_eq!(s.early(ms(12), &unblocked), Cut::Checkpoint);
+        assert_eq!(s.last_reason, Reason::Output);
+        s.next_interval(1000, &pause(1));
+        assert!(!s.suspended);
+        // Without a measured rate, or with the rule off, nothing suspends.
+        let no_rate = Pending {
+            ship_pages_per_s: None,
+            ..blocked(Some(1 << 20))
+        };
+        assert_eq!(s.early(ms(5), &no_rate), Cut::Run);
+        let mut off = Adaptive::new(AdaptiveConfig {
+            stop_budget: None,
+            ..cfg
+        });
+        off.next_interval(0, &pause(1));
+        assert_eq!(off.dirty_sample(&blocked(None)), None);
+        assert_eq!(off.early(ms(5), &blocked(Some(1 << 20))), Cut::Run);
     }
 
     #[test]
     fn fixed_never_polls() {
-        let mut f = Fixed(Duration::from_millis(100));
+        let mut f = Fixed(ms(100));
         assert!(!f.polls());
-        assert!(!f.early(
-            Duration::from_secs(9),
-            &Pending {
-                output_frames: 9,
-                ..Default::default()
-            }
-        ));
+        let out = Pending {
+            output_frames: 9,
+            ..Default::default()
+        };
+        assert_eq!(f.early(Duration::from_secs(9), &out), Cut::Run);
     }
 }

@@ -145,6 +145,8 @@ pub struct Vm {
     pub(crate) mirror_health: crate::mirror::MirrorHealth,
     pub(crate) devstate: devstate::Capturer,
     pub(crate) last_devstate: Option<devstate::Method>,
+    /// Stopped ahead of the next pause (early suspend): that pause skips its `stop`.
+    pub(crate) suspended: bool,
 }
 
 impl Vm {
@@ -270,6 +272,7 @@ impl Vm {
             mirror_health: Default::default(),
             devstate,
             last_devstate: None,
+            suspended: false,
         };
         devstate::prepare(&mut vm.qmp)?;
         vm.dirty = match mode {
@@ -385,6 +388,8 @@ impl Vm {
 
     /// Resumes the guest (QMP `cont`).
     pub fn cont(&mut self) -> Result<(), VmError> {
+        // Whatever stopped it, the guest runs now: the next pause must stop it itself.
+        self.suspended = false;
         self.qmp.execute("cont", None)?;
         Ok(())
     }

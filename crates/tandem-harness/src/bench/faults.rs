@@ -98,6 +98,7 @@ impl Soak<'_> {
             schedule: "fixed".into(),
             run_per_pause: 1.0,
             converge_pct: None,
+            stop_budget_ms: None,
             timeout_ms: 1000,
             codec: "tandem".into(),
             conns: 8,

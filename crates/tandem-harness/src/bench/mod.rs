@@ -56,8 +56,9 @@ pub struct Args {
     /// Epoch lengths in ms (--lab default: 25,100,500; --replication default: 25,100).
     #[arg(long, value_delimiter = ',')]
     pub epochs_ms: Vec<u64>,
-    /// --replication: the primary's schedules to compare (fixed, adaptive; default fixed).
-    /// With adaptive, each epoch length is its longest epoch.
+    /// --replication: the primary's schedules to compare (fixed, adaptive, adaptive-nostop =
+    /// adaptive without its stop threshold; default fixed). With adaptive, each epoch length
+    /// is its longest epoch.
     #[arg(long, value_delimiter = ',')]
     pub schedules: Vec<String>,
     /// --replication with the adaptive schedule: the primary's `--run-per-pause`.
@@ -70,6 +71,18 @@ pub struct Args {
     /// --replication with the adaptive schedule: the primary's `--converge-pct`.
     #[arg(long)]
     pub converge_pct: Option<f64>,
+    /// --replication with the adaptive schedule: the primary's `--stop-budget-ms` (default:
+    /// the primary's).
+    #[arg(long)]
+    pub stop_budget_ms: Option<u64>,
+    /// --replication: the kv client axis, `latency` (--latency-conns connections, one request
+    /// in flight each) and/or `pipelined` (--conns × --batch). Default: one client,
+    /// --conns × --batch.
+    #[arg(long, value_delimiter = ',')]
+    pub clients: Vec<String>,
+    /// Connections of the `latency` client.
+    #[arg(long, default_value_t = 16)]
+    pub latency_conns: usize,
     /// With --replication: the link axis, `plain` and/or `tls` (mutual TLS with lab keys).
     #[arg(long, value_delimiter = ',')]
     pub links: Vec<String>,

@@ -14,7 +14,14 @@ const COLORS: &[&str] = &[
 ];
 
 fn label(r: &RoundResult) -> String {
-    format!("{} {} {} ms", r.workload, r.schedule, r.epoch_ms)
+    if r.workload == "kv" {
+        format!(
+            "{} {} {} ms, client {}",
+            r.workload, r.schedule, r.epoch_ms, r.client
+        )
+    } else {
+        format!("{} {} {} ms", r.workload, r.schedule, r.epoch_ms)
+    }
 }
 
 fn esc(s: &str) -> String {
@@ -109,7 +116,7 @@ fn timeline(r: &RoundResult) -> Option<String> {
     }
     type Series = (&'static str, fn(&crate::demo::round::EpochPoint) -> f64);
     let series: [Series; 4] = [
-        ("pause ms", |e| e.pause_ms),
+        ("pause + early suspend ms", |e| e.pause_ms + e.suspended_ms),
         ("dirty pages", |e| e.dirty_pages as f64),
         ("KiB sent", |e| e.sent_bytes as f64 / 1024.0),
         ("frames held", |e| e.held_frames as f64),
@@ -165,10 +172,11 @@ pub fn html(rows: &[RoundResult], command: &str) -> String {
     for r in rows {
         let _ = write!(
             s,
-            "<h2>Epoch timeline: {}</h2><p>pause p50 {:.1} ms, {:.0} % of the time paused; {} epochs</p>",
+            "<h2>Epoch timeline: {}</h2><p>pause p50 {:.1} ms, {:.0} % of the time paused, {:.1} % suspended early; {} epochs</p>",
             esc(&label(r)),
             r.pause_ms_p50,
             r.pause_share * 100.0,
+            r.suspend_share * 100.0,
             r.epochs_acked
         );
         if let Some(svg) = timeline(r) {

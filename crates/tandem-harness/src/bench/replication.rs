@@ -45,12 +45,10 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     {
         anyhow::bail!("--links {l:?}: use plain and/or tls");
     }
-    if let Some(s) = schedules
-        .iter()
-        .find(|s| !["fixed", "adaptive"].contains(&s.as_str()))
-    {
-        anyhow::bail!("--schedules {s:?}: use fixed and/or adaptive");
+    if let Some(s) = schedules.iter().find(|s| !SCHEDULES.contains(&s.as_str())) {
+        anyhow::bail!("--schedules {s:?}: use any of {}", SCHEDULES.join(", "));
     }
+    let clients = clients(a)?;
     let exe = std::env::current_exe().context("locating the tandem binary")?;
     let lab = NetLab::create(&format!("tb{}", std::process::id() % 100_000), a.rate_mbit)
         .context("creating the network lab (needs root)")?;
@@ -71,8 +69,22 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         .flat_map(|(s, ms)| links.iter().map(move |l| (s, ms, l)))
         .collect();
     for w in &workloads {
-        for &(schedule, ms, link) in &axes {
+        // The client axis applies to kv (the other workloads bring their own load).
+        let clients = if w == "kv" {
+            &clients[..]
+        } else {
+            &clients[..1]
+        };
+        for (&(schedule, ms, link), &(conns, batch)) in axes
+            .iter()
+            .flat_map(|x| clients.iter().map(move |c| (x, c)))
+        {
             n += 1;
+            // `adaptive-nostop`: the adaptive schedule without its stop threshold.
+            let (sched, stop) = match schedule.as_str() {
+                "adaptive-nostop" => ("adaptive", Some(0)),
+                s => (s, a.stop_budget_ms),
+            };
             let o = Opts {
                 exe: exe.clone(),
                 workload: w.clone(),
@@ -80,13 +92,14 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
                 dir: dir.path().to_path_buf(),
                 mem: a.mem,
                 epoch_ms: ms,
-                schedule: schedule.clone(),
+                schedule: sched.into(),
                 run_per_pause: a.run_per_pause,
                 converge_pct: a.converge_pct,
+                stop_budget_ms: stop,
                 timeout_ms: 1000,
                 codec: "tandem".into(),
-                conns: a.conns,
-                batch: a.batch,
+                conns,
+                batch,
                 before: Duration::from_secs(a.seconds),
                 after: Duration::from_secs(a.seconds),
                 stall_epoch: None,
@@ -97,8 +110,9 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
                 vm_id: 1,
                 tls_dir: (link == "tls").then(|| keys.clone()),
             };
-            let r = round::run(n, &o, &pb)
+            let mut r = round::run(n, &o, &pb)
                 .with_context(|| format!("{w}, {schedule} schedule at {ms} ms"))?;
+            r.schedule.clone_from(schedule);
             crate::demo::say(&pb, line(&r));
             rows.push(r);
         }
@@ -124,6 +138,26 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The primary schedules `--schedules` takes.
+const SCHEDULES: &[&str] = &["fixed", "adaptive", "adaptive-nostop"];
+
+/// The kv client axis as (connections, requests in flight each): `latency` is
+/// `--latency-conns` connections with one request in flight, `pipelined` is `--conns` ×
+/// `--batch`; without `--clients`, the one client `--conns` × `--batch`.
+fn clients(a: &Args) -> anyhow::Result<Vec<(usize, usize)>> {
+    if a.clients.is_empty() {
+        return Ok(vec![(a.conns, a.batch)]);
+    }
+    a.clients
+        .iter()
+        .map(|c| match c.as_str() {
+            "latency" => Ok((a.latency_conns.max(1), 1)),
+            "pipelined" => Ok((a.conns.max(1), a.batch.max(1))),
+            other => anyhow::bail!("--clients {other:?}: use latency and/or pipelined"),
+        })
+        .collect()
+}
+
 fn line(r: &RoundResult) -> String {
     let thr = match (r.rate_replicated, r.rate_after_failover) {
         (Some(x), Some(y)) => {
@@ -145,10 +179,11 @@ fn line(r: &RoundResult) -> String {
         )
     };
     format!(
-        "{:<8} {:>8} {:>3} ms{} | {thr}{lat} | link {:.2} MiB vs Remus {:.1} MiB ({:.3}x) | pause p50 {:.1} ms p99 {:.1} ms ({:.0} % of the time) | failover {:.0} ms after kill ({:.0} detection + {:.1} resume)",
+        "{:<8} {:>15} {:>3} ms {:>6}{} | {thr}{lat} | link {:.2} MiB vs Remus {:.1} MiB ({:.3}x) | pause p50 {:.1} ms p99 {:.1} ms ({:.0} % of the time{}) | failover {:.0} ms after kill ({:.0} detection + {:.1} resume)",
         r.workload,
         r.schedule,
         r.epoch_ms,
+        if r.workload == "kv" { r.client.as_str() } else { "" },
         if r.tls { " TLS" } else { "" },
         r.sent_mib,
         r.raw_mib,
@@ -156,6 +191,11 @@ fn line(r: &RoundResult) -> String {
         r.pause_ms_p50,
         r.pause_ms_p99,
         100.0 * r.pause_share,
+        if r.suspend_share > 0.0 {
+            format!(" + {:.1} % suspended", 100.0 * r.suspend_share)
+        } else {
+            String::new()
+        },
         r.kill_to_running_ms,
         r.detection_ms,
         r.resume_after_detection_ms

@@ -185,6 +185,9 @@ impl<'a> Ctx<'a> {
         if let Some(e) = o.stall_epoch {
             pargs.extend(["--fault-stall-epoch".into(), e.to_string()]);
         }
+        if let Some(ms) = o.stop_budget_ms {
+            pargs.extend(["--stop-budget-ms".into(), ms.to_string()]);
+        }
         common(o, &mut pargs);
         self.pb.set_message(format!(
             "round {round}: booting the primary guest (redis) and copying it to the backup"
@@ -457,6 +460,7 @@ impl<'a> Ctx<'a> {
             round: self.round,
             workload: o.workload.clone(),
             schedule: o.schedule.clone(),
+            client: format!("{}x{}", o.conns, o.batch),
             tls: o.tls_dir.is_some(),
             epoch_ms: o.epoch_ms,
             kill_point: match o.stall_epoch {
@@ -475,6 +479,7 @@ impl<'a> Ctx<'a> {
             pause_ms_p50: quantile(&ep.pauses, 0.5),
             pause_ms_p99: quantile(&ep.pauses, 0.99),
             pause_share: ep.pauses.iter().sum::<f64>() / 1000.0 / tl.replicated_s.max(1e-3),
+            suspend_share: ep.suspended_ms / 1000.0 / tl.replicated_s.max(1e-3),
             unit: g.unit.into(),
             rate_replicated: g.rate_replicated,
             rate_after_failover: g.rate_after,

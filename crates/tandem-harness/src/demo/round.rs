@@ -30,6 +30,8 @@ pub struct Opts<'a> {
     pub run_per_pause: f64,
     /// The primary's `--converge-pct` (adaptive schedule), if any.
     pub converge_pct: Option<f64>,
+    /// The primary's `--stop-budget-ms` (adaptive schedule; `None`: its default).
+    pub stop_budget_ms: Option<u64>,
     pub timeout_ms: u64,
     pub codec: String,
     pub conns: usize,
@@ -62,6 +64,8 @@ pub struct RoundResult {
     pub round: usize,
     pub workload: String,
     pub schedule: String,
+    /// The kv client: connections × requests in flight per connection.
+    pub client: String,
     /// Whether the replication link used mutual TLS.
     pub tls: bool,
     pub epoch_ms: u64,
@@ -74,6 +78,9 @@ pub struct RoundResult {
     pub pause_ms_p99: f64,
     /// Share of the replicated phase the guest spent paused for checkpoints.
     pub pause_share: f64,
+    /// Share of the replicated phase the guest spent suspended early (the adaptive
+    /// schedule's stop threshold), on top of `pause_share`.
+    pub suspend_share: f64,
     /// Guest throughput unit: client `ops` (kv), sqlite `txns`, compiled `objs`; none for idle.
     pub unit: String,
     /// Throughput per second while replicated, and on the backup after failover (unprotected,
@@ -140,6 +147,8 @@ pub(crate) struct Epochs {
     pub raw: u64,
     pub sent: u64,
     pub pauses: Vec<f64>,
+    /// Milliseconds the guest was suspended early, summed.
+    pub suspended_ms: f64,
     pub points: Vec<EpochPoint>,
 }
 
@@ -156,6 +165,8 @@ pub struct EpochPoint {
     pub sent_bytes: u64,
     /// Guest frames held when it was sealed.
     pub held_frames: u64,
+    /// Early suspend before the pause, ms.
+    pub suspended_ms: f64,
 }
 
 impl Epochs {
@@ -179,12 +190,14 @@ impl Epochs {
                 self.raw += g("raw_bytes");
                 self.sent += g("sent_bytes");
                 self.pauses.push(g("pause_us") as f64 / 1000.0);
+                self.suspended_ms += g("suspended_us") as f64 / 1000.0;
                 self.points.push(EpochPoint {
                     epoch: g("epoch"),
                     pause_ms: g("pause_us") as f64 / 1000.0,
                     dirty_pages: g("dirty_pages"),
                     sent_bytes: g("sent_bytes"),
                     held_frames: g("held_frames"),
+                    suspended_ms: g("suspended_us") as f64 / 1000.0,
                 });
             }
         }

@@ -72,6 +72,9 @@ pub enum Out {
 }
 
 /// State shared by the session's threads.
+/// Smallest epoch (dirty pages) that updates the shipping rate.
+pub const RATE_MIN_PAGES: u64 = 32;
+
 pub struct Shared {
     pub acks: Mutex<Acks>,
     /// The link broke, or the backup misbehaved: end the session.
@@ -85,6 +88,10 @@ pub struct Shared {
     pub progress: AtomicU64,
     /// Metrics of the epochs sent and not yet acknowledged (written out at their ack).
     pub pending: Mutex<std::collections::VecDeque<EpochMetrics>>,
+    /// Dirty pages shipped per second end to end (encode to acknowledgement), a moving
+    /// average over acknowledged epochs; 0 before the first. The adaptive schedule's stop
+    /// threshold derives from it (seed 002's bandwidth_approx).
+    pub ship_rate: AtomicU64,
 }
 
 impl Shared {
@@ -97,7 +104,30 @@ impl Shared {
             fenced_at: AtomicU64::new(0),
             progress: AtomicU64::new(progress),
             pending: Mutex::default(),
+            ship_rate: AtomicU64::new(0),
         }
+    }
+
+    /// Folds one acknowledged epoch into the shipping rate: `pages` dirty pages took `us`
+    /// from the start of their encoding to their acknowledgement. Epochs of fewer than
+    /// [`RATE_MIN_PAGES`] pages are skipped: their time is the link's round trip, not a rate.
+    pub fn observe_ship(&self, pages: u64, us: u64) {
+        if pages < RATE_MIN_PAGES || us == 0 {
+            return;
+        }
+        let sample = pages.saturating_mul(1_000_000) / us;
+        let old = self.ship_rate.load(Ordering::Relaxed);
+        let new = if old == 0 {
+            sample
+        } else {
+            (old * 3 + sample) / 4
+        };
+        self.ship_rate.store(new.max(1), Ordering::Relaxed);
+    }
+
+    /// The shipping rate in pages per second, once measured.
+    pub fn ship_rate(&self) -> Option<u64> {
+        Some(self.ship_rate.load(Ordering::Relaxed)).filter(|&r| r > 0)
     }
 
     pub fn acks(&self) -> std::sync::MutexGuard<'_, Acks> {

@@ -334,6 +334,7 @@ impl Daemon<'_> {
             epoch: seq,
             at: Duration::ZERO,
             timing,
+            suspended: Duration::ZERO,
             pfns: &pfns,
             pages: &pages,
             device_state: &dev,
@@ -437,6 +438,7 @@ fn record_acked(
         };
         m.ack_latency_us = Some(us);
         m.released_frames = released;
+        shared.observe_ship(m.dirty_pages, m.encode_us.saturating_add(us));
         let Some(out) = g.as_mut() else { continue };
         let r = serde_json::to_writer(&mut *out, &m)
             .map_err(std::io::Error::other)

@@ -42,6 +42,7 @@ impl EpochSink for LinkSink<'_> {
             unacked: self.st.shared.pending().len() as u64,
             disk_bytes: self.st.site.disk_log_bytes(),
             dirty_pages: None,
+            ship_pages_per_s: self.st.shared.ship_rate(),
         }
     }
 
@@ -157,6 +158,7 @@ impl Step<'_> {
             epoch: seq,
             pause: tm,
             pause_us: tm.total_us(),
+            suspended_us: cp.suspended.as_micros() as u64,
             dirty_pages: cp.pfns.len() as u64,
             raw_bytes: sizes.raw,
             sent_bytes: sizes.sent,

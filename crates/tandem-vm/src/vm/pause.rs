@@ -54,7 +54,10 @@ impl Vm {
         let mut t = PauseTiming::default();
         let us = |i: Instant| i.elapsed().as_micros().min(u32::MAX as u128) as u32;
         let s = Instant::now();
-        self.stop()?;
+        // An early-suspended guest is stopped already.
+        if !std::mem::take(&mut self.suspended) {
+            self.stop()?;
+        }
         // Block I/O is drained now: a failed disk mirror has reported itself (and the queue of
         // STOP/RESUME events is emptied every epoch).
         self.check_mirror_events();
@@ -121,6 +124,12 @@ impl crate::epoch::Guest for Vm {
     ) -> Result<PauseTiming, VmError> {
         self.pause_and_capture(dirty, pages, device_state, boundary, cont)
             .map_err(|e| self.explain(e))
+    }
+
+    fn suspend(&mut self) -> Result<bool, VmError> {
+        self.stop().map_err(|e| self.explain(e))?;
+        self.suspended = true;
+        Ok(true)
     }
 
     fn dirty_count(&mut self) -> Option<u64> {
