@@ -12,6 +12,12 @@
 
 use crate::tap::{ip, TapError};
 
+/// The clients' bridge's own (fixed) MAC address.
+pub const BRIDGE_MAC: &str = "02:74:64:00:00:01";
+
+/// The etcd segment's bridge's own (fixed) MAC address.
+pub const ETCD_BRIDGE_MAC: &str = "02:74:64:00:00:02";
+
 /// Guest address on the clients' bridge.
 pub const GUEST_IP: &str = "10.77.0.2";
 /// Guest address with prefix length, for the guest's kernel command line.
@@ -117,6 +123,12 @@ impl NetLab {
                 "0",
             ],
         )?;
+        // A fixed address: a Linux bridge whose address was not set takes the lowest of its
+        // ports' addresses, so the primary's tap leaving (its host dies) would change the
+        // clients' MAC under the resumed guest, which keeps sending to the old one until its
+        // neighbour entry expires (a 10+ s stall of every connection; libvirt pins its
+        // bridges' addresses for the same reason).
+        ip(c, &["link", "set", BRIDGE, "address", BRIDGE_MAC])?;
         ip(c, &["addr", "add", "10.77.0.1/24", "dev", BRIDGE])?;
         ip(c, &["link", "set", BRIDGE, "up"])?;
         ip(
@@ -196,6 +208,8 @@ impl NetLab {
                 "0",
             ],
         )?;
+        // Pinned like the clients' bridge (see there).
+        ip(e, &["link", "set", "ebr0", "address", ETCD_BRIDGE_MAC])?;
         ip(e, &["addr", "add", "10.79.0.1/24", "dev", "ebr0"])?;
         for a in ETCD_IPS {
             ip(e, &["addr", "add", &format!("{a}/24"), "dev", "ebr0"])?;

@@ -304,3 +304,55 @@ fn a_closed_gate_keeps_released_epochs_held_and_drops_passing_frames() {
     let n = world.recv(&mut buf).unwrap();
     assert_eq!(&buf[..n], &frame(6)[..]);
 }
+
+#[test]
+fn the_clients_bridge_keeps_its_address_when_a_port_leaves() {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc_geteuid() } != 0 {
+        panic!("this test needs root (network namespaces); CI runs as root");
+    }
+    let lab = NetLab::create(&format!("tm{}", std::process::id() % 100_000), 0).unwrap();
+    let ip = |args: &[&str]| {
+        let out = std::process::Command::new("ip")
+            .args(["-n", &lab.clients])
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "ip {args:?}: {out:?}");
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let mac = || {
+        let show = ip(&["link", "show", tandem_net::lab::BRIDGE]);
+        show.split("link/ether ")
+            .nth(1)
+            .and_then(|r| r.split_whitespace().next())
+            .unwrap_or_default()
+            .to_string()
+    };
+    assert_eq!(mac(), tandem_net::lab::BRIDGE_MAC);
+    // A port with the lowest address there is (as a host's tap may have), then gone: an
+    // unpinned bridge would take its address and then change it again under the guests.
+    ip(&[
+        "link",
+        "add",
+        "lowp",
+        "address",
+        "00:00:00:00:00:01",
+        "type",
+        "veth",
+        "peer",
+        "name",
+        "lowq",
+    ]);
+    ip(&[
+        "link",
+        "set",
+        "lowp",
+        "master",
+        tandem_net::lab::BRIDGE,
+        "up",
+    ]);
+    assert_eq!(mac(), tandem_net::lab::BRIDGE_MAC);
+    ip(&["link", "del", "lowp"]);
+    assert_eq!(mac(), tandem_net::lab::BRIDGE_MAC);
+}
