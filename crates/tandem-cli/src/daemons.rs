@@ -150,6 +150,11 @@ pub struct PrimaryArgs {
     /// (encode to acknowledgement, measured) in this many ms; 0: off.
     #[arg(long, default_value_t = 20)]
     pub stop_budget_ms: u64,
+    /// How device state is captured after the first checkpoint: `xen-save` (QMP
+    /// `xen-save-devices-state`, framed as a migration stream; falls back to `migrate` by
+    /// itself if QEMU refuses it) or `migrate` (always a full migration to a pipe).
+    #[arg(long, default_value = "xen-save", value_parser = ["xen-save", "migrate"])]
+    pub devstate: String,
     /// For benchmarks: end protection and shut the guest down after this many seconds
     /// (default: run until stopped).
     #[arg(long)]
@@ -368,6 +373,7 @@ pub fn primary(a: PrimaryArgs) -> anyhow::Result<()> {
             stop_budget: (a.stop_budget_ms > 0).then(|| ms(a.stop_budget_ms)),
             ..AdaptiveConfig::default()
         }),
+        fast_devstate: a.devstate == "xen-save",
         duration: a.duration.map(Duration::from_secs),
         codec: a.codec,
         vm_id: a.vm_id,

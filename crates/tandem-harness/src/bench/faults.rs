@@ -99,6 +99,7 @@ impl Soak<'_> {
             run_per_pause: 1.0,
             converge_pct: None,
             stop_budget_ms: None,
+            devstate: None,
             timeout_ms: 1000,
             codec: "tandem".into(),
             conns: 8,

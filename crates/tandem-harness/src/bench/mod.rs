@@ -99,7 +99,8 @@ pub struct Args {
     #[arg(long, default_value_t = 200)]
     pub interval: u64,
     /// --lab: device-state capture paths to compare, `migrate` and/or `xen-save` (default
-    /// both, side by side at every epoch length).
+    /// both, side by side at every epoch length). --replication: the primary's `--devstate`
+    /// as an axis (default: the primary's, xen-save).
     #[arg(long, value_delimiter = ',')]
     pub devstate: Vec<String>,
     /// Replication link rate in Mbit/s for --replication (0 = unlimited).

@@ -14,14 +14,14 @@ const COLORS: &[&str] = &[
 ];
 
 fn label(r: &RoundResult) -> String {
+    let mut l = format!("{} {} {} ms", r.workload, r.schedule, r.epoch_ms);
     if r.workload == "kv" {
-        format!(
-            "{} {} {} ms, client {}",
-            r.workload, r.schedule, r.epoch_ms, r.client
-        )
-    } else {
-        format!("{} {} {} ms", r.workload, r.schedule, r.epoch_ms)
+        l += &format!(", client {}", r.client);
     }
+    if r.devstate == "migrate" {
+        l += ", devstate migrate";
+    }
+    l
 }
 
 fn esc(s: &str) -> String {

@@ -49,6 +49,18 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         anyhow::bail!("--schedules {s:?}: use any of {}", SCHEDULES.join(", "));
     }
     let clients = clients(a)?;
+    let devstates: Vec<Option<String>> = if a.devstate.is_empty() {
+        vec![None]
+    } else {
+        a.devstate.iter().cloned().map(Some).collect()
+    };
+    if let Some(d) = a
+        .devstate
+        .iter()
+        .find(|d| !["migrate", "xen-save"].contains(&d.as_str()))
+    {
+        anyhow::bail!("--devstate {d:?}: use migrate and/or xen-save");
+    }
     let exe = std::env::current_exe().context("locating the tandem binary")?;
     let lab = NetLab::create(&format!("tb{}", std::process::id() % 100_000), a.rate_mbit)
         .context("creating the network lab (needs root)")?;
@@ -63,10 +75,11 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     if links.iter().any(|l| l == "tls") {
         tandem_protect::tls::generate(&keys, &[tandem_net::lab::BACKUP_IP.to_string()])?;
     }
-    let axes: Vec<(&String, u64, &String)> = schedules
+    let axes: Vec<(&String, u64, &String, &Option<String>)> = schedules
         .iter()
         .flat_map(|s| epochs.iter().map(move |&ms| (s, ms)))
         .flat_map(|(s, ms)| links.iter().map(move |l| (s, ms, l)))
+        .flat_map(|(s, ms, l)| devstates.iter().map(move |d| (s, ms, l, d)))
         .collect();
     for w in &workloads {
         // The client axis applies to kv (the other workloads bring their own load).
@@ -75,7 +88,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         } else {
             &clients[..1]
         };
-        for (&(schedule, ms, link), &(conns, batch)) in axes
+        for (&(schedule, ms, link, devstate), &(conns, batch)) in axes
             .iter()
             .flat_map(|x| clients.iter().map(move |c| (x, c)))
         {
@@ -96,6 +109,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
                 run_per_pause: a.run_per_pause,
                 converge_pct: a.converge_pct,
                 stop_budget_ms: stop,
+                devstate: devstate.clone(),
                 timeout_ms: 1000,
                 codec: "tandem".into(),
                 conns,
@@ -179,12 +193,17 @@ fn line(r: &RoundResult) -> String {
         )
     };
     format!(
-        "{:<8} {:>15} {:>3} ms {:>6}{} | {thr}{lat} | link {:.2} MiB vs Remus {:.1} MiB ({:.3}x) | pause p50 {:.1} ms p99 {:.1} ms ({:.0} % of the time{}) | failover {:.0} ms after kill ({:.0} detection + {:.1} resume)",
+        "{:<8} {:>15} {:>3} ms {:>6}{}{} | {thr}{lat} | link {:.2} MiB vs Remus {:.1} MiB ({:.3}x) | pause p50 {:.1} ms p99 {:.1} ms ({:.0} % of the time{}) | failover {:.0} ms after kill ({:.0} detection + {:.1} resume)",
         r.workload,
         r.schedule,
         r.epoch_ms,
         if r.workload == "kv" { r.client.as_str() } else { "" },
         if r.tls { " TLS" } else { "" },
+        if r.devstate == "migrate" {
+            " devstate migrate"
+        } else {
+            ""
+        },
         r.sent_mib,
         r.raw_mib,
         r.sent_over_raw,

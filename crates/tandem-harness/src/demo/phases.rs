@@ -188,6 +188,9 @@ impl<'a> Ctx<'a> {
         if let Some(ms) = o.stop_budget_ms {
             pargs.extend(["--stop-budget-ms".into(), ms.to_string()]);
         }
+        if let Some(d) = &o.devstate {
+            pargs.extend(["--devstate".into(), d.clone()]);
+        }
         common(o, &mut pargs);
         self.pb.set_message(format!(
             "round {round}: booting the primary guest (redis) and copying it to the backup"
@@ -461,6 +464,7 @@ impl<'a> Ctx<'a> {
             workload: o.workload.clone(),
             schedule: o.schedule.clone(),
             client: format!("{}x{}", o.conns, o.batch),
+            devstate: o.devstate.clone().unwrap_or_else(|| "xen-save".into()),
             tls: o.tls_dir.is_some(),
             epoch_ms: o.epoch_ms,
             kill_point: match o.stall_epoch {

@@ -32,6 +32,8 @@ pub struct Opts<'a> {
     pub converge_pct: Option<f64>,
     /// The primary's `--stop-budget-ms` (adaptive schedule; `None`: its default).
     pub stop_budget_ms: Option<u64>,
+    /// The primary's `--devstate` (`None`: its default, xen-save).
+    pub devstate: Option<String>,
     pub timeout_ms: u64,
     pub codec: String,
     pub conns: usize,
@@ -66,6 +68,8 @@ pub struct RoundResult {
     pub schedule: String,
     /// The kv client: connections × requests in flight per connection.
     pub client: String,
+    /// The primary's device-state path (`--devstate`).
+    pub devstate: String,
     /// Whether the replication link used mutual TLS.
     pub tls: bool,
     pub epoch_ms: u64,

@@ -49,6 +49,9 @@ pub struct PrimaryConfig {
     pub epoch: Duration,
     /// Schedule checkpoints adaptively (seed 002, docs/SCHEDULING.md) instead of every `epoch`.
     pub adaptive: Option<tandem_vm::schedule::AdaptiveConfig>,
+    /// Capture device state through `xen-save-devices-state` after the first checkpoint
+    /// (default; docs/VM_LAB.md, "The fast path"); false: always through `migrate`.
+    pub fast_devstate: bool,
     /// For benchmarks: end protection and shut the guest down after this long.
     pub duration: Option<Duration>,
     /// Memory codec.
@@ -94,6 +97,7 @@ impl PrimaryConfig {
             dir: None,
             epoch: Duration::from_millis(100),
             adaptive: None,
+            fast_devstate: true,
             duration: None,
             codec: Codec::Tandem,
             vm_id: 1,
@@ -232,6 +236,7 @@ pub fn run_in(cfg: &PrimaryConfig, fe: &Frontend, status: Status) -> Result<Ende
         Some(f) => Some(fence::Fencing::acquire(f.clone(), &site, status.clone())?),
         None => None,
     };
+    vmc.fast_devstate = cfg.fast_devstate;
     let (vm, ready, load) = boot(&vmc, cfg.load.as_ref())?;
     status.info(format!(
         "guest ready in {:.1} s, QEMU pid {}, network {}, replicated disk {} MiB",
