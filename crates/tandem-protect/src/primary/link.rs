@@ -71,10 +71,10 @@ pub enum Out {
     Control(Frame),
 }
 
-/// State shared by the session's threads.
 /// Smallest epoch (dirty pages) that updates the shipping rate.
 pub const RATE_MIN_PAGES: u64 = 32;
 
+/// State shared by the session's threads.
 pub struct Shared {
     pub acks: Mutex<Acks>,
     /// The link broke, or the backup misbehaved: end the session.
@@ -233,5 +233,23 @@ fn stall(w: &mut impl Write, f: &Frame, status: &Status) -> ! {
     ));
     loop {
         std::thread::sleep(Duration::from_secs(3600));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_shipping_rate_averages_epochs_and_ignores_tiny_ones() {
+        let s = Shared::new(Acks::new(1, 0), 0);
+        assert_eq!(s.ship_rate(), None);
+        s.observe_ship(10, 1_000); // below RATE_MIN_PAGES: a round trip, not a rate
+        s.observe_ship(1_000, 0);
+        assert_eq!(s.ship_rate(), None);
+        s.observe_ship(1_000, 10_000); // 100 000 pages/s
+        assert_eq!(s.ship_rate(), Some(100_000));
+        s.observe_ship(1_000, 50_000); // 20 000 pages/s: ¾ old + ¼ new
+        assert_eq!(s.ship_rate(), Some(80_000));
     }
 }
