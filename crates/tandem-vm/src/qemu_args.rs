@@ -38,6 +38,9 @@ pub fn qemu_args(
         "none".into(),
         "-S".into(),
     ];
+    if config.legacy_virtio {
+        a.extend(["-global".into(), "virtio-pci.disable-modern=on".into()]);
+    }
     if let Boot::Kernel {
         kernel,
         initrd,
@@ -197,6 +200,10 @@ mod tests {
             assert!(a.contains(want), "{want} missing from {a}");
         }
         assert!(a.ends_with("-rtc base=utc"), "{a}");
+        assert!(
+            !a.contains("disable-modern"),
+            "a described VM keeps its devices"
+        );
         assert!(!a.contains("-kernel"));
     }
 
@@ -212,6 +219,7 @@ mod tests {
             "user,id=n0,hostfwd=tcp:127.0.0.1:6000-10.0.2.15:6379",
             "virtio-net-pci,netdev=n0,mac=52:54:00:12:34:56",
             "-incoming defer",
+            "-global virtio-pci.disable-modern=on",
         ] {
             assert!(a.contains(want), "{want} missing from {a}");
         }

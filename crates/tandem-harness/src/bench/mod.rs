@@ -103,6 +103,10 @@ pub struct Args {
     /// as an axis (default: the primary's, xen-save).
     #[arg(long, value_delimiter = ',')]
     pub devstate: Vec<String>,
+    /// --lab: the guest's virtio-pci mode, `legacy` (the lab guest's default: a much smaller
+    /// device state) and/or `modern` (QEMU's default), each a fresh boot.
+    #[arg(long, value_delimiter = ',')]
+    pub virtio: Vec<String>,
     /// Replication link rate in Mbit/s for --replication (0 = unlimited).
     #[arg(long, default_value_t = 1000)]
     pub rate_mbit: u64,
@@ -143,6 +147,8 @@ struct Row {
     epoch_ms: u64,
     /// Device-state path: migrate or xen-save.
     devstate: String,
+    /// virtio-pci mode of the guest's devices: legacy (the lab default) or modern.
+    virtio: String,
     epochs: usize,
     dirty_mean: f64,
     dirty_p50: f64,
@@ -291,6 +297,16 @@ fn run_lab(a: Args) -> anyhow::Result<()> {
     {
         bail!("--devstate {d}: choose migrate and/or xen-save");
     }
+    if a.virtio.is_empty() {
+        a.virtio = vec!["legacy".into()];
+    }
+    if let Some(v) = a
+        .virtio
+        .iter()
+        .find(|v| !["legacy", "modern"].contains(&v.as_str()))
+    {
+        bail!("--virtio {v}: choose legacy and/or modern");
+    }
     let mut lab = Lab {
         report: Report {
             boot_to_ready_ms: Vec::new(),
@@ -301,7 +317,9 @@ fn run_lab(a: Args) -> anyhow::Result<()> {
         harvest: Vec::new(),
     };
     for w in &a.workloads {
-        lab.workload(w, &a)?;
+        for v in &a.virtio {
+            lab.workload(w, v, &a)?;
+        }
     }
     lab.bucket_harvests();
     let report = lab.report;
@@ -321,14 +339,15 @@ struct Lab {
 
 impl Lab {
     /// Boots workload `w`, measures it at every epoch length of `a` and shuts it down.
-    fn workload(&mut self, w: &String, a: &Args) -> anyhow::Result<()> {
+    fn workload(&mut self, w: &String, virtio: &str, a: &Args) -> anyhow::Result<()> {
         let args = tandem_protect::VmSpec::for_workload(w, a.mem);
-        let cfg = args.config("bench")?;
-        eprintln!("bench: booting {w}...");
+        let mut cfg = args.config("bench")?;
+        cfg.legacy_virtio = virtio == "legacy";
+        eprintln!("bench: booting {w} ({virtio} virtio)...");
         let (mut vm, ready, load) = boot(&cfg)?;
         self.report
             .boot_to_ready_ms
-            .push((w.clone(), ready.as_millis() as u64));
+            .push((format!("{w} ({virtio})"), ready.as_millis() as u64));
         if self.report.scan.is_none() {
             vm.stop()?;
             self.report.scan = Some(scan_rates(vm.ram()));
@@ -339,7 +358,7 @@ impl Lab {
         for &ms in &a.epochs_ms {
             for d in &a.devstate {
                 vm.set_fast_devstate(d == "xen-save");
-                self.series(&mut vm, w, ms, d, a.seconds)?;
+                self.series(&mut vm, w, ms, (d, virtio), a.seconds)?;
             }
         }
         if let Some(l) = load {
@@ -355,7 +374,7 @@ impl Lab {
         vm: &mut Vm,
         w: &String,
         ms: u64,
-        devstate: &str,
+        (devstate, virtio): (&str, &str),
         seconds: u64,
     ) -> anyhow::Result<()> {
         let (mut dirty, mut pause, mut comps) = (Vec::new(), Vec::new(), vec![Vec::new(); 5]);
@@ -395,6 +414,7 @@ impl Lab {
             workload: w.clone(),
             epoch_ms: ms,
             devstate: devstate.into(),
+            virtio: virtio.into(),
             epochs: dirty.len(),
             dirty_mean: mean(&dirty),
             dirty_p50: quantile(&dirty, 0.5),
@@ -450,11 +470,11 @@ impl Report {
                 .collect::<Vec<_>>()
                 .join(", ")
         );
-        println!("| workload | epoch ms | device state | epochs | dirty pages mean / p50 / p99 | pause p50 / p99 ms | stop | harvest | copy | devstate | cont (p50 ms) |");
-        println!("|---|---|---|---|---|---|---|---|---|---|---|");
+        println!("| workload | epoch ms | device state | virtio | epochs | dirty pages mean / p50 / p99 | pause p50 / p99 ms | stop | harvest | copy | devstate | cont (p50 ms) |");
+        println!("|---|---|---|---|---|---|---|---|---|---|---|---|");
         for r in &report.rows {
             let c = r.components_p50_ms;
-            println!("| {} | {} | {} | {} | {:.0} / {:.0} / {:.0} | {:.2} / {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} |", r.workload, r.epoch_ms, r.devstate, r.epochs, r.dirty_mean, r.dirty_p50, r.dirty_p99, r.pause_p50_ms, r.pause_p99_ms, c[0], c[1], c[2], c[3], c[4]);
+            println!("| {} | {} | {} | {} | {} | {:.0} / {:.0} / {:.0} | {:.2} / {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} |", r.workload, r.epoch_ms, r.devstate, r.virtio, r.epochs, r.dirty_mean, r.dirty_p50, r.dirty_p99, r.pause_p50_ms, r.pause_p99_ms, c[0], c[1], c[2], c[3], c[4]);
         }
         println!(
             "\n| dirty pages | samples | harvest p50 ms | harvest p99 ms |\n|---|---|---|---|"
