@@ -6,7 +6,7 @@
 mod common;
 
 use std::sync::mpsc::Receiver;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common::{number_after, spawn, wait_line};
 
@@ -90,26 +90,8 @@ fn primary_killed_backup_resumes_the_guest() {
         .trim_end_matches("/metrics")
         .to_string();
     // A client on the clients' bridge writes a key; its reply was released after an ack.
-    let guest: std::net::SocketAddr = "10.77.0.2:6379".parse().unwrap();
     let ns = lab.clients.clone();
-    let connect = move || {
-        let ns = ns.clone();
-        let deadline = Instant::now() + Duration::from_secs(60);
-        loop {
-            let s = tandem_net::netns::in_netns(Some(&ns), move || {
-                std::net::TcpStream::connect_timeout(&guest, Duration::from_secs(2))
-            })
-            .unwrap();
-            match s {
-                Ok(s) => {
-                    return tandem_harness::kv::KvClient::from_stream(s, Duration::from_secs(30))
-                        .unwrap()
-                }
-                Err(e) if Instant::now() > deadline => panic!("redis in the guest: {e}"),
-                Err(_) => std::thread::sleep(Duration::from_millis(200)),
-            }
-        }
-    };
+    let connect = move || common::guest_redis(&ns, Duration::from_secs(30));
     let mut kv = connect();
     kv.set(b"before-failover", b"acked").unwrap();
     // Let some epochs commit.

@@ -145,22 +145,7 @@ fn switchover(sock: &std::path::Path) -> serde_json::Value {
 }
 
 fn kv(ns: &str) -> tandem_harness::kv::KvClient {
-    let guest: std::net::SocketAddr = "10.77.0.2:6379".parse().unwrap();
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        let s = tandem_net::netns::in_netns(Some(ns), move || {
-            std::net::TcpStream::connect_timeout(&guest, Duration::from_secs(2))
-        })
-        .unwrap();
-        match s {
-            Ok(s) => {
-                return tandem_harness::kv::KvClient::from_stream(s, Duration::from_secs(60))
-                    .unwrap()
-            }
-            Err(e) if Instant::now() > deadline => panic!("redis in the guest: {e}"),
-            Err(_) => std::thread::sleep(Duration::from_millis(200)),
-        }
-    }
+    common::guest_redis(ns, Duration::from_secs(60))
 }
 
 /// Writes `key`, then checks every key written so far.

@@ -129,6 +129,24 @@ pub fn number_after(line: &str, key: &str) -> u64 {
         .unwrap()
 }
 
+/// A redis connection to the lab guest (10.77.0.2:6379) from the clients' namespace `ns`,
+/// retried for up to 60 s; replies wait up to `reply`.
+pub fn guest_redis(ns: &str, reply: Duration) -> tandem_harness::kv::KvClient {
+    let guest: std::net::SocketAddr = "10.77.0.2:6379".parse().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let s = tandem_net::netns::in_netns(Some(ns), move || {
+            std::net::TcpStream::connect_timeout(&guest, Duration::from_secs(2))
+        })
+        .unwrap();
+        match s {
+            Ok(s) => return tandem_harness::kv::KvClient::from_stream(s, reply).unwrap(),
+            Err(e) if Instant::now() > deadline => panic!("redis in the guest: {e}"),
+            Err(_) => std::thread::sleep(Duration::from_millis(200)),
+        }
+    }
+}
+
 /// A TCP port on 127.0.0.1 that was free a moment ago.
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")

@@ -89,30 +89,12 @@ impl Soak<'_> {
     fn round(&self, r: usize, seed: &mut u64) -> anyhow::Result<RoundResult> {
         let faults = draw(seed, r);
         let o = Opts {
-            exe: self.exe.to_path_buf(),
-            workload: "kv".into(),
-            lab: self.lab,
-            dir: self.dir.to_path_buf(),
             mem: self.mem,
-            epoch_ms: 100,
-            schedule: "fixed".into(),
-            run_per_pause: 1.0,
-            converge_pct: None,
-            stop_budget_ms: None,
-            devstate: None,
-            timeout_ms: 1000,
-            codec: "tandem".into(),
-            conns: 8,
-            batch: 32,
             before: Duration::from_millis(2000 + next(seed) % 2000),
             after: Duration::from_secs(1),
-            stall_epoch: None,
             faults: faults.clone(),
             backup_tmpfs: r.is_multiple_of(5),
-            etcd: None,
-            vm_id: 1,
-            tls_dir: None,
-            vm_config: None,
+            ..Opts::kv(self.exe.to_path_buf(), self.lab, self.dir.to_path_buf())
         };
         let res = round::run(r, &o, self.pb)
             .with_context(|| format!("round {r} ({faults:?}; logs in {})", self.dir.display()))?;

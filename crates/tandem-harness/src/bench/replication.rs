@@ -99,10 +99,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
                 s => (s, a.stop_budget_ms),
             };
             let o = Opts {
-                exe: exe.clone(),
                 workload: w.clone(),
-                lab: &lab,
-                dir: dir.path().to_path_buf(),
                 mem: a.mem,
                 epoch_ms: ms,
                 schedule: sched.into(),
@@ -110,19 +107,12 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
                 converge_pct: a.converge_pct,
                 stop_budget_ms: stop,
                 devstate: devstate.clone(),
-                timeout_ms: 1000,
-                codec: "tandem".into(),
                 conns,
                 batch,
                 before: Duration::from_secs(a.seconds),
                 after: Duration::from_secs(a.seconds),
-                stall_epoch: None,
-                faults: vec![crate::demo::fault::Fault::HostKill],
-                backup_tmpfs: false,
-                vm_config: None,
-                etcd: None,
-                vm_id: 1,
                 tls_dir: (link == "tls").then(|| keys.clone()),
+                ..Opts::kv(exe.clone(), &lab, dir.path().to_path_buf())
             };
             let mut r = round::run(n, &o, &pb)
                 .with_context(|| format!("{w}, {schedule} schedule at {ms} ms"))?;

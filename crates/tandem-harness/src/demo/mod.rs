@@ -236,26 +236,26 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     }
     let pb = indicatif::ProgressBar::new_spinner();
     pb.enable_steady_tick(Duration::from_millis(200));
+    // What every round and the HA cycle share.
+    let base = Opts {
+        mem: a.mem,
+        epoch_ms: a.epoch_ms,
+        schedule: a.schedule.clone(),
+        run_per_pause: a.run_per_pause,
+        converge_pct: a.converge_pct,
+        timeout_ms: a.timeout_ms,
+        codec: a.codec.clone(),
+        conns: a.conns,
+        batch: a.batch,
+        etcd: etcd.as_ref(),
+        tls_dir: tls_dir.clone(),
+        ..Opts::kv(exe.clone(), &lab, dir.path().to_path_buf())
+    };
     let mut results = Vec::new();
     for r in 1..=rounds {
         let jitter = next(&mut seed) % (a.before * 500 + 1);
         let stall = (a.mid_transfer_round == Some(r)).then(|| 20 + next(&mut seed) % 40);
         let o = Opts {
-            exe: exe.clone(),
-            workload: "kv".into(),
-            lab: &lab,
-            dir: dir.path().to_path_buf(),
-            mem: a.mem,
-            epoch_ms: a.epoch_ms,
-            schedule: a.schedule.clone(),
-            run_per_pause: a.run_per_pause,
-            converge_pct: a.converge_pct,
-            stop_budget_ms: None,
-            devstate: None,
-            timeout_ms: a.timeout_ms,
-            codec: a.codec.clone(),
-            conns: a.conns,
-            batch: a.batch,
             before: Duration::from_millis(a.before * 1000 + jitter),
             after: Duration::from_secs(a.after),
             stall_epoch: stall,
@@ -267,14 +267,13 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                 a.faults.clone()
             },
             backup_tmpfs: a.backup_tmpfs,
-            etcd: etcd.as_ref(),
             vm_id: r as u64,
-            tls_dir: tls_dir.clone(),
             vm_config: match a.disk_capture.as_str() {
                 "nbd" => None,
                 "mirror" => Some(vmdesc::described_vm(dir.path(), a.mem)?),
                 other => bail!("--disk-capture {other:?}: use nbd or mirror"),
             },
+            ..base.clone()
         };
         let res = match round::run(r, &o, &pb) {
             Ok(res) => res,
@@ -303,33 +302,16 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     }
     let cycle = if with_cycle {
         let o = Opts {
-            exe: exe.clone(),
-            workload: "kv".into(),
-            lab: &lab,
-            dir: dir.path().to_path_buf(),
-            mem: a.mem,
-            epoch_ms: a.epoch_ms,
             schedule: "fixed".into(),
-            run_per_pause: a.run_per_pause,
-            converge_pct: a.converge_pct,
-            stop_budget_ms: None,
-            devstate: None,
-            timeout_ms: a.timeout_ms,
-            codec: a.codec.clone(),
-            conns: a.conns,
-            batch: a.batch,
             before: Duration::from_secs(a.before.min(5)),
             after: Duration::from_secs(a.after.min(3)),
-            stall_epoch: None,
             faults: Vec::new(),
-            backup_tmpfs: false,
-            etcd: etcd.as_ref(),
             vm_id: rounds as u64 + 1,
-            tls_dir: tls_dir.clone(),
             vm_config: match a.disk_capture.as_str() {
                 "mirror" => Some(vmdesc::described_vm(dir.path(), a.mem)?),
                 _ => None,
             },
+            ..base.clone()
         };
         let c = match cycle::run(&o, &pb) {
             Ok(c) => c,

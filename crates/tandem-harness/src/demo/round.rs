@@ -16,6 +16,7 @@ use super::fault::{Fault, Proxy};
 use super::phases::{copy_stopped, field, Clock, Ctx, Timeline};
 use super::steps::{await_report, common, fill, inject_faults, mount_small_tmpfs, Target};
 
+#[derive(Clone)]
 pub struct Opts<'a> {
     pub exe: PathBuf,
     /// Guest workload: `kv` gets the verifying client; others report their own progress.
@@ -59,6 +60,41 @@ pub struct Opts<'a> {
     pub vm_id: u64,
     /// Mutual TLS on the replication link with the keys in this directory (`tandem keys`).
     pub tls_dir: Option<PathBuf>,
+}
+
+impl<'a> Opts<'a> {
+    /// A round of the `kv` lab guest in `lab`, working in `dir`, with the defaults every
+    /// caller starts from (256 MiB, fixed 100 ms epochs, tandem's codec, the demo's client of
+    /// 8 connections × 32 pipelined writes, 10 s before and after one host kill); callers
+    /// override fields with `Opts { .., ..Opts::kv(..) }`.
+    pub fn kv(exe: PathBuf, lab: &'a NetLab, dir: PathBuf) -> Self {
+        Opts {
+            exe,
+            workload: "kv".into(),
+            lab,
+            dir,
+            mem: 256,
+            epoch_ms: 100,
+            schedule: "fixed".into(),
+            run_per_pause: 1.0,
+            converge_pct: None,
+            stop_budget_ms: None,
+            devstate: None,
+            timeout_ms: 1000,
+            codec: "tandem".into(),
+            conns: 8,
+            batch: 32,
+            before: Duration::from_secs(10),
+            after: Duration::from_secs(10),
+            stall_epoch: None,
+            faults: vec![Fault::HostKill],
+            backup_tmpfs: false,
+            vm_config: None,
+            etcd: None,
+            vm_id: 1,
+            tls_dir: None,
+        }
+    }
 }
 
 #[derive(Serialize, Clone, Debug)]
