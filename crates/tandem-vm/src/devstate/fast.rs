@@ -123,18 +123,38 @@ impl Frame {
 
     /// Frames a `xen-save-devices-state` file into a loadable stream in `out` (cleared).
     pub fn wrap(&self, saved: &[u8], out: &mut Vec<u8>) -> Result<(), String> {
-        if saved.len() < 9 || saved[..4] != MAGIC || saved[4..8] != VERSION {
-            return Err("xen-save-devices-state wrote no stream header".into());
-        }
-        if saved[8] != SECTION_FULL || saved.last() != Some(&VM_EOF) {
-            return Err("xen-save-devices-state wrote no complete device sections".into());
+        self.wrap_from(&mut &saved[..], out)
+            .unwrap_or_else(|e| Err(e.to_string()))
+    }
+
+    /// [`Frame::wrap`] reading the saved file from `r` straight into `out`, behind the head:
+    /// one copy of the device state in the pause. The outer error is the reader's; the inner
+    /// one says the file is not a complete device save (`out` then holds a partial frame).
+    fn wrap_from(
+        &self,
+        r: &mut impl Read,
+        out: &mut Vec<u8>,
+    ) -> std::io::Result<Result<(), String>> {
+        let mut header = [0u8; 8];
+        match r.read_exact(&mut header) {
+            Ok(()) if header[..4] == MAGIC && header[4..] == VERSION => {}
+            Ok(()) => return Ok(Err("xen-save-devices-state wrote no stream header".into())),
+            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
+                return Ok(Err("xen-save-devices-state wrote no stream header".into()))
+            }
+            Err(e) => return Err(e),
         }
         out.clear();
-        out.reserve(self.head.len() + saved.len() + self.tail.len());
         out.extend_from_slice(&self.head);
-        out.extend_from_slice(&saved[8..]);
+        let body = out.len();
+        r.read_to_end(out)?;
+        if out.get(body) != Some(&SECTION_FULL) || out.last() != Some(&VM_EOF) {
+            return Ok(Err(
+                "xen-save-devices-state wrote no complete device sections".into(),
+            ));
+        }
         out.extend_from_slice(&self.tail);
-        Ok(())
+        Ok(Ok(()))
     }
 }
 
@@ -162,7 +182,6 @@ pub struct Capturer {
     frame: Option<Frame>,
     file: Option<(PathBuf, File)>,
     dir: PathBuf,
-    saved: Vec<u8>,
     /// Why the fast path is off (set once it fell back).
     pub fallback: Option<String>,
 }
@@ -185,7 +204,6 @@ impl Capturer {
             frame: None,
             file: None,
             dir: dir.to_path_buf(),
-            saved: Vec::new(),
             fallback: (!fast).then(|| "disabled".to_string()),
         }
     }
@@ -251,11 +269,9 @@ impl Capturer {
         out: &mut Vec<u8>,
     ) -> Result<Method, DeviceStateError> {
         if let Some(sent) = started {
-            match self.read(qmp, sent) {
-                Ok(()) => match self.frame.as_ref().expect("begun").wrap(&self.saved, out) {
-                    Ok(()) => return Ok(Method::Fast),
-                    Err(e) => self.fall_back(e),
-                },
+            match self.read(qmp, sent, out) {
+                Ok(Ok(())) => return Ok(Method::Fast),
+                Ok(Err(e)) => self.fall_back(e),
                 Err(DeviceStateError::Qmp(QmpError::Command { desc, .. })) => self.fall_back(desc),
                 // The QMP connection itself failed: migrate would fail the same way.
                 Err(e) => return Err(e),
@@ -277,15 +293,20 @@ impl Capturer {
         self.remove_file();
     }
 
-    fn read(&mut self, qmp: &mut Qmp, sent: Sent) -> Result<(), DeviceStateError> {
+    /// Waits for QEMU's reply and frames the file it wrote into `out`.
+    fn read(
+        &mut self,
+        qmp: &mut Qmp,
+        sent: Sent,
+        out: &mut Vec<u8>,
+    ) -> Result<Result<(), String>, DeviceStateError> {
         qmp.reply(sent)?;
         let (_, file) = self.file.as_mut().expect("begun");
         // QEMU opened the path with O_TRUNC and wrote from 0; our descriptor reads the same
         // inode.
         file.seek(SeekFrom::Start(0))?;
-        self.saved.clear();
-        file.read_to_end(&mut self.saved)?;
-        Ok(())
+        let frame = self.frame.as_ref().expect("begun");
+        Ok(frame.wrap_from(file, out)?)
     }
 
     fn remove_file(&mut self) {
