@@ -6,7 +6,8 @@
 //! - body: `Same` (page = base), `Runs` (replace runs of 1- or 8-byte units: XBZRLE / FITDOC /
 //!   sparse), `Xor` (a 4096-byte XOR image, raw or compressed with LZ4, zstd or WKdm, applied to
 //!   the base: with a zero base it is a plain literal page), `Blocks` (FGBI: a 64-bit mask of
-//!   replaced 64-byte blocks, each coded on its own), `Areas` (Gerofi: eight 512-byte areas, each
+//!   replaced 64-byte blocks, each coded on its own), `RawBlocks` (the same mask, the blocks
+//!   raw and untagged: tandem's, for the record's zstd pass), `Areas` (Gerofi: eight 512-byte areas, each
 //!   same / zero / raw / runs against any reference area).
 
 use crate::runs::{get_uleb, put_uleb};
@@ -49,6 +50,9 @@ pub enum Body {
     Xor(Method),
     /// FGBI blocks: bit i set = block i (64 bytes) is coded in the payload.
     Blocks(u64),
+    /// Replaced blocks: bit i set = block i (64 bytes) follows raw, in order, with no tags
+    /// (tandem: the record's zstd pass, with the reference prefix, compresses them).
+    RawBlocks(u64),
     /// Gerofi areas: eight area codes in the payload.
     Areas,
 }
@@ -96,16 +100,18 @@ impl PageCode {
             Body::Runs { unit } => (BODY_RUNS, if unit == 8 { 1 } else { 0 }),
             Body::Xor(m) => (BODY_XOR, m as u8),
             Body::Blocks(_) => (BODY_BLOCKS, 0),
+            Body::RawBlocks(_) => (BODY_BLOCKS, 1),
             Body::Areas => (BODY_AREAS, 0),
         };
         out.push(bk | (body << 2) | (detail << 5));
         if let Some(a) = barg {
             put_uleb(out, a);
         }
-        if let Body::Blocks(mask) = self.body {
+        if let Body::Blocks(mask) | Body::RawBlocks(mask) = self.body {
             out.extend_from_slice(&mask.to_le_bytes());
         }
-        if self.body != Body::Same {
+        // A raw-blocks payload's length follows from its mask.
+        if !matches!(self.body, Body::Same | Body::RawBlocks(_)) {
             put_uleb(out, self.len as u64);
         }
     }
@@ -148,16 +154,23 @@ impl PageCode {
                 3 => Method::Wkdm,
                 _ => return Err("unknown compression method"),
             }),
-            BODY_BLOCKS if detail == 0 => {
+            BODY_BLOCKS if detail <= 1 => {
                 let b = buf.get(*pos..*pos + 8).ok_or("block mask truncated")?;
                 *pos += 8;
-                Body::Blocks(u64::from_le_bytes(b.try_into().map_err(|_| "block mask")?))
+                let mask = u64::from_le_bytes(b.try_into().map_err(|_| "block mask")?);
+                if detail == 0 {
+                    Body::Blocks(mask)
+                } else {
+                    Body::RawBlocks(mask)
+                }
             }
             BODY_AREAS if detail == 0 => Body::Areas,
             _ => return Err("unknown body kind"),
         };
         let len = if body == Body::Same {
             0
+        } else if let Body::RawBlocks(mask) = body {
+            mask.count_ones() * 64
         } else {
             u32::try_from(get_uleb(buf, pos).ok_or("payload length truncated")?)
                 .map_err(|_| "payload length too large")?
@@ -228,6 +241,12 @@ mod tests {
                 base: Base::Mirror(901),
                 body: Body::Blocks(0x8000_0000_0000_0001),
                 len: 130,
+            },
+            PageCode {
+                pfn: 902,
+                base: Base::Mirror(902),
+                body: Body::RawBlocks(0x30),
+                len: 128,
             },
             PageCode {
                 pfn: 1 << 40,

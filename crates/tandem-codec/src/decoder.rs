@@ -1,9 +1,11 @@
 //! Decoding: build and verify the complete plan (every new page's content) against the
 //! untouched pre-epoch mirror, then commit it in one pass. A bad record changes nothing.
 
-use crate::code::{area, block, Base, Body, Method, PageCode};
+use crate::bodies::{decode_areas, decode_blocks};
+use crate::code::{Base, Body, Method, PageCode};
 use crate::format::{
-    Header, FLAG_LZ4, FLAG_ZSTD, HEADER_LEN, MAX_PAGE_PAYLOAD, MIN_CODE_LEN, PAGE,
+    Header, FLAG_LZ4, FLAG_PREFIX, FLAG_ZSTD, HEADER_LEN, MAX_PAGE_PAYLOAD, MAX_PREFIX_PAGES,
+    MIN_CODE_LEN, PAGE,
 };
 use crate::runs;
 use crate::DecodeError;
@@ -17,35 +19,39 @@ pub struct Plan {
     pub pfns: Vec<u64>,
     /// New contents, one page per entry of `pfns`.
     pub data: Vec<u8>,
-    /// Decompressed data section, kept to reuse its allocation.
+    /// Decompressed data section (after the reference prefix, if any), kept to reuse its
+    /// allocation and, on the one-pass path, read by `commit`.
     scratch: Vec<u8>,
+    /// The validated codes of a record committed in place (apply.rs); `None` when `data`
+    /// holds every new page.
+    inplace: Option<crate::apply::InPlace>,
 }
 
 impl Plan {
-    /// New content of entry `i`.
-    pub fn page(&self, i: usize) -> &[u8] {
-        &self.data[i * PAGE..(i + 1) * PAGE]
-    }
-
-    /// Writes every page into `mirror` (the whole guest memory).
+    /// Writes every page into `mirror` (the whole guest memory, the same content `decode`
+    /// was given). Cannot fail: `decode` checked everything.
     pub fn commit(&self, mirror: &mut [u8]) {
+        if let Some(p) = &self.inplace {
+            return crate::apply::commit(p, &self.scratch, mirror);
+        }
         for (i, &pfn) in self.pfns.iter().enumerate() {
             let o = pfn as usize * PAGE;
-            mirror[o..o + PAGE].copy_from_slice(self.page(i));
+            mirror[o..o + PAGE].copy_from_slice(&self.data[i * PAGE..(i + 1) * PAGE]);
         }
     }
 }
 
-fn bad(i: usize, what: impl Into<String>) -> DecodeError {
+pub(crate) fn bad(i: usize, what: impl Into<String>) -> DecodeError {
     DecodeError::Page {
         index: i,
         what: what.into(),
     }
 }
 
-struct Ctx<'a> {
-    mirror: &'a [u8],
-    pages: u64,
+/// Where bases and references resolve: the pre-epoch mirror.
+pub(crate) struct Ctx<'a> {
+    pub(crate) mirror: &'a [u8],
+    pub(crate) pages: u64,
 }
 
 impl Ctx<'_> {
@@ -83,6 +89,17 @@ impl Ctx<'_> {
 /// [`MAX_PAGE_PAYLOAD`], the decoded data length against the sum of the payloads (and, in
 /// [`Header::read`], against the compressor's largest expansion of the stored bytes).
 pub fn decode(rec: &[u8], mirror: &[u8], plan: &mut Plan) -> Result<(), DecodeError> {
+    let r = decode_into(rec, mirror, plan);
+    if r.is_err() {
+        // A refused record leaves a plan that commits nothing.
+        plan.pfns.clear();
+        plan.data.clear();
+        plan.inplace = None;
+    }
+    r
+}
+
+fn decode_into(rec: &[u8], mirror: &[u8], plan: &mut Plan) -> Result<(), DecodeError> {
     let h = Header::read(rec)?;
     let pages = (mirror.len() / PAGE) as u64;
     let ops = &rec[HEADER_LEN..HEADER_LEN + h.ops_len as usize];
@@ -93,9 +110,27 @@ pub fn decode(rec: &[u8], mirror: &[u8], plan: &mut Plan) -> Result<(), DecodeEr
     if crc32c::crc32c(stored) != h.crc_data {
         return Err(DecodeError::Checksum("data section"));
     }
-    let codes = read_codes(&h, ops, pages)?;
+    let mut pos = 0;
+    let prefix = if h.flags & FLAG_PREFIX != 0 {
+        let most = MAX_PREFIX_PAGES.min(4 * h.entries as u64);
+        crate::prefix::read_list(ops, &mut pos, pages, most).map_err(DecodeError::Malformed)?
+    } else {
+        Vec::new()
+    };
+    let codes = read_codes(&h, &ops[pos..], pages)?;
+    plan.inplace = None;
+    plan.epoch = h.epoch;
     let mut scratch = std::mem::take(&mut plan.scratch);
-    let r = decode_with(&h, &codes, stored, mirror, pages, plan, &mut scratch);
+    let src = Source {
+        stored,
+        mirror,
+        prefix: &prefix,
+    };
+    let r = if crate::apply::simple(&codes) {
+        one_pass(&h, codes, &src, pages, plan, &mut scratch)
+    } else {
+        decode_with(&h, &codes, &src, pages, plan, &mut scratch)
+    };
     plan.scratch = scratch;
     r
 }
@@ -161,38 +196,77 @@ fn read_codes(h: &Header, ops: &[u8], pages: u64) -> Result<Vec<PageCode>, Decod
     Ok(codes)
 }
 
-fn decode_with(
+/// The one-pass path: decodes the data section into `scratch` and validates every code
+/// (apply.rs); the new pages are written only by `commit`.
+fn one_pass(
     h: &Header,
-    codes: &[PageCode],
-    stored: &[u8],
-    mirror: &[u8],
+    codes: Vec<PageCode>,
+    src: &Source<'_>,
     pages: u64,
     plan: &mut Plan,
     scratch: &mut Vec<u8>,
 ) -> Result<(), DecodeError> {
-    // The decoded length equals the payloads' sum (checked by `read_codes`).
+    let at = data_section(h, src, scratch)?;
+    plan.pfns.clear();
+    plan.pfns.extend(codes.iter().map(|c| c.pfn));
+    plan.data.clear();
+    let p = crate::apply::validate(codes, &scratch[at..], at, pages)?;
+    plan.inplace = Some(p);
+    Ok(())
+}
+
+/// Decodes the data section into `scratch` (copying it when stored uncompressed); returns
+/// where it starts there (after the reference prefix).
+fn data_section(h: &Header, src: &Source<'_>, scratch: &mut Vec<u8>) -> Result<usize, DecodeError> {
     let raw_len = h.data_raw_len as usize;
-    let data: &[u8] = if h.flags & (FLAG_ZSTD | FLAG_LZ4) != 0 {
-        scratch.clear();
-        scratch.resize(raw_len, 0);
-        let n = if h.flags & FLAG_ZSTD != 0 {
-            zstd::bulk::decompress_to_buffer(stored, &mut scratch[..])
-                .map_err(|e| DecodeError::Malformed(format!("data section zstd: {e}")))?
-        } else {
-            lz4_flex::block::decompress_into(stored, scratch)
-                .map_err(|e| DecodeError::Malformed(format!("data section lz4: {e}")))?
-        };
-        if n != raw_len {
-            return Err(DecodeError::Malformed(format!(
-                "data section decodes to {n} bytes, header declares {raw_len}"
-            )));
-        }
-        scratch
+    scratch.clear();
+    if !src.prefix.is_empty() {
+        crate::prefix::build(src.mirror, src.prefix, scratch);
+    }
+    let plen = scratch.len();
+    if h.flags & (FLAG_ZSTD | FLAG_LZ4) == 0 {
+        scratch.extend_from_slice(src.stored);
+        return Ok(plen);
+    }
+    scratch.resize(plen + raw_len, 0);
+    let n = if !src.prefix.is_empty() {
+        crate::prefix::decompress(src.stored, scratch, plen)
+            .map_err(|e| DecodeError::Malformed(format!("data section zstd with prefix: {e}")))?
+    } else if h.flags & FLAG_ZSTD != 0 {
+        zstd::bulk::decompress_to_buffer(src.stored, &mut scratch[..])
+            .map_err(|e| DecodeError::Malformed(format!("data section zstd: {e}")))?
     } else {
-        stored
+        lz4_flex::block::decompress_into(src.stored, scratch)
+            .map_err(|e| DecodeError::Malformed(format!("data section lz4: {e}")))?
     };
+    if n != raw_len {
+        return Err(DecodeError::Malformed(format!(
+            "data section decodes to {n} bytes, header declares {raw_len}"
+        )));
+    }
+    Ok(plen)
+}
+
+/// What the data section decodes from.
+struct Source<'a> {
+    stored: &'a [u8],
+    pub(crate) mirror: &'a [u8],
+    /// Pages whose pre-epoch content is the zstd frame's reference prefix.
+    prefix: &'a [u64],
+}
+
+fn decode_with(
+    h: &Header,
+    codes: &[PageCode],
+    src: &Source<'_>,
+    pages: u64,
+    plan: &mut Plan,
+    scratch: &mut Vec<u8>,
+) -> Result<(), DecodeError> {
+    let mirror = src.mirror;
+    let at = data_section(h, src, scratch)?;
+    let data: &[u8] = &scratch[at..];
     let n = codes.len();
-    plan.epoch = h.epoch;
     plan.pfns.clear();
     plan.data.clear();
     plan.data.reserve(n * PAGE);
@@ -241,142 +315,18 @@ fn decode_with(
                 }
             }
             Body::Blocks(mask) => decode_blocks(i, mask, payload, done, out)?,
+            Body::RawBlocks(mask) => {
+                // `read_codes` made the payload exactly one 64-byte block per mask bit.
+                let mut blocks = payload.chunks_exact(64);
+                for b in (0..64).filter(|b| mask & (1 << b) != 0) {
+                    if let Some(src) = blocks.next() {
+                        out[b * 64..(b + 1) * 64].copy_from_slice(src);
+                    }
+                }
+            }
             Body::Areas => decode_areas(&ctx, i, payload, done, out)?,
         }
         plan.pfns.push(c.pfn);
-    }
-    Ok(())
-}
-
-fn decode_blocks(
-    i: usize,
-    mask: u64,
-    p: &[u8],
-    done: &[u8],
-    out: &mut [u8],
-) -> Result<(), DecodeError> {
-    let mut pos = 0;
-    for b in (0..64).filter(|b| mask & (1 << b) != 0) {
-        let tag = *p.get(pos).ok_or_else(|| bad(i, "block code truncated"))?;
-        pos += 1;
-        let dst = &mut out[b * 64..(b + 1) * 64];
-        let take_len = |pos: &mut usize| -> Result<usize, DecodeError> {
-            let l =
-                runs::get_uleb(p, pos).ok_or_else(|| bad(i, "block length truncated"))? as usize;
-            if p.len() - *pos < l {
-                return Err(bad(i, "block payload truncated"));
-            }
-            Ok(l)
-        };
-        match tag {
-            block::ZERO => dst.fill(0),
-            block::RAW => {
-                let s = p
-                    .get(pos..pos + 64)
-                    .ok_or_else(|| bad(i, "raw block truncated"))?;
-                dst.copy_from_slice(s);
-                pos += 64;
-            }
-            block::SPARSE => {
-                let l = take_len(&mut pos)?;
-                dst.fill(0);
-                if !runs::apply(&p[pos..pos + l], 1, dst) {
-                    return Err(bad(i, "malformed sparse block"));
-                }
-                pos += l;
-            }
-            block::WKDM => {
-                let l = take_len(&mut pos)?;
-                if !crate::wkdm::decompress(&p[pos..pos + l], dst) {
-                    return Err(bad(i, "malformed WKdm block"));
-                }
-                pos += l;
-            }
-            block::EPOCH_REF => {
-                let r = runs::get_uleb(p, &mut pos)
-                    .ok_or_else(|| bad(i, "block reference truncated"))?;
-                if r >= (i as u64) * 64 {
-                    return Err(bad(
-                        i,
-                        format!("block reference {r} is not to an earlier page"),
-                    ));
-                }
-                let r = r as usize;
-                dst.copy_from_slice(&done[r * 64..(r + 1) * 64]);
-            }
-            t => return Err(bad(i, format!("unknown block code {t}"))),
-        }
-    }
-    if pos != p.len() {
-        return Err(bad(i, "trailing bytes after blocks"));
-    }
-    Ok(())
-}
-
-fn decode_areas(
-    ctx: &Ctx<'_>,
-    i: usize,
-    p: &[u8],
-    done: &[u8],
-    out: &mut [u8],
-) -> Result<(), DecodeError> {
-    const AREA: usize = 512;
-    let mut pos = 0;
-    for a in 0..PAGE / AREA {
-        let tag = *p.get(pos).ok_or_else(|| bad(i, "area code truncated"))?;
-        pos += 1;
-        let dst = &mut out[a * AREA..(a + 1) * AREA];
-        match tag {
-            area::SAME => {}
-            area::ZERO => dst.fill(0),
-            area::RAW => {
-                let s = p
-                    .get(pos..pos + AREA)
-                    .ok_or_else(|| bad(i, "raw area truncated"))?;
-                dst.copy_from_slice(s);
-                pos += AREA;
-            }
-            area::DELTA => {
-                let kind = *p
-                    .get(pos)
-                    .ok_or_else(|| bad(i, "area reference truncated"))?;
-                pos += 1;
-                let page = runs::get_uleb(p, &mut pos)
-                    .ok_or_else(|| bad(i, "area reference truncated"))?;
-                let ra = *p
-                    .get(pos)
-                    .ok_or_else(|| bad(i, "area reference truncated"))?
-                    as usize;
-                pos += 1;
-                if ra >= PAGE / AREA {
-                    return Err(bad(i, format!("area index {ra}")));
-                }
-                let src: &[u8] = match kind {
-                    1 if page < ctx.pages => {
-                        &ctx.mirror[page as usize * PAGE..(page as usize + 1) * PAGE]
-                    }
-                    2 if page < i as u64 => &done[page as usize * PAGE..(page as usize + 1) * PAGE],
-                    _ => {
-                        return Err(bad(
-                            i,
-                            format!("area reference kind {kind} page {page} is invalid"),
-                        ))
-                    }
-                };
-                dst.copy_from_slice(&src[ra * AREA..(ra + 1) * AREA]);
-                let l = runs::get_uleb(p, &mut pos)
-                    .ok_or_else(|| bad(i, "area delta length truncated"))?
-                    as usize;
-                if p.len() - pos < l || !runs::apply(&p[pos..pos + l], 1, dst) {
-                    return Err(bad(i, "malformed area delta"));
-                }
-                pos += l;
-            }
-            t => return Err(bad(i, format!("unknown area code {t}"))),
-        }
-    }
-    if pos != p.len() {
-        return Err(bad(i, "trailing bytes after areas"));
     }
     Ok(())
 }
@@ -439,8 +389,10 @@ mod tests {
         // The same record with the true length decodes.
         let ok = record(FLAG_ZSTD, 1, &[raw_page(3, PAGE as u32)], &z, PAGE as u32);
         let mut plan = Plan::default();
-        decode(&ok, &vec![0u8; 16 * PAGE], &mut plan).unwrap();
-        assert_eq!(plan.page(0), &page[..]);
+        let mut m = vec![0u8; 16 * PAGE];
+        decode(&ok, &m, &mut plan).unwrap();
+        plan.commit(&mut m);
+        assert_eq!(&m[3 * PAGE..4 * PAGE], &page[..]);
         // ~100 bytes declaring 1 GiB of decoded data.
         let rec = record(FLAG_ZSTD, 1, &[raw_page(3, PAGE as u32)], &z, 1 << 30);
         assert!(rec.len() < 120, "{}", rec.len());

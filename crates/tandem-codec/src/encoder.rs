@@ -1,118 +1,14 @@
 //! The encoder: reference state + one strategy per codec, parallel and deterministic.
 
+pub use crate::config::{Codec, Config};
+
 use std::collections::HashMap;
 
-use crate::code::PageCode;
-use crate::format::{Header, FLAG_LZ4, FLAG_ZSTD, MAX_DATA, PAGE};
+use crate::format::PAGE;
 use crate::simhash::{de_hashes, popcount_hash, DE_BLOCKS};
 use crate::state::{Buckets, FxMap, Lru, PageIndex, PrevStore};
-use crate::strategies::{self as st, Budget, Coded, Ctx, Pre};
+use crate::strategies::{self as st, Coded, Ctx, Pre};
 use crate::EncodeError;
-
-/// The codecs: tandem's default and every baseline / paper technique alone.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Codec {
-    /// Remus: every dirty page raw.
-    Remus,
-    /// QEMU XBZRLE: 64 MiB direct-mapped cache, XOR + zero/non-zero runs, zero pages.
-    Xbzrle,
-    /// zstd level 1 over the whole dirty pages.
-    Zstd,
-    /// LZ4 over the whole dirty pages.
-    Lz4,
-    /// FITDOC: 8-byte-word delta against an LRU buffer of previous versions.
-    Fitdoc,
-    /// FGBI: 64-byte block hashes, block sharing, hybrid compression.
-    Fgbi,
-    /// Gerofi et al.: popcount similarity of 512-byte areas over recently dirtied pages.
-    Gerofi,
-    /// Difference Engine: sharing, HashSimilarityDetector(2,1) patching, compression.
-    De,
-    /// tandem's default: combines the techniques within a CPU budget.
-    Tandem,
-}
-
-impl Codec {
-    /// All codecs, baselines first.
-    pub const ALL: [Codec; 9] = [
-        Codec::Remus,
-        Codec::Xbzrle,
-        Codec::Zstd,
-        Codec::Lz4,
-        Codec::Fitdoc,
-        Codec::Fgbi,
-        Codec::Gerofi,
-        Codec::De,
-        Codec::Tandem,
-    ];
-
-    /// Name used on the command line.
-    pub fn name(self) -> &'static str {
-        match self {
-            Codec::Remus => "remus",
-            Codec::Xbzrle => "xbzrle",
-            Codec::Zstd => "zstd1",
-            Codec::Lz4 => "lz4",
-            Codec::Fitdoc => "fitdoc",
-            Codec::Fgbi => "fgbi",
-            Codec::Gerofi => "gerofi",
-            Codec::De => "de",
-            Codec::Tandem => "tandem",
-        }
-    }
-}
-
-impl std::str::FromStr for Codec {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        Codec::ALL
-            .into_iter()
-            .find(|c| c.name() == s)
-            .ok_or_else(|| {
-                format!(
-                    "unknown codec {s:?}; known: {}",
-                    Codec::ALL.map(|c| c.name()).join(", ")
-                )
-            })
-    }
-}
-
-/// Encoder configuration.
-#[derive(Debug, Clone, Copy)]
-pub struct Config {
-    /// Worker threads (output does not depend on it).
-    pub threads: usize,
-    /// Fewest pages per worker thread before an epoch is split across threads.
-    pub min_pages_per_thread: usize,
-    /// Bound of the previous-version store (XBZRLE cache, FITDOC buffer, DE and tandem store).
-    pub cache_bytes: usize,
-    /// Gerofi's recently-dirtied-pages cache, in pages.
-    pub rdp_pages: usize,
-    /// Bits of the similarity tables (Gerofi's content table, DE's two detector tables): 18 as
-    /// in both papers.
-    pub index_bits: u32,
-    /// Keep every page's previous version (memory = guest size) instead of a bounded store.
-    pub full_mirror: bool,
-    /// tandem strategy knobs.
-    pub budget: Budget,
-    /// zstd level for data sections.
-    pub zstd_level: i32,
-}
-
-impl Default for Config {
-    fn default() -> Self {
-        Config {
-            threads: 1,
-            min_pages_per_thread: 512,
-            cache_bytes: 64 << 20,
-            rdp_pages: 5120,
-            index_bits: 18,
-            full_mirror: false,
-            budget: Budget::default(),
-            zstd_level: 1,
-        }
-    }
-}
 
 /// What one `encode` call did.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -123,6 +19,10 @@ pub struct EncodeStats {
     pub entries: usize,
     /// Record bytes.
     pub bytes: usize,
+    /// Pages whose previous version formed the record's reference prefix.
+    pub prefix_pages: usize,
+    /// zstd level used for the record.
+    pub level: i32,
     /// Microseconds spent in: pre-pass, reference resolution, page encoding, serialisation and
     /// record compression, state update.
     pub phase_us: [u64; 5],
@@ -130,25 +30,50 @@ pub struct EncodeStats {
 
 /// Encodes epochs of one guest with one codec; holds the reference state.
 pub struct Encoder {
-    codec: Codec,
-    cfg: Config,
+    pub(crate) codec: Codec,
+    pub(crate) cfg: Config,
     pages: u64,
-    prev: Option<PrevStore>,
+    pub(crate) prev: Option<PrevStore>,
     page_index: Option<PageIndex>,
     de: Option<[Buckets; 2]>,
     areas: Option<Buckets>,
+    /// xxh3 of every page's blocks of `granule` bytes (FGBI: 64, tandem: 128).
     block_hashes: Vec<u64>,
-    // Buffers reused across epochs (large allocations each epoch cost page faults).
-    ops: Vec<u8>,
-    payload: Vec<u8>,
-    stored: Vec<u8>,
-    zstd: Option<zstd::bulk::Compressor<'static>>,
+    granule: usize,
+    pub(crate) level: i32,
+    // Buffers and contexts reused across epochs (large allocations each epoch cost faults).
+    pub(crate) buf: crate::record::Buffers,
 }
 
-fn block_hashes(page: &[u8], out: &mut [u64]) {
-    for (h, b) in out.iter_mut().zip(page.chunks_exact(64)) {
+fn block_hashes(page: &[u8], granule: usize, out: &mut [u64]) {
+    for (h, b) in out.iter_mut().zip(page.chunks_exact(granule)) {
         *h = xxhash_rust::xxh3::xxh3_64(b);
     }
+}
+
+/// The page's content hash derived from its block hashes (one short hash instead of a second
+/// pass over the page).
+fn page_hash(blocks: &[u64]) -> u64 {
+    let mut b = [0u8; 512];
+    for (d, h) in b.chunks_exact_mut(8).zip(blocks) {
+        d.copy_from_slice(&h.to_le_bytes());
+    }
+    xxhash_rust::xxh3::xxh3_64(&b[..blocks.len() * 8])
+}
+
+/// Bit b set when 64-byte block b of `old` and `new` differ.
+pub(crate) fn diff_mask(old: &[u8], new: &[u8]) -> u64 {
+    let mut m = 0u64;
+    for (b, (o, n)) in old.chunks_exact(64).zip(new.chunks_exact(64)).enumerate() {
+        // Eight words XOR-ed and OR-ed: the compiler vectorises this (SSE2 on any x86-64).
+        let mut x = 0u64;
+        for (a, c) in o.chunks_exact(8).zip(n.chunks_exact(8)) {
+            x |= u64::from_le_bytes(a.try_into().unwrap_or_default())
+                ^ u64::from_le_bytes(c.try_into().unwrap_or_default());
+        }
+        m |= ((x != 0) as u64) << b;
+    }
+    m
 }
 
 impl Encoder {
@@ -162,43 +87,64 @@ impl Encoder {
             )));
         }
         let pages = (base.len() / PAGE) as u64;
+        let full = cfg.full_mirror || codec.full();
+        let strategy = codec.strategy();
+        let tandem = strategy == Codec::Tandem;
+        let granule = match strategy {
+            Codec::Fgbi => 64,
+            Codec::Tandem if cfg.budget.blocks => 128,
+            _ => 0,
+        };
+        let hash_bytes = base.len().checked_div(granule).unwrap_or(0) * 8;
+        // tandem's whole state stays within a quarter of guest memory: the store gets what
+        // the block hashes and indexes leave of it (and at most `cache_bytes`).
+        let store_bytes = if tandem {
+            let quarter = base.len() / 4;
+            let index = 4 * (cfg.cache_bytes / PAGE) * 24 + (1 << 20);
+            cfg.cache_bytes
+                .min(quarter.saturating_sub(hash_bytes + index))
+                .max(64 * PAGE)
+        } else {
+            cfg.cache_bytes
+        };
         let lru = |bytes: usize| PrevStore::Lru(Lru::new(bytes / PAGE));
-        let prev = match codec {
+        let prev = match strategy {
             Codec::Remus | Codec::Zstd | Codec::Lz4 | Codec::Fgbi => None,
-            _ if cfg.full_mirror => Some(PrevStore::Mirror(base.to_vec())),
+            _ if full => Some(PrevStore::Mirror(base.to_vec())),
             Codec::Xbzrle => Some(PrevStore::direct(cfg.cache_bytes)),
             Codec::Gerofi => Some(PrevStore::Lru(Lru::new(cfg.rdp_pages))),
-            _ => Some(lru(cfg.cache_bytes)),
+            _ => Some(lru(store_bytes)),
         };
-        let shares = matches!(codec, Codec::De | Codec::Tandem);
+        let shares = matches!(strategy, Codec::De | Codec::Tandem);
+        let similar = strategy == Codec::De || (tandem && cfg.budget.similarity);
         let mut e = Encoder {
             codec,
             cfg,
             pages,
-            page_index: shares.then(|| PageIndex::new(4 * cfg.cache_bytes / PAGE)),
-            de: shares.then(|| [Buckets::new(cfg.index_bits), Buckets::new(cfg.index_bits)]),
-            areas: (codec == Codec::Gerofi).then(|| Buckets::new(cfg.index_bits)),
+            page_index: shares.then(|| PageIndex::new(4 * store_bytes / PAGE)),
+            de: similar.then(|| [Buckets::new(cfg.index_bits), Buckets::new(cfg.index_bits)]),
+            areas: (strategy == Codec::Gerofi).then(|| Buckets::new(cfg.index_bits)),
             block_hashes: Vec::new(),
+            granule,
             prev,
-            ops: Vec::new(),
-            payload: Vec::new(),
-            stored: Vec::new(),
-            zstd: None,
+            level: cfg.zstd_level,
+            buf: Default::default(),
         };
-        if codec == Codec::Fgbi || (codec == Codec::Tandem && cfg.budget.blocks) {
-            e.block_hashes = vec![0; pages as usize * 64];
+        if let Some(per) = PAGE.checked_div(granule) {
+            e.block_hashes = vec![0; pages as usize * per];
             for (p, h) in base
                 .chunks_exact(PAGE)
-                .zip(e.block_hashes.chunks_exact_mut(64))
+                .zip(e.block_hashes.chunks_exact_mut(per))
             {
-                block_hashes(p, h);
+                block_hashes(p, granule, h);
             }
         }
-        if cfg.full_mirror {
+        if full {
             // Index the base so identical and similar pages can be found from epoch 1.
             for (pfn, p) in base.chunks_exact(PAGE).enumerate() {
                 if !st::is_zero(p) {
-                    e.index_page(pfn as u64, p, xxhash_rust::xxh3::xxh3_64(p), None);
+                    let h = e.hash_of(pfn as u64, p);
+                    e.index_page(pfn as u64, p, h, None);
                 }
             }
         }
@@ -210,6 +156,17 @@ impl Encoder {
         self.codec
     }
 
+    /// The zstd level of the next records (tandem, fgbi, zstd1, xbzrle+zstd).
+    pub fn level(&self) -> i32 {
+        self.level
+    }
+
+    /// Sets the zstd level of the next records: lower (down to negative levels) costs less
+    /// CPU per byte and sends more bytes. The decoder needs no notice.
+    pub fn set_level(&mut self, level: i32) {
+        self.level = level.clamp(-7, 19);
+    }
+
     /// Bytes of reference state held (stores, indexes, hashes).
     pub fn state_bytes(&self) -> usize {
         self.prev.as_ref().map_or(0, |p| p.bytes())
@@ -217,6 +174,16 @@ impl Encoder {
             + self.de.as_ref().map_or(0, |d| d[0].bytes() + d[1].bytes())
             + self.areas.as_ref().map_or(0, |a| a.bytes())
             + self.block_hashes.capacity() * 8
+    }
+
+    /// Content hash of a held page as the pre-pass computes it.
+    fn hash_of(&self, pfn: u64, p: &[u8]) -> u64 {
+        if self.granule > 0 && self.codec.strategy() == Codec::Tandem {
+            let per = PAGE / self.granule;
+            page_hash(&self.block_hashes[pfn as usize * per..(pfn as usize + 1) * per])
+        } else {
+            xxhash_rust::xxh3::xxh3_64(p)
+        }
     }
 
     fn index_page(&mut self, pfn: u64, p: &[u8], hash: u64, de: Option<[u64; 2]>) {
@@ -238,29 +205,7 @@ impl Encoder {
     }
 
     fn par_map<T: Send, F: Fn(usize) -> T + Sync>(&self, n: usize, f: F) -> Vec<T> {
-        // Spawning threads costs more than encoding a small epoch: fan out only when every
-        // thread gets at least `min_pages_per_thread` pages.
-        let threads = self
-            .cfg
-            .threads
-            .max(1)
-            .min(n / self.cfg.min_pages_per_thread.max(1))
-            .max(1);
-        if threads <= 1 {
-            return (0..n).map(f).collect();
-        }
-        let per = n.div_ceil(threads);
-        std::thread::scope(|s| {
-            let hs: Vec<_> = (0..threads)
-                .map(|t| {
-                    let f = &f;
-                    s.spawn(move || (t * per..((t + 1) * per).min(n)).map(f).collect::<Vec<T>>())
-                })
-                .collect();
-            hs.into_iter()
-                .flat_map(|h| h.join().unwrap_or_default())
-                .collect()
-        })
+        crate::record::par_map(self.cfg.threads, self.cfg.min_pages_per_thread, n, f)
     }
 
     /// Encodes one epoch: `pfns` (strictly ascending) were written and now hold `data`.
@@ -279,7 +224,7 @@ impl Encoder {
             phase[k] += t.elapsed().as_micros() as u64;
             *t = std::time::Instant::now();
         };
-        // 1. Pre-pass (parallel): zero / unchanged / hashes / FGBI masks.
+        // 1. Pre-pass (parallel): zero / unchanged / hashes / changed blocks.
         let (mut pre, block_new) = self.prepass(pfns, data);
         lap(0, &mut t);
         // 2. Sequential: entry numbers, intra-epoch identical pages and blocks.
@@ -289,7 +234,7 @@ impl Encoder {
         let coded = self.code_pages(pfns, data, &pre, &block_refs);
         lap(2, &mut t);
         let start = out.len();
-        let entries = self.write_record(epoch, pfns, data, &coded, out)?;
+        let (entries, prefix_pages) = self.write_record(epoch, pfns, data, &coded, out)?;
         drop(coded);
         lap(3, &mut t);
         self.advance(pfns, data, &pre, &block_new);
@@ -298,6 +243,8 @@ impl Encoder {
             pages_in: pfns.len(),
             entries: entries as usize,
             bytes: out.len() - start,
+            prefix_pages,
+            level: self.level,
             phase_us: phase,
         })
     }
@@ -320,16 +267,21 @@ impl Encoder {
         Ok(())
     }
 
-    /// Phase 1, in parallel: which pages are zero or unchanged, their hashes, and (with block
-    /// hashes) which 64-byte blocks changed. Returns the per-page facts and new block hashes.
+    /// Phase 1, in parallel: which pages are zero or unchanged, their hashes, and which
+    /// 64-byte blocks changed (by comparison with a held previous version, else from block
+    /// hashes). Returns the per-page facts and the new block hashes.
     fn prepass(&self, pfns: &[u64], data: &[u8]) -> (Vec<Pre>, Vec<[u64; 64]>) {
         let page = |i: usize| &data[i * PAGE..(i + 1) * PAGE];
-        let codec = self.codec;
-        let hashing = matches!(codec, Codec::De | Codec::Tandem);
-        let blocks_on = !self.block_hashes.is_empty();
+        let strategy = self.codec.strategy();
+        let tandem = strategy == Codec::Tandem;
+        let hashing = matches!(strategy, Codec::De | Codec::Tandem);
+        let (granule, bh) = (self.granule, &self.block_hashes);
+        let per = PAGE.checked_div(granule).unwrap_or(0);
         let prev = self.prev.as_ref();
-        let bh = &self.block_hashes;
-        let skips = !matches!(codec, Codec::Remus | Codec::Zstd | Codec::Lz4 | Codec::Fgbi);
+        let skips = !matches!(
+            strategy,
+            Codec::Remus | Codec::Zstd | Codec::Lz4 | Codec::Fgbi
+        );
         let mut pre: Vec<(Pre, [u64; 64])> = self.par_map(pfns.len(), |i| {
             let (pfn, p) = (pfns[i], page(i));
             let mut x = Pre {
@@ -337,19 +289,53 @@ impl Encoder {
                 ..Default::default()
             };
             let mut h = [0u64; 64];
-            if skips {
-                x.unchanged = prev.and_then(|s| s.get(pfn)).is_some_and(|o| o == p);
+            let old = if skips {
+                prev.and_then(|s| s.get(pfn))
+            } else {
+                None
+            };
+            match old {
+                Some(o) if tandem => {
+                    x.mask = diff_mask(o, p);
+                    x.unchanged = x.mask == 0;
+                }
+                Some(o) => x.unchanged = o == p,
+                None => {}
             }
-            if hashing {
-                x.hash = xxhash_rust::xxh3::xxh3_64(p);
+            if per > 0 {
+                let stored = &bh[pfn as usize * per..(pfn as usize + 1) * per];
+                let bits = (granule / 64) as u32;
+                let all = if bits == 64 {
+                    u64::MAX
+                } else {
+                    (1u64 << bits) - 1
+                };
+                match old {
+                    Some(_) if tandem => {
+                        // Held: the comparison found the changed blocks; hash only those.
+                        for (g, hv) in h[..per].iter_mut().enumerate() {
+                            *hv = if x.mask >> (g as u32 * bits) & all != 0 {
+                                xxhash_rust::xxh3::xxh3_64(&p[g * granule..(g + 1) * granule])
+                            } else {
+                                stored[g]
+                            };
+                        }
+                    }
+                    _ => {
+                        block_hashes(p, granule, &mut h[..per]);
+                        x.mask = (0..per)
+                            .filter(|&g| h[g] != stored[g])
+                            .fold(0, |m, g| m | all << (g as u32 * bits));
+                        x.unchanged |= x.mask == 0;
+                    }
+                }
             }
-            if blocks_on {
-                block_hashes(p, &mut h);
-                let old = &bh[pfn as usize * 64..pfn as usize * 64 + 64];
-                x.mask = (0..64)
-                    .filter(|&b| h[b] != old[b])
-                    .fold(0, |m, b| m | 1 << b);
-                x.unchanged |= x.mask == 0;
+            if hashing && !x.unchanged && !x.zero {
+                x.hash = if per > 0 && tandem {
+                    page_hash(&h[..per])
+                } else {
+                    xxhash_rust::xxh3::xxh3_64(p)
+                };
             }
             (x, h)
         });
@@ -361,13 +347,13 @@ impl Encoder {
     /// identical to a block of an earlier entry. Returns FGBI's block references per page.
     fn number_entries(&self, data: &[u8], pre: &mut [Pre]) -> Vec<Vec<(u8, u64)>> {
         let page = |i: usize| &data[i * PAGE..(i + 1) * PAGE];
-        let codec = self.codec;
-        let hashing = matches!(codec, Codec::De | Codec::Tandem);
+        let strategy = self.codec.strategy();
+        let hashing = matches!(strategy, Codec::De | Codec::Tandem);
         let n = pre.len();
         let mut entry = 0u32;
         let mut first: FxMap<u64, usize> = FxMap::default();
         let mut blocks: HashMap<&[u8], u64> = HashMap::new();
-        let mut block_refs = vec![Vec::new(); if codec == Codec::Fgbi { n } else { 0 }];
+        let mut block_refs = vec![Vec::new(); if strategy == Codec::Fgbi { n } else { 0 }];
         for i in 0..n {
             if pre[i].unchanged {
                 continue;
@@ -382,7 +368,7 @@ impl Encoder {
                     }
                 }
             }
-            if codec == Codec::Fgbi {
+            if strategy == Codec::Fgbi {
                 // Blocks may reference blocks of earlier entries only (decoded before this one).
                 let changed = (0..64).filter(|b| pre[i].mask & (1 << b) != 0);
                 let mut mine = Vec::new();
@@ -405,16 +391,17 @@ impl Encoder {
         block_refs
     }
 
-    /// Phase 3, in parallel: each page that is not left out, coded by this codec's strategy.
+    /// Phase 3, in parallel: each page that is not left out, coded by this codec's strategy,
+    /// and whether its previous version is wanted in the record's reference prefix.
     fn code_pages(
         &self,
         pfns: &[u64],
         data: &[u8],
         pre: &[Pre],
         block_refs: &[Vec<(u8, u64)>],
-    ) -> Vec<Option<Coded>> {
+    ) -> Vec<Option<(Coded, bool)>> {
         let page = |i: usize| &data[i * PAGE..(i + 1) * PAGE];
-        let codec = self.codec;
+        let strategy = self.codec.strategy();
         let ctx = Ctx {
             prev: self.prev.as_ref(),
             page_index: self.page_index.as_ref(),
@@ -428,117 +415,31 @@ impl Encoder {
             if x.unchanged {
                 return None;
             }
-            Some(match codec {
-                Codec::Remus | Codec::Zstd | Codec::Lz4 => st::raw(p),
-                Codec::Xbzrle => st::xbzrle(&ctx, pfn, p, x),
-                Codec::Fitdoc => st::fitdoc(&ctx, pfn, p),
-                Codec::Fgbi => st::fgbi(&ctx, i, pfn, p, x),
-                Codec::Gerofi => st::gerofi(&ctx, pfn, p, x),
-                Codec::De => st::de(&ctx, p, x),
+            Some(match strategy {
                 Codec::Tandem => st::tandem(&ctx, pfn, p, x, &budget),
+                s => (
+                    match s {
+                        Codec::Xbzrle => st::xbzrle(&ctx, pfn, p, x),
+                        Codec::Fitdoc => st::fitdoc(&ctx, pfn, p),
+                        Codec::Fgbi => st::fgbi(&ctx, i, pfn, p, x),
+                        Codec::Gerofi => st::gerofi(&ctx, pfn, p, x),
+                        Codec::De => st::de(&ctx, p, x),
+                        _ => st::raw(p),
+                    },
+                    false,
+                ),
             })
         })
-    }
-
-    /// Phase 4: serialises the coded pages in page order, compresses the data section and
-    /// appends the record; returns the number of entries.
-    fn write_record(
-        &mut self,
-        epoch: u64,
-        pfns: &[u64],
-        data: &[u8],
-        coded: &[Option<Coded>],
-        out: &mut Vec<u8>,
-    ) -> Result<u32, EncodeError> {
-        let page = |i: usize| &data[i * PAGE..(i + 1) * PAGE];
-        let codec = self.codec;
-        // 4. Serialise in page order.
-        let (ops, payload, stored) = (&mut self.ops, &mut self.payload, &mut self.stored);
-        ops.clear();
-        payload.clear();
-        let mut prev_pfn = None;
-        let mut entries = 0u32;
-        for (i, c) in coded.iter().enumerate() {
-            let Some((base, body, bytes)) = c else {
-                continue;
-            };
-            let bytes: &[u8] = match bytes {
-                st::Payload::Own(v) => v,
-                st::Payload::Page => page(i),
-            };
-            let code = PageCode {
-                pfn: pfns[i],
-                base: *base,
-                body: *body,
-                len: bytes.len() as u32,
-            };
-            code.write(prev_pfn, ops);
-            payload.extend_from_slice(bytes);
-            prev_pfn = Some(pfns[i]);
-            entries += 1;
-        }
-        if payload.len() > MAX_DATA as usize {
-            return Err(EncodeError::Input(format!(
-                "epoch data of {} bytes exceeds the record limit",
-                payload.len()
-            )));
-        }
-        let mut flags = 0;
-        match codec {
-            Codec::Zstd | Codec::Fgbi | Codec::Tandem if !payload.is_empty() => {
-                let level = self.cfg.zstd_level;
-                let z = match self.zstd.as_mut() {
-                    Some(z) => z,
-                    None => self
-                        .zstd
-                        .insert(zstd::bulk::Compressor::new(level).map_err(EncodeError::Compress)?),
-                };
-                stored.clear();
-                stored.reserve(zstd::zstd_safe::compress_bound(payload.len()));
-                z.compress_to_buffer(payload.as_slice(), stored)
-                    .map_err(EncodeError::Compress)?;
-                if stored.len() < payload.len() {
-                    flags = FLAG_ZSTD;
-                }
-            }
-            Codec::Lz4 if !payload.is_empty() => {
-                stored.clear();
-                stored.resize(lz4_flex::block::get_maximum_output_size(payload.len()), 0);
-                let n = lz4_flex::block::compress_into(payload, stored)
-                    .map_err(|e| EncodeError::Input(e.to_string()))?;
-                stored.truncate(n);
-                flags = FLAG_LZ4;
-            }
-            _ => {}
-        }
-        let stored_data: &[u8] = if flags == 0 { payload } else { stored };
-        Header {
-            flags,
-            epoch,
-            entries,
-            ops_len: ops.len() as u32,
-            data_stored_len: stored_data.len() as u32,
-            data_raw_len: payload.len() as u32,
-            crc_ops: crc32c::crc32c(ops),
-            crc_data: crc32c::crc32c(stored_data),
-        }
-        .write(out);
-        out.extend_from_slice(ops);
-        out.extend_from_slice(stored_data);
-
-        Ok(entries)
     }
 
     /// Phase 5: advances the reference state (previous versions, block hashes, indexes) to
     /// the post-epoch content.
     fn advance(&mut self, pfns: &[u64], data: &[u8], pre: &[Pre], block_new: &[[u64; 64]]) {
         let page = |i: usize| &data[i * PAGE..(i + 1) * PAGE];
-        let n = pfns.len();
-        let codec = self.codec;
-        let hashing = matches!(codec, Codec::De | Codec::Tandem);
-        let blocks_on = !self.block_hashes.is_empty();
-        // 5. Advance the reference state to the post-epoch content.
-        for i in 0..n {
+        let strategy = self.codec.strategy();
+        let hashing = matches!(strategy, Codec::De | Codec::Tandem);
+        let per = PAGE.checked_div(self.granule).unwrap_or(0);
+        for i in 0..pfns.len() {
             let (pfn, p) = (pfns[i], page(i));
             if pre[i].unchanged {
                 continue;
@@ -546,12 +447,12 @@ impl Encoder {
             if let Some(s) = self.prev.as_mut() {
                 s.put(pfn, p);
             }
-            if blocks_on {
-                self.block_hashes[pfn as usize * 64..pfn as usize * 64 + 64]
-                    .copy_from_slice(&block_new[i]);
+            if per > 0 {
+                self.block_hashes[pfn as usize * per..(pfn as usize + 1) * per]
+                    .copy_from_slice(&block_new[i][..per]);
             }
-            if !pre[i].zero && (hashing || codec == Codec::Gerofi) {
-                let de = blocks_on.then(|| DE_BLOCKS.map(|b| block_new[i][b]));
+            if !pre[i].zero && (hashing || strategy == Codec::Gerofi) {
+                let de = (per == 64).then(|| DE_BLOCKS.map(|b| block_new[i][b]));
                 self.index_page(pfn, p, pre[i].hash, de);
             }
         }

@@ -3,18 +3,24 @@
 //! ```text
 //! +----------------------------------------------------------------------+
 //! | header (52 bytes, little-endian)                                     |
-//! |   0 magic "TNDMEPC1"        8 version u16 = 1    10 flags u16        |
+//! |   0 magic "TNDMEPC1"        8 version u16 = 2    10 flags u16        |
 //! |  12 page_size u32 = 4096   16 epoch u64          24 entries u32      |
 //! |  28 ops_len u32            32 data_stored_len u32                    |
 //! |  36 data_raw_len u32       40 crc32c(ops) u32    44 crc32c(data) u32 |
 //! |  48 crc32c(header bytes 0..48) u32                                   |
 //! +----------------------------------------------------------------------+
-//! | ops section: `entries` page codes (see code.rs), ops_len bytes       |
+//! | ops section, ops_len bytes:                                          |
+//! |   [flags bit 2 only] prefix list: uleb count, then count uleb pfns   |
+//! |   `entries` page codes (see code.rs)                                 |
 //! +----------------------------------------------------------------------+
 //! | data section: payloads in page order, data_stored_len bytes;         |
 //! |   flags bit 0: zstd-compressed, bit 1: LZ4-compressed (to raw_len)   |
+//! |   bit 2 (with bit 0): the zstd frame was compressed with a reference |
+//! |   prefix, the pre-epoch content of the listed pages concatenated in  |
+//! |   list order, which the decoder rebuilds from its mirror (prefix.rs) |
 //! +----------------------------------------------------------------------+
 //! ```
+//! Version 1 records (no prefix flag) are still read.
 //! Limits: entries ≤ 2²⁴ (64 GiB of pages per epoch), ops ≤ 256 MiB, data ≤ 1 GiB decoded,
 //! one page's payload ≤ [`MAX_PAGE_PAYLOAD`]. Declared lengths are checked against what the
 //! record can hold before anything is allocated from them: the decoded data length against the
@@ -26,8 +32,10 @@ use tandem_types::framing::{crc32c, has_magic, u16_at, u32_at, u64_at};
 
 /// Record magic.
 pub const MAGIC: &[u8; 8] = b"TNDMEPC1";
-/// Record format version.
-pub const VERSION: u16 = 1;
+/// Record format version written.
+pub const VERSION: u16 = 2;
+/// Oldest record format version read (version 1 has no reference prefix).
+pub const MIN_VERSION: u16 = 1;
 /// Header length.
 pub const HEADER_LEN: usize = 52;
 /// Page size this format carries.
@@ -52,6 +60,11 @@ pub const MAX_LZ4_RATIO: u64 = 255;
 pub const FLAG_ZSTD: u16 = 1;
 /// Flag: data section is LZ4-compressed.
 pub const FLAG_LZ4: u16 = 2;
+/// Flag (with [`FLAG_ZSTD`], version 2): the zstd frame uses a reference prefix listed at the
+/// start of the ops section.
+pub const FLAG_PREFIX: u16 = 4;
+/// Most pages in a reference prefix (1 GiB of references).
+pub const MAX_PREFIX_PAGES: u64 = 1 << 18;
 
 /// Parsed header.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -113,7 +126,7 @@ impl Header {
         let u16_at = |o: usize| u16_at(rec, o);
         let u32_at = |o: usize| u32_at(rec, o);
         let version = u16_at(8);
-        if version != VERSION {
+        if !(MIN_VERSION..=VERSION).contains(&version) {
             return Err(DecodeError::Version(version));
         }
         if crc32c(&[&rec[..48]]) != u32_at(48) {
@@ -135,7 +148,11 @@ impl Header {
                 u32_at(12)
             )));
         }
-        if h.flags & !(FLAG_ZSTD | FLAG_LZ4) != 0 || h.flags == FLAG_ZSTD | FLAG_LZ4 {
+        let prefix_ok = version >= 2 && h.flags & FLAG_ZSTD != 0;
+        if h.flags & !(FLAG_ZSTD | FLAG_LZ4 | FLAG_PREFIX) != 0
+            || h.flags & (FLAG_ZSTD | FLAG_LZ4) == FLAG_ZSTD | FLAG_LZ4
+            || (h.flags & FLAG_PREFIX != 0 && !prefix_ok)
+        {
             return Err(DecodeError::Malformed(format!(
                 "unknown flags {:#x}",
                 h.flags

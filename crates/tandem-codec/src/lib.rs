@@ -17,11 +17,16 @@
 
 #![warn(missing_docs)]
 
+mod apply;
+mod bodies;
 pub mod code;
+mod config;
 mod decoder;
 mod encoder;
 pub mod format;
 pub mod fuzz;
+pub mod prefix;
+mod record;
 pub mod runs;
 pub mod simhash;
 pub mod state;
@@ -42,7 +47,7 @@ pub enum DecodeError {
     #[error("malformed epoch record: {0}")]
     Malformed(String),
     /// Unknown format version.
-    #[error("epoch record version {0} is not supported (this build reads version 1)")]
+    #[error("epoch record version {0} is not supported (this build reads versions 1 and 2)")]
     Version(u16),
     /// A checksum does not match.
     #[error("epoch record checksum mismatch in the {0}")]

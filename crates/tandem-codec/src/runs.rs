@@ -164,6 +164,35 @@ pub fn apply(stream: &[u8], unit: usize, page: &mut [u8]) -> bool {
     true
 }
 
+/// Whether `stream` is a well-formed run stream that stays inside `page_len` bytes, i.e.
+/// exactly when [`apply`] on such a page would return `true`.
+pub fn check(stream: &[u8], unit: usize, page_len: usize) -> bool {
+    let mut pos = 0;
+    let mut at = 0usize;
+    while pos < stream.len() {
+        let (Some(skip), Some(len)) = (get_uleb(stream, &mut pos), get_uleb(stream, &mut pos))
+        else {
+            return false;
+        };
+        let (Some(skip), Some(len)) = (usize::try_from(skip).ok(), usize::try_from(len).ok())
+        else {
+            return false;
+        };
+        let Some(from) = skip.checked_mul(unit).and_then(|s| s.checked_add(at)) else {
+            return false;
+        };
+        let Some(to) = len.checked_mul(unit).and_then(|l| l.checked_add(from)) else {
+            return false;
+        };
+        if to > page_len || len == 0 || stream.len() - pos < to - from {
+            return false;
+        }
+        pos += to - from;
+        at = to;
+    }
+    true
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -250,6 +279,10 @@ mod tests {
     #[test]
     fn malformed_streams_are_rejected() {
         let mut page = vec![0u8; 4096];
+        for bad in [&[0x80][..], &[0xff, 0x1f, 0x02, 1], &[0, 0]] {
+            assert!(!check(bad, 1, 4096));
+        }
+        assert!(check(&[0xff, 0x1f, 0x01, 1], 1, 4096));
         assert!(!apply(&[0x80], 1, &mut page));
         assert!(!apply(&[0xff, 0x1f, 0x02, 1], 1, &mut page)); // runs past the end
         assert!(!apply(&[0, 0], 1, &mut page)); // empty literal run

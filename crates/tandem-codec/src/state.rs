@@ -118,6 +118,13 @@ impl Lru {
             self.pfn.push(pfn);
             self.prev.push(NIL);
             self.next.push(NIL);
+            if self.data.len() == self.data.capacity() {
+                // Grow by doubling, but never past the bound (`resize` alone could double
+                // the slab to almost twice its limit).
+                let len = self.data.len();
+                self.data
+                    .reserve_exact(len.max(64 * PAGE).min(self.cap * PAGE - len));
+            }
             self.data.resize(self.data.len() + PAGE, 0);
             self.map.insert(pfn, s);
             s

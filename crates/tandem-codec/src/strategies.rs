@@ -14,7 +14,8 @@ pub struct Pre {
     /// Content equals the held previous version: the page is left out of the record.
     pub unchanged: bool,
     pub hash: u64,
-    /// FGBI: blocks whose hash changed.
+    /// 64-byte blocks that changed: FGBI and tandem from block hashes, tandem exactly (by
+    /// comparison) when the previous version is held.
     pub mask: u64,
     /// Entry index (position among the pages that are not left out).
     pub entry: u32,
@@ -199,18 +200,16 @@ pub fn gerofi(c: &Ctx<'_>, pfn: u64, new: &[u8], pre: &Pre) -> Coded {
 }
 
 /// Compressed literal page: the smaller of LZ4 and WKdm, or raw.
-fn literal(new: &[u8], wkdm: bool) -> Coded {
+fn literal(new: &[u8]) -> Coded {
     let lz = lz4_flex::block::compress(new);
     let mut best = if lz.len() < PAGE {
         (Base::Zero, Body::Xor(Method::Lz4), Payload::Own(lz))
     } else {
         raw(new)
     };
-    if wkdm {
-        let wk = crate::wkdm::compress(new);
-        if wk.len() < best.2.len() {
-            best = (Base::Zero, Body::Xor(Method::Wkdm), Payload::Own(wk));
-        }
+    let wk = crate::wkdm::compress(new);
+    if wk.len() < best.2.len() {
+        best = (Base::Zero, Body::Xor(Method::Wkdm), Payload::Own(wk));
     }
     best
 }
@@ -246,7 +245,7 @@ pub fn de(c: &Ctx<'_>, new: &[u8], pre: &Pre) -> Coded {
     if let Some(s) = identical(c, new, pre) {
         return s;
     }
-    let mut best = Some(literal(new, true));
+    let mut best = Some(literal(new));
     for (q, r) in de_candidates(c, new) {
         let limit = best.as_ref().map(|b| b.2.len()).unwrap_or(PAGE);
         best = smaller(best, runs_vs(Base::Mirror(q), r, new, 1, limit));
@@ -259,104 +258,93 @@ pub fn de(c: &Ctx<'_>, new: &[u8], pre: &Pre) -> Coded {
     best.unwrap_or_else(|| raw(new))
 }
 
-/// Changed 64-byte blocks only (zero blocks tagged, others raw; the record's zstd pass
-/// compresses them together).
+/// Changed 64-byte blocks only, raw and untagged: the record's zstd pass (with the
+/// reference prefix) compresses them together.
 fn blocks_only(pfn: u64, new: &[u8], mask: u64) -> Coded {
-    let mut out = Vec::with_capacity(mask.count_ones() as usize * 65);
-    for b in (0..64).filter(|b| mask & (1 << b) != 0) {
-        let blk = &new[b * 64..(b + 1) * 64];
-        if is_zero(blk) {
-            out.push(block::ZERO);
-        } else {
-            out.push(block::RAW);
-            out.extend_from_slice(blk);
-        }
+    if mask == u64::MAX {
+        return (Base::Zero, Body::Xor(Method::Raw), Payload::Page);
     }
-    (Base::Mirror(pfn), Body::Blocks(mask), Payload::Own(out))
+    let mut out = Vec::with_capacity(mask.count_ones() as usize * 64);
+    for b in (0..64).filter(|b| mask & (1 << b) != 0) {
+        out.extend_from_slice(&new[b * 64..(b + 1) * 64]);
+    }
+    (Base::Mirror(pfn), Body::RawBlocks(mask), Payload::Own(out))
 }
 
-/// tandem's default: cheapest first, stop early when the result is already small.
-pub fn tandem(c: &Ctx<'_>, pfn: u64, new: &[u8], pre: &Pre, budget: &Budget) -> Coded {
+/// tandem's default. A page whose held previous version differs in a few bytes is a run
+/// patch; otherwise its changed 64-byte blocks go raw into the record and the page's previous
+/// version joins the record's reference prefix (prefix.rs), where the record's single zstd
+/// pass finds the new bytes in the old ones, shifted or not. The second value says whether the
+/// page's previous version is wanted in the prefix.
+pub fn tandem(c: &Ctx<'_>, pfn: u64, new: &[u8], pre: &Pre, budget: &Budget) -> (Coded, bool) {
     if pre.zero {
-        return (Base::Zero, Body::Same, Payload::Own(Vec::new()));
+        return ((Base::Zero, Body::Same, Payload::Own(Vec::new())), false);
     }
     if let Some(j) = pre.dup_of {
-        return (Base::Epoch(j), Body::Same, Payload::Own(Vec::new()));
+        return (
+            (Base::Epoch(j), Body::Same, Payload::Own(Vec::new())),
+            false,
+        );
     }
-    let mut best: Option<Coded> = None;
-    if let Some(old) = c.prev.and_then(|p| p.get(pfn)) {
-        best = runs_vs(Base::Mirror(pfn), old, new, 1, PAGE);
-        if budget.word_runs {
-            let limit = best.as_ref().map(|b| b.2.len()).unwrap_or(PAGE);
-            best = smaller(best, runs_vs(Base::Mirror(pfn), old, new, 8, limit));
+    let old = c.prev.and_then(|p| p.get(pfn));
+    if let Some(old) = old {
+        let mut small = runs_vs(Base::Mirror(pfn), old, new, 1, budget.good_enough);
+        if small.is_none() && budget.word_runs {
+            small = runs_vs(Base::Mirror(pfn), old, new, 8, budget.good_enough);
         }
-        if best
-            .as_ref()
-            .is_some_and(|b| b.2.len() <= budget.good_enough)
-        {
-            return best.unwrap_or_else(|| raw(new));
+        if let Some(s) = small {
+            return (s, false);
         }
     }
     if let Some(s) = identical(c, new, pre) {
-        return s;
+        return (s, false);
     }
-    if best.is_none() && budget.blocks && pre.mask != u64::MAX {
-        // Not held: FGBI's block hashes still tell which 64-byte blocks changed.
-        best = Some(blocks_only(pfn, new, pre.mask));
-        if best
-            .as_ref()
-            .is_some_and(|b| b.2.len() <= budget.good_enough)
-        {
-            return best.unwrap_or_else(|| raw(new));
-        }
+    let mut best = if old.is_some() || (budget.blocks && pre.mask != u64::MAX) {
+        blocks_only(pfn, new, pre.mask)
+    } else {
+        raw(new)
+    };
+    if old.is_some() && budget.prefix {
+        return (best, true);
     }
-    if budget.similarity
-        && best
-            .as_ref()
-            .is_none_or(|b| b.2.len() > budget.similar_above)
-    {
+    if budget.similarity && best.2.len() > budget.similar_above {
         for (q, r) in de_candidates(c, new) {
-            let limit = best.as_ref().map(|b| b.2.len()).unwrap_or(PAGE);
-            best = smaller(best, runs_vs(Base::Mirror(q), r, new, 1, limit));
+            let limit = best.2.len();
+            if let Some(d) = runs_vs(Base::Mirror(q), r, new, 1, limit) {
+                best = d;
+            }
         }
     }
-    if best
-        .as_ref()
-        .is_none_or(|b| b.2.len() > budget.literal_above)
-    {
-        best = smaller(best, Some(literal(new, budget.wkdm)));
-    }
-    best.unwrap_or_else(|| raw(new))
+    (best, false)
 }
 
 /// CPU budget knobs of the tandem strategy.
 #[derive(Debug, Clone, Copy)]
 pub struct Budget {
-    /// Stop searching once a page codes into at most this many bytes.
+    /// A page whose run patch against its previous version fits in this many bytes is sent
+    /// as that patch (no prefix, no further search).
     pub good_enough: usize,
-    /// Look for similar pages (DE 2,1 index) when no small delta was found.
+    /// Reference-prefix compression (prefix.rs): previous versions of the other changed pages
+    /// become the zstd prefix of the record.
+    pub prefix: bool,
+    /// Without a prefix reference: look for similar held pages (DE 2,1 index) ...
     pub similarity: bool,
-    /// ... and only when the best code so far is larger than this many bytes.
+    /// ... when the page codes into more than this many bytes.
     pub similar_above: usize,
-    /// Try a compressed literal when the best delta is larger than this.
-    pub literal_above: usize,
-    /// Also try WKdm for literals (slower than LZ4, sometimes smaller).
-    pub wkdm: bool,
     /// Also try FITDOC's 8-byte-word runs against the previous version (a second scan).
     pub word_runs: bool,
-    /// Keep FGBI's 64-byte block hashes of every page (1/8 of guest memory) so pages missing
-    /// from the bounded store still send only their changed blocks.
+    /// Keep 64-bit hashes of every page's 128-byte blocks (1/16 of guest memory) so pages
+    /// missing from the bounded store still send only their changed blocks.
     pub blocks: bool,
 }
 
 impl Default for Budget {
     fn default() -> Self {
         Budget {
-            good_enough: 64,
-            similarity: true,
+            good_enough: 512,
+            prefix: true,
+            similarity: false,
             similar_above: 512,
-            literal_above: 1024,
-            wkdm: false,
             blocks: true,
             word_runs: false,
         }

@@ -151,7 +151,12 @@ proptest! {
         let mut plan = Plan::default();
         let mut bad = rec.clone();
         bad[flip % rec.len()] ^= 1 << bit;
+        // A good record first, so a refused one must also drop what the plan held.
+        decode(&rec, &truth, &mut plan).unwrap();
         prop_assert!(decode(&bad, &truth, &mut plan).is_err());
+        let mut m = truth.clone();
+        plan.commit(&mut m);
+        prop_assert!(m == truth, "a refused record changed the mirror");
         prop_assert!(decode(&rec[..cut % rec.len()], &truth, &mut plan).is_err());
     }
 }
@@ -212,6 +217,50 @@ fn same_epoch_references_use_pre_epoch_content() {
         plan.commit(&mut m);
         assert!(m == next, "{codec:?}");
     }
+}
+
+#[test]
+fn shifted_pages_compress_against_their_previous_versions() {
+    // Every page of the epoch is its old content shifted by a few bytes (an insertion): the
+    // run patch is large, the reference prefix makes it small.
+    let truth = initial();
+    let set: Vec<u64> = (0..PAGES as u64).filter(|p| p % 4 > 1).collect();
+    let data: Vec<u8> = set
+        .iter()
+        .flat_map(|&p| apply(&truth, p as usize, &Edit::Shift(p as u8, -37)))
+        .collect();
+    let mut sizes = Vec::new();
+    for prefix in [true, false] {
+        let mut cfg = Config::default();
+        cfg.budget.prefix = prefix;
+        let mut enc = Encoder::new(Codec::Tandem, &truth, cfg).unwrap();
+        // Epoch 1 makes the pages held; epoch 2 shifts them again.
+        let mut rec = Vec::new();
+        enc.encode(1, &set, &data, &mut rec).unwrap();
+        let mut mem = truth.clone();
+        let mut plan = Plan::default();
+        decode(&rec, &mem, &mut plan).unwrap();
+        plan.commit(&mut mem);
+        let data2: Vec<u8> = set
+            .iter()
+            .flat_map(|&p| apply(&mem, p as usize, &Edit::Shift(p as u8, 11)))
+            .collect();
+        rec.clear();
+        let st = enc.encode(2, &set, &data2, &mut rec).unwrap();
+        assert_eq!(st.prefix_pages > 0, prefix);
+        decode(&rec, &mem, &mut plan).unwrap();
+        plan.commit(&mut mem);
+        for (k, &p) in set.iter().enumerate() {
+            assert_eq!(&mem[p as usize * P..(p as usize + 1) * P], &data2[k * P..(k + 1) * P]);
+        }
+        sizes.push(rec.len());
+    }
+    assert!(
+        sizes[0] * 4 < sizes[1],
+        "prefix {} bytes, without {} bytes",
+        sizes[0],
+        sizes[1]
+    );
 }
 
 #[test]

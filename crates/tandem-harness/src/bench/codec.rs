@@ -119,13 +119,12 @@ pub fn parse_budget(spec: &str, cfg: &mut Config) -> anyhow::Result<()> {
         };
         match k {
             "good_enough" => cfg.budget.good_enough = num(v)?,
-            "literal_above" => cfg.budget.literal_above = num(v)?,
             "similar_above" => cfg.budget.similar_above = num(v)?,
             "similarity" => cfg.budget.similarity = flag(v)?,
-            "wkdm" => cfg.budget.wkdm = flag(v)?,
+            "prefix" => cfg.budget.prefix = flag(v)?,
             "blocks" => cfg.budget.blocks = flag(v)?,
             "word_runs" => cfg.budget.word_runs = flag(v)?,
-            _ => bail!("--budget: unknown knob {k:?} (good_enough, similar_above, literal_above, similarity, wkdm, blocks, word_runs)"),
+            _ => bail!("--budget: unknown knob {k:?} (good_enough, prefix, similar_above, similarity, blocks, word_runs)"),
         }
     }
     Ok(())

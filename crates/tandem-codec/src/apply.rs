@@ -1,0 +1,139 @@
+//! The one-pass path of decoding: records whose pages are all "simple" codes (same as a base,
+//! run patches, raw blocks, raw pages: everything tandem's own strategy emits) are validated
+//! completely at decode time without building the new pages, and [`Plan::commit`] then writes
+//! them straight into the mirror. Only pages that another page of the same epoch uses as a
+//! pre-epoch base are copied aside first (staged). A record with any other code takes the
+//! general path (decoder.rs), which builds every new page before committing.
+//!
+//! The guarantee is the same on both paths: every check that can fail runs in `decode`; the
+//! commit only copies and cannot fail, so a bad record changes nothing.
+
+use crate::code::{Base, Body, Method, PageCode};
+use crate::decoder::bad;
+use crate::format::PAGE;
+use crate::runs;
+use crate::DecodeError;
+
+/// A validated record kept for an in-place commit.
+#[derive(Debug, Default, Clone)]
+pub(crate) struct InPlace {
+    codes: Vec<PageCode>,
+    /// Start of each code's payload in the plan's scratch buffer.
+    offs: Vec<usize>,
+    /// Pages written this epoch that another entry reads as a pre-epoch base (sorted).
+    stage: Vec<u64>,
+}
+
+/// Whether every code can be applied in place.
+pub(crate) fn simple(codes: &[PageCode]) -> bool {
+    codes.iter().all(|c| {
+        matches!(
+            c.body,
+            Body::Same | Body::Runs { .. } | Body::RawBlocks(_) | Body::Xor(Method::Raw)
+        )
+    })
+}
+
+/// Validates `codes` against the decoded data section `data` (which starts at `data_at` in
+/// the plan's scratch buffer) and keeps them for [`commit`].
+pub(crate) fn validate(
+    codes: Vec<PageCode>,
+    data: &[u8],
+    data_at: usize,
+    pages: u64,
+) -> Result<InPlace, DecodeError> {
+    let mut offs = Vec::with_capacity(codes.len());
+    let mut at = 0usize;
+    let mut stage = Vec::new();
+    for (i, c) in codes.iter().enumerate() {
+        let payload = &data[at..at + c.len as usize];
+        offs.push(data_at + at);
+        at += c.len as usize;
+        match c.base {
+            Base::Zero => {}
+            Base::Mirror(q) if q >= pages => {
+                return Err(bad(
+                    i,
+                    format!("references page {q} outside the guest's {pages} pages"),
+                ))
+            }
+            Base::Mirror(q) => {
+                // Another page's pre-epoch content: staged if this epoch overwrites it.
+                if q != c.pfn && codes.binary_search_by_key(&q, |c| c.pfn).is_ok() {
+                    stage.push(q);
+                }
+            }
+            Base::Epoch(j) if j as usize >= i => {
+                return Err(bad(
+                    i,
+                    format!("references entry {j}, which is not earlier"),
+                ))
+            }
+            Base::Epoch(_) => {}
+        }
+        let ok = match c.body {
+            Body::Same | Body::RawBlocks(_) => true,
+            Body::Runs { unit } => runs::check(payload, unit as usize, PAGE),
+            Body::Xor(_) => payload.len() == PAGE,
+            _ => false,
+        };
+        if !ok {
+            return Err(bad(i, format!("malformed {:?} payload", c.body)));
+        }
+    }
+    stage.sort_unstable();
+    stage.dedup();
+    Ok(InPlace { codes, offs, stage })
+}
+
+/// Writes the validated record into `mirror`, in entry order.
+pub(crate) fn commit(p: &InPlace, data: &[u8], mirror: &mut [u8]) {
+    let span = |q: u64| q as usize * PAGE..(q as usize + 1) * PAGE;
+    let mut staged = Vec::with_capacity(p.stage.len() * PAGE);
+    for &q in &p.stage {
+        staged.extend_from_slice(&mirror[span(q)]);
+    }
+    for (i, c) in p.codes.iter().enumerate() {
+        let payload = &data[p.offs[i]..p.offs[i] + c.len as usize];
+        let dst = span(c.pfn);
+        // Base (in place when it is the page's own pre-epoch content).
+        match c.base {
+            Base::Zero => {
+                if !matches!(c.body, Body::Xor(_)) {
+                    mirror[dst.clone()].fill(0);
+                }
+            }
+            Base::Mirror(q) if q == c.pfn => {}
+            Base::Mirror(q) => match p.stage.binary_search(&q) {
+                Ok(k) => mirror[dst.clone()].copy_from_slice(&staged[k * PAGE..(k + 1) * PAGE]),
+                Err(_) => mirror.copy_within(span(q), dst.start),
+            },
+            Base::Epoch(j) => {
+                // Entry j (< i) is already written in place.
+                let src = span(p.codes[j as usize].pfn);
+                mirror.copy_within(src, dst.start);
+            }
+        }
+        let page = &mut mirror[dst];
+        match c.body {
+            Body::Runs { unit } => {
+                runs::apply(payload, unit as usize, page);
+            }
+            Body::RawBlocks(mask) => {
+                let mut blocks = payload.chunks_exact(64);
+                for b in (0..64).filter(|b| mask & (1 << b) != 0) {
+                    if let Some(src) = blocks.next() {
+                        page[b * 64..(b + 1) * 64].copy_from_slice(src);
+                    }
+                }
+            }
+            Body::Xor(_) if c.base == Base::Zero => page.copy_from_slice(payload),
+            Body::Xor(_) => {
+                for (o, x) in page.iter_mut().zip(payload) {
+                    *o ^= x;
+                }
+            }
+            _ => {}
+        }
+    }
+}
