@@ -30,11 +30,13 @@ pub enum Codec {
     DeFull,
     /// tandem's default: combines the techniques within a CPU budget.
     Tandem,
+    /// tandem's previous default (no reference prefix), kept to compare in the same run.
+    TandemV1,
 }
 
 impl Codec {
     /// All codecs, baselines first.
-    pub const ALL: [Codec; 12] = [
+    pub const ALL: [Codec; 13] = [
         Codec::Remus,
         Codec::Xbzrle,
         Codec::XbzrleZstd,
@@ -46,6 +48,7 @@ impl Codec {
         Codec::GerofiFull,
         Codec::De,
         Codec::DeFull,
+        Codec::TandemV1,
         Codec::Tandem,
     ];
 
@@ -64,6 +67,7 @@ impl Codec {
             Codec::De => "de",
             Codec::DeFull => "de-full",
             Codec::Tandem => "tandem",
+            Codec::TandemV1 => "tandem-v1",
         }
     }
 

@@ -7,7 +7,7 @@ use std::collections::HashMap;
 use crate::format::PAGE;
 use crate::simhash::{de_hashes, popcount_hash, DE_BLOCKS};
 use crate::state::{Buckets, FxMap, Lru, PageIndex, PrevStore};
-use crate::strategies::{self as st, Coded, Ctx, Pre};
+use crate::strategies::{self as st, Coded, Ctx, Pre, Refs};
 use crate::EncodeError;
 
 /// What one `encode` call did.
@@ -37,6 +37,7 @@ pub struct Encoder {
     page_index: Option<PageIndex>,
     de: Option<[Buckets; 2]>,
     areas: Option<Buckets>,
+    anchors: Option<crate::anchors::Index>,
     /// xxh3 of every page's blocks of `granule` bytes (FGBI: 64, tandem: 128).
     block_hashes: Vec<u64>,
     granule: usize,
@@ -91,7 +92,7 @@ impl Encoder {
         let strategy = codec.strategy();
         let tandem = strategy == Codec::Tandem;
         let granule = match strategy {
-            Codec::Fgbi => 64,
+            Codec::Fgbi | Codec::TandemV1 => 64,
             Codec::Tandem if cfg.budget.blocks => 128,
             _ => 0,
         };
@@ -100,7 +101,8 @@ impl Encoder {
         // the block hashes and indexes leave of it (and at most `cache_bytes`).
         let store_bytes = if tandem {
             let quarter = base.len() / 4;
-            let index = 4 * (cfg.cache_bytes / PAGE) * 24 + (1 << 20);
+            // Page index (~24 B per entry, 4 entries per stored page), anchors (1 MiB), slack.
+            let index = 4 * (cfg.cache_bytes / PAGE) * 24 + (2 << 20);
             cfg.cache_bytes
                 .min(quarter.saturating_sub(hash_bytes + index))
                 .max(64 * PAGE)
@@ -115,8 +117,9 @@ impl Encoder {
             Codec::Gerofi => Some(PrevStore::Lru(Lru::new(cfg.rdp_pages))),
             _ => Some(lru(store_bytes)),
         };
-        let shares = matches!(strategy, Codec::De | Codec::Tandem);
-        let similar = strategy == Codec::De || (tandem && cfg.budget.similarity);
+        let shares = matches!(strategy, Codec::De | Codec::Tandem | Codec::TandemV1);
+        let similar =
+            matches!(strategy, Codec::De | Codec::TandemV1) || (tandem && cfg.budget.similarity);
         let mut e = Encoder {
             codec,
             cfg,
@@ -124,6 +127,7 @@ impl Encoder {
             page_index: shares.then(|| PageIndex::new(4 * store_bytes / PAGE)),
             de: similar.then(|| [Buckets::new(cfg.index_bits), Buckets::new(cfg.index_bits)]),
             areas: (strategy == Codec::Gerofi).then(|| Buckets::new(cfg.index_bits)),
+            anchors: (tandem && cfg.budget.anchors).then(|| crate::anchors::Index::new(17)),
             block_hashes: Vec::new(),
             granule,
             prev,
@@ -173,6 +177,7 @@ impl Encoder {
             + self.page_index.as_ref().map_or(0, |p| p.bytes())
             + self.de.as_ref().map_or(0, |d| d[0].bytes() + d[1].bytes())
             + self.areas.as_ref().map_or(0, |a| a.bytes())
+            + self.anchors.as_ref().map_or(0, |a| a.bytes())
             + self.block_hashes.capacity() * 8
     }
 
@@ -235,9 +240,8 @@ impl Encoder {
         lap(2, &mut t);
         let start = out.len();
         let (entries, prefix_pages) = self.write_record(epoch, pfns, data, &coded, out)?;
-        drop(coded);
         lap(3, &mut t);
-        self.advance(pfns, data, &pre, &block_new);
+        self.advance(pfns, data, &pre, &block_new, &coded);
         lap(4, &mut t);
         Ok(EncodeStats {
             pages_in: pfns.len(),
@@ -274,7 +278,7 @@ impl Encoder {
         let page = |i: usize| &data[i * PAGE..(i + 1) * PAGE];
         let strategy = self.codec.strategy();
         let tandem = strategy == Codec::Tandem;
-        let hashing = matches!(strategy, Codec::De | Codec::Tandem);
+        let hashing = matches!(strategy, Codec::De | Codec::Tandem | Codec::TandemV1);
         let (granule, bh) = (self.granule, &self.block_hashes);
         let per = PAGE.checked_div(granule).unwrap_or(0);
         let prev = self.prev.as_ref();
@@ -348,7 +352,7 @@ impl Encoder {
     fn number_entries(&self, data: &[u8], pre: &mut [Pre]) -> Vec<Vec<(u8, u64)>> {
         let page = |i: usize| &data[i * PAGE..(i + 1) * PAGE];
         let strategy = self.codec.strategy();
-        let hashing = matches!(strategy, Codec::De | Codec::Tandem);
+        let hashing = matches!(strategy, Codec::De | Codec::Tandem | Codec::TandemV1);
         let n = pre.len();
         let mut entry = 0u32;
         let mut first: FxMap<u64, usize> = FxMap::default();
@@ -399,10 +403,11 @@ impl Encoder {
         data: &[u8],
         pre: &[Pre],
         block_refs: &[Vec<(u8, u64)>],
-    ) -> Vec<Option<(Coded, bool)>> {
+    ) -> Vec<Option<(Coded, Refs)>> {
         let page = |i: usize| &data[i * PAGE..(i + 1) * PAGE];
         let strategy = self.codec.strategy();
         let ctx = Ctx {
+            anchors: self.anchors.as_ref(),
             prev: self.prev.as_ref(),
             page_index: self.page_index.as_ref(),
             de: self.de.as_ref(),
@@ -424,9 +429,10 @@ impl Encoder {
                         Codec::Fgbi => st::fgbi(&ctx, i, pfn, p, x),
                         Codec::Gerofi => st::gerofi(&ctx, pfn, p, x),
                         Codec::De => st::de(&ctx, p, x),
+                        Codec::TandemV1 => st::tandem_v1(&ctx, pfn, p, x),
                         _ => st::raw(p),
                     },
-                    false,
+                    Refs::default(),
                 ),
             })
         })
@@ -434,10 +440,17 @@ impl Encoder {
 
     /// Phase 5: advances the reference state (previous versions, block hashes, indexes) to
     /// the post-epoch content.
-    fn advance(&mut self, pfns: &[u64], data: &[u8], pre: &[Pre], block_new: &[[u64; 64]]) {
+    fn advance(
+        &mut self,
+        pfns: &[u64],
+        data: &[u8],
+        pre: &[Pre],
+        block_new: &[[u64; 64]],
+        coded: &[Option<(Coded, Refs)>],
+    ) {
         let page = |i: usize| &data[i * PAGE..(i + 1) * PAGE];
         let strategy = self.codec.strategy();
-        let hashing = matches!(strategy, Codec::De | Codec::Tandem);
+        let hashing = matches!(strategy, Codec::De | Codec::Tandem | Codec::TandemV1);
         let per = PAGE.checked_div(self.granule).unwrap_or(0);
         for i in 0..pfns.len() {
             let (pfn, p) = (pfns[i], page(i));
@@ -446,6 +459,11 @@ impl Encoder {
             }
             if let Some(s) = self.prev.as_mut() {
                 s.put(pfn, p);
+            }
+            if let (Some(ix), Some((_, r))) = (self.anchors.as_mut(), &coded[i]) {
+                for &h in &r.anchors[..r.n] {
+                    ix.put(h, pfn);
+                }
             }
             if per > 0 {
                 self.block_hashes[pfn as usize * per..(pfn as usize + 1) * per]

@@ -17,6 +17,7 @@
 
 #![warn(missing_docs)]
 
+pub mod anchors;
 mod apply;
 mod bodies;
 pub mod code;

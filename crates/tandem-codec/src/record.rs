@@ -5,7 +5,7 @@
 use crate::code::PageCode;
 use crate::encoder::{Codec, Encoder};
 use crate::format::{Header, FLAG_LZ4, FLAG_PREFIX, FLAG_ZSTD, MAX_DATA, PAGE};
-use crate::strategies::{Coded, Payload};
+use crate::strategies::{Coded, Payload, Refs};
 use crate::EncodeError;
 
 /// Buffers and compression contexts an encoder reuses across epochs.
@@ -54,7 +54,7 @@ impl Encoder {
         epoch: u64,
         pfns: &[u64],
         data: &[u8],
-        coded: &[Option<(Coded, bool)>],
+        coded: &[Option<(Coded, Refs)>],
         out: &mut Vec<u8>,
     ) -> Result<(u32, usize), EncodeError> {
         let page = |i: usize| &data[i * PAGE..(i + 1) * PAGE];
@@ -64,13 +64,16 @@ impl Encoder {
         b.ops.clear();
         b.data.clear();
         b.prefix.clear();
-        // The prefix: previous versions of the pages that asked for it, in page order (each
-        // page's own version then lies a constant distance before its payload).
+        // The prefix: previous versions of the pages asked for, in page order (each page's
+        // own version then lies a roughly constant distance before its payload).
         if let Some(prev) = self.prev.as_ref() {
+            let mut seen = crate::state::FxMap::default();
             for (i, c) in coded.iter().enumerate() {
-                if let Some((_, true)) = c {
-                    if let Some(old) = prev.get(pfns[i]) {
-                        b.prefix.push(pfns[i]);
+                let Some((_, r)) = c else { continue };
+                let own = r.own.then_some(pfns[i]);
+                for q in r.others.into_iter().flatten().chain(own) {
+                    if let (Some(old), None) = (prev.get(q), seen.insert(q, ())) {
+                        b.prefix.push(q);
                         b.data.extend_from_slice(old);
                     }
                 }
@@ -122,7 +125,7 @@ impl Encoder {
                     flags = FLAG_ZSTD;
                 }
             }
-            Codec::Zstd | Codec::Fgbi | Codec::XbzrleZstd if raw_len > 0 => {
+            Codec::Zstd | Codec::Fgbi | Codec::XbzrleZstd | Codec::TandemV1 if raw_len > 0 => {
                 let z = match b.zstd.as_mut() {
                     Some(z) => z,
                     None => b

@@ -23,8 +23,24 @@ pub struct Pre {
     pub dup_of: Option<u32>,
 }
 
+/// What a tandem page wants from the record's reference prefix, and the anchors of its new
+/// content (indexed once the epoch is encoded).
+#[derive(Clone, Copy, Default)]
+pub struct Refs {
+    /// The page's own previous version.
+    pub own: bool,
+    /// Other held pages sharing content with it (found by anchors).
+    pub others: [Option<u64>; 2],
+    /// Anchors of the page's changed content.
+    pub anchors: [u64; crate::anchors::MAX],
+    /// How many of `anchors` are set.
+    pub n: usize,
+}
+
 /// Read-only encoding context for one epoch.
 pub struct Ctx<'a> {
+    /// Content-defined anchors of content sent earlier (tandem).
+    pub anchors: Option<&'a crate::anchors::Index>,
     pub prev: Option<&'a PrevStore>,
     pub page_index: Option<&'a PageIndex>,
     pub de: Option<&'a [Buckets; 2]>,
@@ -276,15 +292,13 @@ fn blocks_only(pfn: u64, new: &[u8], mask: u64) -> Coded {
 /// version joins the record's reference prefix (prefix.rs), where the record's single zstd
 /// pass finds the new bytes in the old ones, shifted or not. The second value says whether the
 /// page's previous version is wanted in the prefix.
-pub fn tandem(c: &Ctx<'_>, pfn: u64, new: &[u8], pre: &Pre, budget: &Budget) -> (Coded, bool) {
+pub fn tandem(c: &Ctx<'_>, pfn: u64, new: &[u8], pre: &Pre, budget: &Budget) -> (Coded, Refs) {
+    let none = Refs::default();
     if pre.zero {
-        return ((Base::Zero, Body::Same, Payload::Own(Vec::new())), false);
+        return ((Base::Zero, Body::Same, Payload::Own(Vec::new())), none);
     }
     if let Some(j) = pre.dup_of {
-        return (
-            (Base::Epoch(j), Body::Same, Payload::Own(Vec::new())),
-            false,
-        );
+        return ((Base::Epoch(j), Body::Same, Payload::Own(Vec::new())), none);
     }
     let old = c.prev.and_then(|p| p.get(pfn));
     if let Some(old) = old {
@@ -293,19 +307,45 @@ pub fn tandem(c: &Ctx<'_>, pfn: u64, new: &[u8], pre: &Pre, budget: &Budget) -> 
             small = runs_vs(Base::Mirror(pfn), old, new, 8, budget.good_enough);
         }
         if let Some(s) = small {
-            return (s, false);
+            return (s, none);
         }
     }
     if let Some(s) = identical(c, new, pre) {
-        return (s, false);
+        return (s, none);
     }
-    let mut best = if old.is_some() || (budget.blocks && pre.mask != u64::MAX) {
-        blocks_only(pfn, new, pre.mask)
+    let changed = if old.is_some() || budget.blocks {
+        pre.mask
     } else {
-        raw(new)
+        u64::MAX
     };
-    if old.is_some() && budget.prefix {
-        return (best, true);
+    let mut best = blocks_only(pfn, new, changed);
+    let mut refs = Refs {
+        own: old.is_some() && budget.prefix,
+        ..none
+    };
+    // Only pages without a held previous version: their content is new to the store (a
+    // fresh page, or one written elsewhere first), the case anchors are for; scanning every
+    // held page too would cost a pass over its changed bytes for little.
+    if let (Some(ix), None) = (c.anchors, old) {
+        refs.n = crate::anchors::find(new, changed, &mut refs.anchors);
+        if budget.prefix {
+            // Held pages that share content with this one join the prefix.
+            let mut k = 0;
+            for &h in &refs.anchors[..refs.n] {
+                let Some(q) = ix.get(h) else { continue };
+                let held = c.prev.is_some_and(|p| p.get(q).is_some());
+                if q != pfn && held && !refs.others.contains(&Some(q)) {
+                    refs.others[k] = Some(q);
+                    k += 1;
+                    if k == refs.others.len() {
+                        break;
+                    }
+                }
+            }
+        }
+    }
+    if refs.own {
+        return (best, refs);
     }
     if budget.similarity && best.2.len() > budget.similar_above {
         for (q, r) in de_candidates(c, new) {
@@ -315,7 +355,7 @@ pub fn tandem(c: &Ctx<'_>, pfn: u64, new: &[u8], pre: &Pre, budget: &Budget) -> 
             }
         }
     }
-    (best, false)
+    (best, refs)
 }
 
 /// CPU budget knobs of the tandem strategy.
@@ -327,6 +367,9 @@ pub struct Budget {
     /// Reference-prefix compression (prefix.rs): previous versions of the other changed pages
     /// become the zstd prefix of the record.
     pub prefix: bool,
+    /// Content-defined anchors (anchors.rs) pick held pages sharing content with a page that
+    /// has no held previous version, for the prefix.
+    pub anchors: bool,
     /// Without a prefix reference: look for similar held pages (DE 2,1 index) ...
     pub similarity: bool,
     /// ... when the page codes into more than this many bytes.
@@ -343,10 +386,66 @@ impl Default for Budget {
         Budget {
             good_enough: 512,
             prefix: true,
+            anchors: true,
             similarity: false,
             similar_above: 512,
             blocks: true,
             word_runs: false,
         }
     }
+}
+
+/// The previous default (`tandem-v1`, kept as a same-run reference): run patch against the
+/// held version (stop at 64 bytes), identical held page, changed blocks from 64-byte block
+/// hashes (tagged), patch against a similar held page (DE 2,1), LZ4 literal; no prefix.
+pub fn tandem_v1(c: &Ctx<'_>, pfn: u64, new: &[u8], pre: &Pre) -> Coded {
+    const GOOD_ENOUGH: usize = 64;
+    if pre.zero {
+        return (Base::Zero, Body::Same, Payload::Own(Vec::new()));
+    }
+    if let Some(j) = pre.dup_of {
+        return (Base::Epoch(j), Body::Same, Payload::Own(Vec::new()));
+    }
+    let mut best: Option<Coded> = None;
+    if let Some(old) = c.prev.and_then(|p| p.get(pfn)) {
+        best = runs_vs(Base::Mirror(pfn), old, new, 1, PAGE);
+        if best.as_ref().is_some_and(|b| b.2.len() <= GOOD_ENOUGH) {
+            return best.unwrap_or_else(|| raw(new));
+        }
+    }
+    if let Some(s) = identical(c, new, pre) {
+        return s;
+    }
+    if best.is_none() && pre.mask != u64::MAX {
+        let mut out = Vec::with_capacity(pre.mask.count_ones() as usize * 65);
+        for b in (0..64).filter(|b| pre.mask & (1 << b) != 0) {
+            let blk = &new[b * 64..(b + 1) * 64];
+            if is_zero(blk) {
+                out.push(block::ZERO);
+            } else {
+                out.push(block::RAW);
+                out.extend_from_slice(blk);
+            }
+        }
+        best = Some((Base::Mirror(pfn), Body::Blocks(pre.mask), Payload::Own(out)));
+        if best.as_ref().is_some_and(|b| b.2.len() <= GOOD_ENOUGH) {
+            return best.unwrap_or_else(|| raw(new));
+        }
+    }
+    if best.as_ref().is_none_or(|b| b.2.len() > 512) {
+        for (q, r) in de_candidates(c, new) {
+            let limit = best.as_ref().map(|b| b.2.len()).unwrap_or(PAGE);
+            best = smaller(best, runs_vs(Base::Mirror(q), r, new, 1, limit));
+        }
+    }
+    if best.as_ref().is_none_or(|b| b.2.len() > 1024) {
+        let lz = lz4_flex::block::compress(new);
+        if lz.len() < PAGE {
+            best = smaller(
+                best,
+                Some((Base::Zero, Body::Xor(Method::Lz4), Payload::Own(lz))),
+            );
+        }
+    }
+    best.unwrap_or_else(|| raw(new))
 }

@@ -251,7 +251,10 @@ fn shifted_pages_compress_against_their_previous_versions() {
         decode(&rec, &mem, &mut plan).unwrap();
         plan.commit(&mut mem);
         for (k, &p) in set.iter().enumerate() {
-            assert_eq!(&mem[p as usize * P..(p as usize + 1) * P], &data2[k * P..(k + 1) * P]);
+            assert_eq!(
+                &mem[p as usize * P..(p as usize + 1) * P],
+                &data2[k * P..(k + 1) * P]
+            );
         }
         sizes.push(rec.len());
     }

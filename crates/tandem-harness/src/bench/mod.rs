@@ -45,6 +45,14 @@ pub struct Args {
     /// Encoder threads for --trace (throughput is reported per core).
     #[arg(long, default_value_t = 1)]
     pub threads: usize,
+    /// --trace: merge this many consecutive recorded epochs into one (100 ms epochs × 5 =
+    /// 500 ms epochs: the union of their pages, each with its last content).
+    #[arg(long, default_value_t = 1)]
+    pub coalesce: usize,
+    /// --trace: also a control row per codec, given only the pages whose content changed
+    /// (the same treatment of written-but-unchanged pages for every codec).
+    #[arg(long)]
+    pub control: bool,
     /// Measure replication end to end (primary + backup in namespaces, a real client, a host
     /// failure): throughput replicated vs native, bytes, pauses, failover time.
     #[arg(long)]
@@ -273,7 +281,23 @@ fn run_trace(a: &Args) -> anyhow::Result<()> {
         ..Default::default()
     };
     codec::parse_budget(&a.budget, &mut cfg)?;
-    codec::run(&a.trace, &codecs, &cfg, a.json)
+    if a.coalesce == 0 {
+        bail!("--coalesce must be at least 1");
+    }
+    let mut trials = Vec::new();
+    for exact in [false, true] {
+        if exact && !a.control {
+            continue;
+        }
+        for &c in &codecs {
+            trials.push(codec::Trial {
+                codec: c,
+                exact,
+                coalesce: a.coalesce,
+            });
+        }
+    }
+    codec::run(&a.trace, &trials, &cfg, a.json)
 }
 
 /// `--lab`: boots every workload, measures it at every epoch length and prints the report.

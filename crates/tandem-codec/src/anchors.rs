@@ -1,0 +1,131 @@
+//! Content-defined anchors: positions chosen by the bytes before them (a gear rolling hash
+//! over the last 64 bytes), so the same content yields the same anchors wherever it lies in a
+//! page. tandem indexes the anchors of new content it sends and looks up those of a page it
+//! holds no previous version of; a held page found that way joins the record's reference
+//! prefix, where zstd finds the shared content, shifted or not.
+
+use crate::format::PAGE;
+
+/// Most anchors taken from one page.
+pub const MAX: usize = 8;
+/// An anchor where the rolling hash's top bits are zero: one every 2^9 = 512 bytes on average.
+const SHIFT: u32 = 64 - 9;
+
+const fn gear() -> [u64; 256] {
+    let mut t = [0u64; 256];
+    let mut s = 0x9e37_79b9_7f4a_7c15u64;
+    let mut i = 0;
+    while i < 256 {
+        // splitmix64
+        s = s.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = s;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        t[i] = z ^ (z >> 31);
+        i += 1;
+    }
+    t
+}
+
+static GEAR: [u64; 256] = gear();
+
+/// Anchors of the content in the 64-byte blocks of `page` set in `mask` (contiguous changed
+/// blocks are scanned as one stretch); zero stretches give none. Returns how many were found.
+pub fn find(page: &[u8], mask: u64, out: &mut [u64; MAX]) -> usize {
+    let mut n = 0;
+    let mut b = 0;
+    while b < 64 && n < MAX {
+        if mask >> b & 1 == 0 {
+            b += 1;
+            continue;
+        }
+        let start = b;
+        while b < 64 && mask >> b & 1 == 1 {
+            b += 1;
+        }
+        let mut h = 0u64;
+        for (i, &x) in page[start * 64..(b * 64).min(PAGE)].iter().enumerate() {
+            h = (h << 1).wrapping_add(GEAR[x as usize]);
+            if i >= 63 && h >> SHIFT == 0 && x != 0 {
+                out[n] = h;
+                n += 1;
+                if n == MAX {
+                    break;
+                }
+            }
+        }
+    }
+    n
+}
+
+/// Anchor → page holding that content, direct-mapped (a newer page replaces an older one).
+pub struct Index {
+    slots: Vec<(u32, u32)>,
+    bits: u32,
+}
+
+impl Index {
+    /// 2^bits slots of 8 bytes.
+    pub fn new(bits: u32) -> Self {
+        let bits = bits.clamp(4, 26);
+        Index {
+            slots: vec![(0, 0); 1 << bits],
+            bits,
+        }
+    }
+
+    fn slot(&self, h: u64) -> (usize, u32) {
+        // The top bits are zero by construction: index by the low ones, tag by the middle.
+        ((h & ((1 << self.bits) - 1)) as usize, (h >> 24) as u32)
+    }
+
+    /// The page last seen with anchor `h`.
+    pub fn get(&self, h: u64) -> Option<u64> {
+        let (i, tag) = self.slot(h);
+        let (t, p) = self.slots[i];
+        (p != 0 && t == tag).then(|| p as u64 - 1)
+    }
+
+    /// Remembers that `pfn` holds content with anchor `h`.
+    pub fn put(&mut self, h: u64, pfn: u64) {
+        let (i, tag) = self.slot(h);
+        if let Ok(p) = u32::try_from(pfn + 1) {
+            self.slots[i] = (tag, p);
+        }
+    }
+
+    /// Memory held.
+    pub fn bytes(&self) -> usize {
+        self.slots.capacity() * 8
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn anchors_survive_a_shift() {
+        let mut x = 0x1234_5678_9abc_def1u64;
+        let page: Vec<u8> = (0..PAGE)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                x as u8
+            })
+            .collect();
+        let mut shifted = vec![7u8; 200];
+        shifted.extend_from_slice(&page[..PAGE - 200]);
+        let (mut a, mut b) = ([0; MAX], [0; MAX]);
+        let na = find(&page, u64::MAX, &mut a);
+        let nb = find(&shifted, u64::MAX, &mut b);
+        assert!(na > 2, "{na}");
+        let common = a[..na].iter().filter(|h| b[..nb].contains(h)).count();
+        assert!(common >= na - 2, "{common} of {na}");
+        assert_eq!(find(&[0u8; PAGE], u64::MAX, &mut a), 0);
+        let mut ix = Index::new(10);
+        ix.put(a[0], 42);
+        assert_eq!(ix.get(a[0]), Some(42));
+    }
+}
