@@ -162,6 +162,11 @@ pub struct PrimaryArgs {
     /// Memory codec.
     #[arg(long, default_value = "tandem")]
     pub codec: Codec,
+    /// zstd level of the memory records: `auto` (chosen per epoch, -5 to 3, lower when the
+    /// encoder is slower than the link and higher when the link is the bottleneck; each
+    /// epoch's level is in the metrics lines) or a fixed level.
+    #[arg(long, default_value = "auto", value_parser = parse_level)]
+    pub zstd_level: Level,
     /// Identifier of the protected VM (the backup refuses frames of any other).
     #[arg(long, default_value_t = 1)]
     pub vm_id: u64,
@@ -376,6 +381,7 @@ pub fn primary(a: PrimaryArgs) -> anyhow::Result<()> {
         fast_devstate: a.devstate == "xen-save",
         duration: a.duration.map(Duration::from_secs),
         codec: a.codec,
+        zstd_level: a.zstd_level.0,
         vm_id: a.vm_id,
         heartbeat: ms(a.heartbeat_ms.max(1)),
         ack_timeout: ms(a.ack_timeout_ms.max(100)),
@@ -474,4 +480,18 @@ pub fn backup(a: BackupArgs) -> anyhow::Result<()> {
         node,
         stdio("backup"),
     )?)
+}
+
+/// `--zstd-level`: `auto` or a fixed level.
+#[derive(Debug, Clone, Copy)]
+pub struct Level(Option<i32>);
+
+fn parse_level(s: &str) -> Result<Level, String> {
+    if s == "auto" {
+        return Ok(Level(None));
+    }
+    match s.parse::<i32>() {
+        Ok(l) if (-7..=19).contains(&l) => Ok(Level(Some(l))),
+        _ => Err(format!("{s:?}: choose auto or a zstd level from -7 to 19")),
+    }
 }

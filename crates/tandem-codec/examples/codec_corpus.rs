@@ -31,6 +31,24 @@ fn main() {
         e.encode(1, &set, &data, &mut rec).unwrap();
         std::fs::write(dec.join(codec.name()), &rec).unwrap();
     }
+    // A record with a reference prefix: shifted pages against held previous versions.
+    let shifted: Vec<u8> = set
+        .iter()
+        .flat_map(|&p| {
+            let mut pg = base[p as usize * P..(p as usize + 1) * P].to_vec();
+            pg.rotate_right(37);
+            pg
+        })
+        .collect();
+    let cfg = Config {
+        full_mirror: true,
+        ..Config::default()
+    };
+    let mut e = Encoder::new(Codec::Tandem, &base, cfg).unwrap();
+    let mut rec = Vec::new();
+    let st = e.encode(1, &set, &shifted, &mut rec).unwrap();
+    assert!(st.prefix_pages > 0);
+    std::fs::write(dec.join("tandem-prefix"), &rec).unwrap();
     for (i, seed) in [
         &b"\x01\x02\x03\x04\x05\x06\x07\x08hello"[..],
         &[0u8; 32],

@@ -26,6 +26,7 @@ mod decoder;
 mod encoder;
 pub mod format;
 pub mod fuzz;
+pub mod level;
 pub mod prefix;
 mod record;
 pub mod runs;

@@ -38,6 +38,8 @@ pub struct EpochMetrics {
     pub sent_bytes: u64,
     /// Time to encode the epoch.
     pub encode_us: u64,
+    /// zstd level the memory record was encoded at.
+    pub level: i32,
     /// Time to write the frame to the link.
     pub transfer_us: u64,
     /// From handing the epoch to the link to the backup's acknowledgement.

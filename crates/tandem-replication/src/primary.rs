@@ -236,6 +236,13 @@ impl Primary {
         }
     }
 
+    /// The zstd level of the next memory records (tandem_codec::level chooses it per epoch).
+    pub fn set_level(&mut self, level: i32) {
+        if let Some(e) = self.enc.as_mut() {
+            e.set_level(level);
+        }
+    }
+
     /// The protected VM.
     pub fn vm_id(&self) -> u64 {
         self.vm_id

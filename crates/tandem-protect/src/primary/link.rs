@@ -92,6 +92,8 @@ pub struct Shared {
     /// average over acknowledged epochs; 0 before the first. The adaptive schedule's stop
     /// threshold derives from it (seed 002's bandwidth_approx).
     pub ship_rate: AtomicU64,
+    /// The zstd level the next epochs are encoded at (moved by each acknowledgement).
+    pub level: std::sync::atomic::AtomicI32,
 }
 
 impl Shared {
@@ -105,6 +107,7 @@ impl Shared {
             progress: AtomicU64::new(progress),
             pending: Mutex::default(),
             ship_rate: AtomicU64::new(0),
+            level: std::sync::atomic::AtomicI32::new(1),
         }
     }
 
@@ -123,6 +126,13 @@ impl Shared {
             (old * 3 + sample) / 4
         };
         self.ship_rate.store(new.max(1), Ordering::Relaxed);
+    }
+
+    /// Moves the level after an epoch encoded at `level` in `encode_us` and acknowledged
+    /// `wait_us` after it was sent.
+    pub fn observe_level(&self, level: i32, encode_us: u64, wait_us: u64) {
+        let next = tandem_codec::level::next(level, encode_us, wait_us);
+        self.level.store(next, Ordering::Relaxed);
     }
 
     /// The shipping rate in pages per second, once measured.

@@ -56,6 +56,9 @@ pub struct PrimaryConfig {
     pub duration: Option<Duration>,
     /// Memory codec.
     pub codec: Codec,
+    /// zstd level of the memory records; `None` (default): chosen per epoch from whether the
+    /// encoder or the link is the slower stage (`tandem_codec::level`).
+    pub zstd_level: Option<i32>,
     /// Identifier of the protected VM (the backup refuses frames of any other).
     pub vm_id: u64,
     /// Send a heartbeat when nothing else was sent for this long.
@@ -100,6 +103,7 @@ impl PrimaryConfig {
             fast_devstate: true,
             duration: None,
             codec: Codec::Tandem,
+            zstd_level: None,
             vm_id: 1,
             heartbeat: Duration::from_millis(100),
             ack_timeout: Duration::from_secs(2),

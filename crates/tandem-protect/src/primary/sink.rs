@@ -149,6 +149,11 @@ impl Step<'_> {
             device_state: cp.device_state,
             disk_writes: self.site.disk.as_ref().map(|_| writes.as_slice()),
         };
+        let level = self
+            .opts
+            .zstd_level
+            .unwrap_or_else(|| self.shared.level.load(std::sync::atomic::Ordering::Relaxed));
+        self.proto.set_level(level);
         let (frame, sizes) = self.proto.epoch(&input)?;
         let held = self.held();
         self.registry.set_held(held.held_frames, held.held_bytes);
@@ -163,6 +168,7 @@ impl Step<'_> {
             raw_bytes: sizes.raw,
             sent_bytes: sizes.sent,
             encode_us: t.elapsed().as_micros() as u64,
+            level,
             held_frames: held.held_frames,
             held_bytes: held.held_bytes,
             disk_writes: sizes.disk_writes,
