@@ -122,6 +122,13 @@ pub struct Config {
     pub budget: Budget,
     /// zstd level for data sections.
     pub zstd_level: i32,
+    /// tandem: prefix and payload bytes per zstd frame. A larger record is cut, at entry
+    /// boundaries, into frames of about this size, each with the prefix pages of its own
+    /// entries, which `threads` compress in parallel. Depends on the input only, so the output
+    /// does not depend on the thread count. Frames cannot reference each other's prefix:
+    /// 4 MiB frames cost 48 % more bytes on 500 ms `sqlite` epochs, so the default keeps
+    /// ordinary epochs in one frame and bounds only very large ones.
+    pub frame_bytes: usize,
 }
 
 impl Default for Config {
@@ -135,6 +142,7 @@ impl Default for Config {
             full_mirror: false,
             budget: Budget::default(),
             zstd_level: 1,
+            frame_bytes: 32 << 20,
         }
     }
 }

@@ -111,9 +111,20 @@ fn decode_into(rec: &[u8], mirror: &[u8], plan: &mut Plan) -> Result<(), DecodeE
         return Err(DecodeError::Checksum("data section"));
     }
     let mut pos = 0;
-    let prefix = if h.flags & FLAG_PREFIX != 0 {
+    let frames = if h.flags & FLAG_PREFIX != 0 {
         let most = MAX_PREFIX_PAGES.min(4 * h.entries as u64);
-        crate::prefix::read_list(ops, &mut pos, pages, most).map_err(DecodeError::Malformed)?
+        let f = crate::prefix::read_frames(ops, &mut pos, pages, most)
+            .map_err(DecodeError::Malformed)?;
+        let raw: u64 = f.iter().map(|f| f.raw).sum();
+        let stored_sum: u64 = f.iter().map(|f| f.stored).sum();
+        if raw != h.data_raw_len as u64 || stored_sum != stored.len() as u64 {
+            return Err(DecodeError::Malformed(format!(
+                "zstd frames of {raw} bytes ({stored_sum} stored), data section of {} ({})",
+                h.data_raw_len,
+                stored.len()
+            )));
+        }
+        f
     } else {
         Vec::new()
     };
@@ -124,7 +135,7 @@ fn decode_into(rec: &[u8], mirror: &[u8], plan: &mut Plan) -> Result<(), DecodeE
     let src = Source {
         stored,
         mirror,
-        prefix: &prefix,
+        frames: &frames,
     };
     let r = if crate::apply::simple(&codes) {
         one_pass(&h, codes, &src, pages, plan, &mut scratch)
@@ -220,19 +231,15 @@ fn one_pass(
 fn data_section(h: &Header, src: &Source<'_>, scratch: &mut Vec<u8>) -> Result<usize, DecodeError> {
     let raw_len = h.data_raw_len as usize;
     scratch.clear();
-    if !src.prefix.is_empty() {
-        crate::prefix::build(src.mirror, src.prefix, scratch);
+    if !src.frames.is_empty() {
+        return frames(src, raw_len, scratch);
     }
-    let plen = scratch.len();
     if h.flags & (FLAG_ZSTD | FLAG_LZ4) == 0 {
         scratch.extend_from_slice(src.stored);
-        return Ok(plen);
+        return Ok(0);
     }
-    scratch.resize(plen + raw_len, 0);
-    let n = if !src.prefix.is_empty() {
-        crate::prefix::decompress(src.stored, scratch, plen)
-            .map_err(|e| DecodeError::Malformed(format!("data section zstd with prefix: {e}")))?
-    } else if h.flags & FLAG_ZSTD != 0 {
+    scratch.resize(raw_len, 0);
+    let n = if h.flags & FLAG_ZSTD != 0 {
         zstd::bulk::decompress_to_buffer(src.stored, &mut scratch[..])
             .map_err(|e| DecodeError::Malformed(format!("data section zstd: {e}")))?
     } else {
@@ -244,6 +251,40 @@ fn data_section(h: &Header, src: &Source<'_>, scratch: &mut Vec<u8>) -> Result<u
             "data section decodes to {n} bytes, header declares {raw_len}"
         )));
     }
+    Ok(0)
+}
+
+/// Decodes the zstd frames of a prefixed data section behind the first frame's prefix in
+/// `scratch` (so that frame sees one contiguous window); later frames decode with their own
+/// prefix built aside. Returns where the payloads start.
+fn frames(src: &Source<'_>, raw_len: usize, scratch: &mut Vec<u8>) -> Result<usize, DecodeError> {
+    let first = &src.frames[0];
+    crate::prefix::build(src.mirror, &first.pfns, scratch);
+    let plen = scratch.len();
+    scratch.resize(plen + raw_len, 0);
+    let (mut off, mut soff) = (plen, 0usize);
+    let mut aside = Vec::new();
+    for (k, f) in src.frames.iter().enumerate() {
+        // `decode_into` checked that the lengths add up to the sections.
+        let (raw, stored) = (f.raw as usize, f.stored as usize);
+        let frame = &src.stored[soff..soff + stored];
+        let n = if k == 0 {
+            let (p, d) = scratch.split_at_mut(plen);
+            crate::prefix::decompress(frame, p, &mut d[..raw])
+        } else {
+            aside.clear();
+            crate::prefix::build(src.mirror, &f.pfns, &mut aside);
+            crate::prefix::decompress(frame, &aside, &mut scratch[off..off + raw])
+        }
+        .map_err(|e| DecodeError::Malformed(format!("data section zstd frame {k}: {e}")))?;
+        if n != raw {
+            return Err(DecodeError::Malformed(format!(
+                "zstd frame {k} decodes to {n} bytes, the frame table says {raw}"
+            )));
+        }
+        off += raw;
+        soff += stored;
+    }
     Ok(plen)
 }
 
@@ -251,8 +292,8 @@ fn data_section(h: &Header, src: &Source<'_>, scratch: &mut Vec<u8>) -> Result<u
 struct Source<'a> {
     stored: &'a [u8],
     pub(crate) mirror: &'a [u8],
-    /// Pages whose pre-epoch content is the zstd frame's reference prefix.
-    prefix: &'a [u64],
+    /// With a reference prefix: the zstd frames (their prefix pages and lengths).
+    frames: &'a [crate::prefix::FrameSpec],
 }
 
 fn decode_with(

@@ -16,19 +16,63 @@ use crate::runs::{get_uleb, put_uleb};
 /// enough for level 1 to find the old versions (the default at level 1 is 13 to 17 bits).
 pub const HASH_LOG: u32 = 19;
 
-/// Appends the prefix list: count, then the page numbers in prefix order.
-pub fn write_list(pfns: &[u64], out: &mut Vec<u8>) {
-    put_uleb(out, pfns.len() as u64);
-    for &p in pfns {
-        put_uleb(out, p);
+/// Most zstd frames in one record's data section.
+pub const MAX_FRAMES: u64 = 64;
+
+/// One zstd frame of the data section: its reference prefix (pre-epoch pages, in order) and
+/// its decoded and stored lengths. The frames' outputs, concatenated, are the payloads.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct FrameSpec {
+    /// Pages whose pre-epoch content, concatenated, is the frame's prefix.
+    pub pfns: Vec<u64>,
+    /// Bytes the frame decodes to.
+    pub raw: u64,
+    /// Bytes of the frame.
+    pub stored: u64,
+}
+
+/// Appends the frame table: count, then per frame its prefix list and lengths.
+pub fn write_frames(frames: &[FrameSpec], out: &mut Vec<u8>) {
+    put_uleb(out, frames.len() as u64);
+    for f in frames {
+        put_uleb(out, f.pfns.len() as u64);
+        for &p in &f.pfns {
+            put_uleb(out, p);
+        }
+        put_uleb(out, f.raw);
+        put_uleb(out, f.stored);
     }
 }
 
+/// Reads a frame table at `*pos`: 1 to [`MAX_FRAMES`] frames and at most `max` prefix pages
+/// in all, each below `pages`.
+pub fn read_frames(
+    ops: &[u8],
+    pos: &mut usize,
+    pages: u64,
+    max: u64,
+) -> Result<Vec<FrameSpec>, String> {
+    let n = get_uleb(ops, pos).ok_or("frame table truncated")?;
+    if n == 0 || n > MAX_FRAMES {
+        return Err(format!("{n} zstd frames (1 to {MAX_FRAMES} allowed)"));
+    }
+    let mut left = max;
+    let mut v = Vec::with_capacity(n as usize);
+    for _ in 0..n {
+        let pfns = read_list(ops, pos, pages, left)?;
+        left -= pfns.len() as u64;
+        let raw = get_uleb(ops, pos).ok_or("frame length truncated")?;
+        let stored = get_uleb(ops, pos).ok_or("frame length truncated")?;
+        v.push(FrameSpec { pfns, raw, stored });
+    }
+    Ok(v)
+}
+
 /// Reads a prefix list at `*pos`: at most `max` pages, each below `pages`.
-pub fn read_list(ops: &[u8], pos: &mut usize, pages: u64, max: u64) -> Result<Vec<u64>, String> {
+fn read_list(ops: &[u8], pos: &mut usize, pages: u64, max: u64) -> Result<Vec<u64>, String> {
     let n = get_uleb(ops, pos).ok_or("prefix list truncated")?;
-    if n == 0 || n > max {
-        return Err(format!("prefix of {n} pages (1 to {max} allowed)"));
+    if n > max {
+        return Err(format!("prefix of {n} pages (at most {max} allowed)"));
     }
     // Every page number takes at least one byte: refuse counts the section cannot hold.
     if n > (ops.len() - *pos) as u64 {
@@ -68,28 +112,29 @@ fn io(code: usize) -> std::io::Error {
 }
 
 impl Compressor {
-    /// Compresses `buf[plen..]` as one frame whose reference prefix is `buf[..plen]`, at
-    /// `level`, into `out` (cleared first).
+    /// Compresses `data` as one frame whose reference prefix is `prefix`, at `level`, into
+    /// `out` (cleared first). When `prefix` ends where `data` starts in memory, zstd sees one
+    /// contiguous window.
     pub fn compress(
         &mut self,
-        buf: &[u8],
-        plen: usize,
+        prefix: &[u8],
+        data: &[u8],
         level: i32,
         out: &mut Vec<u8>,
     ) -> std::io::Result<()> {
-        let (prefix, data) = buf.split_at(plen.min(buf.len()));
+        let plen = prefix.len();
         let c = &mut self.cctx;
         c.reset(ResetDirective::SessionAndParameters).map_err(io)?;
         c.set_parameter(CParameter::CompressionLevel(level))
             .map_err(io)?;
-        c.set_parameter(CParameter::WindowLog(window_log(buf.len())))
+        c.set_parameter(CParameter::WindowLog(window_log(plen + data.len())))
             .map_err(io)?;
         if plen > 0 {
             c.set_parameter(CParameter::HashLog(HASH_LOG)).map_err(io)?;
             // SAFETY: the context keeps a reference-prefix pointer only for the next frame,
             // which `compress2` below completes before this function returns; on any error the
             // reset that follows drops the reference (`SessionAndParameters` clears prefixes
-            // and dictionaries). So the pointer never outlives `buf`, which outlives this call;
+            // and dictionaries). So the pointer never outlives `prefix`, which outlives this call;
             // the 'static lifetime is only what the context's type demands.
             let prefix: &'static [u8] = unsafe { &*(prefix as *const [u8]) };
             c.ref_prefix(prefix).map_err(io)?;
@@ -102,10 +147,9 @@ impl Compressor {
     }
 }
 
-/// Decompresses `frame` into `buf[plen..]` with `buf[..plen]` as the reference prefix;
-/// returns the bytes written.
-pub fn decompress(frame: &[u8], buf: &mut [u8], plen: usize) -> Result<usize, String> {
-    let (prefix, dst) = buf.split_at_mut(plen.min(buf.len()));
+/// Decompresses `frame` into `dst` with `prefix` as its reference prefix; returns the bytes
+/// written.
+pub fn decompress(frame: &[u8], prefix: &[u8], dst: &mut [u8]) -> Result<usize, String> {
     let mut d = DCtx::create();
     d.set_parameter(DParameter::WindowLogMax(31))
         .map_err(|c| zstd::zstd_safe::get_error_name(c).to_string())?;
@@ -145,33 +189,61 @@ mod tests {
         buf.extend_from_slice(&new);
         let mut out = Vec::new();
         let mut c = Compressor::default();
-        c.compress(&buf, PAGE, 1, &mut out).unwrap();
+        let (p, d) = buf.split_at(PAGE);
+        c.compress(p, d, 1, &mut out).unwrap();
         assert!(out.len() < 160, "{} bytes", out.len());
         // Without the prefix it stays incompressible.
         let mut plain = Vec::new();
-        c.compress(&new, 0, 1, &mut plain).unwrap();
+        c.compress(&[], &new, 1, &mut plain).unwrap();
         assert!(plain.len() > PAGE - 200, "{}", plain.len());
+        // Contiguous and separate prefixes decode alike.
         let mut back = old.clone();
         back.resize(2 * PAGE, 0);
-        assert_eq!(decompress(&out, &mut back, PAGE), Ok(PAGE));
+        let (p, d) = back.split_at_mut(PAGE);
+        assert_eq!(decompress(&out, p, d), Ok(PAGE));
         assert_eq!(&back[PAGE..], &new[..]);
+        let mut sep = vec![0u8; PAGE];
+        assert_eq!(decompress(&out, &old, &mut sep), Ok(PAGE));
+        assert_eq!(sep, new);
         // The wrong prefix decodes to other bytes or fails, never to `new`.
-        let mut wrong = vec![0u8; 2 * PAGE];
-        if decompress(&out, &mut wrong, PAGE).is_ok() {
-            assert_ne!(&wrong[PAGE..], &new[..]);
+        let mut wrong = vec![0u8; PAGE];
+        if decompress(&out, &[0u8; PAGE], &mut wrong).is_ok() {
+            assert_ne!(wrong, new);
         }
     }
 
     #[test]
-    fn prefix_lists_roundtrip_and_bad_ones_are_refused() {
+    fn frame_tables_roundtrip_and_bad_ones_are_refused() {
+        let frames = vec![
+            FrameSpec {
+                pfns: vec![5, 300, 2],
+                raw: 4096,
+                stored: 100,
+            },
+            FrameSpec {
+                pfns: vec![],
+                raw: 64,
+                stored: 30,
+            },
+        ];
         let mut b = Vec::new();
-        write_list(&[5, 300, 2], &mut b);
+        write_frames(&frames, &mut b);
         let mut pos = 0;
-        assert_eq!(read_list(&b, &mut pos, 1000, 10), Ok(vec![5, 300, 2]));
+        assert_eq!(read_frames(&b, &mut pos, 1000, 10), Ok(frames));
         assert_eq!(pos, b.len());
-        assert!(read_list(&b, &mut 0, 300, 10).is_err());
-        assert!(read_list(&b, &mut 0, 1000, 2).is_err());
-        assert!(read_list(&b[..2], &mut 0, 1000, 10).is_err());
-        assert!(read_list(&[0], &mut 0, 1000, 10).is_err());
+        assert!(
+            read_frames(&b, &mut 0, 300, 10).is_err(),
+            "page outside the guest"
+        );
+        assert!(
+            read_frames(&b, &mut 0, 1000, 2).is_err(),
+            "too many prefix pages"
+        );
+        assert!(read_frames(&b[..4], &mut 0, 1000, 10).is_err(), "truncated");
+        assert!(read_frames(&[0], &mut 0, 1000, 10).is_err(), "no frame");
+        assert!(
+            read_frames(&[65], &mut 0, 1000, 10).is_err(),
+            "too many frames"
+        );
     }
 }

@@ -16,8 +16,17 @@ pub struct Buffers {
     data: Vec<u8>,
     stored: Vec<u8>,
     prefix: Vec<u64>,
+    codes: Vec<u8>,
     zstd: Option<zstd::bulk::Compressor<'static>>,
-    refz: Option<crate::prefix::Compressor>,
+    /// One prefix compressor per thread.
+    refz: Vec<crate::prefix::Compressor>,
+}
+
+/// One zstd frame being built: its prefix pages (a range of the prefix list) and its
+/// payload bytes (a range of the payload stream).
+struct Cut {
+    pages: std::ops::Range<usize>,
+    data: std::ops::Range<usize>,
 }
 
 /// Maps `f` over `0..n` on up to `threads` scoped threads, in order. Spawning costs more than
@@ -62,10 +71,13 @@ impl Encoder {
         let level = self.level;
         let b = &mut self.buf;
         b.ops.clear();
+        b.codes.clear();
         b.data.clear();
         b.prefix.clear();
         // The prefix: previous versions of the pages asked for, in page order (each page's
-        // own version then lies a roughly constant distance before its payload).
+        // own version then lies a roughly constant distance before its payload). `marks`:
+        // per entry, prefix pages and payload bytes up to and including it.
+        let mut marks = Vec::new();
         if let Some(prev) = self.prev.as_ref() {
             let mut seen = crate::state::FxMap::default();
             for (i, c) in coded.iter().enumerate() {
@@ -77,12 +89,10 @@ impl Encoder {
                         b.data.extend_from_slice(old);
                     }
                 }
+                marks.push((b.prefix.len(), 0));
             }
         }
         let plen = b.data.len();
-        if !b.prefix.is_empty() {
-            crate::prefix::write_list(&b.prefix, &mut b.ops);
-        }
         let mut prev_pfn = None;
         let mut entries = 0u32;
         for (i, c) in coded.iter().enumerate() {
@@ -99,8 +109,11 @@ impl Encoder {
                 body: *body,
                 len: bytes.len() as u32,
             };
-            code.write(prev_pfn, &mut b.ops);
+            code.write(prev_pfn, &mut b.codes);
             b.data.extend_from_slice(bytes);
+            if let Some(m) = marks.get_mut(entries as usize) {
+                m.1 = b.data.len() - plen;
+            }
             prev_pfn = Some(pfns[i]);
             entries += 1;
         }
@@ -110,22 +123,29 @@ impl Encoder {
                 "epoch data of {raw_len} bytes exceeds the record limit"
             )));
         }
-        let payload = &b.data[plen..];
-        let stored = &mut b.stored;
         let mut flags = 0;
         match codec {
             Codec::Tandem if raw_len > 0 => {
-                let z = b.refz.get_or_insert_with(Default::default);
-                z.compress(&b.data, plen, level, stored)
-                    .map_err(EncodeError::Compress)?;
-                // With a prefix the list is already in the ops: the frame must be used.
-                if plen > 0 {
-                    flags = FLAG_ZSTD | FLAG_PREFIX;
-                } else if stored.len() < raw_len {
-                    flags = FLAG_ZSTD;
+                // Frames of about `frame_bytes` (prefix and payload), cut between entries.
+                let mut cuts = Vec::new();
+                let (mut p0, mut d0) = (0, 0);
+                for (k, &(p, d)) in marks.iter().enumerate() {
+                    let size = (p - p0) * PAGE + (d - d0);
+                    if size >= self.cfg.frame_bytes.max(1) || k + 1 == marks.len() {
+                        cuts.push(Cut {
+                            pages: p0..p,
+                            data: d0..d,
+                        });
+                        (p0, d0) = (p, d);
+                    }
                 }
+                let frames = compress_frames(b, &cuts, plen, level, self.cfg.threads)?;
+                crate::prefix::write_frames(&frames, &mut b.ops);
+                flags = FLAG_ZSTD | FLAG_PREFIX;
             }
             Codec::Zstd | Codec::Fgbi | Codec::XbzrleZstd | Codec::TandemV1 if raw_len > 0 => {
+                let payload = &b.data[plen..];
+                let stored = &mut b.stored;
                 let z = match b.zstd.as_mut() {
                     Some(z) => z,
                     None => b
@@ -143,6 +163,8 @@ impl Encoder {
                 }
             }
             Codec::Lz4 if raw_len > 0 => {
+                let payload = &b.data[plen..];
+                let stored = &mut b.stored;
                 stored.clear();
                 stored.resize(lz4_flex::block::get_maximum_output_size(raw_len), 0);
                 let n = lz4_flex::block::compress_into(payload, stored)
@@ -152,6 +174,9 @@ impl Encoder {
             }
             _ => {}
         }
+        b.ops.extend_from_slice(&b.codes);
+        let payload = &b.data[plen..];
+        let stored = &b.stored;
         let stored_data: &[u8] = if flags == 0 { payload } else { stored };
         Header {
             flags,
@@ -168,4 +193,72 @@ impl Encoder {
         out.extend_from_slice(stored_data);
         Ok((entries, b.prefix.len()))
     }
+}
+
+/// Compresses each cut as one zstd frame with its prefix pages (on up to `threads` threads,
+/// with the same output for any count) into `b.stored`; returns the frame table.
+fn compress_frames(
+    b: &mut Buffers,
+    cuts: &[Cut],
+    plen: usize,
+    level: i32,
+    threads: usize,
+) -> Result<Vec<crate::prefix::FrameSpec>, EncodeError> {
+    let threads = threads.clamp(1, cuts.len().max(1));
+    while b.refz.len() < threads {
+        b.refz.push(Default::default());
+    }
+    let (prefix, payload) = b.data.split_at(plen);
+    let part = |c: &Cut| {
+        (
+            &prefix[c.pages.start * PAGE..c.pages.end * PAGE],
+            &payload[c.data.clone()],
+        )
+    };
+    let mut outs: Vec<Vec<u8>> = vec![Vec::new(); cuts.len()];
+    if cuts.len() == 1 {
+        outs[0] = std::mem::take(&mut b.stored);
+    }
+    let per = cuts.len().div_ceil(threads);
+    let run = |z: &mut crate::prefix::Compressor, cs: &[Cut], os: &mut [Vec<u8>]| {
+        cs.iter().zip(os.iter_mut()).try_for_each(|(c, o)| {
+            let (p, d) = part(c);
+            z.compress(p, d, level, o)
+        })
+    };
+    let r: std::io::Result<()> = if threads == 1 {
+        run(&mut b.refz[0], cuts, &mut outs)
+    } else {
+        std::thread::scope(|s| {
+            let hs: Vec<_> = b
+                .refz
+                .iter_mut()
+                .zip(cuts.chunks(per).zip(outs.chunks_mut(per)))
+                .map(|(z, (cs, os))| s.spawn(move || run(z, cs, os)))
+                .collect();
+            hs.into_iter().try_for_each(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err(std::io::Error::other("compressor thread panicked")))
+            })
+        })
+    };
+    r.map_err(EncodeError::Compress)?;
+    let frames = cuts
+        .iter()
+        .zip(&outs)
+        .map(|(c, o)| crate::prefix::FrameSpec {
+            pfns: b.prefix[c.pages.clone()].to_vec(),
+            raw: c.data.len() as u64,
+            stored: o.len() as u64,
+        })
+        .collect();
+    if cuts.len() == 1 {
+        b.stored = std::mem::take(&mut outs[0]);
+    } else {
+        b.stored.clear();
+        for o in &outs {
+            b.stored.extend_from_slice(o);
+        }
+    }
+    Ok(frames)
 }

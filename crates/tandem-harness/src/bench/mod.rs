@@ -45,6 +45,10 @@ pub struct Args {
     /// Encoder threads for --trace (throughput is reported per core).
     #[arg(long, default_value_t = 1)]
     pub threads: usize,
+    /// --trace: tandem's zstd frame size in MiB (prefix and payload; larger records are cut
+    /// into frames compressed in parallel by --threads).
+    #[arg(long, default_value_t = 32)]
+    pub frame_mib: usize,
     /// --trace: merge this many consecutive recorded epochs into one (100 ms epochs × 5 =
     /// 500 ms epochs: the union of their pages, each with its last content).
     #[arg(long, default_value_t = 1)]
@@ -278,6 +282,7 @@ fn run_trace(a: &Args) -> anyhow::Result<()> {
         zstd_level: a.zstd_level,
         cache_bytes: a.cache_mib << 20,
         full_mirror: a.full_mirror,
+        frame_bytes: a.frame_mib.max(1) << 20,
         ..Default::default()
     };
     codec::parse_budget(&a.budget, &mut cfg)?;
