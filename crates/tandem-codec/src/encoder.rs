@@ -42,6 +42,8 @@ pub struct Encoder {
     block_hashes: Vec<u64>,
     granule: usize,
     pub(crate) level: i32,
+    /// Persistent worker threads (with `threads` > 1), reused every epoch.
+    pub(crate) pool: Option<std::sync::Arc<rayon::ThreadPool>>,
     // Buffers and contexts reused across epochs (large allocations each epoch cost faults).
     pub(crate) buf: crate::record::Buffers,
 }
@@ -132,8 +134,17 @@ impl Encoder {
             granule,
             prev,
             level: cfg.zstd_level,
+            pool: None,
             buf: Default::default(),
         };
+        if cfg.threads > 1 {
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(cfg.threads)
+                .thread_name(|i| format!("tandem-encode-{i}"))
+                .build()
+                .map_err(|e| EncodeError::Input(format!("starting encoder threads: {e}")))?;
+            e.pool = Some(std::sync::Arc::new(pool));
+        }
         if let Some(per) = PAGE.checked_div(granule) {
             e.block_hashes = vec![0; pages as usize * per];
             for (p, h) in base
@@ -210,7 +221,7 @@ impl Encoder {
     }
 
     fn par_map<T: Send, F: Fn(usize) -> T + Sync>(&self, n: usize, f: F) -> Vec<T> {
-        crate::record::par_map(self.cfg.threads, self.cfg.min_pages_per_thread, n, f)
+        crate::record::par_map(self.pool.as_deref(), self.cfg.min_pages_per_thread, n, f)
     }
 
     /// Encodes one epoch: `pfns` (strictly ascending) were written and now hold `data`.

@@ -29,30 +29,26 @@ struct Cut {
     data: std::ops::Range<usize>,
 }
 
-/// Maps `f` over `0..n` on up to `threads` scoped threads, in order. Spawning costs more than
-/// encoding a small epoch: it fans out only when every thread gets `min_per_thread` items.
+/// Maps `f` over `0..n` in order, on the encoder's persistent worker pool when it has one
+/// and every worker gets at least `min_per_thread` items (a small epoch stays on the calling
+/// thread: handing it out costs more than encoding it).
 pub fn par_map<T: Send, F: Fn(usize) -> T + Sync>(
-    threads: usize,
+    pool: Option<&rayon::ThreadPool>,
     min_per_thread: usize,
     n: usize,
     f: F,
 ) -> Vec<T> {
-    let threads = threads.max(1).min(n / min_per_thread.max(1)).max(1);
-    if threads <= 1 {
-        return (0..n).map(f).collect();
+    use rayon::prelude::*;
+    match pool {
+        Some(p) if n >= 2 * min_per_thread.max(1) => p.install(|| {
+            (0..n)
+                .into_par_iter()
+                .with_min_len(min_per_thread.max(1))
+                .map(&f)
+                .collect()
+        }),
+        _ => (0..n).map(f).collect(),
     }
-    let per = n.div_ceil(threads);
-    std::thread::scope(|s| {
-        let hs: Vec<_> = (0..threads)
-            .map(|t| {
-                let f = &f;
-                s.spawn(move || (t * per..((t + 1) * per).min(n)).map(f).collect::<Vec<T>>())
-            })
-            .collect();
-        hs.into_iter()
-            .flat_map(|h| h.join().unwrap_or_default())
-            .collect()
-    })
 }
 
 impl Encoder {
@@ -139,7 +135,7 @@ impl Encoder {
                         (p0, d0) = (p, d);
                     }
                 }
-                let frames = compress_frames(b, &cuts, plen, level, self.cfg.threads)?;
+                let frames = compress_frames(b, &cuts, plen, level, self.pool.as_deref())?;
                 crate::prefix::write_frames(&frames, &mut b.ops);
                 flags = FLAG_ZSTD | FLAG_PREFIX;
             }
@@ -195,17 +191,17 @@ impl Encoder {
     }
 }
 
-/// Compresses each cut as one zstd frame with its prefix pages (on up to `threads` threads,
-/// with the same output for any count) into `b.stored`; returns the frame table.
+/// Compresses each cut as one zstd frame with its prefix pages (on the worker pool, with the
+/// same output for any thread count) into `b.stored`; returns the frame table.
 fn compress_frames(
     b: &mut Buffers,
     cuts: &[Cut],
     plen: usize,
     level: i32,
-    threads: usize,
+    pool: Option<&rayon::ThreadPool>,
 ) -> Result<Vec<crate::prefix::FrameSpec>, EncodeError> {
-    let threads = threads.clamp(1, cuts.len().max(1));
-    while b.refz.len() < threads {
+    use rayon::prelude::*;
+    while b.refz.len() < cuts.len() {
         b.refz.push(Default::default());
     }
     let (prefix, payload) = b.data.split_at(plen);
@@ -219,28 +215,23 @@ fn compress_frames(
     if cuts.len() == 1 {
         outs[0] = std::mem::take(&mut b.stored);
     }
-    let per = cuts.len().div_ceil(threads);
-    let run = |z: &mut crate::prefix::Compressor, cs: &[Cut], os: &mut [Vec<u8>]| {
-        cs.iter().zip(os.iter_mut()).try_for_each(|(c, o)| {
-            let (p, d) = part(c);
-            z.compress(p, d, level, o)
-        })
+    let one = |((z, c), o): ((&mut crate::prefix::Compressor, &Cut), &mut Vec<u8>)| {
+        let (p, d) = part(c);
+        z.compress(p, d, level, o)
     };
-    let r: std::io::Result<()> = if threads == 1 {
-        run(&mut b.refz[0], cuts, &mut outs)
-    } else {
-        std::thread::scope(|s| {
-            let hs: Vec<_> = b
-                .refz
-                .iter_mut()
-                .zip(cuts.chunks(per).zip(outs.chunks_mut(per)))
-                .map(|(z, (cs, os))| s.spawn(move || run(z, cs, os)))
-                .collect();
-            hs.into_iter().try_for_each(|h| {
-                h.join()
-                    .unwrap_or_else(|_| Err(std::io::Error::other("compressor thread panicked")))
-            })
-        })
+    let refz = &mut b.refz[..cuts.len()];
+    let r: std::io::Result<()> = match pool {
+        Some(pool) if cuts.len() > 1 => pool.install(|| {
+            refz.par_iter_mut()
+                .zip(cuts.par_iter())
+                .zip(outs.par_iter_mut())
+                .try_for_each(one)
+        }),
+        _ => refz
+            .iter_mut()
+            .zip(cuts.iter())
+            .zip(outs.iter_mut())
+            .try_for_each(one),
     };
     r.map_err(EncodeError::Compress)?;
     let frames = cuts
