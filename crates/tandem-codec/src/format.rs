@@ -10,13 +10,14 @@
 //! |  48 crc32c(header bytes 0..48) u32                                   |
 //! +----------------------------------------------------------------------+
 //! | ops section, ops_len bytes:                                          |
-//! |   [flags bit 2 only] prefix list: uleb count, then count uleb pfns   |
+//! |   [flags bit 2 only] frame table: uleb F, then per frame: uleb n,    |
+//! |   n uleb prefix pfns, uleb raw length, uleb stored length            |
 //! |   `entries` page codes (see code.rs)                                 |
 //! +----------------------------------------------------------------------+
 //! | data section: payloads in page order, data_stored_len bytes;         |
 //! |   flags bit 0: zstd-compressed, bit 1: LZ4-compressed (to raw_len)   |
-//! |   bit 2 (with bit 0): the zstd frame was compressed with a reference |
-//! |   prefix, the pre-epoch content of the listed pages concatenated in  |
+//! |   bit 2 (with bit 0): F zstd frames, each compressed with a reference|
+//! |   prefix, the pre-epoch content of its listed pages concatenated in  |
 //! |   list order, which the decoder rebuilds from its mirror (prefix.rs) |
 //! +----------------------------------------------------------------------+
 //! ```
@@ -60,8 +61,8 @@ pub const MAX_LZ4_RATIO: u64 = 255;
 pub const FLAG_ZSTD: u16 = 1;
 /// Flag: data section is LZ4-compressed.
 pub const FLAG_LZ4: u16 = 2;
-/// Flag (with [`FLAG_ZSTD`], version 2): the zstd frame uses a reference prefix listed at the
-/// start of the ops section.
+/// Flag (with [`FLAG_ZSTD`], version 2): the data section is zstd frames with reference
+/// prefixes, described by a frame table at the start of the ops section.
 pub const FLAG_PREFIX: u16 = 4;
 /// Most pages in a reference prefix (1 GiB of references).
 pub const MAX_PREFIX_PAGES: u64 = 1 << 18;
