@@ -183,7 +183,7 @@ fn line(r: &RoundResult) -> String {
         )
     };
     format!(
-        "{:<8} {:>15} {:>3} ms {:>6}{}{} | {thr}{lat} | link {:.2} MiB vs Remus {:.1} MiB ({:.3}x) | pause p50 {:.1} ms p99 {:.1} ms ({:.0} % of the time{}) | failover {:.0} ms after kill ({:.0} detection + {:.1} resume)",
+        "{:<8} {:>15} {:>3} ms {:>6}{}{} | {thr}{lat} | link {:.2} MiB vs Remus {:.1} MiB ({:.3}x, zstd level {}..{} median {}) | pause p50 {:.1} ms p99 {:.1} ms ({:.0} % of the time{}) | failover {:.0} ms after kill ({:.0} detection + {:.1} resume)",
         r.workload,
         r.schedule,
         r.epoch_ms,
@@ -197,6 +197,9 @@ fn line(r: &RoundResult) -> String {
         r.sent_mib,
         r.raw_mib,
         r.sent_over_raw,
+        r.zstd_levels[0],
+        r.zstd_levels[2],
+        r.zstd_levels[1],
         r.pause_ms_p50,
         r.pause_ms_p99,
         100.0 * r.pause_share,

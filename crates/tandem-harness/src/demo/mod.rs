@@ -495,10 +495,12 @@ fn print_summary(s: &Summary) {
         s.link
     );
     println!(
-        "  replication      {:.1} MiB raw -> {:.2} MiB sent ({:.3}x); pause p50 {:.1} ms, p99 {:.1} ms",
+        "  replication      {:.1} MiB raw -> {:.2} MiB sent ({:.3}x, zstd level {}..{}); pause p50 {:.1} ms, p99 {:.1} ms",
         col(&|r| r.raw_mib).iter().sum::<f64>(),
         col(&|r| r.sent_mib).iter().sum::<f64>(),
         med(&|r| r.sent_over_raw),
+        s.rounds.iter().map(|r| r.zstd_levels[0]).min().unwrap_or(0),
+        s.rounds.iter().map(|r| r.zstd_levels[2]).max().unwrap_or(0),
         med(&|r| r.pause_ms_p50),
         med(&|r| r.pause_ms_p99)
     );

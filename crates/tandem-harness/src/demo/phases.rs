@@ -484,6 +484,7 @@ impl<'a> Ctx<'a> {
             pause_ms_p99: quantile(&ep.pauses, 0.99),
             pause_share: ep.pauses.iter().sum::<f64>() / 1000.0 / tl.replicated_s.max(1e-3),
             suspend_share: ep.suspended_ms / 1000.0 / tl.replicated_s.max(1e-3),
+            zstd_levels: ep.levels(),
             unit: g.unit.into(),
             rate_replicated: g.rate_replicated,
             rate_after_failover: g.rate_after,

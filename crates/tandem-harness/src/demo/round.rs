@@ -121,6 +121,8 @@ pub struct RoundResult {
     /// Share of the replicated phase the guest spent suspended early (the adaptive
     /// schedule's stop threshold), on top of `pause_share`.
     pub suspend_share: f64,
+    /// zstd levels the primary chose for the memory records: lowest, median, highest.
+    pub zstd_levels: [i64; 3],
     /// Guest throughput unit: client `ops` (kv), sqlite `txns`, compiled `objs`; none for idle.
     pub unit: String,
     /// Throughput per second while replicated, and on the backup after failover (unprotected,
@@ -207,9 +209,21 @@ pub struct EpochPoint {
     pub held_frames: u64,
     /// Early suspend before the pause, ms.
     pub suspended_ms: f64,
+    /// zstd level of the epoch's memory record.
+    pub level: i64,
 }
 
 impl Epochs {
+    /// Lowest, median and highest zstd level of the acknowledged epochs.
+    pub fn levels(&self) -> [i64; 3] {
+        let mut v: Vec<i64> = self.points.iter().map(|p| p.level).collect();
+        v.sort_unstable();
+        match (v.first(), v.last()) {
+            (Some(&lo), Some(&hi)) => [lo, v[v.len() / 2], hi],
+            _ => [0; 3],
+        }
+    }
+
     pub fn poll(&mut self, path: &Path) {
         let Ok(mut f) = std::fs::File::open(path) else {
             return;
@@ -238,6 +252,7 @@ impl Epochs {
                     sent_bytes: g("sent_bytes"),
                     held_frames: g("held_frames"),
                     suspended_ms: g("suspended_us") as f64 / 1000.0,
+                    level: v.get("level").and_then(|x| x.as_i64()).unwrap_or(0),
                 });
             }
         }
