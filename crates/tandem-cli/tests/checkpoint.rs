@@ -298,11 +298,12 @@ impl Drop for Tmpfs {
 #[test]
 fn a_full_disk_skips_checkpoints_and_the_saver_carries_on() {
     let d = tempfile::tempdir().unwrap();
-    // 96 MiB, half of it taken by a ballast file: the first base (~31 MiB for this guest)
-    // fits, the deltas after it fill the rest; removing the ballast makes room again.
-    let mut fs = Tmpfs::mount(&d.path().join("mnt"), 96);
+    // 84 MiB, 46 of them taken by a ballast file: the first base (~31 MiB for this guest)
+    // fits, the deltas after it (110-200 KiB each) fill the ~7 MiB left well before the 90th
+    // checkpoint; removing the ballast makes room for a new base and the rest.
+    let mut fs = Tmpfs::mount(&d.path().join("mnt"), 84);
     let ballast = fs.path.join("ballast");
-    std::fs::write(&ballast, vec![1u8; 48 << 20]).unwrap();
+    std::fs::write(&ballast, vec![1u8; 46 << 20]).unwrap();
     let dir = fs.path.join("store");
     let mut c = Command::new(env!("CARGO_BIN_EXE_tandem"))
         .args(["checkpoint", "save", "--dir", dir.to_str().unwrap()])
