@@ -4,7 +4,7 @@
 
 use crate::code::PageCode;
 use crate::encoder::{Codec, Encoder};
-use crate::format::{Header, FLAG_LZ4, FLAG_PREFIX, FLAG_ZSTD, MAX_DATA, PAGE};
+use crate::format::{Header, FLAG_LZ4, FLAG_PREFIX, FLAG_ZSTD, MAX_DATA, MAX_PREFIX_PAGES, PAGE};
 use crate::strategies::{Coded, Payload, Refs};
 use crate::EncodeError;
 
@@ -80,6 +80,11 @@ impl Encoder {
                 let Some((_, r)) = c else { continue };
                 let own = r.own.then_some(pfns[i]);
                 for q in r.others.into_iter().flatten().chain(own) {
+                    // The decoder refuses longer prefixes (format.rs): beyond the limit pages
+                    // go without one (a huge epoch of a big guest).
+                    if b.prefix.len() as u64 >= MAX_PREFIX_PAGES {
+                        break;
+                    }
                     if let (Some(old), None) = (prev.get(q), seen.insert(q, ())) {
                         b.prefix.push(q);
                         b.data.extend_from_slice(old);
