@@ -106,15 +106,7 @@ mod tests {
 
     #[test]
     fn anchors_survive_a_shift() {
-        let mut x = 0x1234_5678_9abc_def1u64;
-        let page: Vec<u8> = (0..PAGE)
-            .map(|_| {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                x as u8
-            })
-            .collect();
+        let page = crate::test_bytes(0x1234_5678_9abc_def1u64, PAGE);
         let mut shifted = vec![7u8; 200];
         shifted.extend_from_slice(&page[..PAGE - 200]);
         let (mut a, mut b) = ([0; MAX], [0; MAX]);

@@ -87,3 +87,16 @@ pub enum EncodeError {
     #[error("zstd compression failed")]
     Compress(#[source] std::io::Error),
 }
+
+/// Pseudo-random test bytes (xorshift64), shared by the unit tests.
+#[cfg(test)]
+pub(crate) fn test_bytes(mut x: u64, n: usize) -> Vec<u8> {
+    (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}

@@ -174,15 +174,7 @@ mod tests {
 
     #[test]
     fn a_shifted_page_compresses_against_its_old_version() {
-        let mut x = 0x9e37_79b9_7f4a_7c15u64;
-        let old: Vec<u8> = (0..PAGE)
-            .map(|_| {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                x as u8
-            })
-            .collect();
+        let old = crate::test_bytes(0x9e37_79b9_7f4a_7c15u64, PAGE);
         let mut new = vec![0xabu8; 100];
         new.extend_from_slice(&old[..PAGE - 100]);
         let mut buf = old.clone();

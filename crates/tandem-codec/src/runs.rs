@@ -134,39 +134,10 @@ pub fn encode(
     Some(out.len() - start)
 }
 
-/// Applies a run stream to `page` (which holds the base). `false` if the stream is malformed
-/// or runs past the page.
-pub fn apply(stream: &[u8], unit: usize, page: &mut [u8]) -> bool {
-    let mut pos = 0;
-    let mut at = 0usize;
-    while pos < stream.len() {
-        let (Some(skip), Some(len)) = (get_uleb(stream, &mut pos), get_uleb(stream, &mut pos))
-        else {
-            return false;
-        };
-        let (Some(skip), Some(len)) = (usize::try_from(skip).ok(), usize::try_from(len).ok())
-        else {
-            return false;
-        };
-        let Some(from) = skip.checked_mul(unit).and_then(|s| s.checked_add(at)) else {
-            return false;
-        };
-        let Some(to) = len.checked_mul(unit).and_then(|l| l.checked_add(from)) else {
-            return false;
-        };
-        if to > page.len() || len == 0 || stream.len() - pos < to - from {
-            return false;
-        }
-        page[from..to].copy_from_slice(&stream[pos..pos + (to - from)]);
-        pos += to - from;
-        at = to;
-    }
-    true
-}
-
-/// Whether `stream` is a well-formed run stream that stays inside `page_len` bytes, i.e.
-/// exactly when [`apply`] on such a page would return `true`.
-pub fn check(stream: &[u8], unit: usize, page_len: usize) -> bool {
+/// Walks a run stream for a page of `page_len` bytes, calling `f(from, literal)` for each
+/// replaced run. `false` if the stream is malformed or runs past the page (runs seen before
+/// the fault have been passed to `f`).
+fn walk(stream: &[u8], unit: usize, page_len: usize, mut f: impl FnMut(usize, &[u8])) -> bool {
     let mut pos = 0;
     let mut at = 0usize;
     while pos < stream.len() {
@@ -187,10 +158,26 @@ pub fn check(stream: &[u8], unit: usize, page_len: usize) -> bool {
         if to > page_len || len == 0 || stream.len() - pos < to - from {
             return false;
         }
+        f(from, &stream[pos..pos + (to - from)]);
         pos += to - from;
         at = to;
     }
     true
+}
+
+/// Applies a run stream to `page` (which holds the base). `false` if the stream is malformed
+/// or runs past the page.
+pub fn apply(stream: &[u8], unit: usize, page: &mut [u8]) -> bool {
+    let len = page.len();
+    walk(stream, unit, len, |from, lit| {
+        page[from..from + lit.len()].copy_from_slice(lit)
+    })
+}
+
+/// Whether `stream` is a well-formed run stream that stays inside `page_len` bytes, i.e.
+/// exactly when [`apply`] on such a page would return `true`.
+pub fn check(stream: &[u8], unit: usize, page_len: usize) -> bool {
+    walk(stream, unit, page_len, |_, _| {})
 }
 
 #[cfg(test)]
