@@ -99,6 +99,43 @@ pub fn decode(rec: &[u8], mirror: &[u8], plan: &mut Plan) -> Result<(), DecodeEr
     r
 }
 
+/// The pre-epoch pages decoding `rec` may read, for a backup whose mirror holds only part
+/// of guest memory (the rest consolidated elsewhere): every page written, every page used as
+/// a base and every reference-prefix page, sorted and unique. `None` when a body may read
+/// any page (Gerofi's areas and FGBI's blocks carry their references inside the compressed
+/// payload): then the whole mirror must be present. Checks only the header and the ops
+/// section; [`decode`] still verifies everything.
+pub fn pages_read(rec: &[u8], pages: u64) -> Result<Option<Vec<u64>>, DecodeError> {
+    let h = Header::read(rec)?;
+    let ops = &rec[HEADER_LEN..HEADER_LEN + h.ops_len as usize];
+    if crc32c::crc32c(ops) != h.crc_ops {
+        return Err(DecodeError::Checksum("ops section"));
+    }
+    let mut pos = 0;
+    let mut out = Vec::new();
+    if h.flags & FLAG_PREFIX != 0 {
+        let most = MAX_PREFIX_PAGES.min(4 * h.entries as u64);
+        for f in crate::prefix::read_frames(ops, &mut pos, pages, most)
+            .map_err(DecodeError::Malformed)?
+        {
+            out.extend(f.pfns);
+        }
+    }
+    for c in read_codes(&h, &ops[pos..], pages)? {
+        if matches!(c.body, Body::Areas | Body::Blocks(_)) {
+            return Ok(None);
+        }
+        out.push(c.pfn);
+        match c.base {
+            Base::Mirror(p) if p < pages => out.push(p),
+            _ => {}
+        }
+    }
+    out.sort_unstable();
+    out.dedup();
+    Ok(Some(out))
+}
+
 fn decode_into(rec: &[u8], mirror: &[u8], plan: &mut Plan) -> Result<(), DecodeError> {
     let h = Header::read(rec)?;
     let pages = (mirror.len() / PAGE) as u64;

@@ -35,7 +35,7 @@ pub mod state;
 mod strategies;
 pub mod wkdm;
 
-pub use decoder::{decode, Plan};
+pub use decoder::{decode, pages_read, Plan};
 pub use encoder::{Codec, Config, EncodeStats, Encoder};
 pub use strategies::Budget;
 

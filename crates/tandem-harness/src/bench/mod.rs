@@ -2,7 +2,9 @@
 //! dirty-page count, hash-scan rate against memcpy bandwidth, dirty pages per epoch length).
 
 mod codec;
+mod consolidate;
 mod faults;
+mod ksm;
 mod link;
 mod plot;
 mod replication;
@@ -57,6 +59,15 @@ pub struct Args {
     /// (the same treatment of written-but-unchanged pages for every codec).
     #[arg(long)]
     pub control: bool,
+    /// With --trace: one replica per trace on one backup, their cold pages consolidated
+    /// (sharing, patching, compression; seed 001): memory per replica against plain mirrors
+    /// and KSM, apply rate, materialisation time.
+    #[arg(long)]
+    pub consolidate: bool,
+    /// --consolidate: guest seconds per revolution of the NRU clock (seed 001 scans at most
+    /// every 4 s).
+    #[arg(long, default_value_t = 4.0)]
+    pub clock_s: f64,
     /// Measure replication end to end (primary + backup in namespaces, a real client, a host
     /// failure): throughput replicated vs native, bytes, pauses, failover time.
     #[arg(long)]
@@ -243,6 +254,9 @@ fn scan_rates(ram: &std::sync::Arc<tandem_vm::GuestRam>) -> Scan {
 
 /// Runs the benchmark the flags select.
 pub fn run(a: Args) -> anyhow::Result<()> {
+    if a.consolidate {
+        return consolidate::run(&a.trace, a.clock_s, a.json);
+    }
     if !a.trace.is_empty() {
         return run_trace(&a);
     }

@@ -400,7 +400,9 @@ fn protect(
         Err(e) => {
             // A guest whose QEMU is gone releases nothing any more: give the key up at once,
             // so that the backup need not wait for the lease to expire.
-            if vm.exit_status().is_some() {
+            // The kernel closes QEMU's sockets before its parent can reap it, so a session
+            // that failed on a killed QEMU may still see it "running": wait a little.
+            if qemu_gone(&mut vm) {
                 if let Some(f) = &d.fencing {
                     f.hand_over();
                 }
@@ -427,6 +429,20 @@ fn protect(
         registry.switched_over(epoch, acked);
     }
     Ok(ended)
+}
+
+/// Whether QEMU has exited, waiting up to half a second for a dying one to be reapable.
+fn qemu_gone(vm: &mut Vm) -> bool {
+    let until = Instant::now() + Duration::from_millis(500);
+    loop {
+        if vm.exit_status().is_some() {
+            return true;
+        }
+        if Instant::now() >= until {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
 }
 
 /// Sessions until one ends for good (`None`: stopped or out of time while no backup was

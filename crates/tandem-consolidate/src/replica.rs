@@ -1,0 +1,299 @@
+//! One replica's page map: which mirror pages are plain (in the mirror file) and which live
+//! consolidated in the pool; the NRU clock that moves cold pages out; restore on demand.
+
+use std::collections::HashMap;
+
+use crate::pool::{Id, Pool, Stored};
+use crate::release::release;
+use crate::PAGE;
+
+/// A patch is kept when it takes at most this many bytes (a quarter page); otherwise the
+/// page goes to the pool on its own.
+pub const PATCH_MAX: usize = PAGE / 4;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Slot {
+    /// In the mirror file.
+    Plain,
+    /// All zero: a hole in the mirror file, which reads as zeros.
+    Zero,
+    /// A pool entry (shared with other pages, or compressed, or both).
+    Pooled(Id),
+    /// A patch against a pool entry, in `patches`.
+    Patched,
+}
+
+struct Patch {
+    base: Id,
+    /// LZ4 of the XOR of the page with its base.
+    delta: Box<[u8]>,
+}
+
+/// Where one replica's pages are and what they cost (pages, and bytes of pool data charged to
+/// this replica: a shared entry's bytes are split among its references).
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
+pub struct Usage {
+    /// Guest pages.
+    pub pages: u64,
+    /// Pages plain in the mirror file.
+    pub plain: u64,
+    /// Zero pages (holes; cost nothing).
+    pub zero: u64,
+    /// Pages stored as a pool entry that something else references too.
+    pub shared: u64,
+    /// Pages stored as a patch against a reference entry.
+    pub patched: u64,
+    /// Pages stored as a pool entry of their own, compressed.
+    pub compressed: u64,
+    /// Pages stored as a pool entry of their own that did not compress.
+    pub pooled_raw: u64,
+    /// Bytes charged for shared pages.
+    pub shared_bytes: f64,
+    /// Bytes of patches, plus their share of their reference entries.
+    pub patch_bytes: f64,
+    /// Bytes of compressed entries.
+    pub compressed_bytes: u64,
+}
+
+impl Usage {
+    /// Memory this replica costs: plain pages, its own pool entries, its share of shared
+    /// ones, its patches (the page map itself not counted: 2 bytes per page).
+    pub fn resident(&self) -> f64 {
+        ((self.plain + self.pooled_raw) * PAGE as u64 + self.compressed_bytes) as f64
+            + self.shared_bytes
+            + self.patch_bytes
+    }
+}
+
+/// What one clock pass did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Scan {
+    /// Pages looked at.
+    pub visited: u64,
+    /// Plain pages passed over because they were used since the last pass.
+    pub recent: u64,
+    /// Pages that became holes (zero).
+    pub zeroed: u64,
+    /// Pages that joined an existing pool entry.
+    pub shared: u64,
+    /// Pages stored as patches.
+    pub patched: u64,
+    /// Pages stored as new pool entries.
+    pub stored: u64,
+}
+
+/// One replica's page map and clock.
+pub struct Replica {
+    slots: Vec<Slot>,
+    patches: HashMap<u64, Patch>,
+    /// The NRU "referenced" bits: set when a page is written or read by an epoch.
+    used: Vec<u64>,
+    hand: u64,
+    scratch: Box<[u8; PAGE]>,
+}
+
+impl Replica {
+    /// A replica of `pages` guest pages, all plain in its mirror.
+    pub fn new(pages: u64) -> Self {
+        Replica {
+            slots: vec![Slot::Plain; pages as usize],
+            patches: HashMap::new(),
+            used: vec![0; (pages as usize).div_ceil(64)],
+            hand: 0,
+            scratch: Box::new([0; PAGE]),
+        }
+    }
+
+    /// Guest pages.
+    pub fn pages(&self) -> u64 {
+        self.slots.len() as u64
+    }
+
+    /// Pages not plain (consolidated or zero holes).
+    pub fn consolidated(&self) -> u64 {
+        self.slots.iter().filter(|s| **s != Slot::Plain).count() as u64
+    }
+
+    fn mark(&mut self, pfn: u64) {
+        self.used[(pfn / 64) as usize] |= 1 << (pfn % 64);
+    }
+
+    fn take_mark(&mut self, pfn: u64) -> bool {
+        let w = &mut self.used[(pfn / 64) as usize];
+        let bit = 1u64 << (pfn % 64);
+        let was = *w & bit != 0;
+        *w &= !bit;
+        was
+    }
+
+    /// Puts every listed page back into `mirror` as plain (and marks it used), so that an
+    /// epoch may read and write it. `pfns` must be below [`Replica::pages`].
+    pub fn restore(&mut self, pool: &mut Pool, mirror: &mut [u8], pfns: &[u64]) -> u64 {
+        let mut n = 0;
+        for &pfn in pfns {
+            self.mark(pfn);
+            n += self.restore_one(pool, mirror, pfn) as u64;
+        }
+        n
+    }
+
+    /// Restores every consolidated page (failover by materialisation). Returns the pages
+    /// written.
+    pub fn restore_all(&mut self, pool: &mut Pool, mirror: &mut [u8]) -> u64 {
+        (0..self.pages())
+            .map(|p| self.restore_one(pool, mirror, p) as u64)
+            .sum()
+    }
+
+    fn restore_one(&mut self, pool: &mut Pool, mirror: &mut [u8], pfn: u64) -> bool {
+        let page = &mut mirror[pfn as usize * PAGE..(pfn as usize + 1) * PAGE];
+        match std::mem::replace(&mut self.slots[pfn as usize], Slot::Plain) {
+            Slot::Plain | Slot::Zero => false, // a hole already reads as zeros
+            Slot::Pooled(id) => {
+                pool.read(id, page);
+                pool.release(id);
+                true
+            }
+            Slot::Patched => {
+                let p = self
+                    .patches
+                    .remove(&pfn)
+                    .expect("a patched slot has its patch");
+                pool.read(p.base, page);
+                pool.release(p.base);
+                let n =
+                    lz4_flex::block::decompress_into(&p.delta, &mut self.scratch[..]).unwrap_or(0);
+                debug_assert_eq!(n, PAGE, "patch of page {pfn} decompressed to {n} bytes");
+                for (d, x) in page.iter_mut().zip(self.scratch.iter()) {
+                    *d ^= x;
+                }
+                true
+            }
+        }
+    }
+
+    /// Records that an epoch wrote `pfns` (they were restored first, see [`Replica::restore`]).
+    pub fn written(&mut self, pfns: &[u64]) {
+        for &p in pfns {
+            self.mark(p);
+        }
+    }
+
+    /// Advances the clock over up to `budget` pages: a plain page used since the hand last
+    /// passed is spared (its bit cleared); one that was not is consolidated and its memory in
+    /// the mirror released: zero → hole; equal to a pool entry → shared; close to a similar
+    /// entry → patch; else a new (compressed) pool entry.
+    pub fn scan(&mut self, pool: &mut Pool, mirror: &mut [u8], budget: u64) -> Scan {
+        let mut s = Scan::default();
+        let pages = self.pages();
+        let mut run: Option<(u64, u64)> = None; // pages to release: first, count
+        for _ in 0..budget.min(pages) {
+            let pfn = self.hand;
+            self.hand = (self.hand + 1) % pages;
+            s.visited += 1;
+            if self.slots[pfn as usize] != Slot::Plain {
+                continue;
+            }
+            if self.take_mark(pfn) {
+                s.recent += 1;
+                continue;
+            }
+            self.consolidate(pool, mirror, pfn, &mut s);
+            run = match run {
+                Some((first, n)) if first + n == pfn => Some((first, n + 1)),
+                Some((first, n)) => {
+                    release(mirror, first as usize * PAGE, n as usize * PAGE);
+                    Some((pfn, 1))
+                }
+                None => Some((pfn, 1)),
+            };
+        }
+        if let Some((first, n)) = run {
+            release(mirror, first as usize * PAGE, n as usize * PAGE);
+        }
+        s
+    }
+
+    fn consolidate(&mut self, pool: &mut Pool, mirror: &[u8], pfn: u64, s: &mut Scan) {
+        let page = &mirror[pfn as usize * PAGE..(pfn as usize + 1) * PAGE];
+        if page.iter().all(|&b| b == 0) {
+            self.slots[pfn as usize] = Slot::Zero;
+            s.zeroed += 1;
+            return;
+        }
+        if let Some(id) = pool.share(page, &mut self.scratch) {
+            self.slots[pfn as usize] = Slot::Pooled(id);
+            s.shared += 1;
+            return;
+        }
+        if let Some(base) = pool.similar(page) {
+            pool.read(base, &mut self.scratch[..]);
+            for (x, b) in self.scratch.iter_mut().zip(page) {
+                *x ^= b;
+            }
+            let delta = lz4_flex::block::compress(&self.scratch[..]);
+            if delta.len() <= PATCH_MAX {
+                pool.retain(base);
+                self.patches.insert(
+                    pfn,
+                    Patch {
+                        base,
+                        delta: delta.into_boxed_slice(),
+                    },
+                );
+                self.slots[pfn as usize] = Slot::Patched;
+                s.patched += 1;
+                return;
+            }
+        }
+        let (id, how) = pool.insert(page, &mut self.scratch);
+        self.slots[pfn as usize] = Slot::Pooled(id);
+        match how {
+            Stored::Shared => s.shared += 1,
+            Stored::New => s.stored += 1,
+        }
+    }
+
+    /// Where this replica's pages are and what they cost.
+    pub fn usage(&self, pool: &Pool) -> Usage {
+        let mut u = Usage {
+            pages: self.pages(),
+            ..Usage::default()
+        };
+        for (pfn, s) in self.slots.iter().enumerate() {
+            match *s {
+                Slot::Plain => u.plain += 1,
+                Slot::Zero => u.zero += 1,
+                Slot::Pooled(id) if pool.refs(id) > 1 => {
+                    u.shared += 1;
+                    u.shared_bytes += pool.stored_len(id) as f64 / pool.refs(id) as f64;
+                }
+                Slot::Pooled(id) if pool.compressed(id) => {
+                    u.compressed += 1;
+                    u.compressed_bytes += pool.stored_len(id) as u64;
+                }
+                Slot::Pooled(_) => u.pooled_raw += 1,
+                Slot::Patched => {
+                    let p = &self.patches[&(pfn as u64)];
+                    u.patched += 1;
+                    u.patch_bytes += p.delta.len() as f64
+                        + pool.stored_len(p.base) as f64 / pool.refs(p.base) as f64;
+                }
+            }
+        }
+        u
+    }
+
+    /// Drops every pool reference this replica holds (the replica is being removed). The
+    /// mirror's consolidated pages are lost: call [`Replica::restore_all`] first to keep them.
+    pub fn forget(&mut self, pool: &mut Pool) {
+        for s in &mut self.slots {
+            if let Slot::Pooled(id) = std::mem::replace(s, Slot::Plain) {
+                pool.release(id);
+            }
+        }
+        for (_, p) in self.patches.drain() {
+            pool.release(p.base);
+        }
+    }
+}
