@@ -240,6 +240,13 @@ pub struct BackupArgs {
     /// Write a JSON report of the failover here.
     #[arg(long)]
     pub report: Option<PathBuf>,
+    /// Keep the mirror's cold pages consolidated (shared, patched against similar pages,
+    /// compressed; seed 001, docs/CONSOLIDATION.md). A failover first restores them.
+    #[arg(long)]
+    pub consolidate: bool,
+    /// With --consolidate: seconds for the NRU clock to go once round the mirror.
+    #[arg(long, default_value_t = 4.0)]
+    pub clock_s: f64,
     /// The protected VM's identifier (its leader key in etcd, with --etcd).
     #[arg(long, default_value_t = 1)]
     pub vm_id: u64,
@@ -421,6 +428,7 @@ pub fn primary(a: PrimaryArgs) -> anyhow::Result<()> {
             Some(f) => Some(tandem_protect::tls::server_config(&f)?),
             None => None,
         },
+        consolidate: None,
     };
     let node = tandem_protect::node::NodeConfig {
         primary: cfg,
@@ -433,26 +441,53 @@ pub fn primary(a: PrimaryArgs) -> anyhow::Result<()> {
     )?)
 }
 
-pub fn backup(a: BackupArgs) -> anyhow::Result<()> {
-    signals::install_stop_handler();
+/// `--consolidate` with `--clock-s`: a pool for this process's replicas.
+pub fn consolidate(
+    on: bool,
+    clock_s: f64,
+) -> anyhow::Result<Option<tandem_protect::backup::Consolidate>> {
+    if !on {
+        return Ok(None);
+    }
+    if !(clock_s.is_finite() && clock_s > 0.0) {
+        anyhow::bail!("--clock-s must be a positive number of seconds, not {clock_s}");
+    }
+    Ok(Some(tandem_protect::backup::Consolidate {
+        pool: Default::default(),
+        revolution: Duration::from_secs_f64(clock_s),
+    }))
+}
+
+/// The backup daemon's configuration from its flags, consolidating into `consolidate`'s pool.
+pub fn backup_config(
+    a: &BackupArgs,
+    consolidate: Option<tandem_protect::backup::Consolidate>,
+) -> anyhow::Result<BackupConfig> {
     let ms = Duration::from_millis;
-    let cfg = BackupConfig {
-        listen: a.listen,
-        dir: a.dir,
+    Ok(BackupConfig {
+        listen: a.listen.clone(),
+        dir: a.dir.clone(),
         vm: a.vm.spec(),
         site: a.site.config(),
         timeout: ms(a.timeout_ms.max(1)),
         stall: a.stall_ms.map(ms),
-        report: a.report,
+        report: a.report.clone(),
         fence: a.fence.config(a.vm_id, "backup"),
         vm_id: a.vm_id,
-        metrics_listen: a.metrics_listen,
-        control: a.control,
+        metrics_listen: a.metrics_listen.clone(),
+        control: a.control.clone(),
         tls: match a.tls.files("backup")? {
             Some(f) => Some(tandem_protect::tls::server_config(&f)?),
             None => None,
         },
-    };
+        consolidate,
+    })
+}
+
+pub fn backup(a: BackupArgs) -> anyhow::Result<()> {
+    signals::install_stop_handler();
+    let ms = Duration::from_millis;
+    let cfg = backup_config(&a, consolidate(a.consolidate, a.clock_s)?)?;
     let Some(peer) = a.peer else {
         return Ok(tandem_protect::backup::run(cfg, stdio("backup"))?);
     };

@@ -3,6 +3,7 @@
 mod checkpoint;
 mod daemons;
 mod doctor;
+mod host;
 mod record;
 mod setup;
 mod switchover;
@@ -50,6 +51,9 @@ enum Cmd {
     Primary(daemons::PrimaryArgs),
     /// Receive epochs into a mirror and fail over onto a standby QEMU when the primary is lost.
     Backup(daemons::BackupArgs),
+    /// One backup for many primaries (N:1): a `tandem backup` per --replica, in one process,
+    /// sharing one pool of consolidated pages.
+    BackupHost(host::Args),
     /// Make a lab CA and TLS certificates for the replication link (--tls-dir).
     Keys(daemons::KeysArgs),
     /// What the daemons on this host are doing (role, committed epoch, lag, lease, link).
@@ -112,6 +116,7 @@ fn main() {
         Cmd::Lab(c) => tandem_harness::lab::run(c),
         Cmd::Primary(a) => daemons::primary(a),
         Cmd::Backup(a) => daemons::backup(a),
+        Cmd::BackupHost(a) => host::run(a),
         Cmd::Status(a) => daemons::status(a),
         Cmd::Keys(a) => daemons::keys(a),
         Cmd::Switchover(a) => switchover::run(a),

@@ -29,9 +29,22 @@ struct Patch {
     delta: Box<[u8]>,
 }
 
+impl Patch {
+    /// Writes the patched page: its base, XOR the delta.
+    fn apply(&self, pool: &Pool, page: &mut [u8]) {
+        pool.read(self.base, page);
+        let mut x = [0u8; PAGE];
+        let n = lz4_flex::block::decompress_into(&self.delta, &mut x).unwrap_or(0);
+        debug_assert_eq!(n, PAGE, "a patch decompressed to {n} bytes");
+        for (d, x) in page.iter_mut().zip(x.iter()) {
+            *d ^= x;
+        }
+    }
+}
+
 /// Where one replica's pages are and what they cost (pages, and bytes of pool data charged to
 /// this replica: a shared entry's bytes are split among its references).
-#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Usage {
     /// Guest pages.
     pub pages: u64,
@@ -137,12 +150,35 @@ impl Replica {
         n
     }
 
-    /// Restores every consolidated page (failover by materialisation). Returns the pages
-    /// written.
+    /// Restores every consolidated page (failover by materialisation), decompressing on
+    /// all cores. Returns the pages written.
     pub fn restore_all(&mut self, pool: &mut Pool, mirror: &mut [u8]) -> u64 {
-        (0..self.pages())
-            .map(|p| self.restore_one(pool, mirror, p) as u64)
-            .sum()
+        use rayon::prelude::*;
+        let (shared, patches) = (&*pool, &self.patches);
+        mirror
+            .par_chunks_mut(PAGE)
+            .zip(self.slots.par_iter())
+            .enumerate()
+            .for_each(|(pfn, (page, slot))| match *slot {
+                Slot::Plain | Slot::Zero => {}
+                Slot::Pooled(id) => shared.read(id, page),
+                Slot::Patched => patches[&(pfn as u64)].apply(shared, page),
+            });
+        let mut n = 0;
+        for s in &mut self.slots {
+            match std::mem::replace(s, Slot::Plain) {
+                Slot::Pooled(id) => {
+                    pool.release(id);
+                    n += 1;
+                }
+                Slot::Patched => n += 1,
+                Slot::Plain | Slot::Zero => {}
+            }
+        }
+        for (_, p) in self.patches.drain() {
+            pool.release(p.base);
+        }
+        n
     }
 
     fn restore_one(&mut self, pool: &mut Pool, mirror: &mut [u8], pfn: u64) -> bool {
@@ -159,14 +195,8 @@ impl Replica {
                     .patches
                     .remove(&pfn)
                     .expect("a patched slot has its patch");
-                pool.read(p.base, page);
+                p.apply(pool, page);
                 pool.release(p.base);
-                let n =
-                    lz4_flex::block::decompress_into(&p.delta, &mut self.scratch[..]).unwrap_or(0);
-                debug_assert_eq!(n, PAGE, "patch of page {pfn} decompressed to {n} bytes");
-                for (d, x) in page.iter_mut().zip(self.scratch.iter()) {
-                    *d ^= x;
-                }
                 true
             }
         }

@@ -395,6 +395,28 @@ impl Registry {
                 &[(String::new(), v)],
             );
         }
+        if let Some(u) = &s.who.memory {
+            let page = tandem_consolidate::PAGE as f64;
+            let kinds = [
+                ("plain", (u.plain + u.pooled_raw) as f64 * page),
+                ("shared", u.shared_bytes),
+                ("patched", u.patch_bytes),
+                ("compressed", u.compressed_bytes as f64),
+            ]
+            .map(|(k, v)| (format!("{{kind=\"{k}\"}}"), format!("{v:.0}")));
+            let help = "Backup memory of this replica by how its pages are kept (shared and patch references split among their users).";
+            family(&mut o, "tandem_replica_memory_bytes", g, help, &kinds);
+            let pages = [
+                ("plain", u.plain + u.pooled_raw),
+                ("zero", u.zero),
+                ("shared", u.shared),
+                ("patched", u.patched),
+                ("compressed", u.compressed),
+            ]
+            .map(|(k, v)| (format!("{{kind=\"{k}\"}}"), v.to_string()));
+            let help = "Replica pages by how the backup keeps them.";
+            family(&mut o, "tandem_replica_pages", g, help, &pages);
+        }
         let help = "Guest pause per epoch (type II downtime).";
         histogram(&mut o, "tandem_pause_seconds", help, &s.pause);
         let help = "From handing an epoch to the link to its acknowledgement.";

@@ -5,7 +5,11 @@
 //! committed epoch (memory, device state and disk copy of the same checkpoint). A new session's
 //! initial copy makes it inconsistent until that session's first epoch commits.
 
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
 use tandem_codec::{decode, DecodeError, Plan};
+use tandem_consolidate::{Pool, Replica, Usage};
 
 use crate::disk::{apply_all, DiskApplyError, DiskCopy};
 use crate::wire::{heartbeat_progress, section, sections, Frame, Hello, Kind};
@@ -85,6 +89,18 @@ pub struct Backup<M> {
     device_state: Vec<u8>,
     plan: Plan,
     session: u64,
+    consolidated: Option<Consolidated>,
+}
+
+/// The mirror's cold pages kept in a pool shared with the host's other replicas.
+struct Consolidated {
+    replica: Replica,
+    pool: Arc<Mutex<Pool>>,
+    /// Time for the NRU clock's hand to go once round the mirror.
+    revolution: Duration,
+    last_scan: Instant,
+    /// Pages not yet scanned, carried over between epochs.
+    owed: f64,
 }
 
 /// The sections of one epoch frame, parsed and checked but not applied.
@@ -110,6 +126,43 @@ impl<M: AsRef<[u8]> + AsMut<[u8]>> Backup<M> {
             device_state: Vec::new(),
             plan: Plan::default(),
             session: 0,
+            consolidated: None,
+        }
+    }
+
+    /// Consolidates the mirror's cold pages into `pool` (shared with the host's other
+    /// replicas): an NRU clock goes once round the mirror per `revolution`, moving pages no
+    /// epoch wrote or read since its last pass out of the mirror (seed 001; crate
+    /// tandem-consolidate). Each epoch first restores the pages it reads. The mirror must be
+    /// a mapping whose released pages read as zeros (a shared tmpfs file or anonymous
+    /// memory); [`Backup::mirror`] shows consolidated pages as zeros until
+    /// [`Backup::materialise`].
+    pub fn consolidate(mut self, pool: Arc<Mutex<Pool>>, revolution: Duration) -> Self {
+        let pages = (self.mirror.as_ref().len() / PAGE) as u64;
+        self.consolidated = Some(Consolidated {
+            replica: Replica::new(pages),
+            pool,
+            revolution,
+            last_scan: Instant::now(),
+            owed: 0.0,
+        });
+        self
+    }
+
+    /// Where the mirror's pages are and what they cost (`None` without consolidation).
+    pub fn memory(&self) -> Option<Usage> {
+        let c = self.consolidated.as_ref()?;
+        Some(c.replica.usage(&lock(&c.pool)))
+    }
+
+    /// Puts every consolidated page back into the mirror (before a standby resumes from it).
+    /// Returns the pages written.
+    pub fn materialise(&mut self) -> u64 {
+        match &mut self.consolidated {
+            Some(c) => c
+                .replica
+                .restore_all(&mut lock(&c.pool), self.mirror.as_mut()),
+            None => 0,
         }
     }
 
@@ -219,7 +272,13 @@ impl<M: AsRef<[u8]> + AsMut<[u8]>> Backup<M> {
         }
         // A new initial copy follows; it sends only non-zero pages and disk chunks, so start
         // again from zeros. Until its first epoch commits there is nothing to resume.
-        if self.vm_id.is_some() {
+        if let Some(c) = &mut self.consolidated {
+            // Forget the old copy's pool pages and give its memory back: zeros, for free.
+            c.replica.forget(&mut lock(&c.pool));
+            let m = self.mirror.as_mut();
+            let len = m.len();
+            tandem_consolidate::release(m, 0, len);
+        } else if self.vm_id.is_some() {
             self.mirror.as_mut().fill(0);
             if let Some(d) = self.disk.as_mut() {
                 d.zero().map_err(ApplyError::DiskIo)?;
@@ -331,6 +390,7 @@ impl<M: AsRef<[u8]> + AsMut<[u8]>> Backup<M> {
             });
         }
         let parts = self.parse_epoch(f)?;
+        self.restore_reads(parts.memory)?;
         decode(parts.memory, self.mirror.as_ref(), &mut self.plan)?;
         if self.plan.epoch != f.seq {
             return Err(ApplyError::Malformed(format!(
@@ -353,6 +413,48 @@ impl<M: AsRef<[u8]> + AsMut<[u8]>> Backup<M> {
         self.device_state = parts.device_state;
         self.committed = f.seq;
         self.consistent = true;
+        self.clock();
         Ok(Applied::Committed(f.seq))
     }
+
+    /// With consolidation: puts the pages the memory record reads back into the mirror.
+    /// Changes no content, so a record refused afterwards leaves the epoch unapplied.
+    fn restore_reads(&mut self, record: &[u8]) -> Result<(), ApplyError> {
+        let Some(c) = &mut self.consolidated else {
+            return Ok(());
+        };
+        let m = self.mirror.as_mut();
+        let mut pool = lock(&c.pool);
+        match tandem_codec::pages_read(record, (m.len() / PAGE) as u64)? {
+            Some(pfns) => c.replica.restore(&mut pool, m, &pfns),
+            None => c.replica.restore_all(&mut pool, m),
+        };
+        Ok(())
+    }
+
+    /// With consolidation: marks the committed pages used and advances the clock by the
+    /// share of a revolution that passed since its last step.
+    fn clock(&mut self) {
+        let Some(c) = &mut self.consolidated else {
+            return;
+        };
+        c.replica.written(&self.plan.pfns);
+        let now = Instant::now();
+        let dt = now.duration_since(c.last_scan).as_secs_f64();
+        c.last_scan = now;
+        let pages = c.replica.pages();
+        c.owed += pages as f64 * dt / c.revolution.as_secs_f64().max(1e-9);
+        c.owed = c.owed.min(pages as f64);
+        let n = c.owed as u64;
+        if n > 0 {
+            c.owed -= n as f64;
+            c.replica.scan(&mut lock(&c.pool), self.mirror.as_mut(), n);
+        }
+    }
+}
+
+/// The pool's operations index only entries they created and do not panic on any input; were
+/// one to, the host's other replicas would rather go on with the pool than all stop.
+fn lock(p: &Mutex<Pool>) -> std::sync::MutexGuard<'_, Pool> {
+    p.lock().unwrap_or_else(|e| e.into_inner())
 }

@@ -88,6 +88,10 @@ pub struct Args {
     /// Put the backup's directory on a small tmpfs that is full while the guest writes.
     #[arg(long)]
     pub backup_tmpfs: bool,
+    /// Keep the backup's mirror as a plain RAM file instead of consolidating its cold pages
+    /// (`tandem backup --consolidate`, the demo's default: sharing, patching, compression).
+    #[arg(long)]
+    pub plain_mirror: bool,
     /// Fence with a real 3-member etcd cluster in its own namespace (docs/FENCING.md): the
     /// backup takes over only after winning the VM's leader key. Implied by the etcd faults
     /// and by the default plan (no --rounds, no --faults: round 1 kills the primary's host,
@@ -249,6 +253,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         batch: a.batch,
         etcd: etcd.as_ref(),
         tls_dir: tls_dir.clone(),
+        consolidate: (!a.plain_mirror).then_some(4.0),
         ..Opts::kv(exe.clone(), &lab, dir.path().to_path_buf())
     };
     let mut results = Vec::new();
@@ -284,13 +289,14 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             }
         };
         say(&pb, format!(
-            "round {r}: {}; backup resumed epoch {} {:.0} ms after the fault ({:.0} ms detection + {:.1} ms resume{}); {} keys read back, {} missing an acknowledged write; primary frames after failover: {}; primary copy stopped: {}; leftovers: {}; redis {}",
+            "round {r}: {}; backup resumed epoch {} {:.0} ms after the fault ({:.0} ms detection + {:.1} ms resume{}){}; {} keys read back, {} missing an acknowledged write; primary frames after failover: {}; primary copy stopped: {}; leftovers: {}; redis {}",
             res.faults.join(", "),
             res.failover_epoch,
             res.kill_to_running_ms,
             res.detection_ms,
             res.resume_after_detection_ms,
             if res.lease_wait_ms > 0.0 { format!(", of which {:.0} ms waiting for the primary's etcd lease", res.lease_wait_ms) } else { String::new() },
+            memory_line(&res),
             res.acked_keys_checked,
             res.acked_keys_lost,
             res.primary_frames_after_failover,
@@ -539,4 +545,28 @@ pub(crate) fn say(pb: &indicatif::ProgressBar, line: String) {
     } else {
         pb.println(line);
     }
+}
+
+/// "; backup kept the replica in N MiB of 256 (pages: …)": the backup's consolidated memory
+/// at the failover, and what restoring it cost.
+fn memory_line(res: &round::RoundResult) -> String {
+    let Some(u) = res
+        .memory
+        .clone()
+        .and_then(|m| serde_json::from_value::<tandem_consolidate::Usage>(m).ok())
+    else {
+        return String::new();
+    };
+    let page = tandem_consolidate::PAGE as f64;
+    format!(
+        "; backup kept the replica in {:.1} MiB of {:.0} (pages: {} plain, {} zero, {} shared, {} patched, {} compressed), restored in {:.0} ms of the resume",
+        u.resident() / round::MIB,
+        u.pages as f64 * page / round::MIB,
+        u.plain + u.pooled_raw,
+        u.zero,
+        u.shared,
+        u.patched,
+        u.compressed,
+        res.materialise_ms
+    )
 }

@@ -507,6 +507,11 @@ impl<'a> Ctx<'a> {
                 .get("lease_wait_ms")
                 .and_then(|v| v.as_f64())
                 .unwrap_or(0.0),
+            materialise_ms: rep
+                .get("materialise_ms")
+                .and_then(|v| v.as_f64())
+                .unwrap_or(0.0),
+            memory: rep.get("memory").filter(|m| !m.is_null()).cloned(),
             kill_to_running_ms: field(rep, "running_at_ms").saturating_sub(kill_unix) as f64,
             client_gap_ms: g.gap,
             acked_keys_checked: g.checked,

@@ -60,6 +60,9 @@ pub struct Opts<'a> {
     pub vm_id: u64,
     /// Mutual TLS on the replication link with the keys in this directory (`tandem keys`).
     pub tls_dir: Option<PathBuf>,
+    /// The backup keeps its mirror consolidated (`tandem backup --consolidate`) with this
+    /// NRU clock revolution in seconds.
+    pub consolidate: Option<f64>,
 }
 
 impl<'a> Opts<'a> {
@@ -93,6 +96,7 @@ impl<'a> Opts<'a> {
             etcd: None,
             vm_id: 1,
             tls_dir: None,
+            consolidate: None,
         }
     }
 }
@@ -143,6 +147,10 @@ pub struct RoundResult {
     pub resume_after_detection_ms: f64,
     /// Of the resume: waiting for the primary's lease and winning the key (with --etcd).
     pub lease_wait_ms: f64,
+    /// Of the resume: restoring the consolidated pages into the mirror.
+    pub materialise_ms: f64,
+    /// The replica's memory on the backup when the primary was lost (with consolidation).
+    pub memory: Option<serde_json::Value>,
     pub kill_to_running_ms: f64,
     pub client_gap_ms: f64,
     pub acked_keys_checked: u64,
@@ -277,6 +285,9 @@ pub fn run(round: usize, o: &Opts<'_>, pb: &ProgressBar) -> anyhow::Result<Round
         report.display().to_string(),
     ];
     common(o, &mut bargs);
+    if let Some(c) = o.consolidate {
+        bargs.extend(["--consolidate".into(), "--clock-s".into(), c.to_string()]);
+    }
     if o.backup_tmpfs {
         mount_small_tmpfs(&rdir.join("backup"), o.mem)?;
     }

@@ -36,6 +36,13 @@ pub struct FailoverReport {
     pub lease_wait_ms: f64,
     /// The silence timeout.
     pub timeout_ms: u64,
+    /// Of `resume_ms`: restoring the consolidated pages into the mirror (0 without
+    /// consolidation).
+    pub materialise_ms: f64,
+    /// Pages restored.
+    pub materialised_pages: u64,
+    /// Where the replica's pages were when the primary was lost (with consolidation).
+    pub memory: Option<tandem_consolidate::Usage>,
 }
 
 /// A lost primary the backup takes over from.
@@ -138,6 +145,11 @@ pub(super) fn failover(
     let Some(mut vm) = standby.take() else {
         return Err(BackupError::NoStandby { why, epoch });
     };
+    // Consolidated pages back into the mirror file the standby maps.
+    let memory = bk.memory();
+    let t = Instant::now();
+    let materialised_pages = bk.materialise();
+    let materialise = t.elapsed();
     // The resumed guest's output is gated by this side's lease from now on.
     if let Some(h) = &fence {
         site.relays.set_gate(Some(h.gate()));
@@ -161,9 +173,14 @@ pub(super) fn failover(
         tracing::warn!("announce-self: {e}");
     }
     status.info(format!(
-        "failover: {why}; resumed the guest from epoch {epoch} in {:.1} ms after detection (+ up to {} ms detection timeout){}",
+        "failover: {why}; resumed the guest from epoch {epoch} in {:.1} ms after detection (+ up to {} ms detection timeout){}{}",
         resume.as_secs_f64() * 1000.0,
         cfg.timeout.as_millis(),
+        if materialised_pages > 0 {
+            format!("; of which {:.1} ms restoring {materialised_pages} consolidated pages", materialise.as_secs_f64() * 1000.0)
+        } else {
+            String::new()
+        },
         if fence.is_some() {
             format!("; of which {:.1} ms waiting for the primary's lease and winning the leader key in etcd", lease_wait.as_secs_f64() * 1000.0)
         } else {
@@ -175,6 +192,7 @@ pub(super) fn failover(
         epoch,
         lease_wait.as_secs_f64() * 1000.0,
         resume.as_secs_f64() * 1000.0,
+        materialise.as_secs_f64() * 1000.0,
     );
     registry.set_lease(fence.clone());
     if let Some(p) = &cfg.report {
@@ -186,6 +204,9 @@ pub(super) fn failover(
             resume_ms: resume.as_secs_f64() * 1000.0,
             lease_wait_ms: lease_wait.as_secs_f64() * 1000.0,
             timeout_ms: cfg.timeout.as_millis() as u64,
+            materialise_ms: materialise.as_secs_f64() * 1000.0,
+            materialised_pages,
+            memory,
         };
         let json = serde_json::to_vec_pretty(&r).map_err(std::io::Error::other);
         json.and_then(|j| std::fs::write(p, j))

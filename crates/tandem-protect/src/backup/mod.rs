@@ -58,6 +58,18 @@ pub struct BackupConfig {
     pub control: Option<PathBuf>,
     /// Mutual TLS on the replication link (only primaries with a certificate of its CA).
     pub tls: Option<std::sync::Arc<rustls::ServerConfig>>,
+    /// Keep the mirror's cold pages consolidated (shared, patched, compressed; seed 001).
+    pub consolidate: Option<Consolidate>,
+}
+
+/// How a backup consolidates its mirror (docs/CONSOLIDATION.md).
+#[derive(Clone)]
+pub struct Consolidate {
+    /// The pool of page contents, shared by every replica this process keeps.
+    pub pool: std::sync::Arc<std::sync::Mutex<tandem_consolidate::Pool>>,
+    /// Time for the NRU clock to go once round the mirror (seed 001: scans at least 4 s
+    /// apart).
+    pub revolution: Duration,
 }
 
 impl BackupConfig {
@@ -76,6 +88,7 @@ impl BackupConfig {
             metrics_listen: None,
             control: None,
             tls: None,
+            consolidate: None,
         }
     }
 }
@@ -151,6 +164,8 @@ struct Link<'a> {
     handed_over: bool,
     registry: crate::metrics::Registry,
     beat: crate::service::Beat,
+    /// When the replica's memory use was last published.
+    memory_at: Instant,
 }
 
 impl Link<'_> {
@@ -235,6 +250,10 @@ impl Link<'_> {
                 }
                 Applied::Committed(seq) => {
                     self.registry.committed(seq);
+                    if self.memory_at.elapsed() >= Duration::from_secs(1) {
+                        self.memory_at = Instant::now();
+                        self.registry.set_memory(self.bk.memory());
+                    }
                     if in_setup {
                         self.registry.set_state(
                             "protecting: standby ready to resume the last committed epoch",
@@ -396,6 +415,9 @@ pub fn serve(
     let mirror = unsafe { MirrorFile::create(&mirror_path, vmc.mem_mib << 20) }
         .map_err(BackupError::Mirror)?;
     let mut bk = Backup::new(mirror);
+    if let Some(c) = &cfg.consolidate {
+        bk = bk.consolidate(c.pool.clone(), c.revolution);
+    }
     if let Some(p) = &site.disk_path {
         let what = || format!("opening the disk copy {}", p.display());
         let f = std::fs::OpenOptions::new()
@@ -432,6 +454,7 @@ pub fn serve(
         handed_over: false,
         registry: registry.clone(),
         beat: beat.clone(),
+        memory_at: Instant::now(),
     };
     fe.ready();
     let mut wait = None;

@@ -21,6 +21,8 @@ pub(super) struct Who {
     pub(super) last_failover: Option<serde_json::Value>,
     pub(super) switchovers: u64,
     pub(super) last_switchover: Option<serde_json::Value>,
+    /// A backup with consolidated memory: where its replica's pages are.
+    pub(super) memory: Option<tandem_consolidate::Usage>,
 }
 
 /// Identity, state and the status document.
@@ -88,8 +90,21 @@ impl Registry {
         self.lock().who.unprotected = unprotected;
     }
 
-    /// A failover happened here: the backup resumed the guest from `epoch`.
-    pub fn failed_over(&self, reason: &str, epoch: u64, lease_wait_ms: f64, resume_ms: f64) {
+    /// A backup with consolidated memory: where its replica's pages are now.
+    pub fn set_memory(&self, usage: Option<tandem_consolidate::Usage>) {
+        self.lock().who.memory = usage;
+    }
+
+    /// A failover happened here: the backup resumed the guest from `epoch`, after
+    /// `materialise_ms` restoring its consolidated pages (0 without consolidation).
+    pub fn failed_over(
+        &self,
+        reason: &str,
+        epoch: u64,
+        lease_wait_ms: f64,
+        resume_ms: f64,
+        materialise_ms: f64,
+    ) {
         let mut s = self.lock();
         s.who.failovers += 1;
         s.who.role = "backup";
@@ -97,6 +112,7 @@ impl Registry {
         s.who.last_failover = Some(serde_json::json!({
             "at_unix_ms": crate::unix_ms(), "reason": reason, "epoch": epoch,
             "lease_wait_ms": lease_wait_ms, "resume_ms": resume_ms,
+            "materialise_ms": materialise_ms,
         }));
     }
 
@@ -136,6 +152,11 @@ impl Registry {
             "switchovers": w.switchovers,
             "last_switchover": w.last_switchover,
             "uptime_s": now.saturating_sub(w.started_ms) / 1000,
+            "memory": w.memory.map(|u| serde_json::json!({
+                "pages": u.pages, "plain": u.plain + u.pooled_raw, "zero": u.zero,
+                "shared": u.shared, "patched": u.patched, "compressed": u.compressed,
+                "resident_bytes": u.resident() as u64,
+            })),
         })
     }
 }
