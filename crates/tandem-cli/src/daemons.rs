@@ -247,6 +247,11 @@ pub struct BackupArgs {
     /// With --consolidate: seconds for the NRU clock to go once round the mirror.
     #[arg(long, default_value_t = 4.0)]
     pub clock_s: f64,
+    /// With --consolidate: how a failover gets the consolidated pages into the standby:
+    /// `lazy` resumes the guest at once and serves the pages it touches first (userfaultfd),
+    /// `materialise` restores them all before resuming.
+    #[arg(long, value_enum, default_value = "lazy")]
+    pub restore: RestoreArg,
     /// The protected VM's identifier (its leader key in etcd, with --etcd).
     #[arg(long, default_value_t = 1)]
     pub vm_id: u64,
@@ -441,10 +446,20 @@ pub fn primary(a: PrimaryArgs) -> anyhow::Result<()> {
     )?)
 }
 
-/// `--consolidate` with `--clock-s`: a pool for this process's replicas.
+/// `--restore`.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RestoreArg {
+    /// Resume at once; pages on demand.
+    Lazy,
+    /// Restore every page, then resume.
+    Materialise,
+}
+
+/// `--consolidate` with `--clock-s` and `--restore`: a pool for this process's replicas.
 pub fn consolidate(
     on: bool,
     clock_s: f64,
+    restore: RestoreArg,
 ) -> anyhow::Result<Option<tandem_protect::backup::Consolidate>> {
     if !on {
         return Ok(None);
@@ -455,6 +470,7 @@ pub fn consolidate(
     Ok(Some(tandem_protect::backup::Consolidate {
         pool: Default::default(),
         revolution: Duration::from_secs_f64(clock_s),
+        lazy: restore == RestoreArg::Lazy,
     }))
 }
 
@@ -487,7 +503,7 @@ pub fn backup_config(
 pub fn backup(a: BackupArgs) -> anyhow::Result<()> {
     signals::install_stop_handler();
     let ms = Duration::from_millis;
-    let cfg = backup_config(&a, consolidate(a.consolidate, a.clock_s)?)?;
+    let cfg = backup_config(&a, consolidate(a.consolidate, a.clock_s, a.restore)?)?;
     let Some(peer) = a.peer else {
         return Ok(tandem_protect::backup::run(cfg, stdio("backup"))?);
     };

@@ -10,7 +10,7 @@ use anyhow::{bail, Context};
 use clap::Parser;
 use tandem_protect::{Line, Status};
 
-use crate::daemons::{backup_config, consolidate, BackupArgs};
+use crate::daemons::{backup_config, consolidate, BackupArgs, RestoreArg};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -26,6 +26,9 @@ pub struct Args {
     /// With --consolidate: seconds for the NRU clock to go once round each mirror.
     #[arg(long, default_value_t = 4.0)]
     pub clock_s: f64,
+    /// With --consolidate: `lazy` (resume at once, pages on demand) or `materialise`.
+    #[arg(long, value_enum, default_value = "lazy")]
+    pub restore: RestoreArg,
 }
 
 /// A `--replica` string parsed as `tandem backup` flags.
@@ -37,7 +40,7 @@ struct Replica {
 }
 
 pub fn run(a: Args) -> anyhow::Result<()> {
-    let pool = consolidate(a.consolidate, a.clock_s)?;
+    let pool = consolidate(a.consolidate, a.clock_s, a.restore)?;
     let mut cfgs = Vec::new();
     let (mut ids, mut listens, mut dirs) = (HashSet::new(), HashSet::new(), HashSet::new());
     for (i, r) in a.replicas.iter().enumerate() {

@@ -124,7 +124,6 @@ fn one_backup_host_fails_over_each_vm_on_its_own_from_consolidated_memory() {
     kill_host(&mut p1, q1);
     let line = wait_line(&hrx, "failover:", Duration::from_secs(30));
     assert!(line.starts_with("vm 1: "), "{line}");
-    assert!(line.contains("consolidated pages"), "{line}");
     let r = report(&v1);
     let mem = &r["memory"];
     let consolidated = ["zero", "shared", "patched", "compressed"]
@@ -135,7 +134,11 @@ fn one_backup_host_fails_over_each_vm_on_its_own_from_consolidated_memory() {
         consolidated > mem["pages"].as_u64().unwrap() / 2,
         "most of an idle-ish guest's pages are consolidated: {r:#}"
     );
-    assert!(r["materialised_pages"].as_u64().unwrap() > 0, "{r:#}");
+    // Lazy restore (the default): the guest ran at once; its first touches were served
+    // from the pool and the rest installed behind them.
+    let lazy = &r["lazy"];
+    assert!(lazy["background"].as_u64().unwrap() > 0, "{r:#}");
+    assert_eq!(r["materialised_pages"], 0, "{r:#}");
     // Every acknowledged write is there, on the same connection.
     for i in 0..200 {
         let got = kv1.get(format!("vm1-{i}").as_bytes()).unwrap();

@@ -19,15 +19,19 @@
 //!
 //! Before an epoch is decoded, the pages it reads (`tandem_codec::pages_read`) are restored
 //! into the file ([`Replica::restore`]); the epoch then commits as on a plain mirror. At a
-//! failover every consolidated page is restored ([`Replica::restore_all`]) before the standby
-//! resumes. Zero pages stay holes: they read as zeros.
+//! failover the standby either resumes at once and gets its pages on demand ([`Lazy`]:
+//! userfaultfd missing faults, served first, the rest installed behind them) or after every
+//! consolidated page was restored ([`Replica::restore_all`]). Zero pages stay holes: they
+//! read as zeros.
 
 #![warn(missing_docs)]
 
+mod lazy;
 pub mod pool;
 mod release;
 mod replica;
 
+pub use lazy::{Lazy, LazyError, LazyStats};
 pub use pool::Pool;
 pub use release::release;
 pub use replica::{Replica, Scan, Usage, PATCH_MAX};

@@ -183,10 +183,17 @@ impl Replica {
 
     fn restore_one(&mut self, pool: &mut Pool, mirror: &mut [u8], pfn: u64) -> bool {
         let page = &mut mirror[pfn as usize * PAGE..(pfn as usize + 1) * PAGE];
+        self.take(pool, pfn, page)
+    }
+
+    /// Takes page `pfn` out of the consolidated store: writes its content into `out` and
+    /// returns true, or returns false (leaving `out` alone) when the mirror itself holds it,
+    /// plain or as a hole that reads as zeros. The page is plain from then on.
+    pub fn take(&mut self, pool: &mut Pool, pfn: u64, out: &mut [u8]) -> bool {
         match std::mem::replace(&mut self.slots[pfn as usize], Slot::Plain) {
-            Slot::Plain | Slot::Zero => false, // a hole already reads as zeros
+            Slot::Plain | Slot::Zero => false,
             Slot::Pooled(id) => {
-                pool.read(id, page);
+                pool.read(id, out);
                 pool.release(id);
                 true
             }
@@ -195,11 +202,16 @@ impl Replica {
                     .patches
                     .remove(&pfn)
                     .expect("a patched slot has its patch");
-                p.apply(pool, page);
+                p.apply(pool, out);
                 pool.release(p.base);
                 true
             }
         }
+    }
+
+    /// Whether page `pfn` is in the consolidated store (not in the mirror).
+    pub fn is_consolidated(&self, pfn: u64) -> bool {
+        matches!(self.slots[pfn as usize], Slot::Pooled(_) | Slot::Patched)
     }
 
     /// Records that an epoch wrote `pfns` (they were restored first, see [`Replica::restore`]).

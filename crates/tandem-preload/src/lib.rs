@@ -11,6 +11,12 @@
 //! keeping the userfaultfd open for the life of the process.
 //!
 //! QEMU must be started with `-S` so the guest does not run before registration is confirmed.
+//!
+//! With `TANDEM_UFFD_MODE=missing` (a backup's standby whose mirror is consolidated) it
+//! registers the mapping for *missing* faults instead and reports the descriptor's number
+//! (`ok start=.. len=.. fd=N`): the backup takes a copy with `pidfd_getfd(2)` and, at a
+//! failover, serves the pages the guest touches first from its consolidated store while it
+//! installs the rest (tandem-consolidate's lazy restore, as QEMU's postcopy does).
 
 #![warn(missing_docs)]
 
@@ -34,6 +40,10 @@ pub mod abi {
     pub const UFFDIO_REGISTER: u64 = 0xC020_AA00;
     /// `UFFDIO_WRITEPROTECT = _IOWR(0xAA, 0x06, struct uffdio_writeprotect)`.
     pub const UFFDIO_WRITEPROTECT: u64 = 0xC018_AA06;
+    /// `UFFD_FEATURE_MISSING_SHMEM`.
+    pub const UFFD_FEATURE_MISSING_SHMEM: u64 = 1 << 5;
+    /// `UFFDIO_REGISTER_MODE_MISSING`.
+    pub const UFFDIO_REGISTER_MODE_MISSING: u64 = 1 << 0;
     /// `UFFDIO_REGISTER_MODE_WP`.
     pub const UFFDIO_REGISTER_MODE_WP: u64 = 1 << 1;
     /// `UFFDIO_WRITEPROTECT_MODE_WP`.
@@ -118,6 +128,16 @@ fn ioctl<T>(fd: i32, req: u64, arg: &mut T) -> io::Result<()> {
 /// Registers `[start, start+len)` of this process for async write-protect; returns the fd and
 /// granted features. The fd must stay open for the tracking to continue.
 pub fn register(start: u64, len: u64) -> io::Result<(i32, u64)> {
+    register_as(start, len, false)
+}
+
+/// Registers `[start, start+len)` (shared memory) for missing faults, which the process
+/// holding a copy of the returned fd must serve; returns the fd and granted features.
+pub fn register_missing(start: u64, len: u64) -> io::Result<(i32, u64)> {
+    register_as(start, len, true)
+}
+
+fn register_as(start: u64, len: u64, missing: bool) -> io::Result<(i32, u64)> {
     use abi::*;
     // SAFETY: plain syscall with integer flags; returns a new fd or -1.
     let fd = unsafe { libc::syscall(libc::SYS_userfaultfd, libc::O_CLOEXEC | libc::O_NONBLOCK) };
@@ -125,7 +145,11 @@ pub fn register(start: u64, len: u64) -> io::Result<(i32, u64)> {
         return Err(io::Error::last_os_error());
     }
     let fd = fd as i32;
-    let wanted = UFFD_FEATURE_WP_ASYNC | UFFD_FEATURE_WP_UNPOPULATED;
+    let wanted = if missing {
+        UFFD_FEATURE_MISSING_SHMEM
+    } else {
+        UFFD_FEATURE_WP_ASYNC | UFFD_FEATURE_WP_UNPOPULATED
+    };
     let mut api = UffdioApi {
         api: UFFD_API,
         features: wanted,
@@ -141,11 +165,18 @@ pub fn register(start: u64, len: u64) -> io::Result<(i32, u64)> {
         let range = UffdioRange { start, len };
         let mut reg = UffdioRegister {
             range,
-            mode: UFFDIO_REGISTER_MODE_WP,
+            mode: if missing {
+                UFFDIO_REGISTER_MODE_MISSING
+            } else {
+                UFFDIO_REGISTER_MODE_WP
+            },
             ioctls: 0,
         };
         ioctl(fd, UFFDIO_REGISTER, &mut reg)
             .map_err(|e| io::Error::new(e.kind(), format!("UFFDIO_REGISTER: {e}")))?;
+        if missing {
+            return Ok(());
+        }
         let range = UffdioRange { start, len };
         let mut wp = UffdioWriteprotect {
             range,
@@ -189,7 +220,7 @@ pub fn mapped_name(path: &str) -> String {
     }
 }
 
-fn run(ram_path: String, status: String) {
+fn run(ram_path: String, status: String, missing: bool) {
     let ram_path = mapped_name(&ram_path);
     let deadline = Instant::now() + Duration::from_secs(30);
     let (start, len) = loop {
@@ -207,10 +238,10 @@ fn run(ram_path: String, status: String) {
         }
         std::thread::sleep(Duration::from_millis(2));
     };
-    match register(start, len) {
-        Ok((_fd, features)) => report(
+    match register_as(start, len, missing) {
+        Ok((fd, features)) => report(
             &status,
-            &format!("ok start={start:#x} len={len} features={features:#x}\n"),
+            &format!("ok start={start:#x} len={len} features={features:#x} fd={fd}\n"),
         ),
         Err(e) => report(&status, &format!("err {e}\n")),
     }
@@ -225,9 +256,10 @@ extern "C" fn tandem_preload_init() {
     };
     // Children QEMU might spawn must not register anything.
     std::env::remove_var("LD_PRELOAD");
+    let missing = std::env::var("TANDEM_UFFD_MODE").is_ok_and(|m| m == "missing");
     let _ = std::thread::Builder::new()
         .name("tandem-uffd".into())
-        .spawn(move || run(ram, status));
+        .spawn(move || run(ram, status, missing));
 }
 
 #[used]

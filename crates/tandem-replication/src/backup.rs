@@ -155,6 +155,13 @@ impl<M: AsRef<[u8]> + AsMut<[u8]>> Backup<M> {
         Some(c.replica.usage(&lock(&c.pool)))
     }
 
+    /// Takes the consolidation out (for a lazy restore at failover, which installs the
+    /// consolidated pages into the standby itself): the mirror holds only the plain pages
+    /// from then on, and nothing is consolidated any more.
+    pub fn take_consolidated(&mut self) -> Option<(Replica, Arc<Mutex<Pool>>)> {
+        self.consolidated.take().map(|c| (c.replica, c.pool))
+    }
+
     /// Puts every consolidated page back into the mirror (before a standby resumes from it).
     /// Returns the pages written.
     pub fn materialise(&mut self) -> u64 {

@@ -59,6 +59,10 @@ pub struct VmConfig {
     /// transitional drivers) runs legacy and its device state shrinks from ~170 KB to ~35 KB
     /// (docs/VM_LAB.md, "The fast path").
     pub legacy_virtio: bool,
+    /// A standby only (with no dirty log): have the preloaded library register guest RAM for
+    /// userfaultfd missing faults, so that a failover can resume the guest before its RAM is
+    /// complete and serve the pages it touches ([`crate::Vm::lazy_ram`]).
+    pub lazy_ram: bool,
 }
 
 impl VmConfig {
@@ -123,6 +127,7 @@ impl VmConfig {
             data_disk: None,
             fast_devstate: true,
             legacy_virtio: false,
+            lazy_ram: false,
         }
     }
 

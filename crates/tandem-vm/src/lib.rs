@@ -28,4 +28,4 @@ pub use mirror::{MirrorHealth, MirrorSlice};
 pub use ram::{GuestRam, MirrorFile, PAGE_SIZE};
 pub use replay::ReplayGuest;
 pub use stale::clean_stale;
-pub use vm::{DirtyMode, PauseTiming, Vm, VmConfig, VmError};
+pub use vm::{DirtyMode, LazyRam, PauseTiming, Vm, VmConfig, VmError};

@@ -147,6 +147,19 @@ pub struct Vm {
     pub(crate) last_devstate: Option<devstate::Method>,
     /// Stopped ahead of the next pause (early suspend): that pause skips its `stop`.
     pub(crate) suspended: bool,
+    /// Guest RAM registered for missing faults ([`VmConfig::lazy_ram`]).
+    lazy: Option<LazyRam>,
+}
+
+/// A standby's guest RAM registered for userfaultfd missing faults.
+#[derive(Debug, Clone, Copy)]
+pub struct LazyRam {
+    /// Address of guest RAM in QEMU.
+    pub start: u64,
+    /// Its length.
+    pub len: u64,
+    /// The userfaultfd's number in QEMU.
+    fd: i32,
 }
 
 impl Vm {
@@ -213,7 +226,11 @@ impl Vm {
                 Ok(())
             });
         }
-        if mode == DirtyMode::Uffd {
+        let lazy = config.lazy_ram && mode == DirtyMode::None;
+        if lazy {
+            cmd.env("TANDEM_UFFD_MODE", "missing");
+        }
+        if mode == DirtyMode::Uffd || lazy {
             let so = preload_path().ok_or_else(|| {
                 VmError::Registration("libtandem_preload.so not found next to the tandem binary; build the whole workspace (cargo build --workspace) or set TANDEM_PRELOAD".into())
             })?;
@@ -273,11 +290,24 @@ impl Vm {
             devstate,
             last_devstate: None,
             suspended: false,
+            lazy: None,
         };
         devstate::prepare(&mut vm.qmp)?;
+        if lazy {
+            let (start, len, fd) = wait_registration(&status, &mut vm.child)?;
+            if len != bytes {
+                return Err(VmError::Registration(format!(
+                    "registered {len} bytes, guest RAM is {bytes}"
+                )));
+            }
+            let fd = fd.ok_or_else(|| {
+                VmError::Registration("the preloaded library did not report its descriptor".into())
+            })?;
+            vm.lazy = Some(LazyRam { start, len, fd });
+        }
         vm.dirty = match mode {
             DirtyMode::Uffd => {
-                let (start, len) = wait_registration(&status, &mut vm.child)?;
+                let (start, len, _) = wait_registration(&status, &mut vm.child)?;
                 if len != bytes {
                     return Err(VmError::Registration(format!(
                         "registered {len} bytes, guest RAM is {bytes}"
@@ -313,6 +343,27 @@ impl Vm {
                 log,
             }
         }
+    }
+
+    /// Where guest RAM is registered for missing faults ([`VmConfig::lazy_ram`]), if it is.
+    pub fn lazy_ram(&self) -> Option<LazyRam> {
+        self.lazy
+    }
+
+    /// A copy of QEMU's userfaultfd for [`Vm::lazy_ram`] (`pidfd_getfd(2)`, Linux 5.6+): its
+    /// holder serves the guest's missing-page faults.
+    pub fn lazy_uffd(&self) -> Result<std::os::fd::OwnedFd, VmError> {
+        let Some(l) = self.lazy else {
+            return Err(VmError::Registration(
+                "guest RAM is not registered for missing faults".into(),
+            ));
+        };
+        let pid = rustix::process::Pid::from_raw(self.child.id() as i32)
+            .ok_or_else(|| VmError::Registration("QEMU has no pid".into()))?;
+        let pidfd = rustix::process::pidfd_open(pid, rustix::process::PidfdFlags::empty())
+            .map_err(|e| VmError::Registration(format!("pidfd_open of QEMU: {e}")))?;
+        rustix::process::pidfd_getfd(&pidfd, l.fd, rustix::process::PidfdGetfdFlags::empty())
+            .map_err(|e| VmError::Registration(format!("pidfd_getfd of QEMU's userfaultfd: {e}")))
     }
 
     /// QEMU's process id.
@@ -467,7 +518,7 @@ impl Drop for Vm {
     }
 }
 
-fn wait_registration(status: &Path, child: &mut Child) -> Result<(u64, u64), VmError> {
+fn wait_registration(status: &Path, child: &mut Child) -> Result<(u64, u64, Option<i32>), VmError> {
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
         if let Ok(text) = fs::read_to_string(status) {
@@ -482,8 +533,9 @@ fn wait_registration(status: &Path, child: &mut Child) -> Result<(u64, u64), VmE
             };
             let start = field("start=0x").and_then(|v| u64::from_str_radix(&v, 16).ok());
             let len = field("len=").and_then(|v| v.parse().ok());
+            let fd = field("fd=").and_then(|v| v.parse().ok());
             if let (Some(s), Some(l)) = (start, len) {
-                return Ok((s, l));
+                return Ok((s, l, fd));
             }
             return Err(VmError::Registration(format!("unreadable status {text:?}")));
         }

@@ -558,8 +558,19 @@ fn memory_line(res: &round::RoundResult) -> String {
         return String::new();
     };
     let page = tandem_consolidate::PAGE as f64;
+    let restore = match res
+        .lazy
+        .clone()
+        .and_then(|l| serde_json::from_value::<tandem_consolidate::LazyStats>(l).ok())
+    {
+        Some(l) => format!(
+            "restored lazily: the guest ran at once, {} pages it touched first were served, all in {:.0} ms after the resume began",
+            l.faults, l.done_ms
+        ),
+        None => format!("restored in {:.0} ms of the resume", res.materialise_ms),
+    };
     format!(
-        "; backup kept the replica in {:.1} MiB of {:.0} (pages: {} plain, {} zero, {} shared, {} patched, {} compressed), restored in {:.0} ms of the resume",
+        "; backup kept the replica in {:.1} MiB of {:.0} (pages: {} plain, {} zero, {} shared, {} patched, {} compressed), {restore}",
         u.resident() / round::MIB,
         u.pages as f64 * page / round::MIB,
         u.plain + u.pooled_raw,
@@ -567,6 +578,5 @@ fn memory_line(res: &round::RoundResult) -> String {
         u.shared,
         u.patched,
         u.compressed,
-        res.materialise_ms
     )
 }

@@ -512,6 +512,7 @@ impl<'a> Ctx<'a> {
                 .and_then(|v| v.as_f64())
                 .unwrap_or(0.0),
             memory: rep.get("memory").filter(|m| !m.is_null()).cloned(),
+            lazy: rep.get("lazy").filter(|m| !m.is_null()).cloned(),
             kill_to_running_ms: field(rep, "running_at_ms").saturating_sub(kill_unix) as f64,
             client_gap_ms: g.gap,
             acked_keys_checked: g.checked,

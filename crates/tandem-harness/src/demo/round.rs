@@ -151,6 +151,8 @@ pub struct RoundResult {
     pub materialise_ms: f64,
     /// The replica's memory on the backup when the primary was lost (with consolidation).
     pub memory: Option<serde_json::Value>,
+    /// The lazy restore of the consolidated pages (faults served, time until all were in).
+    pub lazy: Option<serde_json::Value>,
     pub kill_to_running_ms: f64,
     pub client_gap_ms: f64,
     pub acked_keys_checked: u64,

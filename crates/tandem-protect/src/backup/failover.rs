@@ -43,6 +43,9 @@ pub struct FailoverReport {
     pub materialised_pages: u64,
     /// Where the replica's pages were when the primary was lost (with consolidation).
     pub memory: Option<tandem_consolidate::Usage>,
+    /// With a lazy restore: the guest's page faults served and how long until every
+    /// consolidated page was in (the guest ran meanwhile).
+    pub lazy: Option<tandem_consolidate::LazyStats>,
 }
 
 /// A lost primary the backup takes over from.
@@ -145,8 +148,16 @@ pub(super) fn failover(
     let Some(mut vm) = standby.take() else {
         return Err(BackupError::NoStandby { why, epoch });
     };
-    // Consolidated pages back into the mirror file the standby maps.
+    // Consolidated pages back into the mirror file the standby maps: all of them now, or
+    // (lazy) those the guest touches first, the rest behind them while it runs.
     let memory = bk.memory();
+    let lazy = match start_lazy(bk, &vm, status) {
+        Ok(l) => l,
+        Err(e) => {
+            vm.quit();
+            return Err(e);
+        }
+    };
     let t = Instant::now();
     let materialised_pages = bk.materialise();
     let materialise = t.elapsed();
@@ -195,6 +206,23 @@ pub(super) fn failover(
         materialise.as_secs_f64() * 1000.0,
     );
     registry.set_lease(fence.clone());
+    let lazy = match lazy {
+        None => None,
+        Some(l) => match l.wait() {
+            (_, Ok(stats)) => {
+                status.info(format!(
+                    "lazy restore done {:.0} ms after the start: {} pages the guest touched first, {} installed behind them",
+                    stats.done_ms, stats.faults, stats.background
+                ));
+                Some(stats)
+            }
+            (_, Err(e)) => {
+                // Pages may be missing: the guest must not run on.
+                vm.quit();
+                return Err(BackupError::Lazy(e));
+            }
+        },
+    };
     if let Some(p) = &cfg.report {
         let r = FailoverReport {
             reason: why,
@@ -207,12 +235,45 @@ pub(super) fn failover(
             materialise_ms: materialise.as_secs_f64() * 1000.0,
             materialised_pages,
             memory,
+            lazy,
         };
         let json = serde_json::to_vec_pretty(&r).map_err(std::io::Error::other);
         json.and_then(|j| std::fs::write(p, j))
             .map_err(io(format!("writing {}", p.display())))?;
     }
     Ok(Running { vm, fence, epoch })
+}
+
+/// With a consolidated mirror and a standby registered for missing faults: starts serving its
+/// faults from the consolidated pages (before the device state is loaded, which reads guest
+/// memory). `None`: restore by materialising.
+fn start_lazy(
+    bk: &mut Backup<MirrorFile>,
+    vm: &tandem_vm::Vm,
+    status: &Status,
+) -> Result<Option<tandem_consolidate::Lazy>, BackupError> {
+    let Some(ram) = vm.lazy_ram() else {
+        return Ok(None);
+    };
+    if bk.memory().is_none() {
+        return Ok(None);
+    }
+    let uffd = match vm.lazy_uffd() {
+        Ok(fd) => fd,
+        Err(e) => {
+            status.warn(format!(
+                "lazy restore unavailable ({}): restoring every consolidated page first",
+                crate::chain(&e)
+            ));
+            return Ok(None);
+        }
+    };
+    let Some((replica, pool)) = bk.take_consolidated() else {
+        return Ok(None);
+    };
+    tandem_consolidate::Lazy::start(uffd, ram.start, replica, pool)
+        .map(Some)
+        .map_err(|e| BackupError::Io("starting the lazy-restore thread".into(), e))
 }
 
 /// Runs the resumed guest here, fencing every primary that connects, until told to stop.

@@ -70,6 +70,9 @@ pub struct Consolidate {
     /// Time for the NRU clock to go once round the mirror (seed 001: scans at least 4 s
     /// apart).
     pub revolution: Duration,
+    /// At failover, resume the guest at once and serve its pages on demand (userfaultfd in
+    /// the standby), instead of restoring every consolidated page first.
+    pub lazy: bool,
 }
 
 impl BackupConfig {
@@ -128,6 +131,9 @@ pub enum BackupError {
     /// etcd says another node holds the VM now: this copy was stopped.
     #[error("etcd says {0:?} holds the VM now: the guest resumed here was stopped")]
     FencedBy(String),
+    /// The lazy restore could not install every page: the resumed guest was stopped.
+    #[error("the lazy restore failed; the resumed guest was stopped")]
+    Lazy(#[source] tandem_consolidate::LazyError),
     /// QEMU did not pause or continue for the lease.
     #[error("{0}")]
     Lease(&'static str, #[source] VmError),
@@ -400,6 +406,9 @@ pub fn serve(
     let mut vmc = cfg.vm.config("standby")?;
     if !reprotect {
         vmc.dirty = DirtyMode::None;
+        // A lazy restore needs the standby's RAM registered for missing faults, which a
+        // standby that logs dirty pages (to protect the guest in turn) cannot have as well.
+        vmc.lazy_ram = cfg.consolidate.as_ref().is_some_and(|c| c.lazy);
     }
     std::fs::create_dir_all(&cfg.dir).map_err(io(format!("creating {}", cfg.dir.display())))?;
     let site = Site::prepare(&cfg.site, &cfg.dir, Role::Backup, &mut vmc)?;

@@ -33,11 +33,22 @@ impl Standby {
             .write(true)
             .open(path)
             .map_err(|e| BackupError::Io(format!("opening {}", path.display()), e))?;
-        let vm = Vm::standby(cfg, path)
-            .map_err(|e| BackupError::Standby("starting the standby QEMU", e))?;
+        let mut cfg = cfg.clone();
+        let vm = match Vm::standby(&cfg, path) {
+            Err(e) if cfg.lazy_ram => {
+                status.warn(format!(
+                    "the standby QEMU could not register its RAM for lazy restore ({}); a failover will restore every consolidated page first",
+                    crate::chain(&e)
+                ));
+                cfg.lazy_ram = false;
+                Vm::standby(&cfg, path)
+            }
+            r => r,
+        }
+        .map_err(|e| BackupError::Standby("starting the standby QEMU", e))?;
         let _ = std::fs::remove_file(path);
         Ok(Standby {
-            cfg: cfg.clone(),
+            cfg,
             mirror,
             vm: Some(vm),
             last_try: Instant::now(),
