@@ -286,7 +286,7 @@ mod tests {
         let guest = unsafe { memmap2::MmapMut::map_mut(&file) }.unwrap();
         let truth: Vec<u8> = (0..len)
             .map(|i| {
-                if (i / PAGE) % 5 == 0 {
+                if (i / PAGE).is_multiple_of(5) {
                     0
                 } else {
                     (i / 64 % 7) as u8 + (i / PAGE) as u8
