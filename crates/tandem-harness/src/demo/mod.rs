@@ -92,6 +92,10 @@ pub struct Args {
     /// (`tandem backup --consolidate`, the demo's default: sharing, patching, compression).
     #[arg(long)]
     pub plain_mirror: bool,
+    /// How the backup's failover gets the consolidated pages into the standby: `lazy` or
+    /// `materialise` (`tandem backup --restore`).
+    #[arg(long, default_value = "lazy")]
+    pub restore: String,
     /// Fence with a real 3-member etcd cluster in its own namespace (docs/FENCING.md): the
     /// backup takes over only after winning the VM's leader key. Implied by the etcd faults
     /// and by the default plan (no --rounds, no --faults: round 1 kills the primary's host,
@@ -206,6 +210,9 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         .prefix("tandem-demo-")
         .tempdir_in("/dev/shm")?;
     tandem_vm::stale::mark_owned(dir.path())?;
+    if !matches!(a.restore.as_str(), "lazy" | "materialise") {
+        bail!("--restore {:?}: use lazy or materialise", a.restore);
+    }
     if a.no_etcd && (a.etcd || a.faults.iter().any(|f| f.needs_etcd())) {
         bail!("--no-etcd cannot be combined with --etcd or the etcd faults");
     }
@@ -253,7 +260,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         batch: a.batch,
         etcd: etcd.as_ref(),
         tls_dir: tls_dir.clone(),
-        consolidate: (!a.plain_mirror).then_some(4.0),
+        consolidate: (!a.plain_mirror).then(|| (4.0, a.restore.clone())),
         ..Opts::kv(exe.clone(), &lab, dir.path().to_path_buf())
     };
     let mut results = Vec::new();
@@ -568,6 +575,14 @@ fn memory_line(res: &round::RoundResult) -> String {
             l.faults, l.done_ms
         ),
         None => format!("restored in {:.0} ms of the resume", res.materialise_ms),
+    };
+    let restore = if res.first_second_ops.is_finite() && res.later_ops_per_s.is_finite() {
+        format!(
+            "{restore}; client: {:.0} requests in the first second after failover, {:.0}/s after",
+            res.first_second_ops, res.later_ops_per_s
+        )
+    } else {
+        restore
     };
     format!(
         "; backup kept the replica in {:.1} MiB of {:.0} (pages: {} plain, {} zero, {} shared, {} patched, {} compressed), {restore}",

@@ -93,6 +93,9 @@ pub struct Outcome {
     /// Every request's latency before the fault (ms), for plots.
     lat: Vec<f64>,
     gap: f64,
+    /// Requests completed in the first second after the client's first success after the
+    /// kill, and per second over the rest of the run on the backup.
+    first_second: (f64, f64),
     identity_before: (String, u64),
     identity_after: (String, u64),
 }
@@ -366,6 +369,7 @@ impl<'a> Ctx<'a> {
             lat_p99,
             lat: before_kill,
             gap,
+            first_second: first_second(&lat, kill_at, tl.end),
             identity_before,
             identity_after,
         })
@@ -407,6 +411,7 @@ impl<'a> Ctx<'a> {
             lat_p99: f64::NAN,
             lat: Vec::new(),
             gap: f64::NAN,
+            first_second: (f64::NAN, f64::NAN),
             identity_before: (String::new(), 0),
             identity_after: (String::new(), 0),
         }
@@ -515,6 +520,8 @@ impl<'a> Ctx<'a> {
             lazy: rep.get("lazy").filter(|m| !m.is_null()).cloned(),
             kill_to_running_ms: field(rep, "running_at_ms").saturating_sub(kill_unix) as f64,
             client_gap_ms: g.gap,
+            first_second_ops: g.first_second.0,
+            later_ops_per_s: g.first_second.1,
             acked_keys_checked: g.checked,
             acked_keys_lost: g.lost,
             first_lost_key: g.first_lost,
@@ -531,4 +538,18 @@ impl<'a> Ctx<'a> {
             leftovers: c.left,
         }
     }
+}
+
+/// Requests completed in the first second after the first one that completed after `kill`,
+/// and the rate per second from then until `end` (the guest's first-second slowdown, e.g.
+/// while a lazy restore installs its pages).
+fn first_second(lat: &[(Instant, f64)], kill: Instant, end: Instant) -> (f64, f64) {
+    let Some(t0) = lat.iter().map(|x| x.0).filter(|&t| t > kill).min() else {
+        return (f64::NAN, f64::NAN);
+    };
+    let t1 = t0 + Duration::from_secs(1);
+    let first = lat.iter().filter(|x| x.0 >= t0 && x.0 < t1).count() as f64;
+    let rest = lat.iter().filter(|x| x.0 >= t1 && x.0 < end).count() as f64;
+    let secs = end.saturating_duration_since(t1).as_secs_f64();
+    (first, if secs > 0.5 { rest / secs } else { f64::NAN })
 }

@@ -61,8 +61,8 @@ pub struct Opts<'a> {
     /// Mutual TLS on the replication link with the keys in this directory (`tandem keys`).
     pub tls_dir: Option<PathBuf>,
     /// The backup keeps its mirror consolidated (`tandem backup --consolidate`) with this
-    /// NRU clock revolution in seconds.
-    pub consolidate: Option<f64>,
+    /// NRU clock revolution in seconds and this `--restore` (lazy, materialise).
+    pub consolidate: Option<(f64, String)>,
 }
 
 impl<'a> Opts<'a> {
@@ -155,6 +155,10 @@ pub struct RoundResult {
     pub lazy: Option<serde_json::Value>,
     pub kill_to_running_ms: f64,
     pub client_gap_ms: f64,
+    /// Client requests completed in the first second after the failover (see `later_ops_per_s`).
+    pub first_second_ops: f64,
+    /// Client requests per second after that first second, on the backup.
+    pub later_ops_per_s: f64,
     pub acked_keys_checked: u64,
     pub acked_keys_lost: u64,
     pub first_lost_key: Option<String>,
@@ -287,8 +291,13 @@ pub fn run(round: usize, o: &Opts<'_>, pb: &ProgressBar) -> anyhow::Result<Round
         report.display().to_string(),
     ];
     common(o, &mut bargs);
-    if let Some(c) = o.consolidate {
-        bargs.extend(["--consolidate".into(), "--clock-s".into(), c.to_string()]);
+    if let Some((clock, restore)) = &o.consolidate {
+        bargs.extend([
+            "--consolidate".into(),
+            "--clock-s".into(),
+            clock.to_string(),
+        ]);
+        bargs.extend(["--restore".into(), restore.clone()]);
     }
     if o.backup_tmpfs {
         mount_small_tmpfs(&rdir.join("backup"), o.mem)?;
