@@ -8,9 +8,18 @@ pub fn decode_raw(data: &[u8]) {
         .map(|i| (i / 7) as u8)
         .collect();
     let mut plan = Plan::default();
+    // The pages a consolidated backup restores before decoding: a list of pages inside the
+    // guest (or "any"), never a panic; every page the record writes is on it.
+    let reads = crate::pages_read(data, 16);
     if decode(data, &mirror, &mut plan).is_ok() {
         let mut m = mirror.clone();
         plan.commit(&mut m);
+        if let Ok(Some(r)) = reads {
+            assert!(plan.pfns.iter().all(|p| r.binary_search(p).is_ok()));
+        }
+    }
+    if let Ok(Some(r)) = crate::pages_read(data, 16) {
+        assert!(r.iter().all(|&p| p < 16));
     }
 }
 

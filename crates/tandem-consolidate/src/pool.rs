@@ -62,6 +62,17 @@ impl Pool {
         self.bytes
     }
 
+    /// Bytes of bookkeeping: the entry table, both indexes (at their capacity, with
+    /// hashbrown's control byte) and an allocator header per stored page.
+    pub fn meta_bytes(&self) -> u64 {
+        let map = |cap: usize, item: usize| (cap * (item + 1)) as u64;
+        (self.entries.capacity() * std::mem::size_of::<Entry>()) as u64
+            + map(self.by_hash.capacity(), 16 + 4)
+            + map(self.similar.capacity(), 8 + 4)
+            + (self.free.capacity() * 4) as u64
+            + self.len() as u64 * 16
+    }
+
     /// Live entries.
     pub fn len(&self) -> usize {
         self.entries.len() - self.free.len()

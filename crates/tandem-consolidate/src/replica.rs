@@ -122,6 +122,14 @@ impl Replica {
         self.slots.len() as u64
     }
 
+    /// Bytes of bookkeeping: the page map, the used bits, the patch table (with an allocator
+    /// header per patch).
+    pub fn meta_bytes(&self) -> u64 {
+        (self.slots.capacity() * std::mem::size_of::<Slot>() + self.used.capacity() * 8) as u64
+            + (self.patches.capacity() * (8 + std::mem::size_of::<Patch>() + 1)) as u64
+            + self.patches.len() as u64 * 16
+    }
+
     /// Pages not plain (consolidated or zero holes).
     pub fn consolidated(&self) -> u64 {
         self.slots.iter().filter(|s| **s != Slot::Plain).count() as u64

@@ -29,6 +29,11 @@ struct Vm {
     enc: Option<Encoder>,
     replica: Replica,
     plan: Plan,
+    /// A plain mirror fed the same records: the apply time without consolidation.
+    plain: memmap2::MmapMut,
+    plain_apply: Duration,
+    /// Pages the epochs wrote.
+    written: u64,
     rec: Vec<u8>,
     epochs: u64,
     record_bytes: u64,
@@ -48,10 +53,15 @@ struct Row {
     /// Bytes of the mirror file actually allocated (tmpfs blocks), MiB.
     file_mib: f64,
     nonzero_mib: f64,
+    /// Bookkeeping of the replica's page map and patch table, MiB.
+    meta_mib: f64,
     /// Pages restored from the pool because an epoch read or wrote them.
     restored: u64,
     apply_ms_per_epoch: f64,
+    /// Guest pages applied per second of apply time, as MB/s of page data.
     apply_mb_s: f64,
+    /// The same on a plain mirror.
+    plain_apply_ms_per_epoch: f64,
     scan_ms_per_epoch: f64,
     materialise_ms: f64,
 }
@@ -61,8 +71,10 @@ struct Report {
     replicas: Vec<Row>,
     plain_mib: f64,
     nonzero_mib: f64,
+    /// Replicas' memory plus all bookkeeping (pool and page maps).
     consolidated_mib: f64,
     pool_mib: f64,
+    meta_mib: f64,
     ratio_to_plain: f64,
     ksm: Result<Ksm, String>,
     clock_s: f64,
@@ -99,6 +111,9 @@ fn open(path: &Path) -> anyhow::Result<Vm> {
         enc: None,
         replica: Replica::new((len / PAGE) as u64),
         plan: Plan::default(),
+        plain: memmap2::MmapMut::map_anon(len)?,
+        plain_apply: Duration::ZERO,
+        written: 0,
         rec: Vec::new(),
         epochs: 0,
         record_bytes: 0,
@@ -122,6 +137,7 @@ fn step(vm: &mut Vm, pool: &mut Pool, clock: Duration) -> anyhow::Result<()> {
                 let o = first_pfn as usize * PAGE;
                 vm.truth[o..o + data.len()].copy_from_slice(&data);
                 vm.mirror[o..o + data.len()].copy_from_slice(&data); // the initial copy
+                vm.plain[o..o + data.len()].copy_from_slice(&data);
             }
             Frame::Epoch(e) => {
                 let cfg = tandem_codec::Config::default();
@@ -135,7 +151,13 @@ fn step(vm: &mut Vm, pool: &mut Pool, clock: Duration) -> anyhow::Result<()> {
                     let o = p as usize * PAGE;
                     vm.truth[o..o + PAGE].copy_from_slice(&e.data[i * PAGE..(i + 1) * PAGE]);
                 }
-                // The backup: restore what the record reads, decode, commit.
+                // The backup: restore what the record reads, decode, commit; and the same
+                // record on a plain mirror, for the overhead (in alternating order, so that
+                // neither always finds the record warm in the cache).
+                let plain_first = vm.epochs % 2 == 1;
+                if plain_first {
+                    apply_plain(vm)?;
+                }
                 let t = Instant::now();
                 let reads = tandem_codec::pages_read(&vm.rec, pages)?;
                 vm.restored += match reads {
@@ -146,6 +168,10 @@ fn step(vm: &mut Vm, pool: &mut Pool, clock: Duration) -> anyhow::Result<()> {
                 vm.plan.commit(&mut vm.mirror);
                 vm.replica.written(&vm.plan.pfns);
                 vm.apply += t.elapsed();
+                vm.written += vm.plan.pfns.len() as u64;
+                if !plain_first {
+                    apply_plain(vm)?;
+                }
                 // The clock: one revolution per `clock` of guest time.
                 let t = Instant::now();
                 let budget = (pages * vm.epoch_ms).div_ceil(clock.as_millis().max(1) as u64);
@@ -158,6 +184,14 @@ fn step(vm: &mut Vm, pool: &mut Pool, clock: Duration) -> anyhow::Result<()> {
             Frame::End { .. } => {}
         }
     }
+}
+
+fn apply_plain(vm: &mut Vm) -> anyhow::Result<()> {
+    let t = Instant::now();
+    tandem_codec::decode(&vm.rec, &vm.plain, &mut vm.plan)?;
+    vm.plan.commit(&mut vm.plain);
+    vm.plain_apply += t.elapsed();
+    Ok(())
 }
 
 /// Runs the benchmark.
@@ -201,21 +235,24 @@ pub fn run(traces: &[PathBuf], clock_s: f64, json: bool) -> anyhow::Result<()> {
             resident_mib: usage.resident() / MIB,
             file_mib: (vm.file.metadata()?.blocks() * 512) as f64 / MIB,
             nonzero_mib: (nz * PAGE) as f64 / MIB,
+            meta_mib: vm.replica.meta_bytes() as f64 / MIB,
             restored: vm.restored,
             apply_ms_per_epoch: ms(vm.apply) / vm.epochs.max(1) as f64,
-            apply_mb_s: vm.record_bytes as f64 / 1e6 / vm.apply.as_secs_f64().max(1e-9),
+            apply_mb_s: (vm.written * PAGE as u64) as f64 / 1e6 / vm.apply.as_secs_f64().max(1e-9),
+            plain_apply_ms_per_epoch: ms(vm.plain_apply) / vm.epochs.max(1) as f64,
             scan_ms_per_epoch: ms(vm.scan) / vm.epochs.max(1) as f64,
             materialise_ms: 0.0,
         });
     }
     let pool_mib = pool.bytes() as f64 / MIB;
-    let consolidated: f64 = rows.iter().map(|r| r.resident_mib).sum();
+    let meta_mib = pool.meta_bytes() as f64 / MIB + rows.iter().map(|r| r.meta_mib).sum::<f64>();
+    let consolidated: f64 = rows.iter().map(|r| r.resident_mib).sum::<f64>() + meta_mib;
     // Failover by materialisation: every consolidated page back into the mirror file.
     for (vm, row) in vms.iter_mut().zip(&mut rows) {
         let t = Instant::now();
         vm.replica.restore_all(&mut pool, &mut vm.mirror);
         row.materialise_ms = ms(t.elapsed());
-        if vm.mirror[..] != vm.truth[..] {
+        if vm.mirror[..] != vm.truth[..] || vm.plain[..] != vm.truth[..] {
             bail!(
                 "replica {}: the materialised mirror differs from the guest's memory",
                 vm.name
@@ -229,6 +266,7 @@ pub fn run(traces: &[PathBuf], clock_s: f64, json: bool) -> anyhow::Result<()> {
         nonzero_mib: nonzero,
         consolidated_mib: consolidated,
         pool_mib,
+        meta_mib,
         ratio_to_plain: consolidated / plain,
         ksm,
         clock_s,
@@ -247,11 +285,11 @@ fn ms(d: Duration) -> f64 {
 }
 
 fn print(r: &Report) {
-    println!("replica                        epochs  shared patched compr.  zero  plain   MiB  (file) apply ms/ep  MB/s  scan ms/ep  restored  materialise ms");
+    println!("replica                        epochs  shared patched compr.  zero  plain   MiB  (file) apply ms/ep (plain)  MB/s  scan ms/ep  restored  materialise ms");
     for x in &r.replicas {
         let u = &x.usage;
         println!(
-            "{:<30} {:>6} {:>7} {:>7} {:>6} {:>5} {:>6} {:>6.1} {:>6.1} {:>11.2} {:>5.0} {:>11.2} {:>9} {:>15.1}",
+            "{:<30} {:>6} {:>7} {:>7} {:>6} {:>5} {:>6} {:>6.1} {:>6.1} {:>11.2} {:>7.2} {:>5.0} {:>11.2} {:>9} {:>15.1}",
             x.trace,
             x.epochs,
             u.shared,
@@ -262,6 +300,7 @@ fn print(r: &Report) {
             x.resident_mib,
             x.file_mib,
             x.apply_ms_per_epoch,
+            x.plain_apply_ms_per_epoch,
             x.apply_mb_s,
             x.scan_ms_per_epoch,
             x.restored,
@@ -269,8 +308,8 @@ fn print(r: &Report) {
         );
     }
     println!(
-        "plain mirrors {:.1} MiB (non-zero pages {:.1} MiB); consolidated {:.1} MiB = {:.3}x plain (pool {:.1} MiB); clock revolution {} s of guest time",
-        r.plain_mib, r.nonzero_mib, r.consolidated_mib, r.ratio_to_plain, r.pool_mib, r.clock_s
+        "plain mirrors {:.1} MiB (non-zero pages {:.1} MiB); consolidated {:.1} MiB = {:.3}x plain (pool data {:.1} MiB, bookkeeping {:.1} MiB included); clock revolution {} s of guest time",
+        r.plain_mib, r.nonzero_mib, r.consolidated_mib, r.ratio_to_plain, r.pool_mib, r.meta_mib, r.clock_s
     );
     match &r.ksm {
         Ok(k) => println!(
