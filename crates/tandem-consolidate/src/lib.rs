@@ -33,7 +33,7 @@ mod replica;
 
 pub use lazy::{Lazy, LazyError, LazyStats};
 pub use pool::Pool;
-pub use release::release;
+pub use release::{populate, populate_pages, release};
 pub use replica::{Replica, Scan, Usage, PATCH_MAX};
 
 /// Guest page size.
@@ -94,7 +94,7 @@ mod tests {
             for op in ops {
                 match op {
                     Op::Write(r, p, k, t) => {
-                        reps[r].restore(&mut pool, &mut mirror[r], &[p]);
+                        reps[r].restore(&mut pool, &mut mirror[r], &[p]).unwrap();
                         let c = content(k, t);
                         let range = p as usize * PAGE..(p as usize + 1) * PAGE;
                         truth[r][range.clone()].copy_from_slice(&c);
@@ -103,7 +103,7 @@ mod tests {
                     }
                     Op::Scan(r, b) => { reps[r].scan(&mut pool, &mut mirror[r], b); }
                     Op::Read(r, p) => {
-                        reps[r].restore(&mut pool, &mut mirror[r], &[p]);
+                        reps[r].restore(&mut pool, &mut mirror[r], &[p]).unwrap();
                         let range = p as usize * PAGE..(p as usize + 1) * PAGE;
                         prop_assert!(mirror[r][range.clone()] == truth[r][range]);
                     }
@@ -112,7 +112,7 @@ mod tests {
             for r in 0..2 {
                 let u = reps[r].usage(&pool);
                 prop_assert_eq!(u.plain + u.zero + u.shared + u.patched + u.compressed + u.pooled_raw, PAGES);
-                reps[r].restore_all(&mut pool, &mut mirror[r]);
+                reps[r].restore_all(&mut pool, &mut mirror[r]).unwrap();
                 prop_assert!(mirror[r] == truth[r]);
                 reps[r].forget(&mut pool);
             }
@@ -150,7 +150,7 @@ mod tests {
         let s = r.scan(&mut pool, &mut m, 8);
         assert_eq!(s.visited, 8);
         assert_eq!(r.consolidated(), 8);
-        r.restore_all(&mut pool, &mut m);
+        r.restore_all(&mut pool, &mut m).unwrap();
         for (i, p) in pages.iter().enumerate() {
             assert!(m[i * PAGE..(i + 1) * PAGE] == p[..], "page {i}");
         }

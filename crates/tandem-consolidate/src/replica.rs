@@ -148,20 +148,32 @@ impl Replica {
     }
 
     /// Puts every listed page back into `mirror` as plain (and marks it used), so that an
-    /// epoch may read and write it. `pfns` must be below [`Replica::pages`].
-    pub fn restore(&mut self, pool: &mut Pool, mirror: &mut [u8], pfns: &[u64]) -> u64 {
+    /// epoch may read and write it; their memory is allocated first (see [`crate::populate`]),
+    /// so a full tmpfs is an error and nothing is written. `pfns` must be sorted and below
+    /// [`Replica::pages`].
+    pub fn restore(
+        &mut self,
+        pool: &mut Pool,
+        mirror: &mut [u8],
+        pfns: &[u64],
+    ) -> std::io::Result<u64> {
+        crate::populate_pages(mirror, pfns)?;
         let mut n = 0;
         for &pfn in pfns {
             self.mark(pfn);
             n += self.restore_one(pool, mirror, pfn) as u64;
         }
-        n
+        Ok(n)
     }
 
     /// Restores every consolidated page (failover by materialisation), decompressing on
     /// all cores. Returns the pages written.
-    pub fn restore_all(&mut self, pool: &mut Pool, mirror: &mut [u8]) -> u64 {
+    pub fn restore_all(&mut self, pool: &mut Pool, mirror: &mut [u8]) -> std::io::Result<u64> {
         use rayon::prelude::*;
+        let held: Vec<u64> = (0..self.pages())
+            .filter(|&p| self.is_consolidated(p))
+            .collect();
+        crate::populate_pages(mirror, &held)?;
         let (shared, patches) = (&*pool, &self.patches);
         mirror
             .par_chunks_mut(PAGE)
@@ -186,7 +198,7 @@ impl Replica {
         for (_, p) in self.patches.drain() {
             pool.release(p.base);
         }
-        n
+        Ok(n)
     }
 
     fn restore_one(&mut self, pool: &mut Pool, mirror: &mut [u8], pfn: u64) -> bool {

@@ -50,6 +50,10 @@ pub enum ApplyError {
     /// Writing the backup's disk copy failed; the epoch's writes were undone.
     #[error("the epoch's disk writes could not be applied (undone; the copy stays at the committed epoch)")]
     DiskIo(#[source] std::io::Error),
+    /// A consolidated mirror could not get memory back for the pages the epoch reads or
+    /// writes; nothing of the epoch was applied.
+    #[error("the mirror could not get memory back for the epoch's pages (not applied)")]
+    MirrorMemory(#[source] std::io::Error),
     /// Writing the disk copy failed and could not be undone.
     #[error(
         "the backup's disk copy is inconsistent; it cannot fail over until a new initial copy"
@@ -163,13 +167,14 @@ impl<M: AsRef<[u8]> + AsMut<[u8]>> Backup<M> {
     }
 
     /// Puts every consolidated page back into the mirror (before a standby resumes from it).
-    /// Returns the pages written.
-    pub fn materialise(&mut self) -> u64 {
+    /// Returns the pages written; an error when their memory cannot be allocated (a full
+    /// tmpfs), before any is written.
+    pub fn materialise(&mut self) -> std::io::Result<u64> {
         match &mut self.consolidated {
             Some(c) => c
                 .replica
                 .restore_all(&mut lock(&c.pool), self.mirror.as_mut()),
-            None => 0,
+            None => Ok(0),
         }
     }
 
@@ -313,6 +318,10 @@ impl<M: AsRef<[u8]> + AsMut<[u8]>> Backup<M> {
             (o.checked_add(data.len())? <= m.len() && data.len() % PAGE == 0).then_some(o)
         });
         let o = at.ok_or_else(|| ApplyError::Malformed("base chunk outside the guest".into()))?;
+        if self.consolidated.is_some() {
+            // A consolidated mirror has holes where the chunk goes.
+            tandem_consolidate::populate(m, o, data.len()).map_err(ApplyError::MirrorMemory)?;
+        }
         m[o..o + data.len()].copy_from_slice(data);
         Ok(Applied::Base)
     }
@@ -435,7 +444,8 @@ impl<M: AsRef<[u8]> + AsMut<[u8]>> Backup<M> {
         match tandem_codec::pages_read(record, (m.len() / PAGE) as u64)? {
             Some(pfns) => c.replica.restore(&mut pool, m, &pfns),
             None => c.replica.restore_all(&mut pool, m),
-        };
+        }
+        .map_err(ApplyError::MirrorMemory)?;
         Ok(())
     }
 

@@ -28,7 +28,8 @@ pub fn frames_into_backup(data: &[u8]) {
             f.kind
         );
     }
-    cons.materialise();
+    cons.materialise()
+        .expect("a heap mirror always gets its memory");
     assert!(
         bk.mirror() == cons.mirror(),
         "a consolidated backup holds other memory"

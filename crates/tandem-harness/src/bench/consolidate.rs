@@ -34,6 +34,9 @@ struct Vm {
     plain_apply: Duration,
     /// Pages the epochs wrote.
     written: u64,
+    /// Pages a plain mirror on tandem's backup holds: the initial copy sends only non-zero
+    /// pages into a sparse file; every page an epoch writes is allocated from then on.
+    allocated: Vec<bool>,
     rec: Vec<u8>,
     epochs: u64,
     record_bytes: u64,
@@ -53,6 +56,8 @@ struct Row {
     /// Bytes of the mirror file actually allocated (tmpfs blocks), MiB.
     file_mib: f64,
     nonzero_mib: f64,
+    /// What a plain mirror on tandem's backup holds (sparse: see `Vm::allocated`), MiB.
+    sparse_mib: f64,
     /// Bookkeeping of the replica's page map and patch table, MiB.
     meta_mib: f64,
     /// Pages restored from the pool because an epoch read or wrote them.
@@ -71,6 +76,8 @@ struct Report {
     replicas: Vec<Row>,
     plain_mib: f64,
     nonzero_mib: f64,
+    /// Plain mirrors as tandem's backup holds them (sparse files).
+    sparse_mib: f64,
     /// Replicas' memory plus all bookkeeping (pool and page maps).
     consolidated_mib: f64,
     pool_mib: f64,
@@ -114,6 +121,7 @@ fn open(path: &Path) -> anyhow::Result<Vm> {
         plain: memmap2::MmapMut::map_anon(len)?,
         plain_apply: Duration::ZERO,
         written: 0,
+        allocated: vec![false; len / PAGE],
         rec: Vec::new(),
         epochs: 0,
         record_bytes: 0,
@@ -134,6 +142,11 @@ fn step(vm: &mut Vm, pool: &mut Pool, clock: Duration) -> anyhow::Result<()> {
         };
         match frame {
             Frame::Base { first_pfn, data } => {
+                for (i, p) in data.chunks(PAGE).enumerate() {
+                    if p.iter().any(|&b| b != 0) {
+                        vm.allocated[first_pfn as usize + i] = true;
+                    }
+                }
                 let o = first_pfn as usize * PAGE;
                 vm.truth[o..o + data.len()].copy_from_slice(&data);
                 vm.mirror[o..o + data.len()].copy_from_slice(&data); // the initial copy
@@ -161,14 +174,17 @@ fn step(vm: &mut Vm, pool: &mut Pool, clock: Duration) -> anyhow::Result<()> {
                 let t = Instant::now();
                 let reads = tandem_codec::pages_read(&vm.rec, pages)?;
                 vm.restored += match reads {
-                    Some(r) => vm.replica.restore(pool, &mut vm.mirror, &r),
-                    None => vm.replica.restore_all(pool, &mut vm.mirror),
+                    Some(r) => vm.replica.restore(pool, &mut vm.mirror, &r)?,
+                    None => vm.replica.restore_all(pool, &mut vm.mirror)?,
                 };
                 tandem_codec::decode(&vm.rec, &vm.mirror, &mut vm.plan)?;
                 vm.plan.commit(&mut vm.mirror);
                 vm.replica.written(&vm.plan.pfns);
                 vm.apply += t.elapsed();
                 vm.written += vm.plan.pfns.len() as u64;
+                for &p in &vm.plan.pfns {
+                    vm.allocated[p as usize] = true;
+                }
                 if !plain_first {
                     apply_plain(vm)?;
                 }
@@ -235,6 +251,7 @@ pub fn run(traces: &[PathBuf], clock_s: f64, json: bool) -> anyhow::Result<()> {
             resident_mib: usage.resident() / MIB,
             file_mib: (vm.file.metadata()?.blocks() * 512) as f64 / MIB,
             nonzero_mib: (nz * PAGE) as f64 / MIB,
+            sparse_mib: (vm.allocated.iter().filter(|&&a| a).count() * PAGE) as f64 / MIB,
             meta_mib: vm.replica.meta_bytes() as f64 / MIB,
             restored: vm.restored,
             apply_ms_per_epoch: ms(vm.apply) / vm.epochs.max(1) as f64,
@@ -250,7 +267,7 @@ pub fn run(traces: &[PathBuf], clock_s: f64, json: bool) -> anyhow::Result<()> {
     // Failover by materialisation: every consolidated page back into the mirror file.
     for (vm, row) in vms.iter_mut().zip(&mut rows) {
         let t = Instant::now();
-        vm.replica.restore_all(&mut pool, &mut vm.mirror);
+        vm.replica.restore_all(&mut pool, &mut vm.mirror)?;
         row.materialise_ms = ms(t.elapsed());
         if vm.mirror[..] != vm.truth[..] || vm.plain[..] != vm.truth[..] {
             bail!(
@@ -261,7 +278,9 @@ pub fn run(traces: &[PathBuf], clock_s: f64, json: bool) -> anyhow::Result<()> {
     }
     let truths: Vec<&mut memmap2::MmapMut> = vms.iter_mut().map(|v| &mut v.truth).collect();
     let ksm = crate::bench::ksm::measure(truths).map_err(|e| format!("{e:#}"));
+    let sparse: f64 = rows.iter().map(|r| r.sparse_mib).sum();
     let report = Report {
+        sparse_mib: sparse,
         plain_mib: plain,
         nonzero_mib: nonzero,
         consolidated_mib: consolidated,
@@ -308,8 +327,8 @@ fn print(r: &Report) {
         );
     }
     println!(
-        "plain mirrors {:.1} MiB (non-zero pages {:.1} MiB); consolidated {:.1} MiB = {:.3}x plain (pool data {:.1} MiB, bookkeeping {:.1} MiB included); clock revolution {} s of guest time",
-        r.plain_mib, r.nonzero_mib, r.consolidated_mib, r.ratio_to_plain, r.pool_mib, r.meta_mib, r.clock_s
+        "plain mirrors {:.1} MiB of guest RAM, of which tandem's sparse mirror files hold {:.1} MiB (non-zero now: {:.1} MiB); consolidated {:.1} MiB = {:.3}x guest RAM, {:.3}x the sparse mirrors (pool data {:.1} MiB, bookkeeping {:.1} MiB included); clock revolution {} s of guest time",
+        r.plain_mib, r.sparse_mib, r.nonzero_mib, r.consolidated_mib, r.ratio_to_plain, r.consolidated_mib / r.sparse_mib, r.pool_mib, r.meta_mib, r.clock_s
     );
     match &r.ksm {
         Ok(k) => println!(

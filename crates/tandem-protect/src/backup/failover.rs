@@ -159,7 +159,16 @@ pub(super) fn failover(
         }
     };
     let t = Instant::now();
-    let materialised_pages = bk.materialise();
+    let materialised_pages = match bk.materialise() {
+        Ok(n) => n,
+        Err(e) => {
+            vm.quit();
+            return Err(BackupError::Io(
+                "restoring the consolidated pages".into(),
+                e,
+            ));
+        }
+    };
     let materialise = t.elapsed();
     // The resumed guest's output is gated by this side's lease from now on.
     if let Some(h) = &fence {
@@ -223,6 +232,11 @@ pub(super) fn failover(
             }
         },
     };
+    if memory.is_some() {
+        if let Err(e) = standby.reserve() {
+            status.warn(format!("the mirror's holes could not be allocated again ({e}): the resumed guest's QEMU may die when it first touches a zero page; free memory on {}", cfg.dir.display()));
+        }
+    }
     if let Some(p) = &cfg.report {
         let r = FailoverReport {
             reason: why,

@@ -110,6 +110,17 @@ impl Standby {
         self.check()
     }
 
+    /// Allocates every page of the mirror file again (a consolidated mirror has holes): a
+    /// full tmpfs is then an error to report, not a SIGBUS in the resumed guest's QEMU when
+    /// it first touches a zero page.
+    pub fn reserve(&self) -> std::io::Result<()> {
+        let len = self.mirror.metadata()?.len();
+        match rustix::fs::fallocate(&self.mirror, rustix::fs::FallocateFlags::KEEP_SIZE, 0, len) {
+            Ok(()) | Err(rustix::io::Errno::OPNOTSUPP) => Ok(()),
+            Err(e) => Err(e.into()),
+        }
+    }
+
     /// The standby, to resume the guest on.
     pub fn take(&mut self) -> Option<Vm> {
         self.vm.take()
