@@ -3,6 +3,7 @@
 
 mod codec;
 mod consolidate;
+mod host;
 mod faults;
 mod ksm;
 mod link;
@@ -64,6 +65,11 @@ pub struct Args {
     /// and KSM, apply rate, materialisation time.
     #[arg(long)]
     pub consolidate: bool,
+    /// Real guests (--workloads, default idle,compile,sqlite,kv), one primary each, protected
+    /// by one `tandem backup-host`: its memory consolidated and with plain mirrors, side by
+    /// side, and one host kill (--seconds of replication first).
+    #[arg(long)]
+    pub backup_host: bool,
     /// --consolidate: guest seconds per revolution of the NRU clock (seed 001 scans at most
     /// every 4 s).
     #[arg(long, default_value_t = 4.0)]
@@ -254,6 +260,9 @@ fn scan_rates(ram: &std::sync::Arc<tandem_vm::GuestRam>) -> Scan {
 
 /// Runs the benchmark the flags select.
 pub fn run(a: Args) -> anyhow::Result<()> {
+    if a.backup_host {
+        return host::run(&a.workloads, a.seconds, a.json);
+    }
     if a.consolidate {
         return consolidate::run(&a.trace, a.clock_s, a.json);
     }
