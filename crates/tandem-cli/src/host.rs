@@ -53,8 +53,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         if b.peer.is_some() {
             bail!("--replica {n}: --peer (a node that protects the guest again after a failover) is not available in backup-host; run that VM's backup as its own `tandem backup`");
         }
-        if b.consolidate {
-            bail!("--replica {n}: give --consolidate to backup-host itself: the replicas share one pool");
+        if b.consolidate || b.clock_s != 4.0 || b.restore != RestoreArg::Lazy {
+            bail!("--replica {n}: give --consolidate, --clock-s and --restore to backup-host itself: the replicas share one pool");
         }
         if !ids.insert(b.vm_id) {
             bail!(

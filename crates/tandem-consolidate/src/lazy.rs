@@ -57,14 +57,20 @@ pub struct LazyStats {
     pub done_ms: f64,
 }
 
-/// Why the lazy restore stopped early (QEMU gone, in practice). The range is unregistered,
-/// so the guest could now read zeros where pages were not installed: the caller must not let
-/// it run on.
+/// Why the lazy restore stopped early (QEMU gone, in practice). The range stays registered
+/// and nobody serves it any more: the caller must stop the guest.
 #[derive(Debug, thiserror::Error)]
 pub enum LazyError {
     /// Reading the fault queue failed.
     #[error("reading the userfaultfd")]
     Read(#[source] io::Error),
+    /// A page still in the store was present in the guest's memory already, with other
+    /// content: it cannot be installed without the guest having seen the wrong one.
+    #[error("guest page {pfn} was present before its content was installed")]
+    Present {
+        /// The page.
+        pfn: u64,
+    },
     /// Installing a page failed.
     #[error("installing guest page {pfn} with UFFDIO_COPY")]
     Copy {
@@ -104,13 +110,19 @@ impl Lazy {
                     t0: Instant::now(),
                 };
                 let r = s.run();
-                let _ = s.ioctl(
-                    UFFDIO_UNREGISTER,
-                    &mut UffdioRange {
-                        start,
-                        len: s.replica.pages() * PAGE as u64,
-                    },
-                );
+                if r.is_ok() {
+                    // Every consolidated page is in: the holes left are zero pages, which
+                    // the kernel fills by itself from now on. (On an error the range stays
+                    // registered, so that the guest blocks rather than read a missing page
+                    // as zeros, until the caller stops it.)
+                    let _ = s.ioctl(
+                        UFFDIO_UNREGISTER,
+                        &mut UffdioRange {
+                            start,
+                            len: s.replica.pages() * PAGE as u64,
+                        },
+                    );
+                }
                 (s.replica, r)
             })?;
         Ok(Lazy { thread })
@@ -217,6 +229,9 @@ impl Server {
             match self.ioctl(UFFDIO_COPY, &mut c) {
                 Ok(()) => return Ok(()),
                 Err(e) if e.raw_os_error() == Some(libc::EAGAIN) => continue,
+                Err(e) if e.raw_os_error() == Some(libc::EEXIST) && has => {
+                    return Err(LazyError::Present { pfn });
+                }
                 Err(e) if e.raw_os_error() == Some(libc::EEXIST) => {
                     // Present already (a plain page of the mirror): wake whoever faulted.
                     let mut r = UffdioRange {

@@ -33,7 +33,7 @@ mod replica;
 
 pub use lazy::{Lazy, LazyError, LazyStats};
 pub use pool::Pool;
-pub use release::{populate, populate_pages, release};
+pub use release::{populate, release, shm};
 pub use replica::{Replica, Scan, Usage, PATCH_MAX};
 
 /// Guest page size.
@@ -89,7 +89,8 @@ mod tests {
         fn consolidated_memory_restores_exactly(ops in proptest::collection::vec(op(), 1..200)) {
             let mut pool = Pool::new();
             let mut truth = [vec![0u8; PAGES as usize * PAGE], vec![0u8; PAGES as usize * PAGE]];
-            let mut mirror = truth.clone();
+            let len = PAGES as usize * PAGE;
+            let mut mirror = [shm(len).unwrap(), shm(len).unwrap()];
             let mut reps = [Replica::new(PAGES), Replica::new(PAGES)];
             for op in ops {
                 match op {
@@ -113,7 +114,7 @@ mod tests {
                 let u = reps[r].usage(&pool);
                 prop_assert_eq!(u.plain + u.zero + u.shared + u.patched + u.compressed + u.pooled_raw, PAGES);
                 reps[r].restore_all(&mut pool, &mut mirror[r]).unwrap();
-                prop_assert!(mirror[r] == truth[r]);
+                prop_assert!(mirror[r][..] == truth[r][..]);
                 reps[r].forget(&mut pool);
             }
             prop_assert!(pool.is_empty());
@@ -124,7 +125,7 @@ mod tests {
     #[test]
     fn cold_pages_are_shared_patched_and_compressed() {
         let mut pool = Pool::new();
-        let mut m = vec![0u8; 8 * PAGE];
+        let mut m = shm(8 * PAGE).unwrap();
         let pages = [
             content(0, 0),
             content(1, 0),
@@ -154,5 +155,18 @@ mod tests {
         for (i, p) in pages.iter().enumerate() {
             assert!(m[i * PAGE..(i + 1) * PAGE] == p[..], "page {i}");
         }
+    }
+
+    #[test]
+    fn a_mirror_that_cannot_punch_holes_keeps_its_pages_plain() {
+        let mut pool = Pool::new();
+        let mut m = vec![0u8; 4 * PAGE]; // heap memory: release() can only zero-fill
+        m[PAGE..2 * PAGE].copy_from_slice(&content(2, 0));
+        let before = m.clone();
+        let mut r = Replica::new(4);
+        r.scan(&mut pool, &mut m, 4);
+        assert_eq!(r.consolidated(), 0);
+        assert!(m == before);
+        assert!(pool.is_empty());
     }
 }

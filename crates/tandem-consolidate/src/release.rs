@@ -1,28 +1,43 @@
-//! Giving the memory behind mirror pages back to the kernel.
+//! Giving the memory behind mirror pages back to the kernel, and taking it back.
 
 /// Frees the memory behind `mirror[start..start + len]` (page-aligned offsets) and leaves it
-/// reading as zeros: `MADV_REMOVE` punches the hole in a shared tmpfs mapping (the backup's
-/// mirror file), `MADV_DONTNEED` frees a private anonymous one; anything else (a heap buffer
-/// in a test) is zero-filled. Returns whether memory was actually freed.
+/// reading as zeros. On a shared tmpfs mapping (the backup's mirror file) `MADV_REMOVE`
+/// punches a hole in the file: returns true. Anything else (a file system that cannot punch,
+/// anonymous or heap memory in a test) is zero-filled and keeps its memory: returns false.
 pub fn release(mirror: &mut [u8], start: usize, len: usize) -> bool {
     let range = &mut mirror[start..start + len];
     let ptr = range.as_mut_ptr();
     if (ptr as usize).is_multiple_of(crate::PAGE) {
-        for advice in [
-            rustix::mm::Advice::LinuxRemove,
-            rustix::mm::Advice::LinuxDontNeed,
-        ] {
-            // SAFETY: `ptr..ptr + len` lies inside `mirror`, which we borrow exclusively, so
-            // no other reference into it exists during or after the call. Both advices only
-            // replace the range's contents with zeros (for REMOVE by punching the file's
-            // hole, which the caller owns), which is a valid value for bytes.
-            if unsafe { rustix::mm::madvise(ptr.cast(), len, advice) }.is_ok() {
-                return true;
-            }
+        // SAFETY: `ptr..ptr + len` lies inside `mirror`, which we borrow exclusively, so no
+        // other reference into it exists during or after the call. MADV_REMOVE only punches
+        // the range out of the file behind a shared mapping (which the caller owns); the
+        // range then reads as zeros, a valid value for bytes. It fails, changing nothing, on
+        // any other mapping.
+        let punched =
+            unsafe { rustix::mm::madvise(ptr.cast(), len, rustix::mm::Advice::LinuxRemove) };
+        if punched.is_ok() {
+            return true;
         }
     }
     range.fill(0);
     false
+}
+
+/// A zeroed shared-memory mapping of `len` bytes (an unlinked memfd, i.e. tmpfs) whose pages
+/// [`release`] can punch: a mirror for tests, fuzzing and benchmarks.
+pub fn shm(len: usize) -> std::io::Result<memmap2::MmapMut> {
+    let fd = rustix::fs::memfd_create("tandem-mirror", rustix::fs::MemfdFlags::CLOEXEC)?;
+    let f = std::fs::File::from(fd);
+    f.set_len(len as u64)?;
+    // SAFETY: the memfd is this function's own, unnamed and never resized; the mapping keeps
+    // it alive and nothing else can reach it.
+    unsafe { memmap2::MmapMut::map_mut(&f) }
+}
+
+/// Faults in `mirror[start..start + len]` for reading before it is read, so that a full tmpfs
+/// is an error (a hole needs a page even to be read) and not a SIGBUS; like [`populate`].
+pub fn populate_read(mirror: &mut [u8], start: usize, len: usize) -> std::io::Result<()> {
+    advise_populate(mirror, start, len, rustix::mm::Advice::LinuxPopulateRead)
 }
 
 /// Allocates the memory behind `mirror[start..start + len]` (page-aligned offsets) before it
@@ -30,35 +45,29 @@ pub fn release(mirror: &mut [u8], start: usize, len: usize) -> bool {
 /// write through the mapping (`MADV_POPULATE_WRITE`, Linux 5.14+; on an older kernel or an
 /// unaligned test buffer this does nothing). Contents are unchanged.
 pub fn populate(mirror: &mut [u8], start: usize, len: usize) -> std::io::Result<()> {
+    advise_populate(mirror, start, len, rustix::mm::Advice::LinuxPopulateWrite)
+}
+
+fn advise_populate(
+    mirror: &mut [u8],
+    start: usize,
+    len: usize,
+    advice: rustix::mm::Advice,
+) -> std::io::Result<()> {
     let range = &mut mirror[start..start + len];
     let ptr = range.as_mut_ptr();
     if len == 0 || !(ptr as usize).is_multiple_of(crate::PAGE) {
         return Ok(());
     }
     // SAFETY: `ptr..ptr + len` lies inside `mirror`, which we borrow exclusively. Populating
-    // for write only allocates (and maps) what is not there yet; no byte changes.
-    match unsafe { rustix::mm::madvise(ptr.cast(), len, rustix::mm::Advice::LinuxPopulateWrite) } {
+    // only allocates (and maps) what is not there yet; no byte changes.
+    match unsafe { rustix::mm::madvise(ptr.cast(), len, advice) } {
         Ok(()) => Ok(()),
-        Err(rustix::io::Errno::INVAL) => Ok(()), // kernel without MADV_POPULATE_WRITE
+        Err(rustix::io::Errno::INVAL) => Ok(()), // a kernel older than 5.14
         Err(e) => Err(std::io::Error::other(format!(
             "no memory for {len} bytes of the mirror ({e}; is its tmpfs full?)"
         ))),
     }
-}
-
-/// [`populate`] for every page of `pfns` (sorted), a run of consecutive pages at a time.
-pub fn populate_pages(mirror: &mut [u8], pfns: &[u64]) -> std::io::Result<()> {
-    let mut i = 0;
-    while i < pfns.len() {
-        let mut j = i + 1;
-        while j < pfns.len() && pfns[j] == pfns[j - 1] + 1 {
-            j += 1;
-        }
-        let n = (pfns[j - 1] - pfns[i] + 1) as usize;
-        populate(mirror, pfns[i] as usize * crate::PAGE, n * crate::PAGE)?;
-        i = j;
-    }
-    Ok(())
 }
 
 #[cfg(test)]
@@ -66,10 +75,13 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_released_anonymous_page_reads_zero_and_is_freed() {
+    fn a_released_anonymous_page_reads_zero() {
         let mut m = memmap2::MmapMut::map_anon(4 * crate::PAGE).unwrap();
         m.fill(7);
-        assert!(release(&mut m, crate::PAGE, 2 * crate::PAGE));
+        assert!(
+            !release(&mut m, crate::PAGE, 2 * crate::PAGE),
+            "nothing to punch"
+        );
         assert!(m[crate::PAGE..3 * crate::PAGE].iter().all(|&b| b == 0));
         assert!(m[..crate::PAGE].iter().all(|&b| b == 7));
         assert!(m[3 * crate::PAGE..].iter().all(|&b| b == 7));

@@ -70,7 +70,7 @@ pub struct Usage {
 
 impl Usage {
     /// Memory this replica costs: plain pages, its own pool entries, its share of shared
-    /// ones, its patches (the page map itself not counted: 2 bytes per page).
+    /// ones, its patches (the page map itself not counted: 8 bytes per page).
     pub fn resident(&self) -> f64 {
         ((self.plain + self.pooled_raw) * PAGE as u64 + self.compressed_bytes) as f64
             + self.shared_bytes
@@ -148,8 +148,9 @@ impl Replica {
     }
 
     /// Puts every listed page back into `mirror` as plain (and marks it used), so that an
-    /// epoch may read and write it; their memory is allocated first (see [`crate::populate`]),
-    /// so a full tmpfs is an error and nothing is written. `pfns` must be sorted and below
+    /// epoch may read and write it. Their memory is allocated first ([`crate::populate`]):
+    /// on a full tmpfs this is an error, no page changes content, and every page still in
+    /// the store is still a hole in the mirror. `pfns` must be sorted and below
     /// [`Replica::pages`].
     pub fn restore(
         &mut self,
@@ -157,23 +158,77 @@ impl Replica {
         mirror: &mut [u8],
         pfns: &[u64],
     ) -> std::io::Result<u64> {
-        crate::populate_pages(mirror, pfns)?;
         let mut n = 0;
-        for &pfn in pfns {
-            self.mark(pfn);
-            n += self.restore_one(pool, mirror, pfn) as u64;
+        for (first, count) in runs(pfns) {
+            self.populate_or_undo(mirror, first, count)?;
+            for pfn in first..first + count {
+                self.mark(pfn);
+                n += self.restore_one(pool, mirror, pfn) as u64;
+            }
         }
         Ok(n)
     }
 
+    /// Allocates pages `first..first + count` of `mirror`; if that fails, gives back what it
+    /// allocated for pages still in the store (they must stay holes: a lazy restore installs
+    /// them only where the mirror has none).
+    fn populate_or_undo(&self, mirror: &mut [u8], first: u64, count: u64) -> std::io::Result<()> {
+        let r = crate::populate(mirror, first as usize * PAGE, count as usize * PAGE);
+        if r.is_err() {
+            for pfn in (first..first + count).filter(|&p| self.is_consolidated(p)) {
+                release(mirror, pfn as usize * PAGE, PAGE);
+            }
+        }
+        r
+    }
+
+    /// Allocates every page of the mirror (holes included) before a record that may write
+    /// anywhere; on failure, pages still in the store stay holes.
+    pub fn populate_all(&self, mirror: &mut [u8]) -> std::io::Result<()> {
+        self.populate_or_undo(mirror, 0, self.pages())
+    }
+
+    /// A base chunk overwrites pages `first..first + count` whole: their consolidated content
+    /// is dropped (not restored) and their memory allocated, so the chunk can be written.
+    pub fn overwrite(
+        &mut self,
+        pool: &mut Pool,
+        mirror: &mut [u8],
+        first: u64,
+        count: u64,
+    ) -> std::io::Result<()> {
+        self.populate_or_undo(mirror, first, count)?;
+        for pfn in first..first + count {
+            match std::mem::replace(&mut self.slots[pfn as usize], Slot::Plain) {
+                Slot::Pooled(id) => pool.release(id),
+                Slot::Patched => {
+                    if let Some(p) = self.patches.remove(&pfn) {
+                        pool.release(p.base);
+                    }
+                }
+                Slot::Plain | Slot::Zero => {}
+            }
+        }
+        Ok(())
+    }
+
     /// Restores every consolidated page (failover by materialisation), decompressing on
-    /// all cores. Returns the pages written.
+    /// all cores. Returns the pages written. On a full tmpfs: an error, and nothing changed.
     pub fn restore_all(&mut self, pool: &mut Pool, mirror: &mut [u8]) -> std::io::Result<u64> {
         use rayon::prelude::*;
         let held: Vec<u64> = (0..self.pages())
             .filter(|&p| self.is_consolidated(p))
             .collect();
-        crate::populate_pages(mirror, &held)?;
+        let held_runs = runs(&held);
+        for (k, &(first, count)) in held_runs.iter().enumerate() {
+            if let Err(e) = crate::populate(mirror, first as usize * PAGE, count as usize * PAGE) {
+                // Every page of these runs is in the store: back to holes.
+                for &(f, c) in &held_runs[..=k] {
+                    release(mirror, f as usize * PAGE, c as usize * PAGE);
+                }
+                return Err(e);
+            }
+        }
         let (shared, patches) = (&*pool, &self.patches);
         mirror
             .par_chunks_mut(PAGE)
@@ -260,20 +315,37 @@ impl Replica {
                 s.recent += 1;
                 continue;
             }
+            // Reading a hole of a tmpfs file takes a page: on a full one, skip it this time.
+            if crate::release::populate_read(mirror, pfn as usize * PAGE, PAGE).is_err() {
+                continue;
+            }
             self.consolidate(pool, mirror, pfn, &mut s);
             run = match run {
                 Some((first, n)) if first + n == pfn => Some((first, n + 1)),
                 Some((first, n)) => {
-                    release(mirror, first as usize * PAGE, n as usize * PAGE);
+                    self.release_run(pool, mirror, first, n);
                     Some((pfn, 1))
                 }
                 None => Some((pfn, 1)),
             };
         }
         if let Some((first, n)) = run {
-            release(mirror, first as usize * PAGE, n as usize * PAGE);
+            self.release_run(pool, mirror, first, n);
         }
         s
+    }
+
+    /// Releases the mirror's memory behind pages just consolidated. Where that cannot punch a
+    /// hole (a mirror outside tmpfs), they go back to the mirror as plain pages: a page in
+    /// the store must be a hole in the mirror.
+    fn release_run(&mut self, pool: &mut Pool, mirror: &mut [u8], first: u64, n: u64) {
+        if release(mirror, first as usize * PAGE, n as usize * PAGE) {
+            return;
+        }
+        for pfn in first..first + n {
+            self.restore_one(pool, mirror, pfn);
+            self.slots[pfn as usize] = Slot::Plain;
+        }
     }
 
     fn consolidate(&mut self, pool: &mut Pool, mirror: &[u8], pfn: u64, s: &mut Scan) {
@@ -358,4 +430,16 @@ impl Replica {
             pool.release(p.base);
         }
     }
+}
+
+/// Runs of consecutive page numbers in sorted `pfns`: (first, count).
+fn runs(pfns: &[u64]) -> Vec<(u64, u64)> {
+    let mut v: Vec<(u64, u64)> = Vec::new();
+    for &p in pfns {
+        match v.last_mut() {
+            Some((f, c)) if *f + *c == p => *c += 1,
+            _ => v.push((p, 1)),
+        }
+    }
+    v
 }

@@ -292,6 +292,8 @@ impl<M: AsRef<[u8]> + AsMut<[u8]>> Backup<M> {
             tandem_consolidate::release(m, 0, len);
         } else if self.vm_id.is_some() {
             self.mirror.as_mut().fill(0);
+        }
+        if self.vm_id.is_some() {
             if let Some(d) = self.disk.as_mut() {
                 d.zero().map_err(ApplyError::DiskIo)?;
             }
@@ -318,9 +320,12 @@ impl<M: AsRef<[u8]> + AsMut<[u8]>> Backup<M> {
             (o.checked_add(data.len())? <= m.len() && data.len() % PAGE == 0).then_some(o)
         });
         let o = at.ok_or_else(|| ApplyError::Malformed("base chunk outside the guest".into()))?;
-        if self.consolidated.is_some() {
-            // A consolidated mirror has holes where the chunk goes.
-            tandem_consolidate::populate(m, o, data.len()).map_err(ApplyError::MirrorMemory)?;
+        if let Some(c) = &mut self.consolidated {
+            // The chunk replaces these pages whole, wherever they are kept now.
+            let (first, n) = ((o / PAGE) as u64, (data.len() / PAGE) as u64);
+            c.replica
+                .overwrite(&mut lock(&c.pool), m, first, n)
+                .map_err(ApplyError::MirrorMemory)?;
         }
         m[o..o + data.len()].copy_from_slice(data);
         Ok(Applied::Base)
@@ -429,7 +434,9 @@ impl<M: AsRef<[u8]> + AsMut<[u8]>> Backup<M> {
         self.device_state = parts.device_state;
         self.committed = f.seq;
         self.consistent = true;
-        self.clock();
+        if let Some(c) = &mut self.consolidated {
+            c.replica.written(&self.plan.pfns);
+        }
         Ok(Applied::Committed(f.seq))
     }
 
@@ -443,21 +450,26 @@ impl<M: AsRef<[u8]> + AsMut<[u8]>> Backup<M> {
         let mut pool = lock(&c.pool);
         match tandem_codec::pages_read(record, (m.len() / PAGE) as u64)? {
             Some(pfns) => c.replica.restore(&mut pool, m, &pfns),
-            None => c.replica.restore_all(&mut pool, m),
+            // A record that may read and write anywhere: the whole mirror, holes included.
+            None => c
+                .replica
+                .populate_all(m)
+                .and_then(|()| c.replica.restore_all(&mut pool, m)),
         }
         .map_err(ApplyError::MirrorMemory)?;
         Ok(())
     }
 
-    /// With consolidation: marks the committed pages used and advances the clock by the
-    /// share of a revolution that passed since its last step.
-    fn clock(&mut self) {
+    /// With consolidation: advances the NRU clock by the share of a revolution that passed
+    /// since its last step (at most a quarter second's worth, so that a long pause in the
+    /// stream does not turn into one long scan). Call it after acknowledging an epoch, so
+    /// that the scan is not in the acknowledgement's latency.
+    pub fn tick(&mut self) {
         let Some(c) = &mut self.consolidated else {
             return;
         };
-        c.replica.written(&self.plan.pfns);
         let now = Instant::now();
-        let dt = now.duration_since(c.last_scan).as_secs_f64();
+        let dt = now.duration_since(c.last_scan).as_secs_f64().min(0.25);
         c.last_scan = now;
         let pages = c.replica.pages();
         c.owed += pages as f64 * dt / c.revolution.as_secs_f64().max(1e-9);

@@ -80,7 +80,7 @@ fn new_backup() -> Backup<Vec<u8>> {
     Backup::new(vec![0u8; PAGES * P]).with_disk(Box::new(vec![0u8; DISK]))
 }
 
-fn apply(bk: &mut Backup<Vec<u8>>, frames: &[Frame]) {
+fn apply<M: AsRef<[u8]> + AsMut<[u8]>>(bk: &mut Backup<M>, frames: &[Frame]) {
     for f in frames {
         bk.handle(f).unwrap();
     }
@@ -262,7 +262,9 @@ fn a_consolidated_mirror_applies_every_epoch_and_materialises_exactly() {
     let pool = Arc::new(Mutex::new(tandem_consolidate::Pool::new()));
     // A clock that goes round the whole mirror after every epoch: every page not used by
     // that epoch leaves the mirror, so the next epochs must restore what they read.
-    let mut bk = new_backup().consolidate(pool.clone(), std::time::Duration::from_nanos(1));
+    let mut bk = Backup::new(tandem_consolidate::shm(PAGES * P).unwrap())
+        .with_disk(Box::new(vec![0u8; DISK]))
+        .consolidate(pool.clone(), std::time::Duration::from_nanos(1));
     for start in [0, 20] {
         if start > 0 {
             for seq in 11..=start {
@@ -273,6 +275,7 @@ fn a_consolidated_mirror_applies_every_epoch_and_materialises_exactly() {
         for seq in start + 1..=start + 10 {
             let f = epoch_frame(&mut p, &mut g, seq);
             assert_eq!(bk.handle(&f).unwrap(), Applied::Committed(seq));
+            bk.tick();
         }
         let u = bk.memory().unwrap();
         assert!(u.plain < PAGES as u64 / 2, "the clock moved little: {u:?}");

@@ -86,7 +86,11 @@ fn lines_to(child: &mut Child, log: PathBuf) -> std::sync::mpsc::Receiver<String
     for s in [out, err] {
         let (tx, log) = (tx.clone(), log.clone());
         std::thread::spawn(move || {
-            let mut f = std::fs::OpenOptions::new().create(true).append(true).open(log).ok();
+            let mut f = std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(log)
+                .ok();
             for l in BufReader::new(s).lines().map_while(Result::ok) {
                 if let Some(f) = f.as_mut() {
                     let _ = std::io::Write::write_all(f, format!("{l}\n").as_bytes());
@@ -98,7 +102,11 @@ fn lines_to(child: &mut Child, log: PathBuf) -> std::sync::mpsc::Receiver<String
     rx
 }
 
-fn wait_for(rx: &std::sync::mpsc::Receiver<String>, pat: &str, t: Duration) -> anyhow::Result<String> {
+fn wait_for(
+    rx: &std::sync::mpsc::Receiver<String>,
+    pat: &str,
+    t: Duration,
+) -> anyhow::Result<String> {
     let end = Instant::now() + t;
     loop {
         let left = end.saturating_duration_since(Instant::now());
@@ -113,7 +121,11 @@ fn wait_for(rx: &std::sync::mpsc::Receiver<String>, pat: &str, t: Duration) -> a
 fn number_after(l: &str, key: &str) -> u32 {
     l.split(key)
         .nth(1)
-        .map(|r| r.chars().take_while(char::is_ascii_digit).collect::<String>())
+        .map(|r| {
+            r.chars()
+                .take_while(char::is_ascii_digit)
+                .collect::<String>()
+        })
         .and_then(|n| n.parse().ok())
         .unwrap_or(0)
 }
@@ -124,7 +136,9 @@ fn one(workloads: &[String], consolidate: bool, seconds: u64, dir: &Path) -> any
     for (i, w) in workloads.iter().enumerate() {
         let lab = tandem_net::NetLab::create(&format!("tbh{}{i}", std::process::id() % 1000), 0)
             .context("creating a network lab (needs root)")?;
-        let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+        let port = std::net::TcpListener::bind("127.0.0.1:0")?
+            .local_addr()?
+            .port();
         guests.push(Guest {
             lab,
             workload: w.clone(),
@@ -163,15 +177,31 @@ fn one(workloads: &[String], consolidate: bool, seconds: u64, dir: &Path) -> any
     let mut clients = Vec::new();
     for (i, g) in guests.iter_mut().enumerate() {
         let mut p = Command::new(&exe)
-            .args(["primary", "--vm-id", &(i + 1).to_string(), "--backup", &g.addr])
-            .args(["--workload", &g.workload, "--tap-netns", &g.lab.clients, "--disk-mib", "32"])
+            .args([
+                "primary",
+                "--vm-id",
+                &(i + 1).to_string(),
+                "--backup",
+                &g.addr,
+            ])
+            .args([
+                "--workload",
+                &g.workload,
+                "--tap-netns",
+                &g.lab.clients,
+                "--disk-mib",
+                "32",
+            ])
             .arg("--control")
             .arg(dir.join(format!("p{i}.sock")))
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()?;
         let rx = lines_to(&mut p, dir.join(format!("primary{i}.log")));
-        g.qemu = number_after(&wait_for(&rx, "QEMU pid", Duration::from_secs(300))?, "QEMU pid ");
+        g.qemu = number_after(
+            &wait_for(&rx, "QEMU pid", Duration::from_secs(300))?,
+            "QEMU pid ",
+        );
         g.primary = Some(p);
         if g.workload == "kv" {
             clients.push(writer(g.lab.clients.clone(), stop.clone()));
@@ -262,7 +292,10 @@ fn writer(ns: String, stop: Arc<AtomicBool>) -> std::thread::JoinHandle<()> {
             };
             while !stop.load(Ordering::Relaxed) {
                 let v = format!("value-{i}-{}", "x".repeat(200));
-                if kv.set(format!("key-{}", i % 20_000).as_bytes(), v.as_bytes()).is_err() {
+                if kv
+                    .set(format!("key-{}", i % 20_000).as_bytes(), v.as_bytes())
+                    .is_err()
+                {
                     break;
                 }
                 i += 1;
@@ -274,13 +307,17 @@ fn writer(ns: String, stop: Arc<AtomicBool>) -> std::thread::JoinHandle<()> {
 /// Runs the benchmark: consolidated, then plain mirrors.
 pub fn run(workloads: &[String], seconds: u64, json: bool) -> anyhow::Result<()> {
     let workloads: Vec<String> = if workloads.is_empty() {
-        ["idle", "compile", "sqlite", "kv"].map(String::from).to_vec()
+        ["idle", "compile", "sqlite", "kv"]
+            .map(String::from)
+            .to_vec()
     } else {
         workloads.to_vec()
     };
     let mut runs = Vec::new();
     for consolidate in [true, false] {
-        let dir = tempfile::Builder::new().prefix("tandem-bench-host-").tempdir_in("/dev/shm")?;
+        let dir = tempfile::Builder::new()
+            .prefix("tandem-bench-host-")
+            .tempdir_in("/dev/shm")?;
         eprintln!(
             "backup-host with {} replicas ({}), {}: booting, protecting, {seconds} s, one host kill",
             workloads.len(),

@@ -3,8 +3,8 @@
 
 mod codec;
 mod consolidate;
-mod host;
 mod faults;
+mod host;
 mod ksm;
 mod link;
 mod plot;

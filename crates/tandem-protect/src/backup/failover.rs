@@ -169,6 +169,17 @@ pub(super) fn failover(
             ));
         }
     };
+    if lazy.is_none() && vm.lazy_ram().is_some() {
+        // The standby's RAM is registered for missing faults but nobody will serve them: no
+        // hole may be left for the guest to fault on.
+        if let Err(e) = standby.reserve() {
+            vm.quit();
+            return Err(BackupError::Io(
+                "allocating the mirror of a standby registered for lazy restore".into(),
+                e,
+            ));
+        }
+    }
     let materialise = t.elapsed();
     // The resumed guest's output is gated by this side's lease from now on.
     if let Some(h) = &fence {

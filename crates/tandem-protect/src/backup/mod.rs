@@ -275,6 +275,8 @@ impl Link<'_> {
                     if send(&mut w, &ack_frame(f.vm_id, seq, standby_ok)).is_err() {
                         return Ok(LinkEnd::Lost("the link broke while acknowledging".into()));
                     }
+                    // The consolidation clock, once the acknowledgement is on its way.
+                    self.bk.tick();
                 }
                 Applied::Heartbeat(p) => {
                     if p.is_some_and(|p| p > progress) {
