@@ -350,7 +350,7 @@ impl Replica {
 
     fn consolidate(&mut self, pool: &mut Pool, mirror: &[u8], pfn: u64, s: &mut Scan) {
         let page = &mirror[pfn as usize * PAGE..(pfn as usize + 1) * PAGE];
-        if page.iter().all(|&b| b == 0) {
+        if page == [0u8; PAGE] {
             self.slots[pfn as usize] = Slot::Zero;
             s.zeroed += 1;
             return;

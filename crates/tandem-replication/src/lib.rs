@@ -47,7 +47,10 @@ pub fn nonzero_runs(mem: &[u8], max_pages: usize) -> impl Iterator<Item = (u64, 
     const PAGE: usize = tandem_codec::format::PAGE;
     let pages = mem.len() / PAGE;
     let max_pages = max_pages.max(1);
-    let zero = move |p: usize| mem[p * PAGE..(p + 1) * PAGE].iter().all(|&b| b == 0);
+    // A slice compare is memcmp even in a debug build: a byte loop there scans a 1 GiB
+    // guest's zero pages slower than the primary's watchdog allows between two frames.
+    static ZERO: [u8; PAGE] = [0; PAGE];
+    let zero = move |p: usize| mem[p * PAGE..(p + 1) * PAGE] == ZERO[..];
     let mut p = 0;
     std::iter::from_fn(move || {
         while p < pages && zero(p) {

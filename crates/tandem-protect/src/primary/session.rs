@@ -202,13 +202,17 @@ impl Daemon<'_> {
                 d.take_epoch_writes();
             }
         })?;
-        self.watchdog.beat();
+        // Building the encoder's state (block hashes of all guest RAM) is proportional to
+        // RAM too: seconds for 1 GiB on a loaded host.
+        self.watchdog
+            .allow(Duration::from_secs(10) + Duration::from_millis(10 * mib));
         let disk_bytes = site.disk.as_ref().map_or(0, |d| d.size());
         let hello = self
             .proto
             .begin(self.epoch, &ram, disk_bytes)
             .map_err(|e| CopyError::Link(format!("hello: {e}")))?;
         link::send(w, &hello)?;
+        self.watchdog.beat();
         let mut sent = 0usize;
         for f in self.proto.base_frames(&ram, 1024) {
             sent += f.payload.len() - 8;
