@@ -240,18 +240,8 @@ pub struct BackupArgs {
     /// Write a JSON report of the failover here.
     #[arg(long)]
     pub report: Option<PathBuf>,
-    /// Keep the mirror's cold pages consolidated (shared, patched against similar pages,
-    /// compressed; seed 001, docs/CONSOLIDATION.md). A failover first restores them.
-    #[arg(long)]
-    pub consolidate: bool,
-    /// With --consolidate: seconds for the NRU clock to go once round the mirror.
-    #[arg(long, default_value_t = 4.0)]
-    pub clock_s: f64,
-    /// With --consolidate: how a failover gets the consolidated pages into the standby:
-    /// `lazy` resumes the guest at once and serves the pages it touches first (userfaultfd),
-    /// `materialise` restores them all before resuming.
-    #[arg(long, value_enum, default_value = "lazy")]
-    pub restore: RestoreArg,
+    #[command(flatten)]
+    pub consolidation: ConsolidateArgs,
     /// The protected VM's identifier (its leader key in etcd, with --etcd).
     #[arg(long, default_value_t = 1)]
     pub vm_id: u64,
@@ -455,23 +445,46 @@ pub enum RestoreArg {
     Materialise,
 }
 
-/// `--consolidate` with `--clock-s` and `--restore`: a pool for this process's replicas.
-pub fn consolidate(
-    on: bool,
-    clock_s: f64,
-    restore: RestoreArg,
-) -> anyhow::Result<Option<tandem_protect::backup::Consolidate>> {
-    if !on {
-        return Ok(None);
+/// `--consolidate`, `--clock-s`, `--restore`: of `tandem backup`, and of `tandem backup-host`
+/// for all its replicas.
+#[derive(clap::Args)]
+pub struct ConsolidateArgs {
+    /// Keep the mirror's cold pages consolidated (shared, patched against similar pages,
+    /// compressed; seed 001, docs/CONSOLIDATION.md), in one pool for all replicas of the
+    /// process.
+    #[arg(long)]
+    pub consolidate: bool,
+    /// With --consolidate: seconds for the NRU clock to go once round each mirror.
+    #[arg(long, default_value_t = 4.0)]
+    pub clock_s: f64,
+    /// With --consolidate: how a failover gets the consolidated pages into the standby:
+    /// `lazy` resumes the guest at once and serves the pages it touches first (userfaultfd),
+    /// `materialise` restores them all before resuming.
+    #[arg(long, value_enum, default_value = "lazy")]
+    pub restore: RestoreArg,
+}
+
+impl ConsolidateArgs {
+    /// Whether any of the flags was given a value other than its default.
+    pub fn given(&self) -> bool {
+        self.consolidate || self.clock_s != 4.0 || self.restore != RestoreArg::Lazy
     }
-    if !(clock_s.is_finite() && clock_s > 0.0) {
-        anyhow::bail!("--clock-s must be a positive number of seconds, not {clock_s}");
+
+    /// A pool for this process's replicas (`None` without --consolidate).
+    pub fn config(&self) -> anyhow::Result<Option<tandem_protect::backup::Consolidate>> {
+        if !self.consolidate {
+            return Ok(None);
+        }
+        let clock_s = self.clock_s;
+        if !(clock_s.is_finite() && clock_s > 0.0) {
+            anyhow::bail!("--clock-s must be a positive number of seconds, not {clock_s}");
+        }
+        Ok(Some(tandem_protect::backup::Consolidate {
+            pool: Default::default(),
+            revolution: Duration::from_secs_f64(clock_s),
+            lazy: self.restore == RestoreArg::Lazy,
+        }))
     }
-    Ok(Some(tandem_protect::backup::Consolidate {
-        pool: Default::default(),
-        revolution: Duration::from_secs_f64(clock_s),
-        lazy: restore == RestoreArg::Lazy,
-    }))
 }
 
 /// The backup daemon's configuration from its flags, consolidating into `consolidate`'s pool.
@@ -503,7 +516,7 @@ pub fn backup_config(
 pub fn backup(a: BackupArgs) -> anyhow::Result<()> {
     signals::install_stop_handler();
     let ms = Duration::from_millis;
-    let cfg = backup_config(&a, consolidate(a.consolidate, a.clock_s, a.restore)?)?;
+    let cfg = backup_config(&a, a.consolidation.config()?)?;
     let Some(peer) = a.peer else {
         return Ok(tandem_protect::backup::run(cfg, stdio("backup"))?);
     };

@@ -10,7 +10,7 @@ use anyhow::{bail, Context};
 use clap::Parser;
 use tandem_protect::{Line, Status};
 
-use crate::daemons::{backup_config, consolidate, BackupArgs, RestoreArg};
+use crate::daemons::{backup_config, BackupArgs, ConsolidateArgs};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -19,16 +19,8 @@ pub struct Args {
     /// --workload kv".
     #[arg(long = "replica", required = true, allow_hyphen_values = true)]
     pub replicas: Vec<String>,
-    /// Keep the replicas' cold pages consolidated in one shared pool (sharing, patching,
-    /// compression; docs/CONSOLIDATION.md).
-    #[arg(long)]
-    pub consolidate: bool,
-    /// With --consolidate: seconds for the NRU clock to go once round each mirror.
-    #[arg(long, default_value_t = 4.0)]
-    pub clock_s: f64,
-    /// With --consolidate: `lazy` (resume at once, pages on demand) or `materialise`.
-    #[arg(long, value_enum, default_value = "lazy")]
-    pub restore: RestoreArg,
+    #[command(flatten)]
+    pub consolidation: ConsolidateArgs,
 }
 
 /// A `--replica` string parsed as `tandem backup` flags.
@@ -40,7 +32,7 @@ struct Replica {
 }
 
 pub fn run(a: Args) -> anyhow::Result<()> {
-    let pool = consolidate(a.consolidate, a.clock_s, a.restore)?;
+    let pool = a.consolidation.config()?;
     let mut cfgs = Vec::new();
     let (mut ids, mut listens, mut dirs) = (HashSet::new(), HashSet::new(), HashSet::new());
     for (i, r) in a.replicas.iter().enumerate() {
@@ -53,7 +45,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         if b.peer.is_some() {
             bail!("--replica {n}: --peer (a node that protects the guest again after a failover) is not available in backup-host; run that VM's backup as its own `tandem backup`");
         }
-        if b.consolidate || b.clock_s != 4.0 || b.restore != RestoreArg::Lazy {
+        if b.consolidation.given() {
             bail!("--replica {n}: give --consolidate, --clock-s and --restore to backup-host itself: the replicas share one pool");
         }
         if !ids.insert(b.vm_id) {
@@ -78,7 +70,10 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         "backup host: {} replicas{}",
         cfgs.len(),
         if pool.is_some() {
-            format!(", consolidated in one pool (NRU clock {} s)", a.clock_s)
+            format!(
+                ", consolidated in one pool (NRU clock {} s)",
+                a.consolidation.clock_s
+            )
         } else {
             String::new()
         }
