@@ -153,6 +153,11 @@ impl<M: AsRef<[u8]> + AsMut<[u8]>> Backup<M> {
         self
     }
 
+    /// Whether the mirror is consolidated.
+    pub fn is_consolidated(&self) -> bool {
+        self.consolidated.is_some()
+    }
+
     /// Where the mirror's pages are and what they cost (`None` without consolidation).
     pub fn memory(&self) -> Option<Usage> {
         let c = self.consolidated.as_ref()?;

@@ -151,36 +151,13 @@ pub(super) fn failover(
     // Consolidated pages back into the mirror file the standby maps: all of them now, or
     // (lazy) those the guest touches first, the rest behind them while it runs.
     let memory = bk.memory();
-    let lazy = match start_lazy(bk, &vm, status) {
-        Ok(l) => l,
+    let (lazy, materialised_pages, materialise) = match restore(bk, standby, &vm, status) {
+        Ok(r) => r,
         Err(e) => {
             vm.quit();
             return Err(e);
         }
     };
-    let t = Instant::now();
-    let materialised_pages = match bk.materialise() {
-        Ok(n) => n,
-        Err(e) => {
-            vm.quit();
-            return Err(BackupError::Io(
-                "restoring the consolidated pages".into(),
-                e,
-            ));
-        }
-    };
-    if lazy.is_none() && vm.lazy_ram().is_some() {
-        // The standby's RAM is registered for missing faults but nobody will serve them: no
-        // hole may be left for the guest to fault on.
-        if let Err(e) = standby.reserve() {
-            vm.quit();
-            return Err(BackupError::Io(
-                "allocating the mirror of a standby registered for lazy restore".into(),
-                e,
-            ));
-        }
-    }
-    let materialise = t.elapsed();
     // The resumed guest's output is gated by this side's lease from now on.
     if let Some(h) = &fence {
         site.relays.set_gate(Some(h.gate()));
@@ -269,6 +246,31 @@ pub(super) fn failover(
     Ok(Running { vm, fence, epoch })
 }
 
+/// Gets the consolidated pages into the standby: starts the lazy restore, or restores them all
+/// (then, for a standby registered for missing faults that nobody will serve, allocates every
+/// hole). Returns the lazy restore, the pages materialised and how long that took.
+fn restore(
+    bk: &mut Backup<MirrorFile>,
+    standby: &Standby,
+    vm: &tandem_vm::Vm,
+    status: &Status,
+) -> Result<(Option<tandem_consolidate::Lazy>, u64, Duration), BackupError> {
+    let lazy = start_lazy(bk, vm, status)?;
+    let t = Instant::now();
+    let pages = bk
+        .materialise()
+        .map_err(|e| BackupError::Io("restoring the consolidated pages".into(), e))?;
+    if lazy.is_none() && vm.lazy_ram().is_some() {
+        standby.reserve().map_err(|e| {
+            BackupError::Io(
+                "allocating the mirror of a standby registered for lazy restore".into(),
+                e,
+            )
+        })?;
+    }
+    Ok((lazy, pages, t.elapsed()))
+}
+
 /// With a consolidated mirror and a standby registered for missing faults: starts serving its
 /// faults from the consolidated pages (before the device state is loaded, which reads guest
 /// memory). `None`: restore by materialising.
@@ -280,7 +282,7 @@ fn start_lazy(
     let Some(ram) = vm.lazy_ram() else {
         return Ok(None);
     };
-    if bk.memory().is_none() {
+    if !bk.is_consolidated() {
         return Ok(None);
     }
     let uffd = match vm.lazy_uffd() {
