@@ -12,9 +12,17 @@ use zstd::zstd_safe::{CCtx, CParameter, DCtx, DParameter, ResetDirective};
 use crate::format::PAGE;
 use crate::runs::{get_uleb, put_uleb};
 
-/// zstd hash table bits (2 MiB of table): indexes a prefix of a few thousand pages densely
+/// Most zstd hash table bits (2 MiB of table): indexes a prefix of a few thousand pages densely
 /// enough for level 1 to find the old versions (the default at level 1 is 13 to 17 bits).
 pub const HASH_LOG: u32 = 19;
+
+/// Hash table bits for a frame of `len` bytes (prefix and data): one slot per 4 bytes, at
+/// most [`HASH_LOG`]. zstd clears its table for every frame, so a small record with a 2 MiB
+/// table spends more time clearing it than compressing.
+pub fn hash_log(len: usize) -> u32 {
+    let slots = (len / 4).max(1);
+    (usize::BITS - (slots - 1).leading_zeros()).clamp(12, HASH_LOG)
+}
 
 /// Most zstd frames in one record's data section.
 pub const MAX_FRAMES: u64 = 64;
@@ -130,7 +138,8 @@ impl Compressor {
         c.set_parameter(CParameter::WindowLog(window_log(plen + data.len())))
             .map_err(io)?;
         if plen > 0 {
-            c.set_parameter(CParameter::HashLog(HASH_LOG)).map_err(io)?;
+            c.set_parameter(CParameter::HashLog(hash_log(plen + data.len())))
+                .map_err(io)?;
             // SAFETY: the context keeps a reference-prefix pointer only for the next frame,
             // which `compress2` below completes before this function returns; on any error the
             // reset that follows drops the reference (`SessionAndParameters` clears prefixes
@@ -147,18 +156,42 @@ impl Compressor {
     }
 }
 
+thread_local! {
+    /// One decompression context per thread, reused by every frame it decodes: creating one
+    /// allocates (and the kernel zeroes) ~160 KiB each time.
+    static DCTX: std::cell::RefCell<Option<DCtx<'static>>> = const { std::cell::RefCell::new(None) };
+}
+
 /// Decompresses `frame` into `dst` with `prefix` as its reference prefix; returns the bytes
 /// written.
 pub fn decompress(frame: &[u8], prefix: &[u8], dst: &mut [u8]) -> Result<usize, String> {
-    let mut d = DCtx::create();
-    d.set_parameter(DParameter::WindowLogMax(31))
-        .map_err(|c| zstd::zstd_safe::get_error_name(c).to_string())?;
-    if !prefix.is_empty() {
-        d.ref_prefix(prefix)
-            .map_err(|c| zstd::zstd_safe::get_error_name(c).to_string())?;
-    }
-    d.decompress(dst, frame)
-        .map_err(|c| zstd::zstd_safe::get_error_name(c).to_string())
+    let name = |c| zstd::zstd_safe::get_error_name(c).to_string();
+    DCTX.with(|cell| {
+        let mut slot = cell.borrow_mut();
+        let d = match slot.as_mut() {
+            Some(d) => d,
+            None => {
+                let mut d = DCtx::create();
+                d.set_parameter(DParameter::WindowLogMax(31))
+                    .map_err(name)?;
+                slot.insert(d)
+            }
+        };
+        // A frame that failed half-way leaves the context mid-frame: start a new session
+        // (parameters stay).
+        d.reset(ResetDirective::SessionOnly).map_err(name)?;
+        if !prefix.is_empty() {
+            // SAFETY: zstd keeps a reference prefix for the next frame only; `decompress`
+            // below is that frame and completes (or fails) before this function returns, and
+            // the session reset that follows drops the pointer either way. So it never
+            // outlives `prefix`; the 'static lifetime is only what the context's type demands.
+            let prefix: &'static [u8] = unsafe { &*(prefix as *const [u8]) };
+            d.ref_prefix(prefix).map_err(name)?;
+        }
+        let r = d.decompress(dst, frame).map_err(name);
+        d.reset(ResetDirective::SessionOnly).map_err(name)?;
+        r
+    })
 }
 
 /// Appends the pre-epoch content of `pfns` from `mirror` to `out`.

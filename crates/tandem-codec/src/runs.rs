@@ -57,6 +57,39 @@ fn first_diff(old: &[u8], new: &[u8], mut i: usize) -> usize {
     i
 }
 
+/// [`first_diff`] on a 4 KiB page whose differing 64-byte blocks are the set bits of `mask`
+/// (bit b: bytes b·64..b·64+64): unchanged blocks are skipped without reading them.
+#[inline]
+fn first_diff_masked(old: &[u8], new: &[u8], mut i: usize, mask: u64) -> usize {
+    let n = new.len();
+    while i < n {
+        let b = i / 64;
+        let rest = mask >> b;
+        if rest == 0 {
+            return n;
+        }
+        let next = b + rest.trailing_zeros() as usize;
+        if next > b {
+            i = next * 64;
+        }
+        let end = (i / 64 + 1) * 64;
+        while i + 8 <= end {
+            let x = word(old, i) ^ word(new, i);
+            if x != 0 {
+                return i + (x.trailing_zeros() / 8) as usize;
+            }
+            i += 8;
+        }
+        while i < end {
+            if old[i] != new[i] {
+                return i;
+            }
+            i += 1;
+        }
+    }
+    n
+}
+
 /// First index `>= i` where `old` and `new` are equal (byte granularity), or `len`.
 #[inline]
 fn first_same(old: &[u8], new: &[u8], mut i: usize) -> usize {
@@ -125,6 +158,38 @@ pub fn encode(
         };
         put_uleb(out, ((l - s) / unit) as u64);
         put_uleb(out, ((i - l) / unit) as u64);
+        if out.len() - start + (i - l) > limit {
+            out.truncate(start);
+            return None;
+        }
+        out.extend_from_slice(&new[l..i]);
+    }
+    Some(out.len() - start)
+}
+
+/// [`encode`] with 1-byte units of a 4 KiB page whose differing 64-byte blocks are exactly the
+/// set bits of `mask`: the same stream, without reading the unchanged blocks.
+pub fn encode_masked(
+    old: &[u8],
+    new: &[u8],
+    mask: u64,
+    limit: usize,
+    out: &mut Vec<u8>,
+) -> Option<usize> {
+    debug_assert!(old.len() == 4096 && new.len() == 4096);
+    let start = out.len();
+    let n = new.len();
+    let mut i = 0;
+    while i < n {
+        let s = i;
+        i = first_diff_masked(old, new, i, mask);
+        if i >= n {
+            break;
+        }
+        let l = i;
+        i = first_same(old, new, i);
+        put_uleb(out, (l - s) as u64);
+        put_uleb(out, (i - l) as u64);
         if out.len() - start + (i - l) > limit {
             out.truncate(start);
             return None;
@@ -259,6 +324,17 @@ mod tests {
                 let mut out = Vec::new();
                 encode(&old, &new, unit, usize::MAX, &mut out).unwrap();
                 proptest::prop_assert_eq!(&out, &reference(&old, &new, unit));
+            }
+            // The masked scanner writes the same stream, and stops at the same limits.
+            let mask = crate::encoder::diff_mask(&old, &new);
+            let mut out = Vec::new();
+            encode_masked(&old, &new, mask, usize::MAX, &mut out).unwrap();
+            proptest::prop_assert_eq!(&out, &reference(&old, &new, 1));
+            for limit in [0, 16, 512] {
+                let (mut a, mut b) = (vec![7u8], vec![7u8]);
+                let ra = encode(&old, &new, 1, limit, &mut a);
+                proptest::prop_assert_eq!(encode_masked(&old, &new, mask, limit, &mut b), ra);
+                proptest::prop_assert_eq!(a, b);
             }
         }
     }

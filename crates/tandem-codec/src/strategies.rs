@@ -302,7 +302,10 @@ pub fn tandem(c: &Ctx<'_>, pfn: u64, new: &[u8], pre: &Pre, budget: &Budget) -> 
     }
     let old = c.prev.and_then(|p| p.get(pfn));
     if let Some(old) = old {
-        let mut small = runs_vs(Base::Mirror(pfn), old, new, 1, budget.good_enough);
+        // The pre-pass compared the page with this version: `mask` is exact.
+        let mut out = Vec::with_capacity(budget.good_enough.min(PAGE) + 32);
+        let mut small = runs::encode_masked(old, new, pre.mask, budget.good_enough, &mut out)
+            .map(|_| (Base::Mirror(pfn), Body::Runs { unit: 1 }, Payload::Own(out)));
         if small.is_none() && budget.word_runs {
             small = runs_vs(Base::Mirror(pfn), old, new, 8, budget.good_enough);
         }
