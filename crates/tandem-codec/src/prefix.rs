@@ -194,6 +194,13 @@ pub fn decompress(frame: &[u8], prefix: &[u8], dst: &mut [u8]) -> Result<usize, 
     })
 }
 
+/// Copies the pre-epoch content of `pfns` from `mirror` into `out` (exactly their length).
+pub fn fill(mirror: &[u8], pfns: &[u64], out: &mut [u8]) {
+    for (&p, d) in pfns.iter().zip(out.chunks_exact_mut(PAGE)) {
+        d.copy_from_slice(&mirror[p as usize * PAGE..(p as usize + 1) * PAGE]);
+    }
+}
+
 /// Appends the pre-epoch content of `pfns` from `mirror` to `out`.
 pub fn build(mirror: &[u8], pfns: &[u64], out: &mut Vec<u8>) {
     for &p in pfns {
