@@ -16,11 +16,11 @@ use crate::runs::{get_uleb, put_uleb};
 /// enough for level 1 to find the old versions (the default at level 1 is 13 to 17 bits).
 pub const HASH_LOG: u32 = 19;
 
-/// Hash table bits for a frame of `len` bytes (prefix and data): one slot per 4 bytes, at
+/// Hash table bits for a frame of `len` bytes (prefix and data): one slot per 2 bytes, at
 /// most [`HASH_LOG`]. zstd clears its table for every frame, so a small record with a 2 MiB
 /// table spends more time clearing it than compressing.
 pub fn hash_log(len: usize) -> u32 {
-    let slots = (len / 4).max(1);
+    let slots = (len / 2).max(1);
     (usize::BITS - (slots - 1).leading_zeros()).clamp(12, HASH_LOG)
 }
 

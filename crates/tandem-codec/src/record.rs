@@ -126,7 +126,8 @@ impl Encoder {
         }
         let mut flags = 0;
         match codec {
-            Codec::Tandem if raw_len > 0 => {
+            // A record without prefix pages is one plain zstd frame: no frame table.
+            Codec::Tandem if raw_len > 0 && plen > 0 => {
                 // Frames of about `frame_bytes` (prefix and payload), cut between entries.
                 let mut cuts = Vec::new();
                 let (mut p0, mut d0) = (0, 0);
@@ -144,7 +145,9 @@ impl Encoder {
                 crate::prefix::write_frames(&frames, &mut b.ops);
                 flags = FLAG_ZSTD | FLAG_PREFIX;
             }
-            Codec::Zstd | Codec::Fgbi | Codec::XbzrleZstd | Codec::TandemV1 if raw_len > 0 => {
+            Codec::Zstd | Codec::Fgbi | Codec::XbzrleZstd | Codec::TandemV1 | Codec::Tandem
+                if raw_len > 0 =>
+            {
                 let payload = &b.data[plen..];
                 let stored = &mut b.stored;
                 let z = match b.zstd.as_mut() {

@@ -18,6 +18,10 @@ use crate::qmp::{Qmp, QmpError};
 use crate::ram::{GuestRam, RamError};
 
 mod pause;
+mod preload;
+
+pub use preload::preload_path;
+use preload::wait_registration;
 
 /// How the dirty log is obtained.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -97,22 +101,6 @@ pub enum VmError {
 }
 
 pub use tandem_types::PauseTiming;
-
-/// Where `libtandem_preload.so` is: `$TANDEM_PRELOAD`, else next to the running executable or
-/// one directory up (tests run from `target/*/deps`).
-pub fn preload_path() -> Option<PathBuf> {
-    if let Some(p) = std::env::var_os("TANDEM_PRELOAD") {
-        return Some(PathBuf::from(p));
-    }
-    let exe = std::env::current_exe().ok()?;
-    let dir = exe.parent()?;
-    [
-        dir.join("libtandem_preload.so"),
-        dir.parent()?.join("libtandem_preload.so"),
-    ]
-    .into_iter()
-    .find(|p| p.is_file())
-}
 
 static COUNTER: AtomicU32 = AtomicU32::new(0);
 
@@ -515,42 +503,6 @@ impl Drop for Vm {
         if !self.keep_ram {
             let _ = fs::remove_file(&self.ram_path);
         }
-    }
-}
-
-fn wait_registration(status: &Path, child: &mut Child) -> Result<(u64, u64, Option<i32>), VmError> {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        if let Ok(text) = fs::read_to_string(status) {
-            let text = text.trim();
-            if let Some(err) = text.strip_prefix("err ") {
-                return Err(VmError::Registration(err.into()));
-            }
-            let field = |k: &str| {
-                text.split_whitespace()
-                    .find_map(|f| f.strip_prefix(k))
-                    .map(|v| v.to_string())
-            };
-            let start = field("start=0x").and_then(|v| u64::from_str_radix(&v, 16).ok());
-            let len = field("len=").and_then(|v| v.parse().ok());
-            let fd = field("fd=").and_then(|v| v.parse().ok());
-            if let (Some(s), Some(l)) = (start, len) {
-                return Ok((s, l, fd));
-            }
-            return Err(VmError::Registration(format!("unreadable status {text:?}")));
-        }
-        if let Ok(Some(st)) = child.try_wait() {
-            return Err(VmError::Registration(format!(
-                "QEMU exited ({st}) before registering"
-            )));
-        }
-        if Instant::now() > deadline {
-            return Err(VmError::Registration(
-                "no answer from the preloaded library in 20 s (was it loaded? check LD_PRELOAD)"
-                    .into(),
-            ));
-        }
-        std::thread::sleep(Duration::from_millis(2));
     }
 }
 
