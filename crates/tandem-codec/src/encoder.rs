@@ -64,20 +64,7 @@ fn page_hash(blocks: &[u64]) -> u64 {
     xxhash_rust::xxh3::xxh3_64(&b[..blocks.len() * 8])
 }
 
-/// Bit b set when 64-byte block b of `old` and `new` differ.
-pub(crate) fn diff_mask(old: &[u8], new: &[u8]) -> u64 {
-    let mut m = 0u64;
-    for (b, (o, n)) in old.chunks_exact(64).zip(new.chunks_exact(64)).enumerate() {
-        // Eight words XOR-ed and OR-ed: the compiler vectorises this (SSE2 on any x86-64).
-        let mut x = 0u64;
-        for (a, c) in o.chunks_exact(8).zip(n.chunks_exact(8)) {
-            x |= u64::from_le_bytes(a.try_into().unwrap_or_default())
-                ^ u64::from_le_bytes(c.try_into().unwrap_or_default());
-        }
-        m |= ((x != 0) as u64) << b;
-    }
-    m
-}
+pub(crate) use crate::simd::diff_mask;
 
 impl Encoder {
     /// An encoder whose reference state starts from `base`, the guest memory both sides hold

@@ -30,6 +30,7 @@ pub mod level;
 pub mod prefix;
 mod record;
 pub mod runs;
+mod simd;
 pub mod simhash;
 pub mod state;
 mod strategies;

@@ -70,8 +70,7 @@ impl Payload {
 pub type Coded = (Base, Body, Payload);
 
 pub fn is_zero(p: &[u8]) -> bool {
-    p.chunks_exact(16)
-        .all(|c| u128::from_le_bytes(c.try_into().unwrap_or_default()) == 0)
+    crate::simd::is_zero(p)
 }
 
 pub fn raw(_new: &[u8]) -> Coded {
