@@ -137,34 +137,25 @@ pub fn encode(
     debug_assert!(
         old.len() == new.len() && new.len().is_multiple_of(unit) && (unit == 1 || unit == 8)
     );
-    let start = out.len();
-    let n = new.len();
-    let mut i = 0;
-    while i < n {
-        let s = i;
-        i = if unit == 1 {
-            first_diff(old, new, i)
-        } else {
-            first_word(old, new, i, true)
-        };
-        if i >= n {
-            break; // trailing unchanged run is implicit
-        }
-        let l = i;
-        i = if unit == 1 {
-            first_same(old, new, i)
-        } else {
-            first_word(old, new, i, false)
-        };
-        put_uleb(out, ((l - s) / unit) as u64);
-        put_uleb(out, ((i - l) / unit) as u64);
-        if out.len() - start + (i - l) > limit {
-            out.truncate(start);
-            return None;
-        }
-        out.extend_from_slice(&new[l..i]);
+    if unit == 1 {
+        emit(
+            new,
+            1,
+            limit,
+            out,
+            |i| first_diff(old, new, i),
+            |i| first_same(old, new, i),
+        )
+    } else {
+        emit(
+            new,
+            unit,
+            limit,
+            out,
+            |i| first_word(old, new, i, true),
+            |i| first_word(old, new, i, false),
+        )
     }
-    Some(out.len() - start)
 }
 
 /// [`encode`] with 1-byte units of a 4 KiB page whose differing 64-byte blocks are exactly the
@@ -177,19 +168,40 @@ pub fn encode_masked(
     out: &mut Vec<u8>,
 ) -> Option<usize> {
     debug_assert!(old.len() == 4096 && new.len() == 4096);
+    emit(
+        new,
+        1,
+        limit,
+        out,
+        |i| first_diff_masked(old, new, i, mask),
+        |i| first_same(old, new, i),
+    )
+}
+
+/// The run stream of `new`: `diff(i)` / `same(i)` find the next replaced / unchanged unit at
+/// or after byte `i`. Stops with `None` (and `out` restored) past `limit` bytes.
+#[inline]
+fn emit(
+    new: &[u8],
+    unit: usize,
+    limit: usize,
+    out: &mut Vec<u8>,
+    diff: impl Fn(usize) -> usize,
+    same: impl Fn(usize) -> usize,
+) -> Option<usize> {
     let start = out.len();
     let n = new.len();
     let mut i = 0;
     while i < n {
         let s = i;
-        i = first_diff_masked(old, new, i, mask);
+        i = diff(i);
         if i >= n {
-            break;
+            break; // trailing unchanged run is implicit
         }
         let l = i;
-        i = first_same(old, new, i);
-        put_uleb(out, (l - s) as u64);
-        put_uleb(out, (i - l) as u64);
+        i = same(i);
+        put_uleb(out, ((l - s) / unit) as u64);
+        put_uleb(out, ((i - l) / unit) as u64);
         if out.len() - start + (i - l) > limit {
             out.truncate(start);
             return None;
