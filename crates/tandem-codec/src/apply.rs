@@ -18,10 +18,22 @@ use crate::DecodeError;
 #[derive(Debug, Default, Clone)]
 pub(crate) struct InPlace {
     codes: Vec<PageCode>,
-    /// Start of each code's payload in the plan's scratch buffer.
-    offs: Vec<usize>,
+    /// Where each code's payload starts.
+    offs: Vec<Loc>,
     /// Pages written this epoch that another entry reads as a pre-epoch base (sorted).
     stage: Vec<u64>,
+    /// FLAG_SPLIT records: where the run headers start and end in the scratch buffer.
+    heads: std::ops::Range<usize>,
+}
+
+/// Where a payload starts in the plan's scratch buffer.
+#[derive(Debug, Clone, Copy)]
+enum Loc {
+    /// In one piece.
+    Data(usize),
+    /// A run patch of a FLAG_SPLIT record: its literals, and its headers at this offset
+    /// into [`InPlace::heads`].
+    Split(usize, usize),
 }
 
 /// Whether every code can be applied in place.
@@ -35,20 +47,35 @@ pub(crate) fn simple(codes: &[PageCode]) -> bool {
 }
 
 /// Validates `codes` against the decoded data section `data` (which starts at `data_at` in
-/// the plan's scratch buffer) and keeps them for [`commit`].
+/// the plan's scratch buffer) and keeps them for [`commit`]. With `split` (FLAG_SPLIT: the
+/// last `split` bytes of `data` are run headers), each 1-byte run patch is checked in its
+/// split form, which `commit` applies as it is.
 pub(crate) fn validate(
     codes: Vec<PageCode>,
     data: &[u8],
     data_at: usize,
     pages: u64,
+    split: Option<usize>,
 ) -> Result<InPlace, DecodeError> {
     let mut offs = Vec::with_capacity(codes.len());
-    let mut at = 0usize;
+    let (lits, heads) = data.split_at(data.len() - split.unwrap_or(0));
+    let (mut at, mut h) = (0usize, 0usize);
     let mut stage = Vec::new();
     for (i, c) in codes.iter().enumerate() {
-        let payload = &data[at..at + c.len as usize];
-        offs.push(data_at + at);
-        at += c.len as usize;
+        let n = c.len as usize;
+        let payload = if split.is_some() && c.body == (Body::Runs { unit: 1 }) {
+            offs.push(Loc::Split(data_at + at, h));
+            runs::walk_split(heads, &mut h, lits, &mut at, n, PAGE, |_, _, _| {})
+                .map_err(|e| bad(i, e))?;
+            None
+        } else {
+            if n > lits.len() - at {
+                return Err(bad(i, "payload past the end of the data"));
+            }
+            offs.push(Loc::Data(data_at + at));
+            at += n;
+            Some(&lits[at - n..at])
+        };
         match c.base {
             Base::Zero => {}
             Base::Mirror(q) if q >= pages => {
@@ -71,19 +98,32 @@ pub(crate) fn validate(
             }
             Base::Epoch(_) => {}
         }
-        let ok = match c.body {
-            Body::Same | Body::RawBlocks(_) => true,
-            Body::Runs { unit } => runs::check(payload, unit as usize, PAGE),
-            Body::Xor(_) => payload.len() == PAGE,
+        let ok = match (c.body, payload) {
+            (_, None) | (Body::Same | Body::RawBlocks(_), _) => true,
+            (Body::Runs { unit }, Some(p)) => runs::check(p, unit as usize, PAGE),
+            (Body::Xor(_), Some(p)) => p.len() == PAGE,
             _ => false,
         };
         if !ok {
             return Err(bad(i, format!("malformed {:?} payload", c.body)));
         }
     }
+    if at != lits.len() || h != heads.len() {
+        return Err(DecodeError::Malformed(format!(
+            "payloads use {at} of {} data bytes and {h} of {} run header bytes",
+            lits.len(),
+            heads.len()
+        )));
+    }
     stage.sort_unstable();
     stage.dedup();
-    Ok(InPlace { codes, offs, stage })
+    let start = data_at + lits.len();
+    Ok(InPlace {
+        codes,
+        offs,
+        stage,
+        heads: start..start + heads.len(),
+    })
 }
 
 /// Writes the validated record into `mirror`, in entry order.
@@ -94,7 +134,7 @@ pub(crate) fn commit(p: &InPlace, data: &[u8], mirror: &mut [u8]) {
         staged.extend_from_slice(&mirror[span(q)]);
     }
     for (i, c) in p.codes.iter().enumerate() {
-        let payload = &data[p.offs[i]..p.offs[i] + c.len as usize];
+        let n = c.len as usize;
         let dst = span(c.pfn);
         // Base (in place when it is the page's own pre-epoch content).
         match c.base {
@@ -115,6 +155,17 @@ pub(crate) fn commit(p: &InPlace, data: &[u8], mirror: &mut [u8]) {
             }
         }
         let page = &mut mirror[dst];
+        let payload = match p.offs[i] {
+            Loc::Data(o) => &data[o..o + n],
+            Loc::Split(mut lit, mut h) => {
+                // Validated: it cannot fail.
+                let heads = &data[p.heads.clone()];
+                let _ = runs::walk_split(heads, &mut h, data, &mut lit, n, PAGE, |at, _, l| {
+                    page[at..at + l.len()].copy_from_slice(l)
+                });
+                continue;
+            }
+        };
         match c.body {
             Body::Runs { unit } => {
                 runs::apply(payload, unit as usize, page);

@@ -4,8 +4,8 @@
 use crate::bodies::{decode_areas, decode_blocks};
 use crate::code::{Base, Body, Method, PageCode};
 use crate::format::{
-    Header, FLAG_LZ4, FLAG_PREFIX, FLAG_ZSTD, HEADER_LEN, MAX_PAGE_PAYLOAD, MAX_PREFIX_PAGES,
-    MIN_CODE_LEN, PAGE,
+    Header, FLAG_LZ4, FLAG_PREFIX, FLAG_SPLIT, FLAG_ZSTD, HEADER_LEN, MAX_PAGE_PAYLOAD,
+    MAX_PREFIX_PAGES, MIN_CODE_LEN, PAGE,
 };
 use crate::runs;
 use crate::DecodeError;
@@ -25,6 +25,8 @@ pub struct Plan {
     /// The validated codes of a record committed in place (apply.rs); `None` when `data`
     /// holds every new page.
     inplace: Option<crate::apply::InPlace>,
+    /// The data section put back in page order (FLAG_SPLIT records).
+    joined: Vec<u8>,
 }
 
 impl Plan {
@@ -121,6 +123,7 @@ pub fn pages_read(rec: &[u8], pages: u64) -> Result<Option<Vec<u64>>, DecodeErro
             out.extend(f.pfns);
         }
     }
+    split_len(&h, ops, &mut pos)?;
     for c in read_codes(&h, &ops[pos..], pages)? {
         if matches!(c.body, Body::Areas | Body::Blocks(_)) {
             return Ok(None);
@@ -165,6 +168,7 @@ fn decode_into(rec: &[u8], mirror: &[u8], plan: &mut Plan) -> Result<(), DecodeE
     } else {
         Vec::new()
     };
+    let split = split_len(&h, ops, &mut pos)?;
     let codes = read_codes(&h, &ops[pos..], pages)?;
     plan.inplace = None;
     plan.epoch = h.epoch;
@@ -173,6 +177,7 @@ fn decode_into(rec: &[u8], mirror: &[u8], plan: &mut Plan) -> Result<(), DecodeE
         stored,
         mirror,
         frames: &frames,
+        split,
     };
     let r = if crate::apply::simple(&codes) {
         one_pass(&h, codes, &src, pages, plan, &mut scratch)
@@ -181,6 +186,58 @@ fn decode_into(rec: &[u8], mirror: &[u8], plan: &mut Plan) -> Result<(), DecodeE
     };
     plan.scratch = scratch;
     r
+}
+
+/// Reads the run-header length of a FLAG_SPLIT record at `*pos` (after the frame table): 1
+/// to the decoded data length.
+fn split_len(h: &Header, ops: &[u8], pos: &mut usize) -> Result<Option<usize>, DecodeError> {
+    if h.flags & FLAG_SPLIT == 0 {
+        return Ok(None);
+    }
+    let n = crate::runs::get_uleb(ops, pos)
+        .ok_or_else(|| DecodeError::Malformed("run header length truncated".into()))?;
+    if n == 0 || n > h.data_raw_len as u64 {
+        return Err(DecodeError::Malformed(format!(
+            "{n} bytes of run headers in a data section of {}",
+            h.data_raw_len
+        )));
+    }
+    Ok(Some(n as usize))
+}
+
+/// Puts a FLAG_SPLIT data section (`data`, ending with `heads` bytes of run headers) back in
+/// page order: each 1-byte run patch gets its headers back between its literals. (The
+/// one-pass path joins only the run patches, apply.rs.)
+fn join(
+    data: &[u8],
+    heads: usize,
+    codes: &[PageCode],
+    out: &mut Vec<u8>,
+) -> Result<(), DecodeError> {
+    let (lits, hs) = data.split_at(data.len() - heads);
+    let (mut h, mut l) = (0, 0);
+    out.clear();
+    out.reserve(data.len());
+    for (i, c) in codes.iter().enumerate() {
+        let n = c.len as usize;
+        if c.body == (Body::Runs { unit: 1 }) {
+            crate::runs::join(hs, &mut h, lits, &mut l, n, out).map_err(|e| bad(i, e))?;
+        } else {
+            if n > lits.len() - l {
+                return Err(bad(i, "payload past the run headers"));
+            }
+            out.extend_from_slice(&lits[l..l + n]);
+            l += n;
+        }
+    }
+    if h != hs.len() || l != lits.len() {
+        return Err(DecodeError::Malformed(format!(
+            "{} of {} run header bytes used",
+            h,
+            hs.len()
+        )));
+    }
+    Ok(())
 }
 
 /// Parses every page code (the ops section is stored as is) and checks that their payloads
@@ -254,18 +311,37 @@ fn one_pass(
     plan: &mut Plan,
     scratch: &mut Vec<u8>,
 ) -> Result<(), DecodeError> {
-    let at = data_section(h, src, scratch)?;
+    let at = decompress(h, src, scratch)?;
     plan.pfns.clear();
     plan.pfns.extend(codes.iter().map(|c| c.pfn));
     plan.data.clear();
-    let p = crate::apply::validate(codes, &scratch[at..], at, pages)?;
+    let data = &scratch[at..at + h.data_raw_len as usize];
+    let p = crate::apply::validate(codes, data, at, pages, src.split)?;
     plan.inplace = Some(p);
     Ok(())
 }
 
-/// Decodes the data section into `scratch` (copying it when stored uncompressed); returns
-/// where it starts there (after the reference prefix).
-fn data_section(h: &Header, src: &Source<'_>, scratch: &mut Vec<u8>) -> Result<usize, DecodeError> {
+/// Decodes the data section into `scratch` (copying it when stored uncompressed) in page
+/// order (a FLAG_SPLIT section joined back); returns where it starts there (after the
+/// reference prefix).
+fn data_section(
+    h: &Header,
+    src: &Source<'_>,
+    codes: &[PageCode],
+    scratch: &mut Vec<u8>,
+    joined: &mut Vec<u8>,
+) -> Result<usize, DecodeError> {
+    let at = decompress(h, src, scratch)?;
+    if let Some(heads) = src.split {
+        let raw = h.data_raw_len as usize;
+        join(&scratch[at..at + raw], heads, codes, joined)?;
+        scratch[at..at + raw].copy_from_slice(joined);
+    }
+    Ok(at)
+}
+
+/// Decodes the data section into `scratch` as stored; returns where it starts there.
+fn decompress(h: &Header, src: &Source<'_>, scratch: &mut Vec<u8>) -> Result<usize, DecodeError> {
     let raw_len = h.data_raw_len as usize;
     if !src.frames.is_empty() {
         return frames(src, raw_len, scratch);
@@ -335,6 +411,8 @@ struct Source<'a> {
     pub(crate) mirror: &'a [u8],
     /// With a reference prefix: the zstd frames (their prefix pages and lengths).
     frames: &'a [crate::prefix::FrameSpec],
+    /// FLAG_SPLIT: bytes of run headers at the end of the decoded data.
+    split: Option<usize>,
 }
 
 fn decode_with(
@@ -346,7 +424,7 @@ fn decode_with(
     scratch: &mut Vec<u8>,
 ) -> Result<(), DecodeError> {
     let mirror = src.mirror;
-    let at = data_section(h, src, scratch)?;
+    let at = data_section(h, src, codes, scratch, &mut plan.joined)?;
     let data: &[u8] = &scratch[at..];
     let n = codes.len();
     plan.pfns.clear();

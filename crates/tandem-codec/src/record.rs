@@ -2,9 +2,13 @@
 //! data section, with the reference prefix (prefix.rs) where the strategy asked for one. Also
 //! the encoder's fan-out over threads.
 
+use crate::code::Body;
 use crate::code::PageCode;
 use crate::encoder::{Codec, Encoder};
-use crate::format::{Header, FLAG_LZ4, FLAG_PREFIX, FLAG_ZSTD, MAX_DATA, MAX_PREFIX_PAGES, PAGE};
+use crate::format::{
+    Header, FLAG_LZ4, FLAG_PREFIX, FLAG_SPLIT, FLAG_ZSTD, MAX_DATA, MAX_PREFIX_PAGES, PAGE,
+};
+use crate::prefix::MAX_FRAMES;
 use crate::strategies::{Coded, Payload, Refs};
 use crate::EncodeError;
 
@@ -17,10 +21,15 @@ pub struct Buffers {
     stored: Vec<u8>,
     prefix: Vec<u64>,
     codes: Vec<u8>,
+    /// Run headers of the record's byte-run patches, sent after all payloads (FLAG_SPLIT).
+    heads: Vec<u8>,
     zstd: Option<zstd::bulk::Compressor<'static>>,
     /// One prefix compressor per thread.
     refz: Vec<crate::prefix::Compressor>,
 }
+
+/// Fewest run-header bytes given a zstd frame of their own.
+const HEAD_FRAME_MIN: usize = 512;
 
 /// One zstd frame being built: its prefix pages (a range of the prefix list) and its
 /// payload bytes (a range of the payload stream).
@@ -70,6 +79,9 @@ impl Encoder {
         b.codes.clear();
         b.data.clear();
         b.prefix.clear();
+        b.heads.clear();
+        // tandem sends its run patches' headers apart from their literals (format.rs).
+        let split = codec == Codec::Tandem;
         // The prefix: previous versions of the pages asked for, in page order (each page's
         // own version then lies a roughly constant distance before its payload). `marks`:
         // per entry, prefix pages and payload bytes up to and including it.
@@ -111,12 +123,23 @@ impl Encoder {
                 len: bytes.len() as u32,
             };
             code.write(prev_pfn, &mut b.codes);
-            b.data.extend_from_slice(bytes);
+            if split && *body == (Body::Runs { unit: 1 }) {
+                crate::runs::split(bytes, &mut b.heads, &mut b.data);
+            } else {
+                b.data.extend_from_slice(bytes);
+            }
             if let Some(m) = marks.get_mut(entries as usize) {
                 m.1 = b.data.len() - plen;
             }
             prev_pfn = Some(pfns[i]);
             entries += 1;
+        }
+        let heads = b.heads.len();
+        // Enough run headers get a zstd frame of their own (their own entropy tables); fewer
+        // would not pay for the frame's header and table entry.
+        let head_frame = heads >= HEAD_FRAME_MIN;
+        if heads > 0 {
+            b.data.extend_from_slice(&b.heads);
         }
         let raw_len = b.data.len() - plen;
         if raw_len > MAX_DATA as usize {
@@ -126,20 +149,42 @@ impl Encoder {
         }
         let mut flags = 0;
         match codec {
-            // A record without prefix pages is one plain zstd frame: no frame table.
-            Codec::Tandem if raw_len > 0 && plen > 0 => {
-                // Frames of about `frame_bytes` (prefix and payload), cut between entries.
+            // A record without prefix pages or a run-header frame is one plain zstd frame: no
+            // frame table.
+            Codec::Tandem if raw_len > 0 && (plen > 0 || head_frame) => {
+                // Frames of about `frame_bytes` (prefix and payload), cut between entries; no
+                // more than the decoder takes, and the run headers last (in the last frame or
+                // in one of their own).
+                let inline = raw_len - if head_frame { heads } else { 0 };
+                let most = MAX_FRAMES as usize - 2;
+                let step = self
+                    .cfg
+                    .frame_bytes
+                    .max(1)
+                    .max((plen + inline).div_ceil(most));
                 let mut cuts = Vec::new();
                 let (mut p0, mut d0) = (0, 0);
-                for (k, &(p, d)) in marks.iter().enumerate() {
-                    let size = (p - p0) * PAGE + (d - d0);
-                    if size >= self.cfg.frame_bytes.max(1) || k + 1 == marks.len() {
+                for &(p, d) in &marks {
+                    if (p - p0) * PAGE + (d - d0) >= step {
                         cuts.push(Cut {
                             pages: p0..p,
                             data: d0..d,
                         });
                         (p0, d0) = (p, d);
                     }
+                }
+                if p0 < b.prefix.len() || d0 < inline || cuts.is_empty() {
+                    cuts.push(Cut {
+                        pages: p0..b.prefix.len(),
+                        data: d0..inline,
+                    });
+                }
+                if head_frame {
+                    let pages = b.prefix.len();
+                    cuts.push(Cut {
+                        pages: pages..pages,
+                        data: inline..raw_len,
+                    });
                 }
                 let frames = compress_frames(b, &cuts, plen, level, self.pool.as_deref())?;
                 crate::prefix::write_frames(&frames, &mut b.ops);
@@ -178,10 +223,18 @@ impl Encoder {
             }
             _ => {}
         }
+        if heads > 0 {
+            flags |= FLAG_SPLIT;
+            crate::runs::put_uleb(&mut b.ops, heads as u64);
+        }
         b.ops.extend_from_slice(&b.codes);
         let payload = &b.data[plen..];
         let stored = &b.stored;
-        let stored_data: &[u8] = if flags == 0 { payload } else { stored };
+        let stored_data: &[u8] = if flags & (FLAG_ZSTD | FLAG_LZ4) == 0 {
+            payload
+        } else {
+            stored
+        };
         Header {
             flags,
             epoch,

@@ -141,6 +141,7 @@ pub fn encode(
         emit(
             new,
             1,
+            0,
             limit,
             out,
             |i| first_diff(old, new, i),
@@ -150,6 +151,7 @@ pub fn encode(
         emit(
             new,
             unit,
+            0,
             limit,
             out,
             |i| first_word(old, new, i, true),
@@ -159,11 +161,15 @@ pub fn encode(
 }
 
 /// [`encode`] with 1-byte units of a 4 KiB page whose differing 64-byte blocks are exactly the
-/// set bits of `mask`: the same stream, without reading the unchanged blocks.
+/// set bits of `mask`, without reading the unchanged blocks. With `gap` 0 this is the same
+/// stream; otherwise unchanged stretches of at most `gap` bytes inside a changed region are
+/// sent as part of it: one run instead of two saves a run header (2 bytes or more) and keeps a
+/// changed structure in one piece for the record's zstd pass.
 pub fn encode_masked(
     old: &[u8],
     new: &[u8],
     mask: u64,
+    gap: usize,
     limit: usize,
     out: &mut Vec<u8>,
 ) -> Option<usize> {
@@ -171,6 +177,7 @@ pub fn encode_masked(
     emit(
         new,
         1,
+        gap,
         limit,
         out,
         |i| first_diff_masked(old, new, i, mask),
@@ -179,11 +186,14 @@ pub fn encode_masked(
 }
 
 /// The run stream of `new`: `diff(i)` / `same(i)` find the next replaced / unchanged unit at
-/// or after byte `i`. Stops with `None` (and `out` restored) past `limit` bytes.
+/// or after byte `i`. An unchanged stretch of at most `gap` bytes between two replaced runs
+/// joins them (0: maximal runs, XBZRLE's stream). Stops with `None` (and `out` restored) past
+/// `limit` bytes.
 #[inline]
 fn emit(
     new: &[u8],
     unit: usize,
+    gap: usize,
     limit: usize,
     out: &mut Vec<u8>,
     diff: impl Fn(usize) -> usize,
@@ -191,24 +201,106 @@ fn emit(
 ) -> Option<usize> {
     let start = out.len();
     let n = new.len();
-    let mut i = 0;
-    while i < n {
-        let s = i;
-        i = diff(i);
-        if i >= n {
-            break; // trailing unchanged run is implicit
+    // `at`: end of the previous replaced run; `next`: start of the next one (n: none left;
+    // the trailing unchanged run is implicit).
+    let mut at = 0;
+    let mut next = diff(0);
+    while next < n {
+        let l = next;
+        let mut e = same(l);
+        loop {
+            next = if e < n { diff(e) } else { n };
+            if next >= n || next - e > gap {
+                break;
+            }
+            e = same(next);
+            // A long joined run (a rewritten page with a few equal bytes) stops at the limit
+            // as soon as maximal runs would.
+            if out.len() - start + (e - l) > limit {
+                out.truncate(start);
+                return None;
+            }
         }
-        let l = i;
-        i = same(i);
-        put_uleb(out, ((l - s) / unit) as u64);
-        put_uleb(out, ((i - l) / unit) as u64);
-        if out.len() - start + (i - l) > limit {
+        put_uleb(out, ((l - at) / unit) as u64);
+        put_uleb(out, ((e - l) / unit) as u64);
+        if out.len() - start + (e - l) > limit {
             out.truncate(start);
             return None;
         }
-        out.extend_from_slice(&new[l..i]);
+        out.extend_from_slice(&new[l..e]);
+        at = e;
     }
     Some(out.len() - start)
+}
+
+/// Splits the encoder's own 1-byte-unit run stream into its run headers (appended to
+/// `heads`) and its literals (appended to `lits`): the split form of FLAG_SPLIT records.
+pub fn split(stream: &[u8], heads: &mut Vec<u8>, lits: &mut Vec<u8>) {
+    debug_assert!(check(stream, 1, 4096));
+    let mut pos = 0;
+    while pos < stream.len() {
+        let s = pos;
+        let (Some(_), Some(n)) = (get_uleb(stream, &mut pos), get_uleb(stream, &mut pos)) else {
+            break;
+        };
+        heads.extend_from_slice(&stream[s..pos]);
+        let end = pos.saturating_add(n as usize).min(stream.len());
+        lits.extend_from_slice(&stream[pos..end]);
+        pos = end;
+    }
+}
+
+/// Walks the split form of a run stream of exactly `len` bytes: run headers read from
+/// `heads` at `*h`, literals from `lits` at `*l` (both advanced), calling
+/// `f(from, header bytes, literal)` for each replaced run of a `page_len`-byte page. Fails when the headers run out, a run is
+/// empty or leaves the page, or the pieces do not add up to `len`.
+pub fn walk_split(
+    heads: &[u8],
+    h: &mut usize,
+    lits: &[u8],
+    l: &mut usize,
+    len: usize,
+    page_len: usize,
+    mut f: impl FnMut(usize, &[u8], &[u8]),
+) -> Result<(), &'static str> {
+    let (mut done, mut at) = (0usize, 0usize);
+    while done < len {
+        let s = *h;
+        let (Some(skip), Some(n)) = (get_uleb(heads, h), get_uleb(heads, h)) else {
+            return Err("run headers truncated");
+        };
+        let head = *h - s;
+        let n = usize::try_from(n).map_err(|_| "run length too large")?;
+        if n == 0 || n > lits.len() - *l || head + n > len - done {
+            return Err("run literal empty or longer than its payload");
+        }
+        let from = usize::try_from(skip)
+            .ok()
+            .and_then(|k| k.checked_add(at))
+            .filter(|&from| from <= page_len && n <= page_len - from)
+            .ok_or("run past the end of the page")?;
+        f(from, &heads[s..*h], &lits[*l..*l + n]);
+        *l += n;
+        at = from + n;
+        done += head + n;
+    }
+    Ok(())
+}
+
+/// Rebuilds a run stream of exactly `len` bytes from its split form ([`walk_split`]) and
+/// appends it to `out`.
+pub fn join(
+    heads: &[u8],
+    h: &mut usize,
+    lits: &[u8],
+    l: &mut usize,
+    len: usize,
+    out: &mut Vec<u8>,
+) -> Result<(), &'static str> {
+    walk_split(heads, h, lits, l, len, usize::MAX, |_, head, lit| {
+        out.extend_from_slice(head);
+        out.extend_from_slice(lit);
+    })
 }
 
 /// Walks a run stream for a page of `page_len` bytes, calling `f(from, literal)` for each
@@ -340,13 +432,63 @@ mod tests {
             // The masked scanner writes the same stream, and stops at the same limits.
             let mask = crate::encoder::diff_mask(&old, &new);
             let mut out = Vec::new();
-            encode_masked(&old, &new, mask, usize::MAX, &mut out).unwrap();
+            encode_masked(&old, &new, mask, 0, usize::MAX, &mut out).unwrap();
             proptest::prop_assert_eq!(&out, &reference(&old, &new, 1));
             for limit in [0, 16, 512] {
                 let (mut a, mut b) = (vec![7u8], vec![7u8]);
                 let ra = encode(&old, &new, 1, limit, &mut a);
-                proptest::prop_assert_eq!(encode_masked(&old, &new, mask, limit, &mut b), ra);
+                proptest::prop_assert_eq!(encode_masked(&old, &new, mask, 0, limit, &mut b), ra);
                 proptest::prop_assert_eq!(a, b);
+            }
+            // Joined runs: the page round-trips, no stream is longer than maximal runs plus
+            // the joined bytes, and no two runs are `gap` or fewer bytes apart.
+            for gap in [1, 6, 64] {
+                let mut j = Vec::new();
+                encode_masked(&old, &new, mask, gap, usize::MAX, &mut j).unwrap();
+                let mut page = old.clone();
+                proptest::prop_assert!(apply(&j, 1, &mut page));
+                proptest::prop_assert_eq!(&page, &new);
+                let mut last_end = None;
+                walk(&j, 1, 4096, |from, lit| {
+                    if let Some(e) = last_end {
+                        assert!(from - e > gap, "runs {e}..{from} closer than {gap}");
+                    }
+                    last_end = Some(from + lit.len());
+                });
+                if !j.is_empty() {
+                    let limited = encode_masked(&old, &new, mask, gap, j.len() - 1, &mut Vec::new());
+                    proptest::prop_assert_eq!(limited, None);
+                }
+            }
+        }
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn split_then_join_is_the_stream(edits in proptest::collection::vec((0usize..4096, 1usize..40), 0..30), gap in 0usize..9) {
+            let old = vec![0u8; 4096];
+            let mut new = old.clone();
+            for (at, len) in edits {
+                for b in new.iter_mut().skip(at).take(len) {
+                    *b = b.wrapping_add(1 + at as u8 % 7);
+                }
+            }
+            let mask = crate::encoder::diff_mask(&old, &new);
+            let mut stream = vec![];
+            encode_masked(&old, &new, mask, gap, usize::MAX, &mut stream).unwrap();
+            let (mut heads, mut lits) = (vec![], vec![]);
+            split(&stream, &mut heads, &mut lits);
+            proptest::prop_assert_eq!(heads.len() + lits.len(), stream.len());
+            let (mut h, mut l, mut out) = (0, 0, vec![]);
+            join(&heads, &mut h, &lits, &mut l, stream.len(), &mut out).unwrap();
+            proptest::prop_assert_eq!((h, l), (heads.len(), lits.len()));
+            proptest::prop_assert_eq!(&out, &stream);
+            // Cut short or asked for the wrong length: an error, never a panic.
+            if !stream.is_empty() {
+                let (mut h, mut l, mut o) = (0, 0, vec![]);
+                proptest::prop_assert!(join(&heads[..heads.len() - 1], &mut h, &lits, &mut l, stream.len(), &mut o).is_err());
+                let (mut h, mut l, mut o) = (0, 0, vec![]);
+                proptest::prop_assert!(join(&heads, &mut h, &lits, &mut l, stream.len() - 1, &mut o).is_err());
             }
         }
     }

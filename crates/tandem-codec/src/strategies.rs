@@ -303,8 +303,15 @@ pub fn tandem(c: &Ctx<'_>, pfn: u64, new: &[u8], pre: &Pre, budget: &Budget) -> 
     if let Some(old) = old {
         // The pre-pass compared the page with this version: `mask` is exact.
         let mut out = Vec::with_capacity(budget.good_enough.min(PAGE) + 32);
-        let mut small = runs::encode_masked(old, new, pre.mask, budget.good_enough, &mut out)
-            .map(|_| (Base::Mirror(pfn), Body::Runs { unit: 1 }, Payload::Own(out)));
+        let mut small = runs::encode_masked(
+            old,
+            new,
+            pre.mask,
+            budget.run_gap,
+            budget.good_enough,
+            &mut out,
+        )
+        .map(|_| (Base::Mirror(pfn), Body::Runs { unit: 1 }, Payload::Own(out)));
         if small.is_none() && budget.word_runs {
             small = runs_vs(Base::Mirror(pfn), old, new, 8, budget.good_enough);
         }
@@ -366,6 +373,10 @@ pub struct Budget {
     /// A page whose run patch against its previous version fits in this many bytes is sent
     /// as that patch (no prefix, no further search).
     pub good_enough: usize,
+    /// Run patches join replaced runs separated by at most this many unchanged bytes (0:
+    /// maximal runs, as XBZRLE). A run header costs two bytes or more, and a field of which
+    /// only some bytes changed (a pointer, a counter) stays one literal for zstd.
+    pub run_gap: usize,
     /// Reference-prefix compression (prefix.rs): previous versions of the other changed pages
     /// become the zstd prefix of the record.
     pub prefix: bool,
@@ -387,6 +398,7 @@ impl Default for Budget {
     fn default() -> Self {
         Budget {
             good_enough: 512,
+            run_gap: 6,
             prefix: true,
             anchors: true,
             similarity: false,

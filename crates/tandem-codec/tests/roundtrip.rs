@@ -314,3 +314,69 @@ fn bad_encoder_input_is_an_error() {
     assert!(enc.encode(1, &[1], &[0; 10], &mut rec).is_err());
     assert!(Encoder::new(Codec::Remus, &[0; 100], Config::default()).is_err());
 }
+
+/// Re-seals `rec` (header checksums) after `f` changed its ops section.
+fn reseal(rec: &[u8], f: impl FnOnce(&mut Vec<u8>)) -> Vec<u8> {
+    use tandem_codec::format::{Header, HEADER_LEN};
+    let mut h = Header::read(rec).unwrap();
+    let mut ops = rec[HEADER_LEN..HEADER_LEN + h.ops_len as usize].to_vec();
+    f(&mut ops);
+    h.ops_len = ops.len() as u32;
+    h.crc_ops = crc32c::crc32c(&ops);
+    let mut out = Vec::new();
+    h.write(&mut out);
+    out.extend_from_slice(&ops);
+    out.extend_from_slice(&rec[HEADER_LEN + Header::read(rec).unwrap().ops_len as usize..]);
+    out
+}
+
+#[test]
+fn split_run_headers_that_do_not_add_up_are_refused() {
+    use tandem_codec::format::{FLAG_PREFIX, FLAG_SPLIT};
+    use tandem_codec::runs::{get_uleb, put_uleb};
+    // Scattered small changes to pages the encoder holds (from a first epoch): run
+    // patches, and enough of them for their own header frame.
+    let mut truth = initial();
+    let set: Vec<u64> = (0..PAGES as u64).collect();
+    let mut enc = Encoder::new(Codec::Tandem, &truth, Config::default()).unwrap();
+    let mut plan = Plan::default();
+    let mut rec = Vec::new();
+    for epoch in 1..=2u64 {
+        let data: Vec<u8> = set
+            .iter()
+            .flat_map(|&p| {
+                let e = (0..12).map(|k| (k * 331 + p as u16, epoch as u8)).collect();
+                apply(&truth, p as usize, &Edit::Sparse(e))
+            })
+            .collect();
+        rec.clear();
+        enc.encode(epoch, &set, &data, &mut rec).unwrap();
+        decode(&rec, &truth, &mut plan).unwrap();
+        if epoch == 2 {
+            break;
+        }
+        plan.commit(&mut truth);
+        assert!(truth[..] == data[..]);
+    }
+    let h = tandem_codec::format::Header::read(&rec).unwrap();
+    assert!(h.flags & FLAG_SPLIT != 0, "flags {:#x}", h.flags);
+    // The run-header length follows the frame table: change it and re-seal the record.
+    for delta in [-1i64, 1, 64, i64::from(u32::MAX)] {
+        let bad = reseal(&rec, |ops| {
+            let mut pos = 0;
+            if h.flags & FLAG_PREFIX != 0 {
+                tandem_codec::prefix::read_frames(ops, &mut pos, PAGES as u64, 1 << 20).unwrap();
+            }
+            let at = pos;
+            let n = get_uleb(ops, &mut pos).unwrap();
+            let mut v = Vec::new();
+            put_uleb(&mut v, (n as i64 + delta).max(0) as u64);
+            ops.splice(at..pos, v);
+        });
+        decode(&rec, &truth, &mut plan).unwrap();
+        assert!(decode(&bad, &truth, &mut plan).is_err(), "delta {delta}");
+        let mut m = truth.clone();
+        plan.commit(&mut m);
+        assert!(m == truth, "a refused record changed the mirror");
+    }
+}

@@ -189,13 +189,14 @@ pub fn parse_budget(spec: &str, cfg: &mut Config) -> anyhow::Result<()> {
         };
         match k {
             "good_enough" => cfg.budget.good_enough = num(v)?,
+            "run_gap" => cfg.budget.run_gap = num(v)?,
             "similar_above" => cfg.budget.similar_above = num(v)?,
             "similarity" => cfg.budget.similarity = flag(v)?,
             "prefix" => cfg.budget.prefix = flag(v)?,
             "anchors" => cfg.budget.anchors = flag(v)?,
             "blocks" => cfg.budget.blocks = flag(v)?,
             "word_runs" => cfg.budget.word_runs = flag(v)?,
-            _ => bail!("--budget: unknown knob {k:?} (good_enough, prefix, anchors, similar_above, similarity, blocks, word_runs)"),
+            _ => bail!("--budget: unknown knob {k:?} (good_enough, run_gap, prefix, anchors, similar_above, similarity, blocks, word_runs)"),
         }
     }
     Ok(())
