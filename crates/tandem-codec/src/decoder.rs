@@ -4,8 +4,8 @@
 use crate::bodies::{decode_areas, decode_blocks};
 use crate::code::{Base, Body, Method, PageCode};
 use crate::format::{
-    Header, FLAG_LZ4, FLAG_PREFIX, FLAG_SPLIT, FLAG_ZSTD, HEADER_LEN, MAX_PAGE_PAYLOAD,
-    MAX_PREFIX_PAGES, MIN_CODE_LEN, PAGE,
+    Header, FLAG_LZ4, FLAG_PREFIX, FLAG_ZSTD, HEADER_LEN, MAX_PAGE_PAYLOAD, MAX_PREFIX_PAGES,
+    MIN_CODE_LEN, PAGE,
 };
 use crate::runs;
 use crate::DecodeError;
@@ -123,7 +123,7 @@ pub fn pages_read(rec: &[u8], pages: u64) -> Result<Option<Vec<u64>>, DecodeErro
             out.extend(f.pfns);
         }
     }
-    split_len(&h, ops, &mut pos)?;
+    crate::split::split_len(&h, ops, &mut pos)?;
     for c in read_codes(&h, &ops[pos..], pages)? {
         if matches!(c.body, Body::Areas | Body::Blocks(_)) {
             return Ok(None);
@@ -168,7 +168,7 @@ fn decode_into(rec: &[u8], mirror: &[u8], plan: &mut Plan) -> Result<(), DecodeE
     } else {
         Vec::new()
     };
-    let split = split_len(&h, ops, &mut pos)?;
+    let split = crate::split::split_len(&h, ops, &mut pos)?;
     let codes = read_codes(&h, &ops[pos..], pages)?;
     plan.inplace = None;
     plan.epoch = h.epoch;
@@ -186,58 +186,6 @@ fn decode_into(rec: &[u8], mirror: &[u8], plan: &mut Plan) -> Result<(), DecodeE
     };
     plan.scratch = scratch;
     r
-}
-
-/// Reads the run-header length of a FLAG_SPLIT record at `*pos` (after the frame table): 1
-/// to the decoded data length.
-fn split_len(h: &Header, ops: &[u8], pos: &mut usize) -> Result<Option<usize>, DecodeError> {
-    if h.flags & FLAG_SPLIT == 0 {
-        return Ok(None);
-    }
-    let n = crate::runs::get_uleb(ops, pos)
-        .ok_or_else(|| DecodeError::Malformed("run header length truncated".into()))?;
-    if n == 0 || n > h.data_raw_len as u64 {
-        return Err(DecodeError::Malformed(format!(
-            "{n} bytes of run headers in a data section of {}",
-            h.data_raw_len
-        )));
-    }
-    Ok(Some(n as usize))
-}
-
-/// Puts a FLAG_SPLIT data section (`data`, ending with `heads` bytes of run headers) back in
-/// page order: each 1-byte run patch gets its headers back between its literals. (The
-/// one-pass path joins only the run patches, apply.rs.)
-fn join(
-    data: &[u8],
-    heads: usize,
-    codes: &[PageCode],
-    out: &mut Vec<u8>,
-) -> Result<(), DecodeError> {
-    let (lits, hs) = data.split_at(data.len() - heads);
-    let (mut h, mut l) = (0, 0);
-    out.clear();
-    out.reserve(data.len());
-    for (i, c) in codes.iter().enumerate() {
-        let n = c.len as usize;
-        if c.body == (Body::Runs { unit: 1 }) {
-            crate::runs::join(hs, &mut h, lits, &mut l, n, out).map_err(|e| bad(i, e))?;
-        } else {
-            if n > lits.len() - l {
-                return Err(bad(i, "payload past the run headers"));
-            }
-            out.extend_from_slice(&lits[l..l + n]);
-            l += n;
-        }
-    }
-    if h != hs.len() || l != lits.len() {
-        return Err(DecodeError::Malformed(format!(
-            "{} of {} run header bytes used",
-            h,
-            hs.len()
-        )));
-    }
-    Ok(())
 }
 
 /// Parses every page code (the ops section is stored as is) and checks that their payloads
@@ -334,7 +282,7 @@ fn data_section(
     let at = decompress(h, src, scratch)?;
     if let Some(heads) = src.split {
         let raw = h.data_raw_len as usize;
-        join(&scratch[at..at + raw], heads, codes, joined)?;
+        crate::split::join_section(&scratch[at..at + raw], heads, codes, joined)?;
         scratch[at..at + raw].copy_from_slice(joined);
     }
     Ok(at)

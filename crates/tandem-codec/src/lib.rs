@@ -32,6 +32,7 @@ mod record;
 pub mod runs;
 mod simd;
 pub mod simhash;
+mod split;
 pub mod state;
 mod strategies;
 pub mod wkdm;
