@@ -3,7 +3,7 @@
 //! ```text
 //! +----------------------------------------------------------------------+
 //! | header (52 bytes, little-endian)                                     |
-//! |   0 magic "TNDMEPC1"        8 version u16 = 2    10 flags u16        |
+//! |   0 magic "TNDMEPC1"        8 version u16 = 3    10 flags u16        |
 //! |  12 page_size u32 = 4096   16 epoch u64          24 entries u32      |
 //! |  28 ops_len u32            32 data_stored_len u32                    |
 //! |  36 data_raw_len u32       40 crc32c(ops) u32    44 crc32c(data) u32 |
@@ -25,7 +25,7 @@
 //! |   the literals (runs.rs split / join)                                |
 //! +----------------------------------------------------------------------+
 //! ```
-//! Version 1 records (no prefix flag) are still read.
+//! Version 1 (no prefix flag) and version 2 (no split flag) records are still read.
 //! Limits: entries ≤ 2²⁴ (64 GiB of pages per epoch), ops ≤ 256 MiB, data ≤ 1 GiB decoded,
 //! one page's payload ≤ [`MAX_PAGE_PAYLOAD`]. Declared lengths are checked against what the
 //! record can hold before anything is allocated from them: the decoded data length against the
@@ -38,7 +38,7 @@ use tandem_types::framing::{crc32c, has_magic, u16_at, u32_at, u64_at};
 /// Record magic.
 pub const MAGIC: &[u8; 8] = b"TNDMEPC1";
 /// Record format version written.
-pub const VERSION: u16 = 2;
+pub const VERSION: u16 = 3;
 /// Oldest record format version read (version 1 has no reference prefix).
 pub const MIN_VERSION: u16 = 1;
 /// Header length.
@@ -68,7 +68,7 @@ pub const FLAG_LZ4: u16 = 2;
 /// Flag (with [`FLAG_ZSTD`], version 2): the data section is zstd frames with reference
 /// prefixes, described by a frame table at the start of the ops section.
 pub const FLAG_PREFIX: u16 = 4;
-/// Flag (version 2): the run headers of every 1-byte run patch (`Runs { unit: 1 }`) follow
+/// Flag (version 3): the run headers of every 1-byte run patch (`Runs { unit: 1 }`) follow
 /// all payloads, in page order, as one region whose length is a ULEB128 in the ops section;
 /// each such page's payload holds only its literals. zstd then sees literals among literals
 /// and headers among headers (kv −1.4 %, idle −1 %).
@@ -162,7 +162,7 @@ impl Header {
         if h.flags & !(FLAG_ZSTD | FLAG_LZ4 | FLAG_PREFIX | FLAG_SPLIT) != 0
             || h.flags & (FLAG_ZSTD | FLAG_LZ4) == FLAG_ZSTD | FLAG_LZ4
             || (h.flags & FLAG_PREFIX != 0 && !prefix_ok)
-            || (h.flags & FLAG_SPLIT != 0 && version < 2)
+            || (h.flags & FLAG_SPLIT != 0 && version < 3)
         {
             return Err(DecodeError::Malformed(format!(
                 "unknown flags {:#x}",

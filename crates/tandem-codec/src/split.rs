@@ -161,6 +161,25 @@ mod tests {
         assert!(decode(&rec, &mirror, &mut plan).is_err());
     }
 
+    #[test]
+    fn split_needs_version_3_and_newer_versions_are_named() {
+        let mut heads = Vec::new();
+        put_uleb(&mut heads, 0);
+        put_uleb(&mut heads, 1);
+        let good = record(&[3], &heads, &[1], heads.len() as u64);
+        let mirror = vec![0u8; 2 * PAGE];
+        let mut plan = Plan::default();
+        decode(&good, &mirror, &mut plan).unwrap();
+        for (version, what) in [(2u16, "unknown flags"), (4, "version 4")] {
+            let mut rec = good.clone();
+            rec[8..10].copy_from_slice(&version.to_le_bytes());
+            let crc = crc32c::crc32c(&rec[..48]);
+            rec[48..52].copy_from_slice(&crc.to_le_bytes());
+            let e = decode(&rec, &mirror, &mut plan).unwrap_err().to_string();
+            assert!(e.contains(what), "{e}");
+        }
+    }
+
     proptest::proptest! {
         /// Arbitrary header regions, literals, lengths and declared header lengths: decoded
         /// or refused, never a panic, and a refused record changes nothing.
