@@ -71,7 +71,8 @@ pub const FLAG_PREFIX: u16 = 4;
 /// Flag (version 3): the run headers of every 1-byte run patch (`Runs { unit: 1 }`) follow
 /// all payloads, in page order, as one region whose length is a ULEB128 in the ops section;
 /// each such page's payload holds only its literals. zstd then sees literals among literals
-/// and headers among headers (kv −1.4 %, idle −1 %).
+/// and headers among headers (with their own frame: kv −2.5 %, idle −1.5 %, compile and
+/// sqlite −0.6 %).
 pub const FLAG_SPLIT: u16 = 8;
 /// Most pages in a reference prefix (1 GiB of references).
 pub const MAX_PREFIX_PAGES: u64 = 1 << 18;

@@ -252,8 +252,9 @@ pub fn split(stream: &[u8], heads: &mut Vec<u8>, lits: &mut Vec<u8>) {
 
 /// Walks the split form of a run stream of exactly `len` bytes: run headers read from
 /// `heads` at `*h`, literals from `lits` at `*l` (both advanced), calling
-/// `f(from, header bytes, literal)` for each replaced run of a `page_len`-byte page. Fails when the headers run out, a run is
-/// empty or leaves the page, or the pieces do not add up to `len`.
+/// `f(from, header bytes, literal)` for each replaced run of a `page_len`-byte page. Fails
+/// when the headers run out, a run is empty or leaves the page, or the pieces do not add up
+/// to `len`.
 pub fn walk_split(
     heads: &[u8],
     h: &mut usize,
