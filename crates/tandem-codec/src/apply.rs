@@ -12,28 +12,21 @@ use crate::code::{Base, Body, Method, PageCode};
 use crate::decoder::bad;
 use crate::format::PAGE;
 use crate::runs;
+use crate::split::Piece;
 use crate::DecodeError;
 
 /// A validated record kept for an in-place commit.
 #[derive(Debug, Default, Clone)]
 pub(crate) struct InPlace {
     codes: Vec<PageCode>,
-    /// Where each code's payload starts.
-    offs: Vec<Loc>,
+    /// Where each code's payload lies, from the start of the data section.
+    offs: Vec<Piece>,
     /// Pages written this epoch that another entry reads as a pre-epoch base (sorted).
     stage: Vec<u64>,
-    /// FLAG_SPLIT records: where the run headers start and end in the scratch buffer.
+    /// Where the data section starts in the plan's scratch buffer.
+    data_at: usize,
+    /// Where the run headers (FLAG_SPLIT) start and end in the scratch buffer.
     heads: std::ops::Range<usize>,
-}
-
-/// Where a payload starts in the plan's scratch buffer.
-#[derive(Debug, Clone, Copy)]
-enum Loc {
-    /// In one piece.
-    Data(usize),
-    /// A run patch of a FLAG_SPLIT record: its literals, and its headers at this offset
-    /// into [`InPlace::heads`].
-    Split(usize, usize),
 }
 
 /// Whether every code can be applied in place.
@@ -57,24 +50,12 @@ pub(crate) fn validate(
     pages: u64,
     split: Option<usize>,
 ) -> Result<InPlace, DecodeError> {
-    let mut offs = Vec::with_capacity(codes.len());
-    let (lits, heads) = data.split_at(data.len() - split.unwrap_or(0));
-    let (mut at, mut h) = (0usize, 0usize);
+    let (offs, heads_at) = crate::split::pieces(data, split, &codes)?;
     let mut stage = Vec::new();
-    for (i, c) in codes.iter().enumerate() {
-        let n = c.len as usize;
-        let payload = if split.is_some() && c.body == (Body::Runs { unit: 1 }) {
-            offs.push(Loc::Split(data_at + at, h));
-            runs::walk_split(heads, &mut h, lits, &mut at, n, PAGE, |_, _, _| {})
-                .map_err(|e| bad(i, e))?;
-            None
-        } else {
-            if n > lits.len() - at {
-                return Err(bad(i, "payload past the end of the data"));
-            }
-            offs.push(Loc::Data(data_at + at));
-            at += n;
-            Some(&lits[at - n..at])
+    for (i, (c, p)) in codes.iter().zip(&offs).enumerate() {
+        let payload = match *p {
+            Piece::Whole(o) => Some(&data[o..o + c.len as usize]),
+            Piece::Runs(..) => None,
         };
         match c.base {
             Base::Zero => {}
@@ -108,21 +89,14 @@ pub(crate) fn validate(
             return Err(bad(i, format!("malformed {:?} payload", c.body)));
         }
     }
-    if at != lits.len() || h != heads.len() {
-        return Err(DecodeError::Malformed(format!(
-            "payloads use {at} of {} data bytes and {h} of {} run header bytes",
-            lits.len(),
-            heads.len()
-        )));
-    }
     stage.sort_unstable();
     stage.dedup();
-    let start = data_at + lits.len();
     Ok(InPlace {
         codes,
         offs,
         stage,
-        heads: start..start + heads.len(),
+        data_at,
+        heads: data_at + heads_at..data_at + data.len(),
     })
 }
 
@@ -156,10 +130,11 @@ pub(crate) fn commit(p: &InPlace, data: &[u8], mirror: &mut [u8]) {
         }
         let page = &mut mirror[dst];
         let payload = match p.offs[i] {
-            Loc::Data(o) => &data[o..o + n],
-            Loc::Split(mut lit, mut h) => {
+            Piece::Whole(o) => &data[p.data_at + o..p.data_at + o + n],
+            Piece::Runs(lit, mut h) => {
                 // Validated: it cannot fail.
                 let heads = &data[p.heads.clone()];
+                let mut lit = p.data_at + lit;
                 let _ = runs::walk_split(heads, &mut h, data, &mut lit, n, PAGE, |at, _, l| {
                     page[at..at + l.len()].copy_from_slice(l)
                 });

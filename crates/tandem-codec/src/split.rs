@@ -5,7 +5,8 @@
 
 use crate::code::{Body, PageCode};
 use crate::decoder::bad;
-use crate::format::{Header, FLAG_SPLIT};
+use crate::format::{Header, FLAG_SPLIT, PAGE};
+use crate::runs;
 use crate::DecodeError;
 
 /// Reads the run-header length of a FLAG_SPLIT record at `*pos` (after the frame table): 1
@@ -18,7 +19,7 @@ pub(crate) fn split_len(
     if h.flags & FLAG_SPLIT == 0 {
         return Ok(None);
     }
-    let n = crate::runs::get_uleb(ops, pos)
+    let n = runs::get_uleb(ops, pos)
         .ok_or_else(|| DecodeError::Malformed("run header length truncated".into()))?;
     if n == 0 || n > h.data_raw_len as u64 {
         return Err(DecodeError::Malformed(format!(
@@ -27,6 +28,52 @@ pub(crate) fn split_len(
         )));
     }
     Ok(Some(n as usize))
+}
+
+/// Where one code's payload lies in a decoded data section.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Piece {
+    /// In one piece, from this offset.
+    Whole(usize),
+    /// A run patch of a FLAG_SPLIT record: its literals from the first offset, its headers
+    /// from the second, counted from the start of the header region.
+    Runs(usize, usize),
+}
+
+/// The payload of every code in `data` (a decoded data section), checked: with `split` (the
+/// last `split` bytes are run headers) each 1-byte run patch is checked in its split form
+/// (`runs::walk_split`), and the payloads and headers must use the section exactly. Returns
+/// the pieces and where the header region starts.
+pub(crate) fn pieces(
+    data: &[u8],
+    split: Option<usize>,
+    codes: &[PageCode],
+) -> Result<(Vec<Piece>, usize), DecodeError> {
+    let (lits, heads) = data.split_at(data.len() - split.unwrap_or(0));
+    let (mut at, mut h) = (0usize, 0usize);
+    let mut out = Vec::with_capacity(codes.len());
+    for (i, c) in codes.iter().enumerate() {
+        let n = c.len as usize;
+        if split.is_some() && c.body == (Body::Runs { unit: 1 }) {
+            out.push(Piece::Runs(at, h));
+            runs::walk_split(heads, &mut h, lits, &mut at, n, PAGE, |_, _, _| {})
+                .map_err(|e| bad(i, e))?;
+        } else {
+            if n > lits.len() - at {
+                return Err(bad(i, "payload past the end of the data"));
+            }
+            out.push(Piece::Whole(at));
+            at += n;
+        }
+    }
+    if at != lits.len() || h != heads.len() {
+        return Err(DecodeError::Malformed(format!(
+            "payloads use {at} of {} data bytes and {h} of {} run header bytes",
+            lits.len(),
+            heads.len()
+        )));
+    }
+    Ok((out, lits.len()))
 }
 
 /// Puts a FLAG_SPLIT data section (`data`, ending with `heads` bytes of run headers) back in
@@ -38,28 +85,18 @@ pub(crate) fn join_section(
     codes: &[PageCode],
     out: &mut Vec<u8>,
 ) -> Result<(), DecodeError> {
-    let (lits, hs) = data.split_at(data.len() - heads);
-    let (mut h, mut l) = (0, 0);
+    let (pieces, hs) = pieces(data, Some(heads), codes)?;
     out.clear();
     out.reserve(data.len());
-    for (i, c) in codes.iter().enumerate() {
+    for (c, p) in codes.iter().zip(pieces) {
         let n = c.len as usize;
-        if c.body == (Body::Runs { unit: 1 }) {
-            crate::runs::join(hs, &mut h, lits, &mut l, n, out).map_err(|e| bad(i, e))?;
-        } else {
-            if n > lits.len() - l {
-                return Err(bad(i, "payload past the run headers"));
+        match p {
+            Piece::Whole(o) => out.extend_from_slice(&data[o..o + n]),
+            Piece::Runs(mut l, mut h) => {
+                // Checked by `pieces`: it cannot fail.
+                let _ = runs::join(&data[hs..], &mut h, &data[..hs], &mut l, n, out);
             }
-            out.extend_from_slice(&lits[l..l + n]);
-            l += n;
         }
-    }
-    if h != hs.len() || l != lits.len() {
-        return Err(DecodeError::Malformed(format!(
-            "{} of {} run header bytes used",
-            h,
-            hs.len()
-        )));
     }
     Ok(())
 }
