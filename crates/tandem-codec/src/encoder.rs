@@ -90,8 +90,9 @@ impl Encoder {
         // the block hashes and indexes leave of it (and at most `cache_bytes`).
         let store_bytes = if tandem {
             let quarter = base.len() / 4;
-            // Page index (~24 B per entry, 4 entries per stored page), anchors (1 MiB), slack.
-            let index = 4 * (cfg.cache_bytes / PAGE) * 24 + (2 << 20);
+            // Page index (~24 B per entry, 4 entries per stored page), anchors (1 MiB), slack,
+            // the admission's clock per page.
+            let index = 4 * (cfg.cache_bytes / PAGE) * 24 + (2 << 20) + pages as usize * 4;
             cfg.cache_bytes
                 .min(quarter.saturating_sub(hash_bytes + index))
                 .max(64 * PAGE)
@@ -104,6 +105,10 @@ impl Encoder {
             _ if full => Some(PrevStore::Mirror(base.to_vec())),
             Codec::Xbzrle => Some(PrevStore::direct(cfg.cache_bytes)),
             Codec::Gerofi => Some(PrevStore::Lru(Lru::new(cfg.rdp_pages))),
+            Codec::Tandem if cfg.budget.admission => Some(PrevStore::Lru(Lru::scan_resistant(
+                store_bytes / PAGE,
+                pages,
+            ))),
             _ => Some(lru(store_bytes)),
         };
         let shares = matches!(strategy, Codec::De | Codec::Tandem | Codec::TandemV1);

@@ -143,6 +143,7 @@ pub fn encode(
             1,
             0,
             limit,
+            limit,
             out,
             |i| first_diff(old, new, i),
             |i| first_same(old, new, i),
@@ -152,6 +153,7 @@ pub fn encode(
             new,
             unit,
             0,
+            limit,
             limit,
             out,
             |i| first_word(old, new, i, true),
@@ -165,12 +167,19 @@ pub fn encode(
 /// stream; otherwise unchanged stretches of at most `gap` bytes inside a changed region are
 /// sent as part of it: one run instead of two saves a run header (2 bytes or more) and keeps a
 /// changed structure in one piece for the record's zstd pass.
+///
+/// A patch may grow past `limit` up to `regular` bytes while at least half of its runs (and 16
+/// or more) repeat the previous run's header: one field changed in every element of an array
+/// (a counter, a timestamp, a flag). Its headers then compress to almost nothing, where the
+/// record's zstd pass over the page and its previous version would pay for a match per run.
+#[allow(clippy::too_many_arguments)]
 pub fn encode_masked(
     old: &[u8],
     new: &[u8],
     mask: u64,
     gap: usize,
     limit: usize,
+    regular: usize,
     out: &mut Vec<u8>,
 ) -> Option<usize> {
     debug_assert!(old.len() == 4096 && new.len() == 4096);
@@ -179,6 +188,7 @@ pub fn encode_masked(
         1,
         gap,
         limit,
+        regular,
         out,
         |i| first_diff_masked(old, new, i, mask),
         |i| first_same(old, new, i),
@@ -188,19 +198,31 @@ pub fn encode_masked(
 /// The run stream of `new`: `diff(i)` / `same(i)` find the next replaced / unchanged unit at
 /// or after byte `i`. An unchanged stretch of at most `gap` bytes between two replaced runs
 /// joins them (0: maximal runs, XBZRLE's stream). Stops with `None` (and `out` restored) past
-/// `limit` bytes.
+/// `limit` bytes, or past `regular` bytes while at least half of the runs so far repeat the
+/// previous run's header (see [`encode_masked`]).
 #[inline]
+#[allow(clippy::too_many_arguments)]
 fn emit(
     new: &[u8],
     unit: usize,
     gap: usize,
     limit: usize,
+    regular: usize,
     out: &mut Vec<u8>,
     diff: impl Fn(usize) -> usize,
     same: impl Fn(usize) -> usize,
 ) -> Option<usize> {
     let start = out.len();
     let n = new.len();
+    // Runs so far, and how many had the same header (skip, length) as the run before.
+    let (mut runs, mut repeats, mut last) = (0usize, 0usize, (usize::MAX, 0));
+    let cap = |runs: usize, repeats: usize| {
+        if runs >= REGULAR_MIN_RUNS && 2 * repeats >= runs {
+            regular.max(limit)
+        } else {
+            limit
+        }
+    };
     // `at`: end of the previous replaced run; `next`: start of the next one (n: none left;
     // the trailing unchanged run is implicit).
     let mut at = 0;
@@ -216,14 +238,18 @@ fn emit(
             e = same(next);
             // A long joined run (a rewritten page with a few equal bytes) stops at the limit
             // as soon as maximal runs would.
-            if out.len() - start + (e - l) > limit {
+            if out.len() - start + (e - l) > cap(runs, repeats) {
                 out.truncate(start);
                 return None;
             }
         }
-        put_uleb(out, ((l - at) / unit) as u64);
-        put_uleb(out, ((e - l) / unit) as u64);
-        if out.len() - start + (e - l) > limit {
+        let head = (l - at, e - l);
+        repeats += (head == last) as usize;
+        runs += 1;
+        last = head;
+        put_uleb(out, (head.0 / unit) as u64);
+        put_uleb(out, (head.1 / unit) as u64);
+        if out.len() - start + (e - l) > cap(runs, repeats) {
             out.truncate(start);
             return None;
         }
@@ -232,6 +258,10 @@ fn emit(
     }
     Some(out.len() - start)
 }
+
+/// Fewest runs before a patch counts as regular (its headers then compress to almost nothing,
+/// whatever its length).
+const REGULAR_MIN_RUNS: usize = 16;
 
 /// Splits the encoder's own 1-byte-unit run stream into its run headers (appended to
 /// `heads`) and its literals (appended to `lits`): the split form of FLAG_SPLIT records.
@@ -433,19 +463,19 @@ mod tests {
             // The masked scanner writes the same stream, and stops at the same limits.
             let mask = crate::encoder::diff_mask(&old, &new);
             let mut out = Vec::new();
-            encode_masked(&old, &new, mask, 0, usize::MAX, &mut out).unwrap();
+            encode_masked(&old, &new, mask, 0, usize::MAX, usize::MAX, &mut out).unwrap();
             proptest::prop_assert_eq!(&out, &reference(&old, &new, 1));
             for limit in [0, 16, 512] {
                 let (mut a, mut b) = (vec![7u8], vec![7u8]);
                 let ra = encode(&old, &new, 1, limit, &mut a);
-                proptest::prop_assert_eq!(encode_masked(&old, &new, mask, 0, limit, &mut b), ra);
+                proptest::prop_assert_eq!(encode_masked(&old, &new, mask, 0, limit, limit, &mut b), ra);
                 proptest::prop_assert_eq!(a, b);
             }
             // Joined runs: the page round-trips, no stream is longer than maximal runs plus
             // the joined bytes, and no two runs are `gap` or fewer bytes apart.
             for gap in [1, 6, 64] {
                 let mut j = Vec::new();
-                encode_masked(&old, &new, mask, gap, usize::MAX, &mut j).unwrap();
+                encode_masked(&old, &new, mask, gap, usize::MAX, usize::MAX, &mut j).unwrap();
                 let mut page = old.clone();
                 proptest::prop_assert!(apply(&j, 1, &mut page));
                 proptest::prop_assert_eq!(&page, &new);
@@ -457,11 +487,54 @@ mod tests {
                     last_end = Some(from + lit.len());
                 });
                 if !j.is_empty() {
-                    let limited = encode_masked(&old, &new, mask, gap, j.len() - 1, &mut Vec::new());
+                    let limited = encode_masked(&old, &new, mask, gap, j.len() - 1, j.len() - 1, &mut Vec::new());
                     proptest::prop_assert_eq!(limited, None);
                 }
             }
         }
+    }
+
+    #[test]
+    fn regular_patches_may_pass_the_limit_irregular_ones_not() {
+        let old: Vec<u8> = (0..4096).map(|i| (i * 31 % 251) as u8).collect();
+        let mask_of = |new: &[u8]| crate::encoder::diff_mask(&old, new);
+        // One byte of every 8-byte element changed (a counter in an array): 512 runs with
+        // the same header, 1 536 bytes.
+        let mut strided = old.clone();
+        strided.iter_mut().step_by(8).for_each(|b| *b ^= 0x40);
+        let m = mask_of(&strided);
+        let mut out = Vec::new();
+        assert_eq!(
+            encode_masked(&old, &strided, m, 6, 512, 512, &mut out),
+            None
+        );
+        assert!(out.is_empty(), "the buffer is restored");
+        let n = encode_masked(&old, &strided, m, 6, 512, 3072, &mut out).unwrap();
+        assert_eq!(n, 1536);
+        let mut page = old.clone();
+        assert!(apply(&out, 1, &mut page));
+        assert_eq!(page, strided);
+        // ... but not past the higher limit.
+        assert_eq!(
+            encode_masked(&old, &strided, m, 6, 512, 1535, &mut Vec::new()),
+            None
+        );
+        // As many changed bytes at irregular distances stop at the lower limit.
+        let mut irregular = old.clone();
+        let mut at = 0;
+        for k in 0.. {
+            at += 7 + (k * 7919) % 11;
+            if at >= 4096 {
+                break;
+            }
+            irregular[at] ^= 0x40;
+        }
+        let m = mask_of(&irregular);
+        assert_eq!(
+            encode_masked(&old, &irregular, m, 6, 512, 3072, &mut Vec::new()),
+            None
+        );
+        assert!(encode_masked(&old, &irregular, m, 6, 4096, 4096, &mut Vec::new()).is_some());
     }
 
     proptest::proptest! {
@@ -476,7 +549,7 @@ mod tests {
             }
             let mask = crate::encoder::diff_mask(&old, &new);
             let mut stream = vec![];
-            encode_masked(&old, &new, mask, gap, usize::MAX, &mut stream).unwrap();
+            encode_masked(&old, &new, mask, gap, usize::MAX, usize::MAX, &mut stream).unwrap();
             let (mut heads, mut lits) = (vec![], vec![]);
             split(&stream, &mut heads, &mut lits);
             proptest::prop_assert_eq!(heads.len() + lits.len(), stream.len());

@@ -51,6 +51,8 @@ pub enum PrevStore {
 
 /// A slab of pages with an intrusive LRU list.
 pub struct Lru {
+    /// Scan-resistant admission (tandem's store); `None`: every page is admitted (plain LRU).
+    admission: Option<Admission>,
     map: FxMap<u64, u32>,
     pfn: Vec<u64>,
     data: Vec<u8>,
@@ -66,6 +68,7 @@ impl Lru {
     pub fn new(cap: usize) -> Self {
         let cap = cap.max(1);
         Lru {
+            admission: None,
             map: FxMap::default(),
             pfn: Vec::new(),
             data: Vec::new(),
@@ -74,6 +77,15 @@ impl Lru {
             head: NIL,
             tail: NIL,
             cap,
+        }
+    }
+
+    /// A store for `cap` pages of a guest of `pages` pages that does not thrash when the
+    /// guest rewrites more pages in a cycle than it holds (see [`Admission`]).
+    pub fn scan_resistant(cap: usize, pages: u64) -> Self {
+        Lru {
+            admission: Some(Admission::new(pages)),
+            ..Lru::new(cap)
         }
     }
 
@@ -110,6 +122,11 @@ impl Lru {
     }
 
     fn put(&mut self, pfn: u64, content: &[u8]) {
+        let cap = self.cap;
+        let admit = match self.admission.as_mut() {
+            Some(a) => a.admit(pfn, cap),
+            None => true,
+        };
         let s = if let Some(&s) = self.map.get(&pfn) {
             self.unlink(s);
             s
@@ -128,6 +145,8 @@ impl Lru {
             self.data.resize(self.data.len() + PAGE, 0);
             self.map.insert(pfn, s);
             s
+        } else if !admit {
+            return;
         } else {
             let s = self.tail;
             self.unlink(s);
@@ -141,7 +160,51 @@ impl Lru {
     }
 
     fn bytes(&self) -> usize {
-        self.data.capacity() + self.pfn.capacity() * 16 + self.map.capacity() * 16
+        self.data.capacity()
+            + self.pfn.capacity() * 16
+            + self.map.capacity() * 16
+            + self.admission.as_ref().map_or(0, |a| a.last.capacity() * 4)
+    }
+}
+
+/// Which missing pages a full store takes in. Plain LRU holds nothing when the guest rewrites
+/// a cycle of more pages than the store holds (a ring buffer, a scan over a large array): each
+/// page is evicted just before it comes round again. Like LIRS, this judges a page by its
+/// reuse distance, here the number of pages stored since its previous version: within the
+/// store's capacity (or a page seen for the first time), it is taken in as LRU would; beyond
+/// it, only a fixed sample of page numbers, `capacity / (2 × distance)` of them, is. On a cycle
+/// of W > C pages that sample (C/2W of the cycle, half of what fits, so that it does not
+/// thrash among itself) is taken in and then hit every time round, and so are the pages
+/// already held that it did not push out; LRU hits nothing. A workload whose pages come back
+/// within the capacity is unaffected.
+struct Admission {
+    /// Per page: `clock` when its last version was stored (0: never).
+    last: Vec<u32>,
+    clock: u32,
+}
+
+impl Admission {
+    fn new(pages: u64) -> Self {
+        Admission {
+            last: vec![0; pages as usize],
+            clock: 0,
+        }
+    }
+
+    /// Records that a version of `pfn` is being stored; says whether a store of `cap` pages
+    /// that does not hold it should take it in.
+    fn admit(&mut self, pfn: u64, cap: usize) -> bool {
+        // 0 marks "never": the clock skips it when it wraps (after 2^32 pages stored, a
+        // distance may come out wrong once; it only steers what is held).
+        self.clock = self.clock.wrapping_add(1).max(1);
+        let Some(l) = self.last.get_mut(pfn as usize) else {
+            return true;
+        };
+        let prev = std::mem::replace(l, self.clock);
+        let d = self.clock.wrapping_sub(prev) as u64;
+        // The page's place in a fixed pseudo-random order of page numbers, in 0..1024.
+        let rank = pfn.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 54;
+        prev == 0 || d <= cap as u64 || rank * d < 512 * cap as u64
     }
 }
 
@@ -285,6 +348,45 @@ mod tests {
         assert!(s.get(2).is_none());
         assert_eq!(s.get(1).unwrap()[0], 11);
         assert_eq!(s.get(3).unwrap()[0], 3);
+    }
+
+    #[test]
+    fn a_cycle_larger_than_the_store_keeps_a_held_sample() {
+        let page = [7u8; PAGE];
+        let (cap, cycle) = (100usize, 150u64);
+        let mut plain = PrevStore::Lru(Lru::new(cap));
+        let mut resistant = PrevStore::Lru(Lru::scan_resistant(cap, 1000));
+        let (mut hits_plain, mut hits) = (0, 0);
+        for round in 0..10 {
+            for pfn in 0..cycle {
+                if round > 2 {
+                    hits_plain += plain.get(pfn).is_some() as usize;
+                    hits += resistant.get(pfn).is_some() as usize;
+                }
+                plain.put(pfn, &page);
+                resistant.put(pfn, &page);
+            }
+        }
+        // LRU evicts each page just before it comes back; the sample (cap/(2 cycle) of the
+        // pages by number, here about 50) and what it leaves held are hit every round.
+        assert_eq!(hits_plain, 0);
+        let per_round = hits / 7;
+        assert!(
+            (40..=100).contains(&per_round),
+            "{per_round} hits per round"
+        );
+        // Pages that come back within the capacity are held as by LRU.
+        let mut s = PrevStore::Lru(Lru::scan_resistant(2, 1000));
+        s.put(1, &[1; PAGE]);
+        s.put(2, &[2; PAGE]);
+        s.put(1, &[11; PAGE]);
+        s.put(3, &[3; PAGE]); // first seen: taken in, evicts 2
+        assert!(s.get(2).is_none());
+        assert_eq!(s.get(1).unwrap()[0], 11);
+        assert_eq!(s.get(3).unwrap()[0], 3);
+        // A page number outside the guest is taken in (no history to judge it by).
+        s.put(5000, &[5; PAGE]);
+        assert!(s.get(5000).is_some());
     }
 
     #[test]

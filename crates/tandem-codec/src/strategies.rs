@@ -309,6 +309,7 @@ pub fn tandem(c: &Ctx<'_>, pfn: u64, new: &[u8], pre: &Pre, budget: &Budget) -> 
             pre.mask,
             budget.run_gap,
             budget.good_enough,
+            budget.regular_up_to,
             &mut out,
         )
         .map(|_| (Base::Mirror(pfn), Body::Runs { unit: 1 }, Payload::Own(out)));
@@ -373,6 +374,9 @@ pub struct Budget {
     /// A page whose run patch against its previous version fits in this many bytes is sent
     /// as that patch (no prefix, no further search).
     pub good_enough: usize,
+    /// ... or in this many bytes when at least half of its runs repeat the previous run's
+    /// header (one field changed in every element of an array; runs.rs, `encode_masked`).
+    pub regular_up_to: usize,
     /// Run patches join replaced runs separated by at most this many unchanged bytes (0:
     /// maximal runs, as XBZRLE). A run header costs two bytes or more, and a field of which
     /// only some bytes changed (a pointer, a counter) stays one literal for zstd.
@@ -392,12 +396,17 @@ pub struct Budget {
     /// Keep 64-bit hashes of every page's 128-byte blocks (1/16 of guest memory) so pages
     /// missing from the bounded store still send only their changed blocks.
     pub blocks: bool,
+    /// A full store takes in a page that comes back after more pages than it holds only for a
+    /// fixed sample of page numbers (state.rs, `Admission`), so a cycle larger than the store
+    /// keeps part of itself held instead of none (plain LRU).
+    pub admission: bool,
 }
 
 impl Default for Budget {
     fn default() -> Self {
         Budget {
             good_enough: 512,
+            regular_up_to: 3072,
             run_gap: 6,
             prefix: true,
             anchors: true,
@@ -405,6 +414,7 @@ impl Default for Budget {
             similar_above: 512,
             blocks: true,
             word_runs: false,
+            admission: true,
         }
     }
 }
