@@ -99,15 +99,14 @@ impl Encoder {
         } else {
             cfg.cache_bytes
         };
-        let lru = |bytes: usize| PrevStore::Lru(Lru::new(bytes / PAGE));
+        let lru = |bytes: usize| PrevStore::Lru(Box::new(Lru::new(bytes / PAGE)));
         let prev = match strategy {
             Codec::Remus | Codec::Zstd | Codec::Lz4 | Codec::Fgbi => None,
             _ if full => Some(PrevStore::Mirror(base.to_vec())),
             Codec::Xbzrle => Some(PrevStore::direct(cfg.cache_bytes)),
-            Codec::Gerofi => Some(PrevStore::Lru(Lru::new(cfg.rdp_pages))),
-            Codec::Tandem if cfg.budget.admission => Some(PrevStore::Lru(Lru::scan_resistant(
-                store_bytes / PAGE,
-                pages,
+            Codec::Gerofi => Some(PrevStore::Lru(Box::new(Lru::new(cfg.rdp_pages)))),
+            Codec::Tandem if cfg.budget.admission => Some(PrevStore::Lru(Box::new(
+                Lru::scan_resistant(store_bytes / PAGE, pages),
             ))),
             _ => Some(lru(store_bytes)),
         };

@@ -168,10 +168,11 @@ pub fn encode(
 /// sent as part of it: one run instead of two saves a run header (2 bytes or more) and keeps a
 /// changed structure in one piece for the record's zstd pass.
 ///
-/// A patch may grow past `limit` up to `regular` bytes while at least half of its runs (and 16
-/// or more) repeat the previous run's header: one field changed in every element of an array
-/// (a counter, a timestamp, a flag). Its headers then compress to almost nothing, where the
-/// record's zstd pass over the page and its previous version would pay for a match per run.
+/// A patch may grow past `limit` up to `regular` bytes while it is regular: 16 runs or more,
+/// at least half of them repeating the previous run's header, and at most 4 bytes of patch per
+/// run: one short field changed in every element of an array (a counter, a timestamp, a
+/// flag). Its headers then compress to almost nothing, where the record's zstd pass over the
+/// page and its previous version would pay for a match per run.
 #[allow(clippy::too_many_arguments)]
 pub fn encode_masked(
     old: &[u8],
@@ -198,8 +199,8 @@ pub fn encode_masked(
 /// The run stream of `new`: `diff(i)` / `same(i)` find the next replaced / unchanged unit at
 /// or after byte `i`. An unchanged stretch of at most `gap` bytes between two replaced runs
 /// joins them (0: maximal runs, XBZRLE's stream). Stops with `None` (and `out` restored) past
-/// `limit` bytes, or past `regular` bytes while at least half of the runs so far repeat the
-/// previous run's header (see [`encode_masked`]).
+/// `limit` bytes, or past `regular` bytes while the patch so far is regular (see
+/// [`encode_masked`]).
 #[inline]
 #[allow(clippy::too_many_arguments)]
 fn emit(
@@ -216,8 +217,11 @@ fn emit(
     let n = new.len();
     // Runs so far, and how many had the same header (skip, length) as the run before.
     let (mut runs, mut repeats, mut last) = (0usize, 0usize, (usize::MAX, 0));
-    let cap = |runs: usize, repeats: usize| {
-        if runs >= REGULAR_MIN_RUNS && 2 * repeats >= runs {
+    // Regular: at least REGULAR_MIN_RUNS runs, half of them repeating the previous header,
+    // and short literals (at most 4 bytes of patch per run on average: where a long literal
+    // would rather be found elsewhere by the prefix path).
+    let cap = |runs: usize, repeats: usize, len: usize| {
+        if runs >= REGULAR_MIN_RUNS && 2 * repeats >= runs && len <= 4 * runs {
             regular.max(limit)
         } else {
             limit
@@ -238,7 +242,7 @@ fn emit(
             e = same(next);
             // A long joined run (a rewritten page with a few equal bytes) stops at the limit
             // as soon as maximal runs would.
-            if out.len() - start + (e - l) > cap(runs, repeats) {
+            if out.len() - start + (e - l) > cap(runs, repeats, out.len() - start) {
                 out.truncate(start);
                 return None;
             }
@@ -249,7 +253,7 @@ fn emit(
         last = head;
         put_uleb(out, (head.0 / unit) as u64);
         put_uleb(out, (head.1 / unit) as u64);
-        if out.len() - start + (e - l) > cap(runs, repeats) {
+        if out.len() - start + (e - l) > cap(runs, repeats, out.len() - start) {
             out.truncate(start);
             return None;
         }

@@ -39,7 +39,7 @@ pub enum PrevStore {
     /// Every page (memory = guest size).
     Mirror(Vec<u8>),
     /// Least-recently-dirtied pages, bounded (FITDOC buffer, Gerofi RDP cache, tandem).
-    Lru(Lru),
+    Lru(Box<Lru>),
     /// QEMU XBZRLE's cache: direct-mapped by page number, power-of-two slots.
     Direct {
         /// Page number held by each slot (`u64::MAX` = empty).
@@ -49,7 +49,8 @@ pub enum PrevStore {
     },
 }
 
-/// A slab of pages with an intrusive LRU list.
+/// A slab of pages with intrusive LRU lists: the main one and, with scan-resistant
+/// admission, a small probation list for the pages it turns away.
 pub struct Lru {
     /// Scan-resistant admission (tandem's store); `None`: every page is admitted (plain LRU).
     admission: Option<Admission>,
@@ -58,10 +59,20 @@ pub struct Lru {
     data: Vec<u8>,
     prev: Vec<u32>,
     next: Vec<u32>,
-    head: u32, // most recent
-    tail: u32, // least recent
-    cap: usize,
+    /// Per slot: the list it is on (0: main, 1: probation).
+    seg: Vec<u8>,
+    /// Per list: most recent, least recent, length.
+    ends: [(u32, u32, usize); 2],
+    /// Per list: most pages.
+    caps: [usize; 2],
+    /// Slots left empty by a page moved from probation into a full main list.
+    free: Vec<u32>,
 }
+
+/// The probation list's share of a scan-resistant store (1/32): enough that a page turned
+/// away and written again soon after (a database page touched after a long while, then
+/// several times) is still held the second time, small enough not to cost a cycle's sample.
+const PROBATION_SHARE: usize = 32;
 
 impl Lru {
     /// A store for `cap` pages (at least 1).
@@ -74,45 +85,90 @@ impl Lru {
             data: Vec::new(),
             prev: Vec::new(),
             next: Vec::new(),
-            head: NIL,
-            tail: NIL,
-            cap,
+            seg: Vec::new(),
+            ends: [(NIL, NIL, 0); 2],
+            caps: [cap, 0],
+            free: Vec::new(),
         }
     }
 
     /// A store for `cap` pages of a guest of `pages` pages that does not thrash when the
     /// guest rewrites more pages in a cycle than it holds (see [`Admission`]).
     pub fn scan_resistant(cap: usize, pages: u64) -> Self {
+        let cap = cap.max(1);
+        let probation = cap / PROBATION_SHARE;
         Lru {
             admission: Some(Admission::new(pages)),
+            caps: [cap - probation, probation],
             ..Lru::new(cap)
         }
     }
 
     fn unlink(&mut self, s: u32) {
         let (p, n) = (self.prev[s as usize], self.next[s as usize]);
+        let e = &mut self.ends[self.seg[s as usize] as usize];
         if p != NIL {
             self.next[p as usize] = n
         } else {
-            self.head = n
+            e.0 = n
         }
         if n != NIL {
             self.prev[n as usize] = p
         } else {
-            self.tail = p
+            e.1 = p
         }
+        e.2 -= 1;
     }
 
-    fn push_front(&mut self, s: u32) {
+    fn push_front(&mut self, s: u32, list: usize) {
+        self.seg[s as usize] = list as u8;
+        let e = &mut self.ends[list];
         self.prev[s as usize] = NIL;
-        self.next[s as usize] = self.head;
-        if self.head != NIL {
-            self.prev[self.head as usize] = s;
+        self.next[s as usize] = e.0;
+        if e.0 != NIL {
+            self.prev[e.0 as usize] = s;
         }
-        self.head = s;
-        if self.tail == NIL {
-            self.tail = s;
+        e.0 = s;
+        if e.1 == NIL {
+            e.1 = s;
         }
+        e.2 += 1;
+    }
+
+    /// Removes the least recent page of `list`; returns its slot.
+    fn evict(&mut self, list: usize) -> u32 {
+        let s = self.ends[list].1;
+        self.unlink(s);
+        self.map.remove(&self.pfn[s as usize]);
+        s
+    }
+
+    /// A slot for a page entering `list`: the list's least recent one when it is full.
+    fn slot(&mut self, pfn: u64, list: usize) -> u32 {
+        let s = if self.ends[list].2 >= self.caps[list] {
+            self.evict(list)
+        } else if let Some(s) = self.free.pop() {
+            s
+        } else {
+            let s = self.pfn.len() as u32;
+            self.pfn.push(0);
+            self.prev.push(NIL);
+            self.next.push(NIL);
+            self.seg.push(0);
+            let cap = self.caps[0] + self.caps[1];
+            if self.data.len() == self.data.capacity() {
+                // Grow by doubling, but never past the bound (`resize` alone could double
+                // the slab to almost twice its limit).
+                let len = self.data.len();
+                self.data
+                    .reserve_exact(len.max(64 * PAGE).min(cap * PAGE - len));
+            }
+            self.data.resize(self.data.len() + PAGE, 0);
+            s
+        };
+        self.pfn[s as usize] = pfn;
+        self.map.insert(pfn, s);
+        s
     }
 
     fn get(&self, pfn: u64) -> Option<&[u8]> {
@@ -122,47 +178,38 @@ impl Lru {
     }
 
     fn put(&mut self, pfn: u64, content: &[u8]) {
-        let cap = self.cap;
         let admit = match self.admission.as_mut() {
-            Some(a) => a.admit(pfn, cap),
+            Some(a) => a.admit(pfn, self.caps[0]),
             None => true,
         };
-        let s = if let Some(&s) = self.map.get(&pfn) {
-            self.unlink(s);
-            s
-        } else if self.pfn.len() < self.cap {
-            let s = self.pfn.len() as u32;
-            self.pfn.push(pfn);
-            self.prev.push(NIL);
-            self.next.push(NIL);
-            if self.data.len() == self.data.capacity() {
-                // Grow by doubling, but never past the bound (`resize` alone could double
-                // the slab to almost twice its limit).
-                let len = self.data.len();
-                self.data
-                    .reserve_exact(len.max(64 * PAGE).min(self.cap * PAGE - len));
+        let held = self.map.get(&pfn).copied();
+        // Main when held there, admitted or while it has room; otherwise probation.
+        let main = held.is_some_and(|s| self.seg[s as usize] == 0)
+            || admit
+            || (held.is_none() && self.ends[0].2 < self.caps[0]);
+        let list = if main { 0 } else { 1 };
+        let s = match held {
+            Some(s) => {
+                self.unlink(s);
+                if list == 0 && self.seg[s as usize] == 1 && self.ends[0].2 >= self.caps[0] {
+                    // Promoted from probation into a full main list.
+                    let t = self.evict(0);
+                    self.free.push(t);
+                }
+                s
             }
-            self.data.resize(self.data.len() + PAGE, 0);
-            self.map.insert(pfn, s);
-            s
-        } else if !admit {
-            return;
-        } else {
-            let s = self.tail;
-            self.unlink(s);
-            self.map.remove(&self.pfn[s as usize]);
-            self.pfn[s as usize] = pfn;
-            self.map.insert(pfn, s);
-            s
+            None if self.caps[list] == 0 => return,
+            None => self.slot(pfn, list),
         };
         self.data[s as usize * PAGE..(s as usize + 1) * PAGE].copy_from_slice(content);
-        self.push_front(s);
+        self.push_front(s, list);
     }
 
     fn bytes(&self) -> usize {
         self.data.capacity()
-            + self.pfn.capacity() * 16
+            + self.pfn.capacity() * 17
             + self.map.capacity() * 16
+            + self.free.capacity() * 4
             + self.admission.as_ref().map_or(0, |a| a.last.capacity() * 4)
     }
 }
@@ -171,12 +218,13 @@ impl Lru {
 /// a cycle of more pages than the store holds (a ring buffer, a scan over a large array): each
 /// page is evicted just before it comes round again. Like LIRS, this judges a page by its
 /// reuse distance, here the number of pages stored since its previous version: within the
-/// store's capacity (or a page seen for the first time), it is taken in as LRU would; beyond
-/// it, only a fixed sample of page numbers, `capacity / (2 × distance)` of them, is. On a cycle
-/// of W > C pages that sample (C/2W of the cycle, half of what fits, so that it does not
-/// thrash among itself) is taken in and then hit every time round, and so are the pages
-/// already held that it did not push out; LRU hits nothing. A workload whose pages come back
-/// within the capacity is unaffected.
+/// main list's capacity (or a page seen for the first time), it is taken in as LRU would;
+/// beyond it, only a fixed sample of page numbers, `capacity / (2 × distance)` of them, is.
+/// On a cycle of W > C pages that sample (C/2W of the cycle, half of what fits, so that it
+/// does not thrash among itself) is taken in and then hit every time round, and so are the
+/// pages already held that it did not push out; LRU hits nothing. The pages turned away go to
+/// the small probation list, so one written again soon after (a burst after a long pause) is
+/// held the second time, as LRU would hold it.
 struct Admission {
     /// Per page: `clock` when its last version was stored (0: never).
     last: Vec<u32>,
@@ -338,7 +386,7 @@ mod tests {
 
     #[test]
     fn lru_evicts_least_recent() {
-        let mut s = PrevStore::Lru(Lru::new(2));
+        let mut s = PrevStore::Lru(Box::new(Lru::new(2)));
         let p = |b: u8| vec![b; PAGE];
         s.put(1, &p(1));
         s.put(2, &p(2));
@@ -354,8 +402,8 @@ mod tests {
     fn a_cycle_larger_than_the_store_keeps_a_held_sample() {
         let page = [7u8; PAGE];
         let (cap, cycle) = (100usize, 150u64);
-        let mut plain = PrevStore::Lru(Lru::new(cap));
-        let mut resistant = PrevStore::Lru(Lru::scan_resistant(cap, 1000));
+        let mut plain = PrevStore::Lru(Box::new(Lru::new(cap)));
+        let mut resistant = PrevStore::Lru(Box::new(Lru::scan_resistant(cap, 1000)));
         let (mut hits_plain, mut hits) = (0, 0);
         for round in 0..10 {
             for pfn in 0..cycle {
@@ -376,7 +424,7 @@ mod tests {
             "{per_round} hits per round"
         );
         // Pages that come back within the capacity are held as by LRU.
-        let mut s = PrevStore::Lru(Lru::scan_resistant(2, 1000));
+        let mut s = PrevStore::Lru(Box::new(Lru::scan_resistant(2, 1000)));
         s.put(1, &[1; PAGE]);
         s.put(2, &[2; PAGE]);
         s.put(1, &[11; PAGE]);
@@ -387,6 +435,21 @@ mod tests {
         // A page number outside the guest is taken in (no history to judge it by).
         s.put(5000, &[5; PAGE]);
         assert!(s.get(5000).is_some());
+        // A page turned away waits in probation: written again soon, it is held and promoted.
+        let mut s = Lru::scan_resistant(64, 1000);
+        (0..62).for_each(|p| s.put(p, &page)); // main: 62 pages, probation: 2
+        (100..200).for_each(|p| s.put(p, &page)); // first seen: taken in as by LRU
+                                                  // Page 3 (rank 874 of 1024 in the sample order) comes back 162 pages later: turned
+                                                  // away from main, held in probation.
+        assert!(s.get(3).is_none());
+        s.put(3, &[9; PAGE]);
+        assert_eq!(s.seg[s.map[&3] as usize], 1);
+        s.put(1, &page);
+        assert_eq!(s.get(3).unwrap()[0], 9, "held in probation");
+        s.put(3, &[10; PAGE]); // 2 pages later: taken in
+        assert_eq!(s.seg[s.map[&3] as usize], 0, "promoted");
+        assert_eq!(s.get(3).unwrap()[0], 10);
+        assert!(s.map.len() <= 64 && s.data.len() <= 64 * PAGE);
     }
 
     #[test]

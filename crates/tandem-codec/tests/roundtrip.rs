@@ -317,10 +317,11 @@ fn shifted_pages_compress_against_their_previous_versions() {
 fn a_field_changed_in_every_element_is_a_run_patch() {
     // Every page changes one byte of each 8-byte element twice: the second time its run patch
     // (1.5 KiB, 512 runs with the same header) is past `good_enough` but regular, and a
-    // quarter of its size through the record's zstd pass with the prefix (660 against 2 667
+    // quarter of its size through the record's zstd pass with the prefix (540 against 2 024
     // bytes when written).
     let truth = initial();
-    let set: Vec<u64> = (0..PAGES as u64).collect();
+    // 48 of the 64 pages: all of them fit the smallest store.
+    let set: Vec<u64> = (0..48).collect();
     let mut sizes = Vec::new();
     for regular in [512, 3072] {
         let mut cfg = Config::default();
@@ -338,7 +339,13 @@ fn a_field_changed_in_every_element_is_a_run_patch() {
             enc.encode(epoch, &set, &data, &mut rec).unwrap();
             decode(&rec, &mem, &mut plan).unwrap();
             plan.commit(&mut mem);
-            assert_eq!(mem, data, "epoch {epoch}");
+            for (k, &p) in set.iter().enumerate() {
+                assert_eq!(
+                    &mem[p as usize * P..(p as usize + 1) * P],
+                    &data[k * P..(k + 1) * P],
+                    "epoch {epoch}"
+                );
+            }
         }
         sizes.push(rec.len());
     }
