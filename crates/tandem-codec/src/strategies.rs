@@ -374,8 +374,9 @@ pub struct Budget {
     /// A page whose run patch against its previous version fits in this many bytes is sent
     /// as that patch (no prefix, no further search).
     pub good_enough: usize,
-    /// ... or in this many bytes when at least half of its runs repeat the previous run's
-    /// header (one field changed in every element of an array; runs.rs, `encode_masked`).
+    /// ... or in this many bytes when it is regular: 16 runs or more, at least half of them
+    /// repeating the previous run's header, at most 4 bytes per run (one short field changed
+    /// in every element of an array; runs.rs, `encode_masked`).
     pub regular_up_to: usize,
     /// Run patches join replaced runs separated by at most this many unchanged bytes (0:
     /// maximal runs, as XBZRLE). A run header costs two bytes or more, and a field of which
