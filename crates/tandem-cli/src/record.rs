@@ -43,7 +43,9 @@ pub struct TracesArgs {
     /// Guest RAM in MiB.
     #[arg(long, default_value_t = 256)]
     pub mem: u64,
-    /// Workloads to record.
+    /// Workloads to record: the lab guest's (idle, memtouch, compile, sqlite, kv, disk), or
+    /// `pgbench`: PostgreSQL in the Debian VM (needs `tandem setup --debian`) under 4 pgbench
+    /// clients, recorded after `pgbench -i` (its RAM is the VM description's, not --mem).
     #[arg(long, value_delimiter = ',', default_value = "idle,compile,sqlite,kv")]
     pub workloads: Vec<String>,
     /// Re-record traces that already exist.
@@ -71,18 +73,26 @@ pub fn trace_path(workload: &str, mem: u64, epoch_ms: u64) -> PathBuf {
 }
 
 pub fn record(a: RecordArgs) -> anyhow::Result<()> {
+    record_with(a, kv_load())
+}
+
+/// `tandem record` with `load` on the guest once it is ready.
+fn record_with(a: RecordArgs, load: tandem_protect::StartLoad) -> anyhow::Result<()> {
     let cfg = RecordConfig {
         vm: a.vm.spec(),
         epoch: Duration::from_millis(a.epoch_ms),
         duration: Duration::from_secs(a.duration),
         output: a.output.clone(),
         level: a.level,
-        load: Some(kv_load()),
+        load: Some(load),
     };
-    eprintln!(
-        "booting {} guest ({} MiB, {})...",
-        a.vm.workload, a.vm.mem, a.vm.accel
-    );
+    match &a.vm.vm_config {
+        Some(p) => eprintln!("booting the VM of {} ({})...", p.display(), a.vm.accel),
+        None => eprintln!(
+            "booting {} guest ({} MiB, {})...",
+            a.vm.workload, a.vm.mem, a.vm.accel
+        ),
+    }
     let pb = ProgressBar::new(a.duration);
     pb.set_style(
         ProgressStyle::with_template("{bar:30} {pos}/{len}s {msg}")
@@ -117,6 +127,10 @@ pub fn record(a: RecordArgs) -> anyhow::Result<()> {
 
 pub fn traces(a: TracesArgs) -> anyhow::Result<()> {
     for w in &a.workloads {
+        if w == "pgbench" {
+            pgbench_trace(&a)?;
+            continue;
+        }
         tandem_vm::image::check_workload(w)?;
         let out = trace_path(w, a.mem, a.epoch_ms);
         if out.exists() && !a.force {
@@ -133,6 +147,45 @@ pub fn traces(a: TracesArgs) -> anyhow::Result<()> {
         })?;
     }
     Ok(())
+}
+
+/// The `pgbench` trace: PostgreSQL in the Debian test VM (its own description, 1 GiB), 4
+/// pgbench clients at scale 4, recorded once the tables are initialised.
+fn pgbench_trace(a: &TracesArgs) -> anyhow::Result<()> {
+    let dir = tandem_vm::image::cache_dir().join("debian");
+    let desc = dir.join("vm.toml");
+    anyhow::ensure!(
+        desc.exists(),
+        "the Debian test VM is not built ({} missing): run `./tandem setup --debian` (a few minutes, once)",
+        desc.display()
+    );
+    let text = std::fs::read_to_string(&desc)?;
+    let file = tandem_protect::vmfile::VmFile::parse(&text)
+        .with_context(|| format!("reading {}", desc.display()))?;
+    let mem = file.mem.unwrap_or(1024);
+    let out = trace_path("pgbench", mem, a.epoch_ms);
+    if out.exists() && !a.force {
+        println!(
+            "pgbench: {} exists (use --force to re-record)",
+            out.display()
+        );
+        return Ok(());
+    }
+    let vm = VmArgs {
+        vm_config: Some(desc),
+        ..VmArgs::for_workload("idle", mem)
+    };
+    let load = tandem_harness::pgload::pgbench_load(4, 4, a.duration);
+    record_with(
+        RecordArgs {
+            vm,
+            epoch_ms: a.epoch_ms,
+            duration: a.duration,
+            output: out,
+            level: 1,
+        },
+        load,
+    )
 }
 
 #[derive(Serialize, Default, Clone)]

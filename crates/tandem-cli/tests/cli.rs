@@ -27,6 +27,20 @@ fn bad_arguments_are_usage_errors() {
 }
 
 #[test]
+fn a_pgbench_trace_without_the_debian_vm_says_how_to_build_it() {
+    let cache = tempfile::tempdir().unwrap();
+    let o = Command::new(env!("CARGO_BIN_EXE_tandem"))
+        .args(["traces", "--workloads", "pgbench"])
+        .env("TANDEM_CACHE", cache.path())
+        .output()
+        .expect("run tandem");
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(text(&o).contains("tandem setup --debian"), "{}", text(&o));
+    let o = tandem(&["traces", "--workloads", "nope"]);
+    assert!(text(&o).contains("unknown workload"), "{}", text(&o));
+}
+
+#[test]
 fn corrupt_traces_give_clear_errors() {
     let dir = tempfile::tempdir().unwrap();
     let garbage = dir.path().join("garbage.trace");

@@ -1,7 +1,7 @@
 //! tandem's harness: everything that exercises the product rather than being it — the demo
 //! (`tandem demo`: a redis guest replicated between network namespaces, failed over and
 //! verified), the benchmarks (`tandem bench`), the namespace lab (`tandem lab`) and the
-//! host-side redis load generator for the lab's `kv` workload.
+//! host-side loads: redis for the lab's `kv` workload, pgbench for a trace of the Debian VM.
 //!
 //! Like the binary, this is application code: it uses anyhow and clap, and it drives the
 //! daemons as real `tandem` processes (the binary it is linked into). The product crates
@@ -13,6 +13,7 @@ pub mod bench;
 pub mod demo;
 pub mod kv;
 pub mod lab;
+pub mod pgload;
 
 use std::sync::Arc;
 use std::time::Duration;

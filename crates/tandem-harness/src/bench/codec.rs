@@ -149,12 +149,18 @@ fn run_one(path: &Path, t: Trial, cfg: &Config, pb: &ProgressBar) -> anyhow::Res
         bail!("{name}: final decoded memory differs from the trace");
     }
     let gb = r.raw as f64 / 1e9;
+    let trace = path
+        .file_name()
+        .map(|f| f.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    // A trace of a VM description has no lab workload: name it by its file (`pgbench-…`).
+    let workload = match h.meta["workload"].as_str().unwrap_or("?") {
+        "custom" => trace.split('-').next().unwrap_or("custom").to_string(),
+        w => w.to_string(),
+    };
     Ok(CodecRow {
-        trace: path
-            .file_name()
-            .map(|f| f.to_string_lossy().into_owned())
-            .unwrap_or_default(),
-        workload: h.meta["workload"].as_str().unwrap_or("?").to_string(),
+        trace,
+        workload,
         codec: if t.exact {
             format!("{name} (exact)")
         } else {
