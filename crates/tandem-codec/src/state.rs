@@ -61,12 +61,22 @@ pub struct Lru {
     next: Vec<u32>,
     /// Per slot: the list it is on (0: main, 1: probation).
     seg: Vec<u8>,
-    /// Per list: most recent, least recent, length.
-    ends: [(u32, u32, usize); 2],
+    /// The main list and the probation list.
+    lists: [Ends; 2],
     /// Per list: most pages.
     caps: [usize; 2],
     /// Slots left empty by a page moved from probation into a full main list.
     free: Vec<u32>,
+}
+
+/// One intrusive list of an [`Lru`].
+#[derive(Clone, Copy)]
+struct Ends {
+    /// Most recent slot.
+    head: u32,
+    /// Least recent slot.
+    tail: u32,
+    len: usize,
 }
 
 /// The probation list's share of a scan-resistant store (1/32): enough that a page turned
@@ -86,7 +96,11 @@ impl Lru {
             prev: Vec::new(),
             next: Vec::new(),
             seg: Vec::new(),
-            ends: [(NIL, NIL, 0); 2],
+            lists: [Ends {
+                head: NIL,
+                tail: NIL,
+                len: 0,
+            }; 2],
             caps: [cap, 0],
             free: Vec::new(),
         }
@@ -106,38 +120,38 @@ impl Lru {
 
     fn unlink(&mut self, s: u32) {
         let (p, n) = (self.prev[s as usize], self.next[s as usize]);
-        let e = &mut self.ends[self.seg[s as usize] as usize];
+        let e = &mut self.lists[self.seg[s as usize] as usize];
         if p != NIL {
             self.next[p as usize] = n
         } else {
-            e.0 = n
+            e.head = n
         }
         if n != NIL {
             self.prev[n as usize] = p
         } else {
-            e.1 = p
+            e.tail = p
         }
-        e.2 -= 1;
+        e.len -= 1;
     }
 
     fn push_front(&mut self, s: u32, list: usize) {
         self.seg[s as usize] = list as u8;
-        let e = &mut self.ends[list];
+        let e = &mut self.lists[list];
         self.prev[s as usize] = NIL;
-        self.next[s as usize] = e.0;
-        if e.0 != NIL {
-            self.prev[e.0 as usize] = s;
+        self.next[s as usize] = e.head;
+        if e.head != NIL {
+            self.prev[e.head as usize] = s;
         }
-        e.0 = s;
-        if e.1 == NIL {
-            e.1 = s;
+        e.head = s;
+        if e.tail == NIL {
+            e.tail = s;
         }
-        e.2 += 1;
+        e.len += 1;
     }
 
     /// Removes the least recent page of `list`; returns its slot.
     fn evict(&mut self, list: usize) -> u32 {
-        let s = self.ends[list].1;
+        let s = self.lists[list].tail;
         self.unlink(s);
         self.map.remove(&self.pfn[s as usize]);
         s
@@ -145,7 +159,7 @@ impl Lru {
 
     /// A slot for a page entering `list`: the list's least recent one when it is full.
     fn slot(&mut self, pfn: u64, list: usize) -> u32 {
-        let s = if self.ends[list].2 >= self.caps[list] {
+        let s = if self.lists[list].len >= self.caps[list] {
             self.evict(list)
         } else if let Some(s) = self.free.pop() {
             s
@@ -186,12 +200,12 @@ impl Lru {
         // Main when held there, admitted or while it has room; otherwise probation.
         let main = held.is_some_and(|s| self.seg[s as usize] == 0)
             || admit
-            || (held.is_none() && self.ends[0].2 < self.caps[0]);
+            || (held.is_none() && self.lists[0].len < self.caps[0]);
         let list = if main { 0 } else { 1 };
         let s = match held {
             Some(s) => {
                 self.unlink(s);
-                if list == 0 && self.seg[s as usize] == 1 && self.ends[0].2 >= self.caps[0] {
+                if list == 0 && self.seg[s as usize] == 1 && self.lists[0].len >= self.caps[0] {
                     // Promoted from probation into a full main list.
                     let t = self.evict(0);
                     self.free.push(t);
