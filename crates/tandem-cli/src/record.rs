@@ -152,13 +152,7 @@ pub fn traces(a: TracesArgs) -> anyhow::Result<()> {
 /// The `pgbench` trace: PostgreSQL in the Debian test VM (its own description, 1 GiB), 4
 /// pgbench clients at scale 4, recorded once the tables are initialised.
 fn pgbench_trace(a: &TracesArgs) -> anyhow::Result<()> {
-    let dir = tandem_vm::image::cache_dir().join("debian");
-    let desc = dir.join("vm.toml");
-    anyhow::ensure!(
-        desc.exists(),
-        "the Debian test VM is not built ({} missing): run `./tandem setup --debian` (a few minutes, once)",
-        desc.display()
-    );
+    let desc = tandem_harness::demo::DebianVm::cached()?.desc;
     let text = std::fs::read_to_string(&desc)?;
     let file = tandem_protect::vmfile::VmFile::parse(&text)
         .with_context(|| format!("reading {}", desc.display()))?;

@@ -230,14 +230,14 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         build_lab_image(&image, &lua, &want)?;
     }
     if args.debian {
-        build_debian(&cache, args.force)?;
+        build_debian(args.force)?;
     }
     Ok(())
 }
 
 /// The Debian test VM: debian.qcow2, root's SSH key and a description (vm.toml).
-fn build_debian(cache: &Path, force: bool) -> anyhow::Result<()> {
-    let dir = cache.join("debian");
+fn build_debian(force: bool) -> anyhow::Result<()> {
+    let dir = tandem_vm::image::debian_dir();
     let want = format!(
         "{:016x}",
         xxhash_rust::xxh3::xxh3_64(DEBIAN_BUILDER.as_bytes())

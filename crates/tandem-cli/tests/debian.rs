@@ -15,7 +15,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 fn debian_dir() -> PathBuf {
-    let d = PathBuf::from(std::env::var("HOME").unwrap()).join(".cache/tandem/debian");
+    let d = tandem_vm::image::debian_dir();
     assert!(
         d.join("booted/index").is_file(),
         "the Debian test VM and its booted checkpoint are missing: run `tandem setup --debian` (./tandem test does)"

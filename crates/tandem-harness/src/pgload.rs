@@ -2,28 +2,17 @@
 //! TPC-B-like script against the guest's PostgreSQL, reached through the port its VM
 //! description forwards (`tcp:127.0.0.1:5432-:5432`, written by `tandem setup --debian`).
 
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tandem_protect::{Load, StartLoad};
 use tandem_vm::VmConfig;
 
+use crate::demo::{pgbench_init, PgAt};
+
 /// Host port the Debian VM description forwards to the guest's PostgreSQL.
 pub const PG_PORT: u16 = 5432;
-
-fn pgbench() -> Command {
-    let mut c = Command::new("pgbench");
-    c.args([
-        "-h",
-        "127.0.0.1",
-        "-p",
-        &PG_PORT.to_string(),
-        "-U",
-        "postgres",
-    ]);
-    c
-}
 
 /// Once the guest is ready: waits for PostgreSQL, initialises pgbench's tables at `scale`
 /// (before the recording starts), then runs `clients` clients for `secs` seconds.
@@ -38,19 +27,10 @@ pub fn pgbench_load(clients: u32, scale: u32, secs: u64) -> StartLoad {
             }
             std::thread::sleep(Duration::from_millis(500));
         }
-        let init = pgbench()
-            .args(["-i", "-q", "-s", &scale.to_string(), "postgres"])
-            .output()
-            .map_err(|e| {
-                format!("running pgbench: {e} (install postgresql-client with `tandem setup`)")
-            })?;
-        if !init.status.success() {
-            return Err(format!(
-                "pgbench -i: {}",
-                String::from_utf8_lossy(&init.stderr).trim()
-            ));
-        }
-        let child = pgbench()
+        let at = PgAt::Port(PG_PORT);
+        pgbench_init(at, scale).map_err(|e| format!("{e:#}"))?;
+        let child = at
+            .pgbench()
             .args(["-n", "-c", &clients.to_string(), "-T", &secs.to_string()])
             .arg("postgres")
             .stdout(Stdio::piped())

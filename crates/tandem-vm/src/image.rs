@@ -31,6 +31,11 @@ pub fn cache_dir() -> PathBuf {
     home.join(".cache").join("tandem")
 }
 
+/// Where `tandem setup --debian` keeps the Debian test VM: `cache_dir()/debian`.
+pub fn debian_dir() -> PathBuf {
+    cache_dir().join("debian")
+}
+
 /// The kernel, initramfs and apps disk that `tandem setup` builds.
 #[derive(Debug, Clone)]
 pub struct GuestImage {

@@ -210,7 +210,7 @@ pub fn round(r: usize, o: &DebianOpts<'_>, pb: &ProgressBar) -> anyhow::Result<D
             pb.set_message(format!(
                 "round {r}: pgbench replicated ({secs} s, 4 clients)"
             ));
-            pg::pgbench_init(ns, GUEST_IP, 1)?;
+            pg::pgbench_init(pg::PgAt::Netns { ns, host: GUEST_IP }, 1)?;
             Some(pg::pgbench(ns, GUEST_IP, 4, secs)?)
         }
         None => None,

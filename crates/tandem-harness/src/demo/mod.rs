@@ -12,6 +12,7 @@ mod daemon;
 mod debian;
 pub(crate) mod fault;
 mod pg;
+pub use pg::{pgbench_init, DebianVm, PgAt};
 mod phases;
 pub(crate) mod round;
 mod steps;

@@ -191,13 +191,46 @@ pub struct Pgbench {
     pub latency_ms: f64,
 }
 
+/// Where pgbench reaches the guest's PostgreSQL.
+#[derive(Debug, Clone, Copy)]
+pub enum PgAt<'a> {
+    /// From network namespace `ns`, at the guest's address `host` (the demo's clients).
+    Netns {
+        /// The clients' namespace.
+        ns: &'a str,
+        /// The guest's address.
+        host: &'a str,
+    },
+    /// From the host, at a port of 127.0.0.1 that the VM's description forwards to the
+    /// guest's 5432 (recording a trace).
+    Port(u16),
+}
+
+impl PgAt<'_> {
+    /// `pgbench` as user postgres against the guest, ready for its own arguments.
+    pub fn pgbench(&self) -> Command {
+        let mut c = match *self {
+            PgAt::Netns { ns, host } => {
+                let mut c = Command::new("ip");
+                c.args(["netns", "exec", ns, "pgbench", "-h", host]);
+                c
+            }
+            PgAt::Port(port) => {
+                let mut c = Command::new("pgbench");
+                c.args(["-h", "127.0.0.1", "-p", &port.to_string()]);
+                c
+            }
+        };
+        c.args(["-U", "postgres"]);
+        c
+    }
+}
+
 /// Initialises pgbench's tables at scale `scale` (first call) in the guest's database.
-pub fn pgbench_init(ns: &str, host: &str, scale: u32) -> anyhow::Result<()> {
-    let out = Command::new("ip")
-        .args([
-            "netns", "exec", ns, "pgbench", "-h", host, "-U", "postgres", "-i", "-q",
-        ])
-        .args(["-s", &scale.to_string(), "postgres"])
+pub fn pgbench_init(at: PgAt<'_>, scale: u32) -> anyhow::Result<()> {
+    let out = at
+        .pgbench()
+        .args(["-i", "-q", "-s", &scale.to_string(), "postgres"])
         .output()
         .context("running pgbench (install postgresql-client with `tandem setup`)")?;
     if !out.status.success() {
@@ -211,10 +244,9 @@ pub fn pgbench_init(ns: &str, host: &str, scale: u32) -> anyhow::Result<()> {
 
 /// Runs pgbench's TPC-B-like script with `clients` clients for `secs` seconds.
 pub fn pgbench(ns: &str, host: &str, clients: u32, secs: u64) -> anyhow::Result<Pgbench> {
-    let out = Command::new("ip")
-        .args([
-            "netns", "exec", ns, "pgbench", "-h", host, "-U", "postgres", "-n",
-        ])
+    let out = PgAt::Netns { ns, host }
+        .pgbench()
+        .arg("-n")
         .args([
             "-c",
             &clients.to_string(),
@@ -353,22 +385,28 @@ pub struct DebianVm {
     pub image: PathBuf,
     /// The SSH key for root.
     pub key: PathBuf,
+    /// Its description (vm.toml: 1 GiB, 2 vCPUs, the disk, forwarded ports).
+    pub desc: PathBuf,
 }
 
 impl DebianVm {
-    /// The cached VM, or what to run to build it.
+    /// The cached VM (in tandem's cache directory, `$TANDEM_CACHE` if set), or what to run
+    /// to build it.
     pub fn cached() -> anyhow::Result<DebianVm> {
-        let home = std::env::var_os("HOME").context("HOME is not set")?;
-        let dir = PathBuf::from(home).join(".cache/tandem/debian");
+        let dir = tandem_vm::image::debian_dir();
         let vm = DebianVm {
             image: dir.join("debian.qcow2"),
             key: dir.join("id_ed25519"),
+            desc: dir.join("vm.toml"),
             dir,
         };
-        if !vm.image.exists() || !vm.key.exists() {
+        if let Some(missing) = [&vm.image, &vm.key, &vm.desc]
+            .into_iter()
+            .find(|p| !p.exists())
+        {
             bail!(
                 "the Debian test VM is not built ({} missing): run `./tandem setup --debian` (a few minutes, once)",
-                vm.image.display()
+                missing.display()
             );
         }
         Ok(vm)
