@@ -141,9 +141,7 @@ pub fn encode(
         emit(
             new,
             1,
-            0,
-            limit,
-            limit,
+            Bounds::plain(limit),
             out,
             |i| first_diff(old, new, i),
             |i| first_same(old, new, i),
@@ -152,9 +150,7 @@ pub fn encode(
         emit(
             new,
             unit,
-            0,
-            limit,
-            limit,
+            Bounds::plain(limit),
             out,
             |i| first_word(old, new, i, true),
             |i| first_word(old, new, i, false),
@@ -184,47 +180,105 @@ pub fn encode_masked(
     out: &mut Vec<u8>,
 ) -> Option<usize> {
     debug_assert!(old.len() == 4096 && new.len() == 4096);
-    emit(
-        new,
-        1,
+    let b = Bounds {
         gap,
         limit,
         regular,
+        whole: false,
+    };
+    emit(
+        new,
+        1,
+        b,
         out,
         |i| first_diff_masked(old, new, i, mask),
         |i| first_same(old, new, i),
     )
 }
 
+/// [`encode_masked`] with maximal runs (gap 0) whose regularity counts only runs that repeat
+/// the run before exactly, header and literal: one field set to the same value in every
+/// element of an array (a generation number, a flag). Such a patch compresses to almost
+/// nothing in the record, where the record's zstd pass over the page would pay for a match
+/// per element. A patch that is not such stops at `limit`, one that is may grow to
+/// `regular` bytes.
+pub fn encode_masked_repeating(
+    old: &[u8],
+    new: &[u8],
+    mask: u64,
+    limit: usize,
+    regular: usize,
+    out: &mut Vec<u8>,
+) -> Option<usize> {
+    debug_assert!(old.len() == 4096 && new.len() == 4096);
+    let b = Bounds {
+        gap: 0,
+        limit,
+        regular,
+        whole: true,
+    };
+    emit(
+        new,
+        1,
+        b,
+        out,
+        |i| first_diff_masked(old, new, i, mask),
+        |i| first_same(old, new, i),
+    )
+}
+
+/// How a run stream is cut and how far it may grow (see [`emit`]).
+#[derive(Debug, Clone, Copy)]
+struct Bounds {
+    /// Unchanged stretches of at most this many bytes join two replaced runs.
+    gap: usize,
+    /// Largest patch while it is not regular.
+    limit: usize,
+    /// Largest patch while it is regular.
+    regular: usize,
+    /// Regularity counts only runs equal to the run before in header *and* literal.
+    whole: bool,
+}
+
+impl Bounds {
+    /// Maximal runs, one limit.
+    fn plain(limit: usize) -> Self {
+        Bounds {
+            gap: 0,
+            limit,
+            regular: limit,
+            whole: false,
+        }
+    }
+}
+
 /// The run stream of `new`: `diff(i)` / `same(i)` find the next replaced / unchanged unit at
-/// or after byte `i`. An unchanged stretch of at most `gap` bytes between two replaced runs
+/// or after byte `i`. An unchanged stretch of at most `b.gap` bytes between two replaced runs
 /// joins them (0: maximal runs, XBZRLE's stream). Stops with `None` (and `out` restored) past
-/// `limit` bytes, or past `regular` bytes while the patch so far is regular (see
+/// `b.limit` bytes, or past `b.regular` bytes while the patch so far is regular (see
 /// [`encode_masked`]).
 #[inline]
-#[allow(clippy::too_many_arguments)]
 fn emit(
     new: &[u8],
     unit: usize,
-    gap: usize,
-    limit: usize,
-    regular: usize,
+    b: Bounds,
     out: &mut Vec<u8>,
     diff: impl Fn(usize) -> usize,
     same: impl Fn(usize) -> usize,
 ) -> Option<usize> {
     let start = out.len();
     let n = new.len();
-    // Runs so far, and how many had the same header (skip, length) as the run before.
-    let (mut runs, mut repeats, mut last) = (0usize, 0usize, (usize::MAX, 0));
+    // Runs so far, and how many had the same header (skip, length) as the run before (and,
+    // with `b.whole`, the same literal: `last_at` is where the previous one started).
+    let (mut runs, mut repeats, mut last, mut last_at) = (0usize, 0usize, (usize::MAX, 0), 0);
     // Regular: at least REGULAR_MIN_RUNS runs, half of them repeating the previous header,
     // and short literals (at most 4 bytes of patch per run on average: where a long literal
     // would rather be found elsewhere by the prefix path).
     let cap = |runs: usize, repeats: usize, len: usize| {
         if runs >= REGULAR_MIN_RUNS && 2 * repeats >= runs && len <= 4 * runs {
-            regular.max(limit)
+            b.regular.max(b.limit)
         } else {
-            limit
+            b.limit
         }
     };
     // `at`: end of the previous replaced run; `next`: start of the next one (n: none left;
@@ -236,7 +290,7 @@ fn emit(
         let mut e = same(l);
         loop {
             next = if e < n { diff(e) } else { n };
-            if next >= n || next - e > gap {
+            if next >= n || next - e > b.gap {
                 break;
             }
             e = same(next);
@@ -248,9 +302,11 @@ fn emit(
             }
         }
         let head = (l - at, e - l);
-        repeats += (head == last) as usize;
+        let same_run = head == last && (!b.whole || new[l..e] == new[last_at..last_at + head.1]);
+        repeats += same_run as usize;
         runs += 1;
         last = head;
+        last_at = l;
         put_uleb(out, (head.0 / unit) as u64);
         put_uleb(out, (head.1 / unit) as u64);
         if out.len() - start + (e - l) > cap(runs, repeats, out.len() - start) {
@@ -382,33 +438,6 @@ pub fn apply(stream: &[u8], unit: usize, page: &mut [u8]) -> bool {
 /// exactly when [`apply`] on such a page would return `true`.
 pub fn check(stream: &[u8], unit: usize, page_len: usize) -> bool {
     walk(stream, unit, page_len, |_, _| {})
-}
-
-/// Whether at least half of the runs of the 1-byte-unit run `stream` repeat the run before
-/// them exactly, header and literal: one field set to the same value in every element of an
-/// array (a generation number, a flag). Such a patch compresses to almost nothing in the
-/// record, where the record's zstd pass over the page would pay for a match per element.
-pub fn repeats_itself(stream: &[u8]) -> bool {
-    let (mut pos, mut runs, mut repeats) = (0, 0usize, 0usize);
-    let mut last: (&[u8], &[u8]) = (&[], &[]);
-    while pos < stream.len() {
-        let s = pos;
-        let (Some(_), Some(n)) = (get_uleb(stream, &mut pos), get_uleb(stream, &mut pos)) else {
-            return false;
-        };
-        let Some(end) = usize::try_from(n).ok().and_then(|n| pos.checked_add(n)) else {
-            return false;
-        };
-        let Some(lit) = stream.get(pos..end) else {
-            return false;
-        };
-        let run = (&stream[s..pos], lit);
-        repeats += (run == last) as usize;
-        runs += 1;
-        last = run;
-        pos = end;
-    }
-    runs >= REGULAR_MIN_RUNS && 2 * repeats >= runs
 }
 
 #[cfg(test)]

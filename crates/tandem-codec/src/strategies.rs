@@ -303,7 +303,7 @@ pub fn tandem(c: &Ctx<'_>, pfn: u64, new: &[u8], pre: &Pre, budget: &Budget) -> 
     if let Some(old) = old {
         // The pre-pass compared the page with this version: `mask` is exact.
         let mut out = Vec::with_capacity(budget.good_enough.min(PAGE) + 32);
-        let mut small = runs::encode_masked(
+        let mut ok = runs::encode_masked(
             old,
             new,
             pre.mask,
@@ -312,8 +312,8 @@ pub fn tandem(c: &Ctx<'_>, pfn: u64, new: &[u8], pre: &Pre, budget: &Budget) -> 
             budget.regular_up_to,
             &mut out,
         )
-        .map(|_| (Base::Mirror(pfn), Body::Runs { unit: 1 }, Payload::Own(out)));
-        if small.is_none() && budget.run_gap > 0 && budget.regular_up_to > budget.good_enough {
+        .is_some();
+        if !ok && budget.run_gap > 0 && budget.regular_up_to > budget.good_enough {
             // Joining runs across short gaps turns a field changed in every element of an
             // array of 8-byte elements (2 bytes changed, 6 not) into one run over the whole
             // page; maximal runs keep it regular. Only a regular patch that repeats itself
@@ -321,19 +321,19 @@ pub fn tandem(c: &Ctx<'_>, pfn: u64, new: &[u8], pre: &Pre, budget: &Budget) -> 
             // irregular one would have been under `good_enough` with the gaps joined, and
             // where the changed bytes differ from element to element the prefix path costs
             // about the same (measured on PostgreSQL's line pointers, docs/BENCHMARKS.md).
-            let mut out = Vec::with_capacity(budget.regular_up_to.min(PAGE) + 32);
-            small = runs::encode_masked(
+            // `out` was left empty by the failed scan and is reused.
+            ok = runs::encode_masked_repeating(
                 old,
                 new,
                 pre.mask,
-                0,
                 128.min(budget.good_enough),
                 budget.regular_up_to,
                 &mut out,
             )
-            .filter(|_| runs::repeats_itself(&out))
-            .map(|_| (Base::Mirror(pfn), Body::Runs { unit: 1 }, Payload::Own(out)));
+            .is_some();
         }
+        let mut small =
+            ok.then_some((Base::Mirror(pfn), Body::Runs { unit: 1 }, Payload::Own(out)));
         if small.is_none() && budget.word_runs {
             small = runs_vs(Base::Mirror(pfn), old, new, 8, budget.good_enough);
         }
