@@ -27,6 +27,8 @@ pub struct Plan {
     inplace: Option<crate::apply::InPlace>,
     /// The data section put back in page order (FLAG_SPLIT records).
     joined: Vec<u8>,
+    /// The decompressed page codes (FLAG_CODES_ZSTD records).
+    codes: Vec<u8>,
 }
 
 impl Plan {
@@ -124,7 +126,12 @@ pub fn pages_read(rec: &[u8], pages: u64) -> Result<Option<Vec<u64>>, DecodeErro
         }
     }
     crate::split::split_len(&h, ops, &mut pos)?;
-    for c in read_codes(&h, &ops[pos..], pages)? {
+    let mut buf = Vec::new();
+    for c in read_codes(
+        &h,
+        crate::format::codes_section(&h, &ops[pos..], &mut buf)?,
+        pages,
+    )? {
         if matches!(c.body, Body::Areas | Body::Blocks(_)) {
             return Ok(None);
         }
@@ -169,7 +176,11 @@ fn decode_into(rec: &[u8], mirror: &[u8], plan: &mut Plan) -> Result<(), DecodeE
         Vec::new()
     };
     let split = crate::split::split_len(&h, ops, &mut pos)?;
-    let codes = read_codes(&h, &ops[pos..], pages)?;
+    let codes = read_codes(
+        &h,
+        crate::format::codes_section(&h, &ops[pos..], &mut plan.codes)?,
+        pages,
+    )?;
     plan.inplace = None;
     plan.epoch = h.epoch;
     let mut scratch = std::mem::take(&mut plan.scratch);
@@ -301,7 +312,7 @@ fn decompress(h: &Header, src: &Source<'_>, scratch: &mut Vec<u8>) -> Result<usi
     }
     scratch.resize(raw_len, 0);
     let n = if h.flags & FLAG_ZSTD != 0 {
-        zstd::bulk::decompress_to_buffer(src.stored, &mut scratch[..])
+        crate::prefix::decompress(src.stored, &[], &mut scratch[..])
             .map_err(|e| DecodeError::Malformed(format!("data section zstd: {e}")))?
     } else {
         lz4_flex::block::decompress_into(src.stored, scratch)

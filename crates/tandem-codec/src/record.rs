@@ -6,7 +6,8 @@ use crate::code::Body;
 use crate::code::PageCode;
 use crate::encoder::{Codec, Encoder};
 use crate::format::{
-    Header, FLAG_LZ4, FLAG_PREFIX, FLAG_SPLIT, FLAG_ZSTD, MAX_DATA, MAX_PREFIX_PAGES, PAGE,
+    Header, FLAG_CODES_ZSTD, FLAG_LZ4, FLAG_PREFIX, FLAG_SPLIT, FLAG_ZSTD, MAX_DATA,
+    MAX_PREFIX_PAGES, PAGE,
 };
 use crate::prefix::MAX_FRAMES;
 use crate::strategies::{Coded, Payload, Refs};
@@ -21,12 +22,17 @@ pub struct Buffers {
     stored: Vec<u8>,
     prefix: Vec<u64>,
     codes: Vec<u8>,
+    /// The page codes compressed (FLAG_CODES_ZSTD).
+    zcodes: Vec<u8>,
     /// Run headers of the record's byte-run patches, sent after all payloads (FLAG_SPLIT).
     heads: Vec<u8>,
     zstd: Option<zstd::bulk::Compressor<'static>>,
     /// One prefix compressor per thread.
     refz: Vec<crate::prefix::Compressor>,
 }
+
+/// Fewest bytes of page codes worth trying to compress (a zstd frame costs ~10 bytes).
+const CODES_ZSTD_MIN: usize = 256;
 
 /// Fewest run-header bytes given a zstd frame of their own.
 const HEAD_FRAME_MIN: usize = 512;
@@ -227,7 +233,32 @@ impl Encoder {
             flags |= FLAG_SPLIT;
             crate::runs::put_uleb(&mut b.ops, heads as u64);
         }
-        b.ops.extend_from_slice(&b.codes);
+        // With a zstd pass, the page codes get one too when it makes them smaller (every codec
+        // but tandem-v1, which stays as it was measured).
+        let mut packed = false;
+        if flags & FLAG_ZSTD != 0 && codec != Codec::TandemV1 && b.codes.len() >= CODES_ZSTD_MIN {
+            let z = match b.zstd.as_mut() {
+                Some(z) => z,
+                None => b
+                    .zstd
+                    .insert(zstd::bulk::Compressor::new(level).map_err(EncodeError::Compress)?),
+            };
+            z.set_compression_level(level)
+                .map_err(EncodeError::Compress)?;
+            b.zcodes.clear();
+            b.zcodes
+                .reserve(zstd::zstd_safe::compress_bound(b.codes.len()));
+            z.compress_to_buffer(&b.codes[..], &mut b.zcodes)
+                .map_err(EncodeError::Compress)?;
+            packed = b.zcodes.len() + 4 < b.codes.len();
+        }
+        if packed {
+            flags |= FLAG_CODES_ZSTD;
+            crate::runs::put_uleb(&mut b.ops, b.codes.len() as u64);
+            b.ops.extend_from_slice(&b.zcodes);
+        } else {
+            b.ops.extend_from_slice(&b.codes);
+        }
         let payload = &b.data[plen..];
         let stored = &b.stored;
         let stored_data: &[u8] = if flags & (FLAG_ZSTD | FLAG_LZ4) == 0 {

@@ -207,7 +207,7 @@ mod tests {
         let mirror = vec![0u8; 2 * PAGE];
         let mut plan = Plan::default();
         decode(&good, &mirror, &mut plan).unwrap();
-        for (version, what) in [(2u16, "unknown flags"), (4, "version 4")] {
+        for (version, what) in [(2u16, "unknown flags"), (5, "version 5")] {
             let mut rec = good.clone();
             rec[8..10].copy_from_slice(&version.to_le_bytes());
             let crc = crc32c::crc32c(&rec[..48]);
