@@ -149,3 +149,35 @@ fn a_lying_or_broken_codes_frame_is_refused() {
         .to_string();
     assert!(e.contains("unknown flags"), "{e}");
 }
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(64))]
+    /// Arbitrary page codes behind a well-formed zstd frame, and an arbitrary declared
+    /// length: decoded or refused, never a panic, and a refused record applies nothing.
+    #[test]
+    fn arbitrary_compressed_codes_never_panic(
+        codes in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..3000),
+        declared in proptest::prelude::any::<Option<u32>>(),
+    ) {
+        let (rec, truth, ..) = record(Codec::XbzrleZstd);
+        let frame = zstd::bulk::compress(&codes, 1).unwrap();
+        let bad = with_ops(&rec, |ops| {
+            ops.clear();
+            let mut n = declared.map_or(codes.len() as u64, u64::from);
+            loop {
+                let b = (n & 0x7f) as u8;
+                n >>= 7;
+                ops.push(if n > 0 { b | 0x80 } else { b });
+                if n == 0 {
+                    break;
+                }
+            }
+            ops.extend_from_slice(&frame);
+        });
+        let _ = pages_read(&bad, PAGES as u64);
+        let mut plan = Plan::default();
+        if decode(&bad, &truth, &mut plan).is_err() {
+            proptest::prop_assert!(plan.pfns.is_empty() && plan.data.is_empty());
+        }
+    }
+}
