@@ -201,14 +201,7 @@ impl Encoder {
             {
                 let payload = &b.data[plen..];
                 let stored = &mut b.stored;
-                let z = match b.zstd.as_mut() {
-                    Some(z) => z,
-                    None => b
-                        .zstd
-                        .insert(zstd::bulk::Compressor::new(level).map_err(EncodeError::Compress)?),
-                };
-                z.set_compression_level(level)
-                    .map_err(EncodeError::Compress)?;
+                let z = zstd_at(&mut b.zstd, level)?;
                 stored.clear();
                 stored.reserve(zstd::zstd_safe::compress_bound(raw_len));
                 z.compress_to_buffer(payload, stored)
@@ -237,14 +230,7 @@ impl Encoder {
         // but tandem-v1, which stays as it was measured).
         let mut packed = false;
         if flags & FLAG_ZSTD != 0 && codec != Codec::TandemV1 && b.codes.len() >= CODES_ZSTD_MIN {
-            let z = match b.zstd.as_mut() {
-                Some(z) => z,
-                None => b
-                    .zstd
-                    .insert(zstd::bulk::Compressor::new(level).map_err(EncodeError::Compress)?),
-            };
-            z.set_compression_level(level)
-                .map_err(EncodeError::Compress)?;
+            let z = zstd_at(&mut b.zstd, level)?;
             b.zcodes.clear();
             b.zcodes
                 .reserve(zstd::zstd_safe::compress_bound(b.codes.len()));
@@ -281,6 +267,20 @@ impl Encoder {
         out.extend_from_slice(stored_data);
         Ok((entries, b.prefix.len()))
     }
+}
+
+/// The encoder's plain zstd context (created on first use), set to `level`.
+fn zstd_at<'a>(
+    slot: &'a mut Option<zstd::bulk::Compressor<'static>>,
+    level: i32,
+) -> Result<&'a mut zstd::bulk::Compressor<'static>, EncodeError> {
+    let z = match slot {
+        Some(z) => z,
+        None => slot.insert(zstd::bulk::Compressor::new(level).map_err(EncodeError::Compress)?),
+    };
+    z.set_compression_level(level)
+        .map_err(EncodeError::Compress)?;
+    Ok(z)
 }
 
 /// Compresses each cut as one zstd frame with its prefix pages (on the worker pool, with the

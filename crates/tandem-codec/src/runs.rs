@@ -179,21 +179,13 @@ pub fn encode_masked(
     regular: usize,
     out: &mut Vec<u8>,
 ) -> Option<usize> {
-    debug_assert!(old.len() == 4096 && new.len() == 4096);
     let b = Bounds {
         gap,
         limit,
         regular,
         whole: false,
     };
-    emit(
-        new,
-        1,
-        b,
-        out,
-        |i| first_diff_masked(old, new, i, mask),
-        |i| first_same(old, new, i),
-    )
+    emit_masked(old, new, mask, b, out)
 }
 
 /// [`encode_masked`] with maximal runs (gap 0) whose regularity counts only runs that repeat
@@ -210,13 +202,18 @@ pub fn encode_masked_repeating(
     regular: usize,
     out: &mut Vec<u8>,
 ) -> Option<usize> {
-    debug_assert!(old.len() == 4096 && new.len() == 4096);
     let b = Bounds {
         gap: 0,
         limit,
         regular,
         whole: true,
     };
+    emit_masked(old, new, mask, b, out)
+}
+
+/// [`emit`] over a 4 KiB page whose differing 64-byte blocks are the set bits of `mask`.
+fn emit_masked(old: &[u8], new: &[u8], mask: u64, b: Bounds, out: &mut Vec<u8>) -> Option<usize> {
+    debug_assert!(old.len() == 4096 && new.len() == 4096);
     emit(
         new,
         1,

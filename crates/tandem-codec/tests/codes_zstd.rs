@@ -2,6 +2,7 @@
 //! it pays, decoded exactly, and a lying or broken codes frame is refused with nothing applied.
 
 use tandem_codec::format::{FLAG_CODES_ZSTD, HEADER_LEN};
+use tandem_codec::runs::{get_uleb, put_uleb};
 use tandem_codec::{decode, pages_read, Codec, Config, Encoder, Plan};
 
 const P: usize = 4096;
@@ -80,7 +81,11 @@ fn a_lying_or_broken_codes_frame_is_refused() {
     let (rec, truth, ..) = record(Codec::XbzrleZstd);
     // xbzrle+zstd has no frame table or run-header length: the ops section is the codes'
     // length (ULEB128) and their zstd frame.
-    let uleb_len = |ops: &[u8]| ops.iter().position(|b| b & 0x80 == 0).unwrap() + 1;
+    let uleb_len = |ops: &[u8]| {
+        let mut n = 0;
+        get_uleb(ops, &mut n).unwrap();
+        n
+    };
     let cases: Vec<(&str, Vec<u8>)> = vec![
         (
             "declares more codes than the entries can take",
@@ -93,27 +98,9 @@ fn a_lying_or_broken_codes_frame_is_refused() {
             "declares one byte fewer than the frame holds",
             with_ops(&rec, |ops| {
                 let mut pos = 0;
-                let mut v = 0u64;
-                let mut s = 0;
-                loop {
-                    let b = ops[pos];
-                    pos += 1;
-                    v |= ((b & 0x7f) as u64) << s;
-                    s += 7;
-                    if b & 0x80 == 0 {
-                        break;
-                    }
-                }
+                let v = get_uleb(ops, &mut pos).unwrap();
                 let mut head = Vec::new();
-                let mut w = v - 1;
-                loop {
-                    let b = (w & 0x7f) as u8;
-                    w >>= 7;
-                    head.push(if w > 0 { b | 0x80 } else { b });
-                    if w == 0 {
-                        break;
-                    }
-                }
+                put_uleb(&mut head, v - 1);
                 ops.splice(..pos, head);
             }),
         ),
@@ -163,15 +150,7 @@ proptest::proptest! {
         let frame = zstd::bulk::compress(&codes, 1).unwrap();
         let bad = with_ops(&rec, |ops| {
             ops.clear();
-            let mut n = declared.map_or(codes.len() as u64, u64::from);
-            loop {
-                let b = (n & 0x7f) as u8;
-                n >>= 7;
-                ops.push(if n > 0 { b | 0x80 } else { b });
-                if n == 0 {
-                    break;
-                }
-            }
+            put_uleb(ops, declared.map_or(codes.len() as u64, u64::from));
             ops.extend_from_slice(&frame);
         });
         let _ = pages_read(&bad, PAGES as u64);
