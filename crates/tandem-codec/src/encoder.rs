@@ -105,6 +105,9 @@ impl Encoder {
             _ if full => Some(PrevStore::Mirror(base.to_vec())),
             Codec::Xbzrle => Some(PrevStore::direct(cfg.cache_bytes)),
             Codec::Gerofi => Some(PrevStore::Lru(Box::new(Lru::new(cfg.rdp_pages)))),
+            Codec::Tandem if cfg.budget.cold && cfg.budget.admission => Some(PrevStore::Lru(
+                Box::new(Lru::tiered(store_bytes / PAGE, pages)),
+            )),
             Codec::Tandem if cfg.budget.admission => Some(PrevStore::Lru(Box::new(
                 Lru::scan_resistant(store_bytes / PAGE, pages),
             ))),
@@ -168,9 +171,15 @@ impl Encoder {
     }
 
     /// Sets the zstd level of the next records: lower (down to negative levels) costs less
-    /// CPU per byte and sends more bytes. The decoder needs no notice.
+    /// CPU per byte and sends more bytes. The decoder needs no notice. At
+    /// [`crate::level::MIN`] and below (the encoder is the slower stage even at its fastest
+    /// setting), tandem's store also stops compressing the pages it pushes out of its main
+    /// list and drops them instead.
     pub fn set_level(&mut self, level: i32) {
         self.level = level.clamp(-7, 19);
+        if let Some(s) = self.prev.as_mut() {
+            s.set_compressing(self.level > crate::level::MIN);
+        }
     }
 
     /// Bytes of reference state held (stores, indexes, hashes).
@@ -231,7 +240,11 @@ impl Encoder {
             phase[k] += t.elapsed().as_micros() as u64;
             *t = std::time::Instant::now();
         };
-        // 1. Pre-pass (parallel): zero / unchanged / hashes / changed blocks.
+        // 1. Pre-pass (parallel): zero / unchanged / hashes / changed blocks. The store first
+        // brings back the compressed previous versions of these pages.
+        if let Some(s) = self.prev.as_mut() {
+            s.promote(pfns);
+        }
         let (mut pre, block_new) = self.prepass(pfns, data);
         lap(0, &mut t);
         // 2. Sequential: entry numbers, intra-epoch identical pages and blocks.

@@ -10,6 +10,9 @@ use std::hash::{BuildHasherDefault, Hasher};
 
 use crate::format::PAGE;
 
+mod cold;
+use cold::Cold;
+
 /// Multiplicative hasher for u64 keys (page numbers, content hashes): SipHash costs more than
 /// the rest of a lookup and these maps are not exposed to untrusted keys.
 #[derive(Default)]
@@ -67,6 +70,8 @@ pub struct Lru {
     caps: [usize; 2],
     /// Slots left empty by a page moved from probation into a full main list.
     free: Vec<u32>,
+    /// Compressed tier for the pages pushed out of the main list (tandem's store).
+    cold: Option<Box<Cold>>,
 }
 
 /// One intrusive list of an [`Lru`].
@@ -103,6 +108,19 @@ impl Lru {
             }; 2],
             caps: [cap, 0],
             free: Vec::new(),
+            cold: None,
+        }
+    }
+
+    /// A scan-resistant store of `cap` pages' bytes of which half holds pages as they are
+    /// and half holds the pages pushed out of it compressed (see [`cold`]): a compressible
+    /// cycle of up to several times `cap / 2` pages stays held.
+    pub fn tiered(cap: usize, pages: u64) -> Self {
+        let cap = cap.max(2);
+        let cold = Cold::new((cap - cap / 2) * PAGE);
+        Lru {
+            cold: Some(Box::new(cold)),
+            ..Lru::scan_resistant(cap / 2, pages)
         }
     }
 
@@ -149,11 +167,16 @@ impl Lru {
         e.len += 1;
     }
 
-    /// Removes the least recent page of `list`; returns its slot.
+    /// Removes the least recent page of `list`; returns its slot. A page leaving the main
+    /// list goes to the compressed tier, if there is one.
     fn evict(&mut self, list: usize) -> u32 {
         let s = self.lists[list].tail;
         self.unlink(s);
-        self.map.remove(&self.pfn[s as usize]);
+        let pfn = self.pfn[s as usize];
+        self.map.remove(&pfn);
+        if let (0, Some(c)) = (list, self.cold.as_mut()) {
+            c.put(pfn, &self.data[s as usize * PAGE..(s as usize + 1) * PAGE]);
+        }
         s
     }
 
@@ -186,14 +209,21 @@ impl Lru {
     }
 
     fn get(&self, pfn: u64) -> Option<&[u8]> {
-        self.map
-            .get(&pfn)
-            .map(|&s| &self.data[s as usize * PAGE..(s as usize + 1) * PAGE])
+        match self.map.get(&pfn) {
+            Some(&s) => Some(&self.data[s as usize * PAGE..(s as usize + 1) * PAGE]),
+            None => self.cold.as_ref()?.staged(pfn),
+        }
     }
 
     fn put(&mut self, pfn: u64, content: &[u8]) {
+        let mut cap = self.caps[0];
+        if let Some(c) = self.cold.as_mut() {
+            // A compressed version, if any, is older than this one.
+            c.remove(pfn);
+            cap += c.capacity();
+        }
         let admit = match self.admission.as_mut() {
-            Some(a) => a.admit(pfn, self.caps[0]),
+            Some(a) => a.admit(pfn, cap),
             None => true,
         };
         let held = self.map.get(&pfn).copied();
@@ -219,8 +249,17 @@ impl Lru {
         self.push_front(s, list);
     }
 
+    /// Stages the pages of `pfns` held in the compressed tier (cold.rs), so that
+    /// [`PrevStore::get`] finds them.
+    fn promote(&mut self, pfns: &[u64]) {
+        if let Some(c) = self.cold.as_mut() {
+            c.stage(pfns)
+        }
+    }
+
     fn bytes(&self) -> usize {
-        self.data.capacity()
+        self.cold.as_ref().map_or(0, |c| c.bytes())
+            + self.data.capacity()
             + self.pfn.capacity() * 17
             + self.map.capacity() * 16
             + self.free.capacity() * 4
@@ -289,6 +328,24 @@ impl PrevStore {
             PrevStore::Direct { tags, data } => {
                 let s = pfn as usize & (tags.len() - 1);
                 (tags[s] == pfn).then(|| &data[s * PAGE..(s + 1) * PAGE])
+            }
+        }
+    }
+
+    /// Makes the previous versions of `pfns` readable by [`PrevStore::get`] (a tiered store
+    /// decompresses those it holds compressed). Call it before reading an epoch's pages.
+    pub fn promote(&mut self, pfns: &[u64]) {
+        if let PrevStore::Lru(l) = self {
+            l.promote(pfns)
+        }
+    }
+
+    /// Whether a tiered store compresses the pages it pushes out of its main list (true when
+    /// made) or drops them, which saves the CPU of compressing them.
+    pub fn set_compressing(&mut self, on: bool) {
+        if let PrevStore::Lru(l) = self {
+            if let Some(c) = l.cold.as_mut() {
+                c.active = on;
             }
         }
     }
@@ -464,6 +521,54 @@ mod tests {
         assert_eq!(s.seg[s.map[&3] as usize], 0, "promoted");
         assert_eq!(s.get(3).unwrap()[0], 10);
         assert!(s.map.len() <= 64 && s.data.len() <= 64 * PAGE);
+    }
+
+    #[test]
+    fn a_tiered_store_holds_a_compressible_cycle_larger_than_its_raw_slots() {
+        // Compressible pages (a counter in every 8-byte word), a cycle of 5 × the store's raw
+        // pages: the compressed tier holds what the main list pushes out.
+        let page = |pfn: u64, round: u64| -> Vec<u8> {
+            (0..PAGE / 8)
+                .flat_map(|w| ((round << 32) | pfn << 12 | (w as u64 / 8)).to_le_bytes())
+                .collect()
+        };
+        let (cap, cycle) = (64usize, 160u64);
+        let mut tiered = PrevStore::Lru(Box::new(Lru::tiered(cap, 1000)));
+        let mut flat = PrevStore::Lru(Box::new(Lru::scan_resistant(cap, 1000)));
+        let (mut hits, mut hits_flat) = (0, 0);
+        for round in 0..6 {
+            for pfn in 0..cycle {
+                tiered.promote(&[pfn]);
+                if let Some(old) = tiered.get(pfn) {
+                    assert_eq!(
+                        old,
+                        page(pfn, round - 1),
+                        "the held version is the last put"
+                    );
+                    hits += (round > 1) as usize;
+                }
+                hits_flat += (round > 1 && flat.get(pfn).is_some()) as usize;
+                tiered.put(pfn, &page(pfn, round));
+                flat.put(pfn, &page(pfn, round));
+            }
+        }
+        assert_eq!(hits, 4 * cycle as usize, "the whole cycle stays held");
+        assert!(hits_flat < hits / 2, "{hits_flat} hits without the tier");
+        // Within the same bytes.
+        let PrevStore::Lru(l) = &tiered else {
+            unreachable!()
+        };
+        assert!(l.data.len() <= cap / 2 * PAGE);
+        // Switched off, pages pushed out are dropped, and a newer version always wins.
+        tiered.set_compressing(false);
+        for pfn in 1000..1100 {
+            tiered.put(pfn, &page(pfn, 9));
+        }
+        tiered.promote(&[0, 1]);
+        assert!(tiered.get(0).is_none_or(|p| p == page(0, 5)));
+        tiered.put(2, &page(2, 7));
+        tiered.promote(&[2]);
+        assert_eq!(tiered.get(2).unwrap(), page(2, 7));
     }
 
     #[test]

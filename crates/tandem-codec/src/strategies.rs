@@ -422,6 +422,9 @@ pub struct Budget {
     /// fixed sample of page numbers (state.rs, `Admission`), so a cycle larger than the store
     /// keeps part of itself held instead of none (plain LRU).
     pub admission: bool,
+    /// Half of the store's bytes keep the pages pushed out of it as zstd frames (state/cold.rs),
+    /// so a compressible cycle larger than the store stays held. Only with `admission`.
+    pub cold: bool,
 }
 
 impl Default for Budget {
@@ -437,6 +440,7 @@ impl Default for Budget {
             blocks: true,
             word_runs: false,
             admission: true,
+            cold: true,
         }
     }
 }

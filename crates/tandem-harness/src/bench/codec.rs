@@ -203,8 +203,9 @@ pub fn parse_budget(spec: &str, cfg: &mut Config) -> anyhow::Result<()> {
             "blocks" => cfg.budget.blocks = flag(v)?,
             "word_runs" => cfg.budget.word_runs = flag(v)?,
             "admission" => cfg.budget.admission = flag(v)?,
+            "cold" => cfg.budget.cold = flag(v)?,
             "regular_up_to" => cfg.budget.regular_up_to = num(v)?,
-            _ => bail!("--budget: unknown knob {k:?} (good_enough, regular_up_to, run_gap, prefix, anchors, similar_above, similarity, blocks, word_runs, admission)"),
+            _ => bail!("--budget: unknown knob {k:?} (good_enough, regular_up_to, run_gap, prefix, anchors, similar_above, similarity, blocks, word_runs, admission, cold)"),
         }
     }
     Ok(())
