@@ -28,7 +28,7 @@ pub struct Plan {
     /// The data section put back in page order (FLAG_SPLIT records).
     joined: Vec<u8>,
     /// The decompressed page codes (FLAG_CODES_ZSTD records).
-    codes: Vec<u8>,
+    codes: crate::format::CodesCache,
 }
 
 impl Plan {
@@ -110,6 +110,17 @@ pub fn decode(rec: &[u8], mirror: &[u8], plan: &mut Plan) -> Result<(), DecodeEr
 /// payload): then the whole mirror must be present. Checks only the header and the ops
 /// section; [`decode`] still verifies everything.
 pub fn pages_read(rec: &[u8], pages: u64) -> Result<Option<Vec<u64>>, DecodeError> {
+    pages_read_with(rec, pages, &mut Plan::default())
+}
+
+/// [`pages_read`], keeping the record's decompressed page codes in `plan`, so that
+/// [`decode`] of the same record with the same plan does not decompress them again (what a
+/// consolidated backup does on every epoch).
+pub fn pages_read_with(
+    rec: &[u8],
+    pages: u64,
+    plan: &mut Plan,
+) -> Result<Option<Vec<u64>>, DecodeError> {
     let h = Header::read(rec)?;
     let ops = &rec[HEADER_LEN..HEADER_LEN + h.ops_len as usize];
     if crc32c::crc32c(ops) != h.crc_ops {
@@ -126,10 +137,9 @@ pub fn pages_read(rec: &[u8], pages: u64) -> Result<Option<Vec<u64>>, DecodeErro
         }
     }
     crate::split::split_len(&h, ops, &mut pos)?;
-    let mut buf = Vec::new();
     for c in read_codes(
         &h,
-        crate::format::codes_section(&h, &ops[pos..], &mut buf)?,
+        crate::format::codes_section(&h, &ops[pos..], &mut plan.codes)?,
         pages,
     )? {
         if matches!(c.body, Body::Areas | Body::Blocks(_)) {

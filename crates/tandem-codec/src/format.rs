@@ -235,7 +235,7 @@ impl Header {
 pub(crate) fn codes_section<'a>(
     h: &Header,
     rest: &'a [u8],
-    buf: &'a mut Vec<u8>,
+    cache: &'a mut CodesCache,
 ) -> Result<&'a [u8], DecodeError> {
     if h.flags & FLAG_CODES_ZSTD == 0 {
         return Ok(rest);
@@ -258,6 +258,12 @@ pub(crate) fn codes_section<'a>(
             max: most,
         });
     }
+    // Checked above for this header, so a hit decodes exactly as a miss would.
+    if cache.valid && cache.from == rest {
+        return Ok(&cache.codes);
+    }
+    cache.valid = false;
+    let buf = &mut cache.codes;
     buf.clear();
     buf.resize(raw as usize, 0);
     let n = crate::prefix::decompress(frame, &[], &mut buf[..])
@@ -267,5 +273,22 @@ pub(crate) fn codes_section<'a>(
             "page codes decode to {n} bytes, the ops section declares {raw}"
         )));
     }
-    Ok(&buf[..])
+    cache.from.clear();
+    cache.from.extend_from_slice(rest);
+    cache.valid = true;
+    Ok(&cache.codes)
+}
+
+/// Decompressed page codes, kept with the compressed bytes they came from, so that a record
+/// whose pages are listed ([`crate::pages_read_with`]) and then decoded with the same
+/// [`crate::Plan`] decompresses its codes once. Identical input gives identical output, so a
+/// hit needs no other check.
+#[derive(Debug, Default, Clone)]
+pub(crate) struct CodesCache {
+    /// The ops section after the prefix frames and split lengths (the length and the frame).
+    from: Vec<u8>,
+    /// What it decompressed to.
+    codes: Vec<u8>,
+    /// Whether `codes` is `from` decompressed (false after a refused frame).
+    valid: bool,
 }

@@ -37,7 +37,7 @@ pub mod state;
 mod strategies;
 pub mod wkdm;
 
-pub use decoder::{decode, pages_read, Plan};
+pub use decoder::{decode, pages_read, pages_read_with, Plan};
 pub use encoder::{Codec, Config, EncodeStats, Encoder};
 pub use strategies::Budget;
 

@@ -3,7 +3,7 @@
 
 use tandem_codec::format::{FLAG_CODES_ZSTD, HEADER_LEN};
 use tandem_codec::runs::{get_uleb, put_uleb};
-use tandem_codec::{decode, pages_read, Codec, Config, Encoder, Plan};
+use tandem_codec::{decode, pages_read, pages_read_with, Codec, Config, Encoder, Plan};
 
 const P: usize = 4096;
 const PAGES: usize = 1024;
@@ -159,4 +159,36 @@ proptest::proptest! {
             proptest::prop_assert!(plan.pfns.is_empty() && plan.data.is_empty());
         }
     }
+}
+
+#[test]
+fn codes_listed_then_decoded_with_one_plan_are_never_stale() {
+    let (rec, truth, pfns, data) = record(Codec::XbzrleZstd);
+    let (other, ..) = record(Codec::Zstd);
+    let corrupt = with_ops(&rec, |ops| {
+        let n = ops.len();
+        ops[n / 2] ^= 0x5a;
+        ops[n - 3] ^= 0xa5;
+    });
+    let mut plan = Plan::default();
+    let check = |plan: &Plan| {
+        let mut mem = truth.clone();
+        plan.commit(&mut mem);
+        for (k, &p) in pfns.iter().enumerate() {
+            assert_eq!(
+                &mem[p as usize * P..(p as usize + 1) * P],
+                &data[k * P..(k + 1) * P]
+            );
+        }
+    };
+    // Listed, then decoded: the codes kept by the listing are used.
+    assert!(pages_read_with(&rec, PAGES as u64, &mut plan).is_ok());
+    decode(&rec, &truth, &mut plan).unwrap();
+    check(&plan);
+    // Another record, or a damaged copy of this one, after it: never the kept codes.
+    let _ = pages_read_with(&corrupt, PAGES as u64, &mut plan);
+    assert!(decode(&corrupt, &truth, &mut plan).is_err());
+    decode(&other, &truth, &mut plan).unwrap();
+    decode(&rec, &truth, &mut plan).unwrap();
+    check(&plan);
 }

@@ -453,7 +453,7 @@ impl<M: AsRef<[u8]> + AsMut<[u8]>> Backup<M> {
         };
         let m = self.mirror.as_mut();
         let mut pool = lock(&c.pool);
-        match tandem_codec::pages_read(record, (m.len() / PAGE) as u64)? {
+        match tandem_codec::pages_read_with(record, (m.len() / PAGE) as u64, &mut self.plan)? {
             Some(pfns) => c.replica.restore(&mut pool, m, &pfns),
             // A record that may read and write anywhere: the whole mirror, holes included.
             None => c

@@ -421,7 +421,7 @@ fn run_debian(a: Args) -> anyhow::Result<()> {
         let o = debian::DebianOpts {
             exe: exe.clone(),
             lab: &lab,
-            vm: pg::DebianVm::cached()?,
+            vm: vm.clone(),
             dir: dir.path().to_path_buf(),
             shm: shm.path().to_path_buf(),
             epoch_ms: a.epoch_ms,

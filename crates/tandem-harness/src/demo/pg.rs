@@ -378,6 +378,7 @@ pub fn amcheck(ns: &str, key: &Path, host: &str) -> anyhow::Result<Result<(), St
 }
 
 /// The test VM's files, from `tandem setup --debian`.
+#[derive(Clone)]
 pub struct DebianVm {
     /// Directory holding them.
     pub dir: PathBuf,
