@@ -489,5 +489,8 @@ impl Encoder {
                 self.index_page(pfn, p, pre[i].hash, de);
             }
         }
+        if let Some(s) = self.prev.as_mut() {
+            s.settle();
+        }
     }
 }

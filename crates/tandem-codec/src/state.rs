@@ -340,6 +340,16 @@ impl PrevStore {
         }
     }
 
+    /// Ends an epoch: a tiered store puts the pages staged by [`PrevStore::promote`] and not
+    /// written since back into its compressed tier, and releases their buffer.
+    pub fn settle(&mut self) {
+        if let PrevStore::Lru(l) = self {
+            if let Some(c) = l.cold.as_mut() {
+                c.unstage();
+            }
+        }
+    }
+
     /// Whether a tiered store compresses the pages it pushes out of its main list (true when
     /// made) or drops them, which saves the CPU of compressing them.
     pub fn set_compressing(&mut self, on: bool) {

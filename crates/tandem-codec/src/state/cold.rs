@@ -7,8 +7,8 @@
 //! Before an epoch is encoded, the held pages among its dirty ones are *staged*: decompressed
 //! into a buffer the encoder reads like the main list, however many there are (moving them
 //! into the main list would push out each other when an epoch writes more pages than it
-//! holds). Writing a page's new version unstages it; a staged page the epoch left unchanged
-//! goes back into the tier at the next staging.
+//! holds). Writing a page's new version unstages it; once the epoch is encoded, a staged page
+//! it left unchanged goes back into the tier and the buffer is released.
 
 use std::collections::VecDeque;
 
@@ -111,19 +111,11 @@ impl Cold {
         Some(b.data)
     }
 
-    /// Stages the held pages of `pfns` (see the module's comment), after putting back those
-    /// staged before and not written since.
+    /// Stages the held pages of `pfns` (see the module's comment).
     pub(super) fn stage(&mut self, pfns: &[u64]) {
-        let (left, data) = (
-            std::mem::take(&mut self.staged),
-            std::mem::take(&mut self.staged_data),
-        );
-        for (&pfn, &i) in &left {
-            self.put(pfn, &data[i as usize * PAGE..(i as usize + 1) * PAGE]);
-        }
-        (self.staged, self.staged_data) = (left, data);
-        self.staged.clear();
-        self.staged_data.clear();
+        self.unstage();
+        let n = pfns.iter().filter(|p| self.map.contains_key(p)).count();
+        self.staged_data.reserve_exact(n * PAGE);
         for &pfn in pfns {
             let Some(frame) = self.remove(pfn) else {
                 continue;
@@ -136,9 +128,18 @@ impl Cold {
                 self.staged_data.truncate(i * PAGE);
             }
         }
-        // A buffer grown by one large epoch is not kept for the small ones after it.
-        if self.staged_data.capacity() > (4 * self.staged_data.len()).max(1 << 20) {
-            self.staged_data.shrink_to_fit();
+    }
+
+    /// Puts the staged pages not written since back into the tier and releases the staging
+    /// buffer: it is the epoch's working memory (like the record and its prefix), not state
+    /// kept between epochs.
+    pub(super) fn unstage(&mut self) {
+        let (left, data) = (
+            std::mem::take(&mut self.staged),
+            std::mem::take(&mut self.staged_data),
+        );
+        for (&pfn, &i) in &left {
+            self.put(pfn, &data[i as usize * PAGE..(i as usize + 1) * PAGE]);
         }
     }
 
@@ -270,6 +271,8 @@ mod tests {
         // Page 2 is written: its staged version is gone; 1 and 3 are not written.
         c.put(2, &page(20, true));
         assert!(c.staged(2).is_none());
+        c.unstage();
+        assert!(c.staged(1).is_none() && c.staged_data.capacity() == 0);
         c.stage(&[4]);
         assert!(c.staged(1).is_none() && c.staged(4).is_some());
         let mut dst = vec![0; PAGE];
