@@ -243,7 +243,7 @@ impl Encoder {
         // 1. Pre-pass (parallel): zero / unchanged / hashes / changed blocks. The store first
         // brings back the compressed previous versions of these pages.
         if let Some(s) = self.prev.as_mut() {
-            s.promote(pfns);
+            s.promote(pfns, self.pool.as_deref());
         }
         let (mut pre, block_new) = self.prepass(pfns, data);
         lap(0, &mut t);
@@ -490,7 +490,7 @@ impl Encoder {
             }
         }
         if let Some(s) = self.prev.as_mut() {
-            s.settle();
+            s.settle(self.pool.as_deref());
         }
     }
 }

@@ -175,7 +175,7 @@ impl Lru {
         let pfn = self.pfn[s as usize];
         self.map.remove(&pfn);
         if let (0, Some(c)) = (list, self.cold.as_mut()) {
-            c.put(pfn, &self.data[s as usize * PAGE..(s as usize + 1) * PAGE]);
+            c.defer(pfn, &self.data[s as usize * PAGE..(s as usize + 1) * PAGE]);
         }
         s
     }
@@ -217,15 +217,25 @@ impl Lru {
 
     fn put(&mut self, pfn: u64, content: &[u8]) {
         let mut cap = self.caps[0];
+        let mut from_tier = false;
         if let Some(c) = self.cold.as_mut() {
+            from_tier = c.staged(pfn).is_some();
             // A compressed version, if any, is older than this one.
             c.remove(pfn);
             cap += c.capacity();
         }
-        let admit = match self.admission.as_mut() {
+        let (admit, distance) = match self.admission.as_mut() {
             Some(a) => a.admit(pfn, cap),
-            None => true,
+            None => (true, u64::MAX),
         };
+        if let Some(c) = self.cold.as_mut().filter(|_| from_tier) {
+            // Back from the tier after more pages than the store would hold raw (a page
+            // that came back sooner would have been held anyway without the tier).
+            let raw = self.caps[0] + self.caps[1] + c.budget() / PAGE;
+            if distance != u64::MAX && distance > raw as u64 {
+                c.came_back();
+            }
+        }
         let held = self.map.get(&pfn).copied();
         // Main when held there, admitted or while it has room; otherwise probation.
         let main = held.is_some_and(|s| self.seg[s as usize] == 0)
@@ -247,14 +257,6 @@ impl Lru {
         };
         self.data[s as usize * PAGE..(s as usize + 1) * PAGE].copy_from_slice(content);
         self.push_front(s, list);
-    }
-
-    /// Stages the pages of `pfns` held in the compressed tier (cold.rs), so that
-    /// [`PrevStore::get`] finds them.
-    fn promote(&mut self, pfns: &[u64]) {
-        if let Some(c) = self.cold.as_mut() {
-            c.stage(pfns)
-        }
     }
 
     fn bytes(&self) -> usize {
@@ -293,19 +295,23 @@ impl Admission {
     }
 
     /// Records that a version of `pfn` is being stored; says whether a store of `cap` pages
-    /// that does not hold it should take it in.
-    fn admit(&mut self, pfn: u64, cap: usize) -> bool {
+    /// that does not hold it should take it in, and the page's reuse distance (`u64::MAX`
+    /// for a page seen for the first time).
+    fn admit(&mut self, pfn: u64, cap: usize) -> (bool, u64) {
         // 0 marks "never": the clock skips it when it wraps (after 2^32 pages stored, a
         // distance may come out wrong once; it only steers what is held).
         self.clock = self.clock.wrapping_add(1).max(1);
         let Some(l) = self.last.get_mut(pfn as usize) else {
-            return true;
+            return (true, u64::MAX);
         };
         let prev = std::mem::replace(l, self.clock);
+        if prev == 0 {
+            return (true, u64::MAX);
+        }
         let d = self.clock.wrapping_sub(prev) as u64;
         // The page's place in a fixed pseudo-random order of page numbers, in 0..1024.
         let rank = pfn.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 54;
-        prev == 0 || d <= cap as u64 || rank * d < 512 * cap as u64
+        (d <= cap as u64 || rank * d < 512 * cap as u64, d)
     }
 }
 
@@ -332,31 +338,36 @@ impl PrevStore {
         }
     }
 
-    /// Makes the previous versions of `pfns` readable by [`PrevStore::get`] (a tiered store
-    /// decompresses those it holds compressed). Call it before reading an epoch's pages.
-    pub fn promote(&mut self, pfns: &[u64]) {
-        if let PrevStore::Lru(l) = self {
-            l.promote(pfns)
+    /// Makes the previous versions of `pfns` readable by [`PrevStore::get`]: a tiered store
+    /// decompresses those it holds compressed (on `pool`'s threads, if given). Call it before
+    /// reading an epoch's pages.
+    pub fn promote(&mut self, pfns: &[u64], pool: Option<&rayon::ThreadPool>) {
+        if let Some(c) = self.cold_mut() {
+            c.stage(pfns, pool)
         }
     }
 
-    /// Ends an epoch: a tiered store puts the pages staged by [`PrevStore::promote`] and not
-    /// written since back into its compressed tier, and releases their buffer.
-    pub fn settle(&mut self) {
-        if let PrevStore::Lru(l) = self {
-            if let Some(c) = l.cold.as_mut() {
-                c.unstage();
-            }
+    fn cold_mut(&mut self) -> Option<&mut Cold> {
+        match self {
+            PrevStore::Lru(l) => l.cold.as_deref_mut(),
+            _ => None,
+        }
+    }
+
+    /// Ends an epoch, after its [`PrevStore::put`]s: a tiered store compresses the pages its
+    /// main list pushed out (on `pool`'s threads, if given) and puts back the pages staged by
+    /// [`PrevStore::promote`] and not written since; it releases both buffers.
+    pub fn settle(&mut self, pool: Option<&rayon::ThreadPool>) {
+        if let Some(c) = self.cold_mut() {
+            c.settle(pool)
         }
     }
 
     /// Whether a tiered store compresses the pages it pushes out of its main list (true when
     /// made) or drops them, which saves the CPU of compressing them.
     pub fn set_compressing(&mut self, on: bool) {
-        if let PrevStore::Lru(l) = self {
-            if let Some(c) = l.cold.as_mut() {
-                c.active = on;
-            }
+        if let Some(c) = self.cold_mut() {
+            c.active = on;
         }
     }
 
@@ -546,19 +557,22 @@ mod tests {
         let mut tiered = PrevStore::Lru(Box::new(Lru::tiered(cap, 1000)));
         let mut flat = PrevStore::Lru(Box::new(Lru::scan_resistant(cap, 1000)));
         let (mut hits, mut hits_flat) = (0, 0);
-        for round in 0..6 {
+        // The tier takes in a sample of the pages at first (none has come back from it yet),
+        // then all of them once the sample does.
+        for round in 0..7 {
             for pfn in 0..cycle {
-                tiered.promote(&[pfn]);
+                tiered.promote(&[pfn], None);
                 if let Some(old) = tiered.get(pfn) {
                     assert_eq!(
                         old,
                         page(pfn, round - 1),
                         "the held version is the last put"
                     );
-                    hits += (round > 1) as usize;
+                    hits += (round > 2) as usize;
                 }
-                hits_flat += (round > 1 && flat.get(pfn).is_some()) as usize;
+                hits_flat += (round > 2 && flat.get(pfn).is_some()) as usize;
                 tiered.put(pfn, &page(pfn, round));
+                tiered.settle(None);
                 flat.put(pfn, &page(pfn, round));
             }
         }
@@ -574,10 +588,12 @@ mod tests {
         for pfn in 1000..1100 {
             tiered.put(pfn, &page(pfn, 9));
         }
-        tiered.promote(&[0, 1]);
-        assert!(tiered.get(0).is_none_or(|p| p == page(0, 5)));
+        tiered.settle(None);
+        tiered.promote(&[0, 1], None);
+        assert!(tiered.get(0).is_none_or(|p| p == page(0, 6)));
         tiered.put(2, &page(2, 7));
-        tiered.promote(&[2]);
+        tiered.settle(None);
+        tiered.promote(&[2], None);
         assert_eq!(tiered.get(2).unwrap(), page(2, 7));
     }
 

@@ -4,29 +4,98 @@
 //! cycle here instead of sending it without a delta. A page that does not compress is kept as
 //! it is, so the tier never holds fewer pages than raw slots of the same bytes would.
 //!
-//! Before an epoch is encoded, the held pages among its dirty ones are *staged*: decompressed
-//! into a buffer the encoder reads like the main list, however many there are (moving them
-//! into the main list would push out each other when an epoch writes more pages than it
-//! holds). Writing a page's new version unstages it; once the epoch is encoded, a staged page
-//! it left unchanged goes back into the tier and the buffer is released.
+//! Per epoch:
+//! - Before it is encoded, the held pages among its dirty ones are *staged*: decompressed
+//!   (on the encoder's threads) into a buffer the encoder reads like the main list, however
+//!   many there are. Moving them into the main list would make them push each other out when
+//!   an epoch writes more pages than it holds.
+//! - While the store takes the epoch's new versions, the pages the main list pushes out are
+//!   *deferred*: copied aside, to be compressed together.
+//! - Writing a page's new version drops any version held, staged or deferred.
+//! - Once the epoch is encoded, the store *settles*: the deferred pages are compressed (on
+//!   the encoder's threads) and taken in, in the order they were pushed out; the staged pages
+//!   the epoch left unchanged go back in; both buffers, the epoch's working memory like the
+//!   record and its prefix, are emptied for the next epoch.
+//!
+//! What is held does not depend on the number of threads.
+//!
+//! The tier costs a compression per page it takes in, which pays only for pages that come
+//! back from it after more pages than the store would hold without it (all of its bytes raw):
+//! a page back sooner would have been held anyway. The store counts both (halved every
+//! [`WINDOW`] pages taken in). While fewer than one in [`PAYS`] pages taken in comes back so,
+//! the tier takes in only a fixed sample of page numbers (one in [`SAMPLE`]): compile's and
+//! pgbench's pages pushed out of the main list come back soon or not at all, and the sample
+//! keeps watching for a cycle, like memtouch's, whose pages do.
 
+use std::cell::RefCell;
 use std::collections::VecDeque;
+
+use rayon::prelude::*;
 
 use super::FxMap;
 use crate::format::PAGE;
 use crate::prefix::Compressor;
 
-/// zstd level of the tier's frames: fast (~3 µs per page on this project's test machine) and,
-/// on the held-out `memtouch` trace, within 5 % of level 1's ratio.
+/// zstd level of the tier's frames. On this project's test machine a page takes 4–14 µs to
+/// compress (memtouch's to compile's) and 2–6 µs to decompress; on memtouch level −1 holds
+/// 95 % of the rewritten pages in the tier's bytes, level −5 87 %, LZ4 73 % (a replay of the
+/// trace's page sequence).
 const LEVEL: i32 = -1;
 
 /// Bookkeeping charged against the budget per page held: the map's slot, the order's slot
 /// and the allocator's header of the frame.
 const ENTRY: usize = 64;
 
+/// The tier takes in every page while at least one in `PAYS` of those taken in comes back.
+const PAYS: u64 = 4;
+/// ... else one page number in `SAMPLE`.
+const SAMPLE: u64 = 8;
+/// Pages taken in after which both counts are halved.
+const WINDOW: u64 = 1 << 14;
+
+/// Fewest pages of a batch handed to the encoder's threads.
+const PAR_MIN: usize = 64;
+
+thread_local! {
+    /// One compression context per thread, reused by every page it compresses.
+    static ZC: RefCell<(Compressor, Vec<u8>)> = RefCell::new(Default::default());
+}
+
+/// `content` as the tier keeps it: a zstd frame, or the page itself when that is not shorter.
+fn pack(content: &[u8]) -> Box<[u8]> {
+    ZC.with(|cell| {
+        let (zc, buf) = &mut *cell.borrow_mut();
+        match zc.compress(&[], content, LEVEL, buf) {
+            Ok(()) if buf.len() < content.len() => buf.as_slice().into(),
+            _ => content.into(),
+        }
+    })
+}
+
+/// Runs `f` over `0..n` on `pool` when there is one and enough work, else on this thread.
+fn each<T: Send>(
+    pool: Option<&rayon::ThreadPool>,
+    n: usize,
+    f: impl Fn(usize) -> T + Sync + Send,
+) -> Vec<T> {
+    match pool {
+        Some(p) if n >= PAR_MIN => p.install(|| (0..n).into_par_iter().map(f).collect()),
+        _ => (0..n).map(f).collect(),
+    }
+}
+
+/// Empties a working buffer that held `used` bytes this epoch, keeping its allocation for the
+/// next (a new one costs a page fault per page) unless it is far larger than that.
+fn keep(buf: &mut Vec<u8>, used: usize) {
+    buf.clear();
+    if buf.capacity() > (2 * used).max(1 << 20) {
+        buf.shrink_to(used);
+    }
+}
+
 /// One held page.
 struct Blob {
-    /// A zstd frame of the page, or the page itself when that is not shorter.
+    /// What [`pack`] made of it.
     data: Box<[u8]>,
     /// Its place in [`Cold::order`].
     seq: u32,
@@ -42,13 +111,19 @@ pub(super) struct Cold {
     /// Bytes charged: frames plus [`ENTRY`] per page.
     charged: usize,
     budget: usize,
-    zc: Compressor,
-    buf: Vec<u8>,
-    /// Pages put while false are dropped, not compressed.
+    /// Pages pushed out while false are dropped, not compressed.
     pub(super) active: bool,
     /// Staged pages: page number → index of the page in `staged_data`.
     staged: FxMap<u64, u32>,
     staged_data: Vec<u8>,
+    /// Deferred pages: page number → index of its latest copy in `deferred_data` (an entry
+    /// of `deferred_pfns` whose page maps elsewhere, or nowhere, was superseded).
+    deferred: FxMap<u64, u32>,
+    deferred_pfns: Vec<u64>,
+    deferred_data: Vec<u8>,
+    /// Pages taken in, and staged back, lately (see the module's comment).
+    taken: u64,
+    back: u64,
 }
 
 impl Cold {
@@ -60,24 +135,44 @@ impl Cold {
             seq: 0,
             charged: 0,
             budget,
-            zc: Compressor::default(),
-            buf: Vec::new(),
             active: true,
             staged: FxMap::default(),
             staged_data: Vec::new(),
+            deferred: FxMap::default(),
+            deferred_pfns: Vec::new(),
+            deferred_data: Vec::new(),
+            taken: 0,
+            back: 0,
         }
     }
 
-    /// Keeps `content` as the version of `pfn`, pushing out the oldest pages over budget.
-    pub(super) fn put(&mut self, pfn: u64, content: &[u8]) {
+    /// Whether the tier takes in `pfn` if pushed out now: always while pages come back from
+    /// it, else if the page is in the sample.
+    fn wants(&self, pfn: u64) -> bool {
+        let rank = pfn.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 54;
+        self.back * PAYS >= self.taken.max(1) || rank * SAMPLE < 1024
+    }
+
+    /// The tier's bytes.
+    pub(super) fn budget(&self) -> usize {
+        self.budget
+    }
+
+    /// Records that a page staged from the tier came back after more pages than the store
+    /// would hold without it (see the module's comment).
+    pub(super) fn came_back(&mut self) {
+        self.back += 1;
+    }
+
+    /// Whether pages put now are kept at all.
+    fn takes(&self) -> bool {
+        self.active && self.budget >= PAGE + ENTRY
+    }
+
+    /// Takes in `data` (made by [`pack`]) as the version of `pfn`, pushing out the oldest
+    /// pages over budget.
+    fn insert(&mut self, pfn: u64, data: Box<[u8]>) {
         self.remove(pfn);
-        if !self.active || self.budget < PAGE + ENTRY {
-            return;
-        }
-        let data: Box<[u8]> = match self.zc.compress(&[], content, LEVEL, &mut self.buf) {
-            Ok(()) if self.buf.len() < content.len() => self.buf.as_slice().into(),
-            _ => content.into(),
-        };
         self.seq = self.seq.wrapping_add(1);
         self.charged += data.len() + ENTRY;
         self.map.insert(
@@ -103,44 +198,100 @@ impl Cold {
         }
     }
 
-    /// Drops the version of `pfn`, if held or staged; returns its frame if it was held.
+    /// Keeps `content` as the version of `pfn` now (compressed on this thread).
+    #[cfg(test)]
+    pub(super) fn put(&mut self, pfn: u64, content: &[u8]) {
+        self.remove(pfn);
+        if self.takes() {
+            self.insert(pfn, pack(content));
+        }
+    }
+
+    /// Keeps `content` as the version of `pfn` once the store settles.
+    pub(super) fn defer(&mut self, pfn: u64, content: &[u8]) {
+        self.remove(pfn);
+        if !self.takes() || !self.wants(pfn) {
+            return;
+        }
+        let i = self.deferred_pfns.len();
+        self.deferred_pfns.push(pfn);
+        self.deferred_data.extend_from_slice(content);
+        self.deferred.insert(pfn, i as u32);
+    }
+
+    /// Drops the version of `pfn` held, staged or deferred; returns its frame if it was held.
     pub(super) fn remove(&mut self, pfn: u64) -> Option<Box<[u8]>> {
         self.staged.remove(&pfn);
+        self.deferred.remove(&pfn);
         let b = self.map.remove(&pfn)?;
         self.charged -= b.data.len() + ENTRY;
         Some(b.data)
     }
 
     /// Stages the held pages of `pfns` (see the module's comment).
-    pub(super) fn stage(&mut self, pfns: &[u64]) {
-        self.unstage();
-        let n = pfns.iter().filter(|p| self.map.contains_key(p)).count();
-        self.staged_data.reserve_exact(n * PAGE);
-        for &pfn in pfns {
-            let Some(frame) = self.remove(pfn) else {
-                continue;
-            };
-            let i = self.staged.len();
-            self.staged_data.resize((i + 1) * PAGE, 0);
-            if unpack(&frame, &mut self.staged_data[i * PAGE..]) {
-                self.staged.insert(pfn, i as u32);
-            } else {
-                self.staged_data.truncate(i * PAGE);
+    pub(super) fn stage(&mut self, pfns: &[u64], pool: Option<&rayon::ThreadPool>) {
+        self.settle(pool);
+        let frames: Vec<(u64, Box<[u8]>)> = pfns
+            .iter()
+            .filter_map(|&p| self.remove(p).map(|f| (p, f)))
+            .collect();
+        let mut data = std::mem::take(&mut self.staged_data);
+        data.clear();
+        data.resize(frames.len() * PAGE, 0);
+        let one = |(d, (_, f)): (&mut [u8], &(u64, Box<[u8]>))| unpack(f, d);
+        let ok: Vec<bool> = match pool {
+            Some(p) if frames.len() >= PAR_MIN => p.install(|| {
+                data.par_chunks_mut(PAGE)
+                    .zip(frames.par_iter())
+                    .map(one)
+                    .collect()
+            }),
+            _ => data.chunks_exact_mut(PAGE).zip(&frames).map(one).collect(),
+        };
+        for (i, ((pfn, _), ok)) in frames.iter().zip(ok).enumerate() {
+            if ok {
+                self.staged.insert(*pfn, i as u32);
             }
         }
+        self.staged_data = data;
     }
 
-    /// Puts the staged pages not written since back into the tier and releases the staging
-    /// buffer: it is the epoch's working memory (like the record and its prefix), not state
-    /// kept between epochs.
-    pub(super) fn unstage(&mut self) {
-        let (left, data) = (
-            std::mem::take(&mut self.staged),
-            std::mem::take(&mut self.staged_data),
+    /// Ends the epoch (see the module's comment).
+    pub(super) fn settle(&mut self, pool: Option<&rayon::ThreadPool>) {
+        let (mut pfns, mut data) = (
+            std::mem::take(&mut self.deferred_pfns),
+            std::mem::take(&mut self.deferred_data),
         );
-        for (&pfn, &i) in &left {
-            self.put(pfn, &data[i as usize * PAGE..(i as usize + 1) * PAGE]);
+        let live: Vec<usize> = (0..pfns.len())
+            .filter(|&i| self.deferred.get(&pfns[i]) == Some(&(i as u32)))
+            .collect();
+        self.deferred.clear();
+        let packed = each(pool, live.len(), |k| {
+            let i = live[k];
+            pack(&data[i * PAGE..(i + 1) * PAGE])
+        });
+        for (&i, frame) in live.iter().zip(packed) {
+            self.insert(pfns[i], frame);
         }
+        self.taken += live.len() as u64;
+        if self.taken > WINDOW {
+            (self.taken, self.back) = (self.taken / 2, self.back / 2);
+        }
+        keep(&mut data, pfns.len() * PAGE);
+        pfns.clear();
+        (self.deferred_pfns, self.deferred_data) = (pfns, data);
+        let mut left: Vec<(u64, u32)> = self.staged.drain().collect();
+        let mut staged = std::mem::take(&mut self.staged_data);
+        if self.takes() {
+            left.sort_unstable();
+            for (pfn, i) in left {
+                let frame = pack(&staged[i as usize * PAGE..(i as usize + 1) * PAGE]);
+                self.insert(pfn, frame);
+            }
+        }
+        let used = staged.len();
+        keep(&mut staged, used);
+        self.staged_data = staged;
     }
 
     /// The staged version of `pfn`.
@@ -169,14 +320,14 @@ impl Cold {
         }
     }
 
-    /// Memory held.
+    /// Memory held as state: the frames and their bookkeeping. The staging and deferral
+    /// buffers are the epoch's working memory, copies of pages of the epoch like the
+    /// encoder's prefix and record buffers, which are not counted either (each is kept for
+    /// the next epoch, and released after an epoch far smaller than the largest).
     pub(super) fn bytes(&self) -> usize {
         self.map.values().map(|b| b.data.len() + 16).sum::<usize>()
             + self.map.capacity() * 32
             + self.order.capacity() * 16
-            + self.buf.capacity()
-            + self.staged.capacity() * 16
-            + self.staged_data.capacity()
     }
 }
 
@@ -264,16 +415,16 @@ mod tests {
         for p in 0..10 {
             c.put(p, &page(p, true));
         }
-        c.stage(&[1, 2, 3, 50]);
+        c.stage(&[1, 2, 3, 50], None);
         assert_eq!(c.staged(2).unwrap(), page(2, true));
         assert!(c.staged(50).is_none() && c.staged(4).is_none());
         assert!(!c.holds(2), "a staged page is out of the tier");
         // Page 2 is written: its staged version is gone; 1 and 3 are not written.
         c.put(2, &page(20, true));
         assert!(c.staged(2).is_none());
-        c.unstage();
-        assert!(c.staged(1).is_none() && c.staged_data.capacity() == 0);
-        c.stage(&[4]);
+        c.settle(None);
+        assert!(c.staged(1).is_none() && c.staged_data.is_empty());
+        c.stage(&[4], None);
         assert!(c.staged(1).is_none() && c.staged(4).is_some());
         let mut dst = vec![0; PAGE];
         for (p, v) in [(1, 1), (2, 20), (3, 3)] {
