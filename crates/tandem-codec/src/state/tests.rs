@@ -1,0 +1,133 @@
+//! Unit tests of the page stores.
+
+use super::*;
+
+#[test]
+fn lru_evicts_least_recent() {
+    let mut s = PrevStore::Lru(Box::new(Lru::new(2)));
+    let p = |b: u8| vec![b; PAGE];
+    s.put(1, &p(1));
+    s.put(2, &p(2));
+    assert_eq!(s.get(1).unwrap()[0], 1);
+    s.put(1, &p(11)); // 1 becomes most recent
+    s.put(3, &p(3)); // evicts 2
+    assert!(s.get(2).is_none());
+    assert_eq!(s.get(1).unwrap()[0], 11);
+    assert_eq!(s.get(3).unwrap()[0], 3);
+}
+
+#[test]
+fn a_cycle_larger_than_the_store_keeps_a_held_sample() {
+    let page = [7u8; PAGE];
+    let (cap, cycle) = (100usize, 150u64);
+    let mut plain = PrevStore::Lru(Box::new(Lru::new(cap)));
+    let mut resistant = PrevStore::Lru(Box::new(Lru::scan_resistant(cap, 1000)));
+    let (mut hits_plain, mut hits) = (0, 0);
+    for round in 0..10 {
+        for pfn in 0..cycle {
+            if round > 2 {
+                hits_plain += plain.get(pfn).is_some() as usize;
+                hits += resistant.get(pfn).is_some() as usize;
+            }
+            plain.put(pfn, &page);
+            resistant.put(pfn, &page);
+        }
+    }
+    // LRU evicts each page just before it comes back; the sample (cap/(2 cycle) of the
+    // pages by number, here about 50) and what it leaves held are hit every round.
+    assert_eq!(hits_plain, 0);
+    let per_round = hits / 7;
+    assert!(
+        (40..=100).contains(&per_round),
+        "{per_round} hits per round"
+    );
+    // Pages that come back within the capacity are held as by LRU.
+    let mut s = PrevStore::Lru(Box::new(Lru::scan_resistant(2, 1000)));
+    s.put(1, &[1; PAGE]);
+    s.put(2, &[2; PAGE]);
+    s.put(1, &[11; PAGE]);
+    s.put(3, &[3; PAGE]); // first seen: taken in, evicts 2
+    assert!(s.get(2).is_none());
+    assert_eq!(s.get(1).unwrap()[0], 11);
+    assert_eq!(s.get(3).unwrap()[0], 3);
+    // A page number outside the guest is taken in (no history to judge it by).
+    s.put(5000, &[5; PAGE]);
+    assert!(s.get(5000).is_some());
+    // A page turned away waits in probation: written again soon, it is held and promoted.
+    let mut s = Lru::scan_resistant(64, 1000);
+    (0..62).for_each(|p| s.put(p, &page)); // main: 62 pages, probation: 2
+    (100..200).for_each(|p| s.put(p, &page)); // first seen: taken in as by LRU
+                                              // Page 3 (rank 874 of 1024 in the sample order) comes back 162 pages later: turned
+                                              // away from main, held in probation.
+    assert!(s.get(3).is_none());
+    s.put(3, &[9; PAGE]);
+    assert_eq!(s.seg[s.map[&3] as usize], 1);
+    s.put(1, &page);
+    assert_eq!(s.get(3).unwrap()[0], 9, "held in probation");
+    s.put(3, &[10; PAGE]); // 2 pages later: taken in
+    assert_eq!(s.seg[s.map[&3] as usize], 0, "promoted");
+    assert_eq!(s.get(3).unwrap()[0], 10);
+    assert!(s.map.len() <= 64 && s.data.len() <= 64 * PAGE);
+}
+
+#[test]
+fn a_tiered_store_holds_a_compressible_cycle_larger_than_its_raw_slots() {
+    // Compressible pages (a counter in every 8-byte word), a cycle of 5 × the store's raw
+    // pages: the compressed tier holds what the main list pushes out.
+    let page = |pfn: u64, round: u64| -> Vec<u8> {
+        (0..PAGE / 8)
+            .flat_map(|w| ((round << 32) | pfn << 12 | (w as u64 / 8)).to_le_bytes())
+            .collect()
+    };
+    let (cap, cycle) = (64usize, 160u64);
+    let mut tiered = PrevStore::Lru(Box::new(Lru::tiered(cap, 1000)));
+    let mut flat = PrevStore::Lru(Box::new(Lru::scan_resistant(cap, 1000)));
+    let (mut hits, mut hits_flat) = (0, 0);
+    // The tier takes in a sample of the pages at first (none has come back from it yet),
+    // then all of them once the sample does.
+    for round in 0..7 {
+        for pfn in 0..cycle {
+            tiered.promote(&[pfn], None);
+            if let Some(old) = tiered.get(pfn) {
+                assert_eq!(
+                    old,
+                    page(pfn, round - 1),
+                    "the held version is the last put"
+                );
+                hits += (round > 2) as usize;
+            }
+            hits_flat += (round > 2 && flat.get(pfn).is_some()) as usize;
+            tiered.put(pfn, &page(pfn, round));
+            tiered.settle(None);
+            flat.put(pfn, &page(pfn, round));
+        }
+    }
+    assert_eq!(hits, 4 * cycle as usize, "the whole cycle stays held");
+    assert!(hits_flat < hits / 2, "{hits_flat} hits without the tier");
+    // Within the same bytes.
+    let PrevStore::Lru(l) = &tiered else {
+        unreachable!()
+    };
+    assert!(l.data.len() <= cap / 2 * PAGE);
+    // Switched off, pages pushed out are dropped, and a newer version always wins.
+    tiered.set_compressing(false);
+    for pfn in 1000..1100 {
+        tiered.put(pfn, &page(pfn, 9));
+    }
+    tiered.settle(None);
+    tiered.promote(&[0, 1], None);
+    assert!(tiered.get(0).is_none_or(|p| p == page(0, 6)));
+    tiered.put(2, &page(2, 7));
+    tiered.settle(None);
+    tiered.promote(&[2], None);
+    assert_eq!(tiered.get(2).unwrap(), page(2, 7));
+}
+
+#[test]
+fn direct_mapped_like_qemu() {
+    let mut s = PrevStore::direct(3 * PAGE); // rounds down to 2 slots
+    s.put(4, &[4; PAGE]);
+    s.put(6, &[6; PAGE]); // same slot as 4
+    assert!(s.get(4).is_none());
+    assert_eq!(s.get(6).unwrap()[0], 6);
+}
