@@ -32,6 +32,18 @@ fn record(codec: Codec) -> (Vec<u8>, Vec<u8>, Vec<u64>, Vec<u8>) {
     (rec, truth, pfns, data)
 }
 
+/// Checks that `plan`, committed onto `truth`, writes `data` into `pfns`.
+fn assert_writes(plan: &Plan, truth: &[u8], pfns: &[u64], data: &[u8]) {
+    let mut mem = truth.to_vec();
+    plan.commit(&mut mem);
+    for (k, &p) in pfns.iter().enumerate() {
+        assert_eq!(
+            &mem[p as usize * P..(p as usize + 1) * P],
+            &data[k * P..(k + 1) * P]
+        );
+    }
+}
+
 fn flags(rec: &[u8]) -> u16 {
     u16::from_le_bytes([rec[10], rec[11]])
 }
@@ -58,14 +70,7 @@ fn many_regular_codes_are_compressed_and_decode_exactly() {
         assert_ne!(flags(&rec) & FLAG_CODES_ZSTD, 0, "{codec:?}");
         let mut plan = Plan::default();
         decode(&rec, &truth, &mut plan).unwrap();
-        let mut mem = truth.clone();
-        plan.commit(&mut mem);
-        for (k, &p) in pfns.iter().enumerate() {
-            assert_eq!(
-                &mem[p as usize * P..(p as usize + 1) * P],
-                &data[k * P..(k + 1) * P]
-            );
-        }
+        assert_writes(&plan, &truth, &pfns, &data);
         if codec == Codec::Tandem {
             let read = pages_read(&rec, PAGES as u64).unwrap().unwrap();
             assert!(pfns.iter().all(|p| read.binary_search(p).is_ok()));
@@ -171,16 +176,7 @@ fn codes_listed_then_decoded_with_one_plan_are_never_stale() {
         ops[n - 3] ^= 0xa5;
     });
     let mut plan = Plan::default();
-    let check = |plan: &Plan| {
-        let mut mem = truth.clone();
-        plan.commit(&mut mem);
-        for (k, &p) in pfns.iter().enumerate() {
-            assert_eq!(
-                &mem[p as usize * P..(p as usize + 1) * P],
-                &data[k * P..(k + 1) * P]
-            );
-        }
-    };
+    let check = |plan: &Plan| assert_writes(plan, &truth, &pfns, &data);
     // Listed, then decoded: the codes kept by the listing are used.
     assert!(pages_read_with(&rec, PAGES as u64, &mut plan).is_ok());
     decode(&rec, &truth, &mut plan).unwrap();
