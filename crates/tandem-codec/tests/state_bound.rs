@@ -1,5 +1,6 @@
 //! tandem's reference state stays within a quarter of guest memory (issue 13), with its
-//! compressed tier full of compressible pages, full of incompressible ones, or both.
+//! compressed tier full of compressible pages, full of incompressible ones, or both; and the
+//! tier stops taking pages in at the lowest zstd level.
 
 use tandem_codec::{decode, Codec, Config, Encoder, Plan};
 
@@ -60,4 +61,33 @@ fn tandem_state_stays_within_a_quarter_of_guest_memory() {
             base.len()
         );
     }
+}
+
+#[test]
+fn at_the_lowest_level_the_compressed_tier_takes_nothing_in() {
+    // A 1 024-page guest (the store: 256 pages' bytes, half raw) rewriting a cycle of 768
+    // compressible pages: the tier takes in at least its sample, unless the link's level
+    // controller went to its lowest level (the encoder is the slower stage).
+    let pages = 1024u64;
+    let base: Vec<u8> = (0..pages).flat_map(|p| page(p, 0, true)).collect();
+    let mut state = Vec::new();
+    for level in [tandem_codec::level::MIN + 1, tandem_codec::level::MIN] {
+        let mut enc = Encoder::new(Codec::Tandem, &base, Config::default()).unwrap();
+        enc.set_level(level);
+        let mut rec = Vec::new();
+        for k in 0..12u64 {
+            let first = k % 6 * 128;
+            let set: Vec<u64> = (first..first + 128).collect();
+            let data: Vec<u8> = set.iter().flat_map(|&p| page(p, k + 1, true)).collect();
+            rec.clear();
+            enc.encode(k + 1, &set, &data, &mut rec).unwrap();
+        }
+        state.push(enc.state_bytes());
+    }
+    assert!(
+        state[1] < state[0],
+        "state at level MIN {} bytes, above it {}",
+        state[1],
+        state[0]
+    );
 }
