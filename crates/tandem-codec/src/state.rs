@@ -309,10 +309,14 @@ impl Admission {
             return (true, u64::MAX);
         }
         let d = self.clock.wrapping_sub(prev) as u64;
-        // The page's place in a fixed pseudo-random order of page numbers, in 0..1024.
-        let rank = pfn.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 54;
-        (d <= cap as u64 || rank * d < 512 * cap as u64, d)
+        (d <= cap as u64 || rank(pfn) * d < 512 * cap as u64, d)
     }
+}
+
+/// The page's place in a fixed pseudo-random order of page numbers, in 0..1024: the samples
+/// of admission and of the compressed tier take the pages of lowest rank.
+fn rank(pfn: u64) -> u64 {
+    pfn.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 54
 }
 
 impl PrevStore {

@@ -53,8 +53,8 @@ const SAMPLE: u64 = 8;
 /// Pages taken in after which both counts are halved.
 const WINDOW: u64 = 1 << 14;
 
-/// Fewest pages of a batch handed to the encoder's threads.
-const PAR_MIN: usize = 64;
+/// Fewest pages per thread when a batch is handed to the encoder's threads.
+const PER_THREAD: usize = 32;
 
 thread_local! {
     /// One compression context per thread, reused by every page it compresses.
@@ -70,18 +70,6 @@ fn pack(content: &[u8]) -> Box<[u8]> {
             _ => content.into(),
         }
     })
-}
-
-/// Runs `f` over `0..n` on `pool` when there is one and enough work, else on this thread.
-fn each<T: Send>(
-    pool: Option<&rayon::ThreadPool>,
-    n: usize,
-    f: impl Fn(usize) -> T + Sync + Send,
-) -> Vec<T> {
-    match pool {
-        Some(p) if n >= PAR_MIN => p.install(|| (0..n).into_par_iter().map(f).collect()),
-        _ => (0..n).map(f).collect(),
-    }
 }
 
 /// Empties a working buffer that held `used` bytes this epoch, keeping its allocation for the
@@ -149,8 +137,7 @@ impl Cold {
     /// Whether the tier takes in `pfn` if pushed out now: always while pages come back from
     /// it, else if the page is in the sample.
     fn wants(&self, pfn: u64) -> bool {
-        let rank = pfn.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 54;
-        self.back * PAYS >= self.taken.max(1) || rank * SAMPLE < 1024
+        self.back * PAYS >= self.taken.max(1) || super::rank(pfn) * SAMPLE < 1024
     }
 
     /// The tier's bytes.
@@ -240,7 +227,7 @@ impl Cold {
         data.resize(frames.len() * PAGE, 0);
         let one = |(d, (_, f)): (&mut [u8], &(u64, Box<[u8]>))| unpack(f, d);
         let ok: Vec<bool> = match pool {
-            Some(p) if frames.len() >= PAR_MIN => p.install(|| {
+            Some(p) if frames.len() >= 2 * PER_THREAD => p.install(|| {
                 data.par_chunks_mut(PAGE)
                     .zip(frames.par_iter())
                     .map(one)
@@ -266,7 +253,7 @@ impl Cold {
             .filter(|&i| self.deferred.get(&pfns[i]) == Some(&(i as u32)))
             .collect();
         self.deferred.clear();
-        let packed = each(pool, live.len(), |k| {
+        let packed = crate::record::par_map(pool, PER_THREAD, live.len(), |k| {
             let i = live[k];
             pack(&data[i * PAGE..(i + 1) * PAGE])
         });
