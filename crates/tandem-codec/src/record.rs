@@ -66,6 +66,33 @@ pub fn par_map<T: Send, F: Fn(usize) -> T + Sync>(
     }
 }
 
+/// [`par_map`] over the `chunk`-byte chunks of `data`: `f(i, chunk i)` for each, in order,
+/// each chunk written by one call only. Same rule for when the pool is used.
+pub(crate) fn par_chunks_map<T: Send, F: Fn(usize, &mut [u8]) -> T + Sync>(
+    pool: Option<&rayon::ThreadPool>,
+    min_per_thread: usize,
+    data: &mut [u8],
+    chunk: usize,
+    f: F,
+) -> Vec<T> {
+    use rayon::prelude::*;
+    let min = min_per_thread.max(1);
+    match pool {
+        Some(p) if data.len() / chunk >= 2 * min => p.install(|| {
+            data.par_chunks_mut(chunk)
+                .enumerate()
+                .with_min_len(min)
+                .map(|(i, d)| f(i, d))
+                .collect()
+        }),
+        _ => data
+            .chunks_mut(chunk)
+            .enumerate()
+            .map(|(i, d)| f(i, d))
+            .collect(),
+    }
+}
+
 impl Encoder {
     /// Phase 4: serialises the coded pages in page order, compresses the data section and
     /// appends the record; returns the number of entries and of prefix pages.

@@ -30,8 +30,6 @@
 use std::cell::RefCell;
 use std::collections::VecDeque;
 
-use rayon::prelude::*;
-
 use super::FxMap;
 use crate::format::PAGE;
 use crate::prefix::Compressor;
@@ -225,16 +223,9 @@ impl Cold {
         let mut data = std::mem::take(&mut self.staged_data);
         data.clear();
         data.resize(frames.len() * PAGE, 0);
-        let one = |(d, (_, f)): (&mut [u8], &(u64, Box<[u8]>))| unpack(f, d);
-        let ok: Vec<bool> = match pool {
-            Some(p) if frames.len() >= 2 * PER_THREAD => p.install(|| {
-                data.par_chunks_mut(PAGE)
-                    .zip(frames.par_iter())
-                    .map(one)
-                    .collect()
-            }),
-            _ => data.chunks_exact_mut(PAGE).zip(&frames).map(one).collect(),
-        };
+        let ok = crate::record::par_chunks_map(pool, PER_THREAD, &mut data, PAGE, |i, d| {
+            unpack(&frames[i].1, d)
+        });
         for (i, ((pfn, _), ok)) in frames.iter().zip(ok).enumerate() {
             if ok {
                 self.staged.insert(*pfn, i as u32);
