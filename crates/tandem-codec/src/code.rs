@@ -70,7 +70,8 @@ pub struct PageCode {
     pub len: u32,
 }
 
-// tag byte: bits 0-1 base kind, bits 2-4 body kind, bits 5-7 body detail
+// tag byte: bits 0-1 base kind, bits 2-4 body kind, bits 5-7 body detail (0 to 3; in the
+// compact form bit 7 is [`OWN_ELSEWHERE`])
 const BASE_ZERO: u8 = 0;
 const BASE_MIRROR: u8 = 1;
 const BASE_EPOCH: u8 = 2;
@@ -80,9 +81,33 @@ const BODY_XOR: u8 = 2;
 const BODY_BLOCKS: u8 = 3;
 const BODY_AREAS: u8 = 4;
 
+/// Compact form (format version 5, [`crate::format::FLAG_COMPACT`]): tag bit 7 of a `Mirror`
+/// base says an argument follows, the zigzag ULEB128 of the base page minus the entry's own
+/// page; without it the base is the page's own previous version, the usual case, which the
+/// plain form spells out as a whole page number.
+const OWN_ELSEWHERE: u8 = 0x80;
+
+/// Appends `v − from` as a zigzag ULEB128 (0, −1, 1, −2, … → 0, 1, 2, 3, …); page numbers,
+/// which differ by far less than 2⁶³.
+pub(crate) fn put_rel(out: &mut Vec<u8>, v: u64, from: u64) {
+    let d = v.wrapping_sub(from) as i64;
+    put_uleb(out, ((d << 1) ^ (d >> 63)) as u64);
+}
+
+/// Reads a value written by [`put_rel`] against `from`; `None` if truncated or out of range.
+pub(crate) fn get_rel(buf: &[u8], pos: &mut usize, from: u64) -> Option<u64> {
+    let z = get_uleb(buf, pos)?;
+    if z & 1 == 0 {
+        from.checked_add(z >> 1)
+    } else {
+        from.checked_sub((z >> 1) + 1)
+    }
+}
+
 impl PageCode {
-    /// Appends the code; `prev_pfn` is the previous entry's pfn (`None` for the first).
-    pub fn write(&self, prev_pfn: Option<u64>, out: &mut Vec<u8>) {
+    /// Appends the code; `prev_pfn` is the previous entry's pfn (`None` for the first);
+    /// `compact`: the version-5 form (see [`OWN_ELSEWHERE`]).
+    pub fn write(&self, prev_pfn: Option<u64>, compact: bool, out: &mut Vec<u8>) {
         put_uleb(
             out,
             match prev_pfn {
@@ -103,9 +128,19 @@ impl PageCode {
             Body::RawBlocks(_) => (BODY_BLOCKS, 1),
             Body::Areas => (BODY_AREAS, 0),
         };
-        out.push(bk | (body << 2) | (detail << 5));
-        if let Some(a) = barg {
-            put_uleb(out, a);
+        let tag = bk | (body << 2) | (detail << 5);
+        match (self.base, compact) {
+            (Base::Mirror(p), true) if p == self.pfn => out.push(tag),
+            (Base::Mirror(p), true) => {
+                out.push(tag | OWN_ELSEWHERE);
+                put_rel(out, p, self.pfn);
+            }
+            _ => {
+                out.push(tag);
+                if let Some(a) = barg {
+                    put_uleb(out, a);
+                }
+            }
         }
         if let Body::Blocks(mask) | Body::RawBlocks(mask) = self.body {
             out.extend_from_slice(&mask.to_le_bytes());
@@ -116,11 +151,13 @@ impl PageCode {
         }
     }
 
-    /// Reads one code. Structural checks only; references are checked by the decoder.
+    /// Reads one code (`compact`: the version-5 form). Structural checks only; references
+    /// are checked by the decoder.
     pub fn read(
         buf: &[u8],
         pos: &mut usize,
         prev_pfn: Option<u64>,
+        compact: bool,
     ) -> Result<PageCode, &'static str> {
         let d = get_uleb(buf, pos).ok_or("page number truncated")?;
         let pfn = match prev_pfn {
@@ -132,8 +169,17 @@ impl PageCode {
         };
         let tag = *buf.get(*pos).ok_or("page tag truncated")?;
         *pos += 1;
+        let elsewhere = compact && tag & OWN_ELSEWHERE != 0;
+        let tag = if compact { tag & !OWN_ELSEWHERE } else { tag };
+        if elsewhere && tag & 3 != BASE_MIRROR {
+            return Err("base flag on a base that is not a page");
+        }
         let base = match tag & 3 {
             BASE_ZERO => Base::Zero,
+            BASE_MIRROR if compact && !elsewhere => Base::Mirror(pfn),
+            BASE_MIRROR if compact => {
+                Base::Mirror(get_rel(buf, pos, pfn).ok_or("base page truncated or out of range")?)
+            }
             BASE_MIRROR => Base::Mirror(get_uleb(buf, pos).ok_or("base page truncated")?),
             BASE_EPOCH => {
                 let i = get_uleb(buf, pos).ok_or("base index truncated")?;
@@ -255,18 +301,49 @@ mod tests {
                 len: 8,
             },
         ];
-        let mut buf = Vec::new();
-        let mut prev = None;
-        for c in &codes {
-            c.write(prev, &mut buf);
-            prev = Some(c.pfn);
+        let mut sizes = Vec::new();
+        for compact in [false, true] {
+            let mut buf = Vec::new();
+            let mut prev = None;
+            for c in &codes {
+                c.write(prev, compact, &mut buf);
+                prev = Some(c.pfn);
+            }
+            let (mut pos, mut prev) = (0, None);
+            for c in &codes {
+                let d = PageCode::read(&buf, &mut pos, prev, compact).unwrap();
+                assert_eq!(&d, c);
+                prev = Some(d.pfn);
+            }
+            assert_eq!(pos, buf.len());
+            sizes.push(buf.len());
         }
-        let (mut pos, mut prev) = (0, None);
-        for c in &codes {
-            let d = PageCode::read(&buf, &mut pos, prev).unwrap();
-            assert_eq!(&d, c);
-            prev = Some(d.pfn);
+        // The two own-page bases take no argument in the compact form (901 and 902: 2 bytes
+        // each); the other page base, 77 of page 6, becomes a delta of +71 (2 bytes, not 1).
+        assert_eq!(sizes[0] - sizes[1], 3);
+    }
+
+    #[test]
+    fn compact_bases_reach_both_ways_and_refuse_nonsense() {
+        for (pfn, base) in [(10, 0), (10, 9), (10, 11), (0, 1 << 52), (1 << 52, 0)] {
+            let c = PageCode {
+                pfn,
+                base: Base::Mirror(base),
+                body: Body::Same,
+                len: 0,
+            };
+            let mut buf = Vec::new();
+            c.write(None, true, &mut buf);
+            assert_eq!(PageCode::read(&buf, &mut 0, None, true), Ok(c));
         }
-        assert_eq!(pos, buf.len());
+        // Page 1 with a base 3 below it: out of range.
+        let mut buf = vec![1, BASE_MIRROR | OWN_ELSEWHERE];
+        put_uleb(&mut buf, 5);
+        assert!(PageCode::read(&buf, &mut 0, None, true).is_err());
+        // The flag on a zero base; the flag truncated.
+        assert!(PageCode::read(&[1, BASE_ZERO | OWN_ELSEWHERE], &mut 0, None, true).is_err());
+        assert!(PageCode::read(&[1, BASE_MIRROR | OWN_ELSEWHERE], &mut 0, None, true).is_err());
+        // Bit 7 means a Runs detail of 4+ in the plain form: refused there as before.
+        assert!(PageCode::read(&[1, BASE_ZERO | 4 | 0x80], &mut 0, None, false).is_err());
     }
 }

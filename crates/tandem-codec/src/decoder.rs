@@ -130,7 +130,7 @@ pub fn pages_read_with(
     let mut out = Vec::new();
     if h.flags & FLAG_PREFIX != 0 {
         let most = MAX_PREFIX_PAGES.min(4 * h.entries as u64);
-        for f in crate::prefix::read_frames(ops, &mut pos, pages, most)
+        for f in crate::prefix::read_frames(ops, &mut pos, pages, most, compact(&h))
             .map_err(DecodeError::Malformed)?
         {
             out.extend(f.pfns);
@@ -170,7 +170,7 @@ fn decode_into(rec: &[u8], mirror: &[u8], plan: &mut Plan) -> Result<(), DecodeE
     let mut pos = 0;
     let frames = if h.flags & FLAG_PREFIX != 0 {
         let most = MAX_PREFIX_PAGES.min(4 * h.entries as u64);
-        let f = crate::prefix::read_frames(ops, &mut pos, pages, most)
+        let f = crate::prefix::read_frames(ops, &mut pos, pages, most, compact(&h))
             .map_err(DecodeError::Malformed)?;
         let raw: u64 = f.iter().map(|f| f.raw).sum();
         let stored_sum: u64 = f.iter().map(|f| f.stored).sum();
@@ -209,6 +209,11 @@ fn decode_into(rec: &[u8], mirror: &[u8], plan: &mut Plan) -> Result<(), DecodeE
     r
 }
 
+/// Whether the record's page codes and frame table are in their compact form.
+fn compact(h: &Header) -> bool {
+    h.flags & crate::format::FLAG_COMPACT != 0
+}
+
 /// Parses every page code (the ops section is stored as is) and checks that their payloads
 /// add up to the declared decoded data length.
 fn read_codes(h: &Header, ops: &[u8], pages: u64) -> Result<Vec<PageCode>, DecodeError> {
@@ -230,7 +235,7 @@ fn read_codes(h: &Header, ops: &[u8], pages: u64) -> Result<Vec<PageCode>, Decod
     let (mut pos, mut prev) = (0usize, None);
     let mut total = 0u64;
     for i in 0..n {
-        let c = PageCode::read(ops, &mut pos, prev).map_err(|e| bad(i, e))?;
+        let c = PageCode::read(ops, &mut pos, prev, compact(h)).map_err(|e| bad(i, e))?;
         if c.pfn >= pages {
             return Err(bad(
                 i,
@@ -474,7 +479,7 @@ mod tests {
     ) -> Vec<u8> {
         let (mut ops, mut prev) = (Vec::new(), None);
         for c in codes {
-            c.write(prev, &mut ops);
+            c.write(prev, flags & crate::format::FLAG_COMPACT != 0, &mut ops);
             prev = Some(c.pfn);
         }
         let h = Header {

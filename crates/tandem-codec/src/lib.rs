@@ -51,7 +51,7 @@ pub enum DecodeError {
     #[error("malformed epoch record: {0}")]
     Malformed(String),
     /// Unknown format version.
-    #[error("epoch record version {0} is not supported (this build reads versions 1 to 4; a newer tandem wrote it: upgrade this host)")]
+    #[error("epoch record version {0} is not supported (this build reads versions 1 to 5; a newer tandem wrote it: upgrade this host)")]
     Version(u16),
     /// A checksum does not match.
     #[error("epoch record checksum mismatch in the {0}")]

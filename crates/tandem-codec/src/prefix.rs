@@ -40,12 +40,18 @@ pub struct FrameSpec {
 }
 
 /// Appends the frame table: count, then per frame its prefix list and lengths.
-pub fn write_frames(frames: &[FrameSpec], out: &mut Vec<u8>) {
+pub fn write_frames(frames: &[FrameSpec], compact: bool, out: &mut Vec<u8>) {
     put_uleb(out, frames.len() as u64);
+    let mut last = 0;
     for f in frames {
         put_uleb(out, f.pfns.len() as u64);
         for &p in &f.pfns {
-            put_uleb(out, p);
+            if compact {
+                crate::code::put_rel(out, p, last);
+                last = p;
+            } else {
+                put_uleb(out, p);
+            }
         }
         put_uleb(out, f.raw);
         put_uleb(out, f.stored);
@@ -59,15 +65,17 @@ pub fn read_frames(
     pos: &mut usize,
     pages: u64,
     max: u64,
+    compact: bool,
 ) -> Result<Vec<FrameSpec>, String> {
     let n = get_uleb(ops, pos).ok_or("frame table truncated")?;
     if n == 0 || n > MAX_FRAMES {
         return Err(format!("{n} zstd frames (1 to {MAX_FRAMES} allowed)"));
     }
     let mut left = max;
+    let mut last = compact.then_some(0);
     let mut v = Vec::with_capacity(n as usize);
     for _ in 0..n {
-        let pfns = read_list(ops, pos, pages, left)?;
+        let pfns = read_list(ops, pos, pages, left, &mut last)?;
         left -= pfns.len() as u64;
         let raw = get_uleb(ops, pos).ok_or("frame length truncated")?;
         let stored = get_uleb(ops, pos).ok_or("frame length truncated")?;
@@ -76,8 +84,15 @@ pub fn read_frames(
     Ok(v)
 }
 
-/// Reads a prefix list at `*pos`: at most `max` pages, each below `pages`.
-fn read_list(ops: &[u8], pos: &mut usize, pages: u64, max: u64) -> Result<Vec<u64>, String> {
+/// Reads a prefix list at `*pos`: at most `max` pages, each below `pages`. `last`: in the
+/// compact form, the page the next one is written relative to.
+fn read_list(
+    ops: &[u8],
+    pos: &mut usize,
+    pages: u64,
+    max: u64,
+    last: &mut Option<u64>,
+) -> Result<Vec<u64>, String> {
     let n = get_uleb(ops, pos).ok_or("prefix list truncated")?;
     if n > max {
         return Err(format!("prefix of {n} pages (at most {max} allowed)"));
@@ -88,7 +103,15 @@ fn read_list(ops: &[u8], pos: &mut usize, pages: u64, max: u64) -> Result<Vec<u6
     }
     let mut v = Vec::with_capacity(n as usize);
     for _ in 0..n {
-        let p = get_uleb(ops, pos).ok_or("prefix page truncated")?;
+        let p = match last {
+            Some(l) => {
+                let p = crate::code::get_rel(ops, pos, *l)
+                    .ok_or("prefix page truncated or below page 0")?;
+                *l = p;
+                p
+            }
+            None => get_uleb(ops, pos).ok_or("prefix page truncated")?,
+        };
         if p >= pages {
             return Err(format!("prefix page {p} outside the guest's {pages} pages"));
         }
@@ -258,23 +281,36 @@ mod tests {
                 stored: 30,
             },
         ];
-        let mut b = Vec::new();
-        write_frames(&frames, &mut b);
-        let mut pos = 0;
-        assert_eq!(read_frames(&b, &mut pos, 1000, 10), Ok(frames));
-        assert_eq!(pos, b.len());
+        for compact in [false, true] {
+            let mut b = Vec::new();
+            write_frames(&frames, compact, &mut b);
+            let mut pos = 0;
+            assert_eq!(
+                read_frames(&b, &mut pos, 1000, 10, compact),
+                Ok(frames.clone())
+            );
+            assert_eq!(pos, b.len());
+            assert!(
+                read_frames(&b, &mut 0, 300, 10, compact).is_err(),
+                "page outside the guest"
+            );
+            assert!(
+                read_frames(&b, &mut 0, 1000, 2, compact).is_err(),
+                "too many prefix pages"
+            );
+            assert!(
+                read_frames(&b[..4], &mut 0, 1000, 10, compact).is_err(),
+                "truncated"
+            );
+        }
+        // Compact: a page below zero (the first, 5, then −6) is refused.
+        assert!(read_frames(&[1, 2, 10, 11, 0, 0], &mut 0, 1000, 10, true).is_err());
         assert!(
-            read_frames(&b, &mut 0, 300, 10).is_err(),
-            "page outside the guest"
+            read_frames(&[0], &mut 0, 1000, 10, true).is_err(),
+            "no frame"
         );
         assert!(
-            read_frames(&b, &mut 0, 1000, 2).is_err(),
-            "too many prefix pages"
-        );
-        assert!(read_frames(&b[..4], &mut 0, 1000, 10).is_err(), "truncated");
-        assert!(read_frames(&[0], &mut 0, 1000, 10).is_err(), "no frame");
-        assert!(
-            read_frames(&[65], &mut 0, 1000, 10).is_err(),
+            read_frames(&[65], &mut 0, 1000, 10, true).is_err(),
             "too many frames"
         );
     }

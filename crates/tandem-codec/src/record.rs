@@ -6,7 +6,7 @@ use crate::code::Body;
 use crate::code::PageCode;
 use crate::encoder::{Codec, Encoder};
 use crate::format::{
-    Header, FLAG_CODES_ZSTD, FLAG_LZ4, FLAG_PREFIX, FLAG_SPLIT, FLAG_ZSTD, MAX_DATA,
+    Header, FLAG_CODES_ZSTD, FLAG_COMPACT, FLAG_LZ4, FLAG_PREFIX, FLAG_SPLIT, FLAG_ZSTD, MAX_DATA,
     MAX_PREFIX_PAGES, PAGE,
 };
 use crate::prefix::MAX_FRAMES;
@@ -115,6 +115,9 @@ impl Encoder {
         b.heads.clear();
         // tandem sends its run patches' headers apart from their literals (format.rs).
         let split = codec == Codec::Tandem;
+        // Every codec but tandem-v1 (kept as it was measured) writes compact page codes, as
+        // every such codec gets its codes compressed: the same container for all.
+        let compact = codec != Codec::TandemV1;
         // The prefix: previous versions of the pages asked for, in page order (each page's
         // own version then lies a roughly constant distance before its payload). `marks`:
         // per entry, prefix pages and payload bytes up to and including it.
@@ -155,7 +158,7 @@ impl Encoder {
                 body: *body,
                 len: bytes.len() as u32,
             };
-            code.write(prev_pfn, &mut b.codes);
+            code.write(prev_pfn, compact, &mut b.codes);
             if split && *body == (Body::Runs { unit: 1 }) {
                 crate::runs::split(bytes, &mut b.heads, &mut b.data);
             } else {
@@ -220,7 +223,7 @@ impl Encoder {
                     });
                 }
                 let frames = compress_frames(b, &cuts, plen, level, self.pool.as_deref())?;
-                crate::prefix::write_frames(&frames, &mut b.ops);
+                crate::prefix::write_frames(&frames, compact, &mut b.ops);
                 flags = FLAG_ZSTD | FLAG_PREFIX;
             }
             Codec::Zstd | Codec::Fgbi | Codec::XbzrleZstd | Codec::TandemV1 | Codec::Tandem
@@ -248,6 +251,9 @@ impl Encoder {
                 flags = FLAG_LZ4;
             }
             _ => {}
+        }
+        if compact {
+            flags |= FLAG_COMPACT;
         }
         if heads > 0 {
             flags |= FLAG_SPLIT;

@@ -143,7 +143,7 @@ mod tests {
             });
         }
         for c in &codes {
-            c.write(prev, &mut ops);
+            c.write(prev, false, &mut ops);
             prev = Some(c.pfn);
         }
         let mut data = lits.to_vec();
@@ -207,7 +207,7 @@ mod tests {
         let mirror = vec![0u8; 2 * PAGE];
         let mut plan = Plan::default();
         decode(&good, &mirror, &mut plan).unwrap();
-        for (version, what) in [(2u16, "unknown flags"), (5, "version 5")] {
+        for (version, what) in [(2u16, "unknown flags"), (6, "version 6")] {
             let mut rec = good.clone();
             rec[8..10].copy_from_slice(&version.to_le_bytes());
             let crc = crc32c::crc32c(&rec[..48]);

@@ -435,7 +435,9 @@ fn split_run_headers_that_do_not_add_up_are_refused() {
         let bad = reseal(&rec, |ops| {
             let mut pos = 0;
             if h.flags & FLAG_PREFIX != 0 {
-                tandem_codec::prefix::read_frames(ops, &mut pos, PAGES as u64, 1 << 20).unwrap();
+                let compact = h.flags & tandem_codec::format::FLAG_COMPACT != 0;
+                tandem_codec::prefix::read_frames(ops, &mut pos, PAGES as u64, 1 << 20, compact)
+                    .unwrap();
             }
             let at = pos;
             let n = get_uleb(ops, &mut pos).unwrap();
