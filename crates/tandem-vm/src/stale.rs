@@ -78,6 +78,34 @@ pub fn clean_stale() -> Vec<PathBuf> {
     removed
 }
 
+/// Removes the directories in `root` named `prefix…` whose owner is dead but for the newest
+/// `keep` of them (by modification time); returns the paths removed. For logs a run keeps on
+/// purpose (the Debian demo's rounds), which would otherwise pile up run after run.
+pub fn prune_kept(root: &Path, prefix: &str, keep: usize) -> Vec<PathBuf> {
+    let Ok(entries) = std::fs::read_dir(root) else {
+        return Vec::new();
+    };
+    let mut dead: Vec<(std::time::SystemTime, PathBuf)> = entries
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().starts_with(prefix))
+        .map(|e| e.path())
+        .filter(|p| p.is_dir() && owner(p).is_none_or(|pid| !alive(pid)))
+        .map(|p| {
+            let t = p.metadata().and_then(|m| m.modified());
+            (t.unwrap_or(std::time::UNIX_EPOCH), p)
+        })
+        .collect();
+    dead.sort_by_key(|d| std::cmp::Reverse(d.0));
+    let mut removed = Vec::new();
+    for (_, p) in dead.into_iter().skip(keep) {
+        if std::fs::remove_dir_all(&p).is_ok() {
+            tracing::info!("removed {}: older than the last {keep} kept", p.display());
+            removed.push(p);
+        }
+    }
+    removed
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -106,5 +134,32 @@ mod tests {
         assert!(removed.iter().any(|p| p == dead.path()), "{removed:?}");
         assert!(live.path().exists());
         assert!(!dead.path().exists());
+    }
+
+    #[test]
+    fn kept_logs_are_pruned_to_the_newest_and_live_ones_stay() {
+        let root = tempfile::tempdir().unwrap();
+        let t0 = std::time::SystemTime::now() - std::time::Duration::from_secs(1000);
+        for i in 0..5u64 {
+            let d = root.path().join(format!("tandem-kept-{i}"));
+            std::fs::create_dir(&d).unwrap();
+            std::fs::write(d.join(OWNER_FILE), "99999999").unwrap();
+            let f = std::fs::File::open(&d).unwrap();
+            f.set_modified(t0 + std::time::Duration::from_secs(i))
+                .unwrap();
+        }
+        let live = root.path().join("tandem-kept-live");
+        std::fs::create_dir(&live).unwrap();
+        mark_owned(&live).unwrap();
+        std::fs::create_dir(root.path().join("other-0")).unwrap();
+        let mut removed = prune_kept(root.path(), "tandem-kept-", 2);
+        removed.sort();
+        let names: Vec<_> = removed
+            .iter()
+            .map(|p| p.file_name().unwrap().to_string_lossy().into_owned())
+            .collect();
+        assert_eq!(names, ["tandem-kept-0", "tandem-kept-1", "tandem-kept-2"]);
+        assert!(live.exists() && root.path().join("other-0").exists());
+        assert!(root.path().join("tandem-kept-4").exists());
     }
 }

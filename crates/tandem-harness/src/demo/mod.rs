@@ -400,6 +400,8 @@ fn run_debian(a: Args) -> anyhow::Result<()> {
     let lab = NetLab::create(&format!("td{}", std::process::id() % 100_000), a.rate_mbit)
         .context("creating the network lab (tandem demo needs root for network namespaces)")?;
     // On disk, not /dev/shm: the overlay and the backup's disk copy grow with the guest's writes.
+    // Earlier runs' logs stay, the last ten of them.
+    tandem_vm::stale::prune_kept(&vm.dir, "tandem-demo-debian-", 10);
     let dir = tempfile::Builder::new()
         .prefix("tandem-demo-debian-")
         .tempdir_in(&vm.dir)?;
