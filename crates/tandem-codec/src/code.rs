@@ -10,7 +10,7 @@
 //!   raw and untagged: tandem's, for the record's zstd pass), `Areas` (Gerofi: eight 512-byte areas, each
 //!   same / zero / raw / runs against any reference area).
 
-use crate::runs::{get_uleb, put_uleb};
+use crate::runs::{get_rel, get_uleb, put_rel, put_uleb};
 
 /// Where a page (or area or block) starts from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -86,23 +86,6 @@ const BODY_AREAS: u8 = 4;
 /// page; without it the base is the page's own previous version, the usual case, which the
 /// plain form spells out as a whole page number.
 const OWN_ELSEWHERE: u8 = 0x80;
-
-/// Appends `v − from` as a zigzag ULEB128 (0, −1, 1, −2, … → 0, 1, 2, 3, …); page numbers,
-/// which differ by far less than 2⁶³.
-pub(crate) fn put_rel(out: &mut Vec<u8>, v: u64, from: u64) {
-    let d = v.wrapping_sub(from) as i64;
-    put_uleb(out, ((d << 1) ^ (d >> 63)) as u64);
-}
-
-/// Reads a value written by [`put_rel`] against `from`; `None` if truncated or out of range.
-pub(crate) fn get_rel(buf: &[u8], pos: &mut usize, from: u64) -> Option<u64> {
-    let z = get_uleb(buf, pos)?;
-    if z & 1 == 0 {
-        from.checked_add(z >> 1)
-    } else {
-        from.checked_sub((z >> 1) + 1)
-    }
-}
 
 impl PageCode {
     /// Appends the code; `prev_pfn` is the previous entry's pfn (`None` for the first);

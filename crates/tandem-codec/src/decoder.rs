@@ -234,8 +234,9 @@ fn read_codes(h: &Header, ops: &[u8], pages: u64) -> Result<Vec<PageCode>, Decod
     let mut codes = Vec::with_capacity(n);
     let (mut pos, mut prev) = (0usize, None);
     let mut total = 0u64;
+    let compact = compact(h);
     for i in 0..n {
-        let c = PageCode::read(ops, &mut pos, prev, compact(h)).map_err(|e| bad(i, e))?;
+        let c = PageCode::read(ops, &mut pos, prev, compact).map_err(|e| bad(i, e))?;
         if c.pfn >= pages {
             return Err(bad(
                 i,

@@ -47,7 +47,7 @@ pub fn write_frames(frames: &[FrameSpec], compact: bool, out: &mut Vec<u8>) {
         put_uleb(out, f.pfns.len() as u64);
         for &p in &f.pfns {
             if compact {
-                crate::code::put_rel(out, p, last);
+                crate::runs::put_rel(out, p, last);
                 last = p;
             } else {
                 put_uleb(out, p);
@@ -105,7 +105,7 @@ fn read_list(
     for _ in 0..n {
         let p = match last {
             Some(l) => {
-                let p = crate::code::get_rel(ops, pos, *l)
+                let p = crate::runs::get_rel(ops, pos, *l)
                     .ok_or("prefix page truncated or below page 0")?;
                 *l = p;
                 p

@@ -115,8 +115,8 @@ impl Encoder {
         b.heads.clear();
         // tandem sends its run patches' headers apart from their literals (format.rs).
         let split = codec == Codec::Tandem;
-        // Every codec but tandem-v1 (kept as it was measured) writes compact page codes, as
-        // every such codec gets its codes compressed: the same container for all.
+        // Every codec but tandem-v1 (kept as it was measured) gets the same container: compact
+        // page codes, compressed when that pays.
         let compact = codec != Codec::TandemV1;
         // The prefix: previous versions of the pages asked for, in page order (each page's
         // own version then lies a roughly constant distance before its payload). `marks`:
@@ -259,10 +259,10 @@ impl Encoder {
             flags |= FLAG_SPLIT;
             crate::runs::put_uleb(&mut b.ops, heads as u64);
         }
-        // With a zstd pass, the page codes get one too when it makes them smaller (every codec
-        // but tandem-v1, which stays as it was measured).
+        // With a zstd pass, the page codes get one too when it makes them smaller (`compact`:
+        // not tandem-v1).
         let mut packed = false;
-        if flags & FLAG_ZSTD != 0 && codec != Codec::TandemV1 && b.codes.len() >= CODES_ZSTD_MIN {
+        if flags & FLAG_ZSTD != 0 && compact && b.codes.len() >= CODES_ZSTD_MIN {
             let z = zstd_at(&mut b.zstd, level)?;
             b.zcodes.clear();
             b.zcodes

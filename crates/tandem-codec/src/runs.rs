@@ -31,6 +31,23 @@ pub fn get_uleb(buf: &[u8], pos: &mut usize) -> Option<u64> {
     None
 }
 
+/// Appends `v − from` as a zigzag ULEB128 (0, −1, 1, −2, … → 0, 1, 2, 3, …); page numbers,
+/// which differ by far less than 2⁶³.
+pub(crate) fn put_rel(out: &mut Vec<u8>, v: u64, from: u64) {
+    let d = v.wrapping_sub(from) as i64;
+    put_uleb(out, ((d << 1) ^ (d >> 63)) as u64);
+}
+
+/// Reads a value written by [`put_rel`] against `from`; `None` if truncated or out of range.
+pub(crate) fn get_rel(buf: &[u8], pos: &mut usize, from: u64) -> Option<u64> {
+    let z = get_uleb(buf, pos)?;
+    if z & 1 == 0 {
+        from.checked_add(z >> 1)
+    } else {
+        from.checked_sub((z >> 1) + 1)
+    }
+}
+
 #[inline]
 fn word(b: &[u8], i: usize) -> u64 {
     u64::from_le_bytes(b[i..i + 8].try_into().unwrap_or_default())
