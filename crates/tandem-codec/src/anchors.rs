@@ -43,16 +43,78 @@ pub fn find(page: &[u8], mask: u64, out: &mut [u64; MAX]) -> usize {
         while b < 64 && mask >> b & 1 == 1 {
             b += 1;
         }
-        let mut h = 0u64;
-        for (i, &x) in page[start * 64..(b * 64).min(PAGE)].iter().enumerate() {
-            h = (h << 1).wrapping_add(GEAR[x as usize]);
-            if i >= 63 && h >> SHIFT == 0 && x != 0 {
-                out[n] = h;
-                n += 1;
-                if n == MAX {
-                    break;
+        n = stretch(&page[start * 64..(b * 64).min(PAGE)], out, n);
+    }
+    n
+}
+
+/// A hash below this (top bits zero) at a non-zero byte is an anchor.
+const LIMIT: u64 = 1 << SHIFT;
+/// Bytes before the first position that can be an anchor: the hash covers the last 64.
+const WARM: usize = 63;
+/// Independent hash chains scanning one stretch.
+const LANES: usize = 4;
+
+/// Appends the anchors of `s` to `out[n..]`, in the order of their positions, until it is
+/// full; returns the new count. The hash at a position depends only on the 64 bytes ending
+/// there (each step shifts the older bytes' share one bit further out), so a long stretch is
+/// cut into [`LANES`] parts scanned side by side, each started 63 bytes early: the same
+/// anchors as one scan ([`stretch_serial`]), without its one-byte-at-a-time dependency chain.
+fn stretch(s: &[u8], out: &mut [u64; MAX], n: usize) -> usize {
+    let m = s.len().saturating_sub(WARM) / LANES;
+    if m < 64 {
+        return stretch_serial(s, WARM, out, n);
+    }
+    // Lane k tests positions WARM + k*m .. WARM + (k+1)*m; the rest, serially, afterwards.
+    let mut h = [0u64; LANES];
+    for (k, hk) in h.iter_mut().enumerate() {
+        for &x in &s[k * m..k * m + WARM] {
+            *hk = (*hk << 1).wrapping_add(GEAR[x as usize]);
+        }
+    }
+    let lane = |k: usize| &s[WARM + k * m..WARM + (k + 1) * m];
+    let mut found = [[0u64; MAX]; LANES];
+    let mut count = [0usize; LANES];
+    let steps = lane(0).iter().zip(lane(1)).zip(lane(2)).zip(lane(3));
+    for (((&x0, &x1), &x2), &x3) in steps {
+        let x = [x0, x1, x2, x3];
+        for k in 0..LANES {
+            h[k] = (h[k] << 1).wrapping_add(GEAR[x[k] as usize]);
+        }
+        if h[0].min(h[1]).min(h[2].min(h[3])) < LIMIT {
+            for k in 0..LANES {
+                if h[k] < LIMIT && x[k] != 0 && count[k] < MAX {
+                    found[k][count[k]] = h[k];
+                    count[k] += 1;
                 }
             }
+        }
+    }
+    let mut n = n;
+    for k in 0..LANES {
+        for &a in &found[k][..count[k]] {
+            if n == MAX {
+                return n;
+            }
+            out[n] = a;
+            n += 1;
+        }
+    }
+    let tail = WARM + LANES * m;
+    stretch_serial(&s[tail - WARM..], WARM, out, n)
+}
+
+/// [`stretch`] one byte at a time: anchors at positions `first` and later.
+fn stretch_serial(s: &[u8], first: usize, out: &mut [u64; MAX], mut n: usize) -> usize {
+    let mut h = 0u64;
+    for (i, &x) in s.iter().enumerate() {
+        if n == MAX {
+            break;
+        }
+        h = (h << 1).wrapping_add(GEAR[x as usize]);
+        if i >= first && h < LIMIT && x != 0 {
+            out[n] = h;
+            n += 1;
         }
     }
     n
@@ -119,5 +181,34 @@ mod tests {
         let mut ix = Index::new(10);
         ix.put(a[0], 42);
         assert_eq!(ix.get(a[0]), Some(42));
+    }
+
+    proptest::proptest! {
+        /// The lanes find exactly the anchors of one serial scan, in the same order.
+        #[test]
+        fn lanes_find_what_one_scan_finds(seed in proptest::prelude::any::<u64>(),
+                                          mask in proptest::prelude::any::<u64>(),
+                                          zeros in 0usize..PAGE) {
+            let mut page = crate::test_bytes(seed, PAGE);
+            page[zeros..(zeros + 300).min(PAGE)].fill(0);
+            for mask in [mask, u64::MAX, mask | 0xffff_0000] {
+                let (mut a, mut b) = ([0; MAX], [0; MAX]);
+                let na = find(&page, mask, &mut a);
+                let mut nb = 0;
+                let mut blk = 0;
+                while blk < 64 {
+                    if mask >> blk & 1 == 0 {
+                        blk += 1;
+                        continue;
+                    }
+                    let start = blk;
+                    while blk < 64 && mask >> blk & 1 == 1 {
+                        blk += 1;
+                    }
+                    nb = stretch_serial(&page[start * 64..blk * 64], WARM, &mut b, nb);
+                }
+                proptest::prop_assert_eq!(&a[..na], &b[..nb]);
+            }
+        }
     }
 }

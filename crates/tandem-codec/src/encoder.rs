@@ -174,7 +174,8 @@ impl Encoder {
     /// CPU per byte and sends more bytes. The decoder needs no notice. At
     /// [`crate::level::MIN`] and below (the encoder is the slower stage even at its fastest
     /// setting), tandem's store also stops compressing the pages it pushes out of its main
-    /// list and drops them instead.
+    /// list and drops them instead; below level 1, tandem skips the anchor scan of held pages
+    /// (`Budget::held_anchors`).
     pub fn set_level(&mut self, level: i32) {
         self.level = level.clamp(-7, 19);
         if let Some(s) = self.prev.as_mut() {
@@ -429,7 +430,11 @@ impl Encoder {
             areas: self.areas.as_ref(),
             block_refs,
         };
-        let budget = self.cfg.budget;
+        let mut budget = self.cfg.budget;
+        if self.level < 1 {
+            // The encoder is the slower stage (level.rs): no anchor scan over held pages.
+            budget.held_anchors = usize::MAX;
+        }
         self.par_map(pfns.len(), |i| {
             let (pfn, p, x) = (pfns[i], page(i), &pre[i]);
             if x.unchanged {

@@ -354,10 +354,16 @@ pub fn tandem(c: &Ctx<'_>, pfn: u64, new: &[u8], pre: &Pre, budget: &Budget) -> 
         own: old.is_some() && budget.prefix,
         ..none
     };
-    // Only pages without a held previous version: their content is new to the store (a
-    // fresh page, or one written elsewhere first), the case anchors are for; scanning every
-    // held page too would cost a pass over its changed bytes for little.
-    if let (Some(ix), None) = (c.anchors, old) {
+    // Pages without a held previous version (their content is new to the store: a fresh
+    // page, or one written elsewhere first) and held pages of which much changed (content
+    // moved in from elsewhere: a journal's copy of a database page, a B-tree split) look up
+    // their anchors. A small edit of a held page has its previous version in the prefix, and
+    // scanning it would cost a pass over its changed bytes for little.
+    let scan = match old {
+        None => true,
+        Some(_) => changed.count_ones() as usize >= budget.held_anchors,
+    };
+    if let (Some(ix), true) = (c.anchors, scan) {
         refs.n = crate::anchors::find(new, changed, &mut refs.anchors);
         if budget.prefix {
             // Held pages that share content with this one join the prefix.
@@ -409,6 +415,9 @@ pub struct Budget {
     /// Content-defined anchors (anchors.rs) pick held pages sharing content with a page that
     /// has no held previous version, for the prefix.
     pub anchors: bool,
+    /// ... and with a held page of which at least this many 64-byte blocks changed (65: none;
+    /// the encoder also skips them while its zstd level is below 1, see `Encoder::set_level`).
+    pub held_anchors: usize,
     /// Without a prefix reference: look for similar held pages (DE 2,1 index) ...
     pub similarity: bool,
     /// ... when the page codes into more than this many bytes.
@@ -435,6 +444,7 @@ impl Default for Budget {
             run_gap: 6,
             prefix: true,
             anchors: true,
+            held_anchors: 16,
             similarity: false,
             similar_above: 512,
             blocks: true,

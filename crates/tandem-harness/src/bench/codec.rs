@@ -205,7 +205,9 @@ pub fn parse_budget(spec: &str, cfg: &mut Config) -> anyhow::Result<()> {
             "admission" => cfg.budget.admission = flag(v)?,
             "cold" => cfg.budget.cold = flag(v)?,
             "regular_up_to" => cfg.budget.regular_up_to = num(v)?,
-            _ => bail!("--budget: unknown knob {k:?} (good_enough, regular_up_to, run_gap, prefix, anchors, similar_above, similarity, blocks, word_runs, admission, cold)"),
+            "held_anchors" if v == "off" => cfg.budget.held_anchors = usize::MAX,
+            "held_anchors" => cfg.budget.held_anchors = num(v)?,
+            _ => bail!("--budget: unknown knob {k:?} (good_enough, regular_up_to, run_gap, prefix, anchors, held_anchors, similar_above, similarity, blocks, word_runs, admission, cold)"),
         }
     }
     Ok(())
