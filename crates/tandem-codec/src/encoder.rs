@@ -174,8 +174,8 @@ impl Encoder {
     /// CPU per byte and sends more bytes. The decoder needs no notice. At
     /// [`crate::level::MIN`] and below (the encoder is the slower stage even at its fastest
     /// setting), tandem's store also stops compressing the pages it pushes out of its main
-    /// list and drops them instead; below level 1, tandem skips the anchor scan of held pages
-    /// (`Budget::held_anchors`).
+    /// list and drops them instead; at negative levels, tandem skips the anchor scan of held
+    /// pages (`Budget::held_anchors`). Level 0 is zstd's default, 3.
     pub fn set_level(&mut self, level: i32) {
         self.level = level.clamp(-7, 19);
         if let Some(s) = self.prev.as_mut() {
@@ -431,7 +431,7 @@ impl Encoder {
             block_refs,
         };
         let mut budget = self.cfg.budget;
-        if self.level < 1 {
+        if self.level < 0 {
             // The encoder is the slower stage (level.rs): no anchor scan over held pages.
             budget.held_anchors = usize::MAX;
         }

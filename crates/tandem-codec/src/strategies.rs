@@ -415,8 +415,8 @@ pub struct Budget {
     /// Content-defined anchors (anchors.rs) pick held pages sharing content with a page that
     /// has no held previous version, for the prefix.
     pub anchors: bool,
-    /// ... and with a held page of which at least this many 64-byte blocks changed (65: none;
-    /// the encoder also skips them while its zstd level is below 1, see `Encoder::set_level`).
+    /// ... and with a held page of which at least this many 64-byte blocks changed (above 64:
+    /// none; the encoder also skips them at negative zstd levels, see `Encoder::set_level`).
     pub held_anchors: usize,
     /// Without a prefix reference: look for similar held pages (DE 2,1 index) ...
     pub similarity: bool,
