@@ -7,14 +7,10 @@ use tandem_codec::{decode, pages_read, Codec, Config, Encoder, Plan};
 const P: usize = 4096;
 const PAGES: usize = 64;
 
-fn noise(mut x: u64, n: usize) -> Vec<u8> {
-    (0..n)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
+/// A page of incompressible bytes.
+fn noise(seed: u64) -> Vec<u8> {
+    (0..P as u64 / 8)
+        .flat_map(|i| xxhash_rust::xxh3::xxh3_64(&(seed << 32 | i).to_le_bytes()).to_le_bytes())
         .collect()
 }
 
@@ -25,7 +21,7 @@ fn journal_copy(cfg: Config) -> (usize, Vec<u64>) {
     let mut mirror = base.clone();
     let mut plan = Plan::default();
     // Epoch 1: pages 10 ("database") and 20 ("journal") get new content; both are held after.
-    let (db, journal) = (noise(1, P), noise(2, P));
+    let (db, journal) = (noise(1), noise(2));
     let mut data = db.clone();
     data.extend_from_slice(&journal);
     let mut rec = Vec::new();
