@@ -356,9 +356,9 @@ pub fn tandem(c: &Ctx<'_>, pfn: u64, new: &[u8], pre: &Pre, budget: &Budget) -> 
     };
     // Pages without a held previous version (their content is new to the store: a fresh
     // page, or one written elsewhere first) and held pages of which much changed (content
-    // moved in from elsewhere: a journal's copy of a database page, a B-tree split) look up
-    // their anchors. A small edit of a held page has its previous version in the prefix, and
-    // scanning it would cost a pass over its changed bytes for little.
+    // moved in from elsewhere: a write-ahead log's copy of a database page, a B-tree split)
+    // look up their anchors. A small edit of a held page has its previous version in the
+    // prefix, and scanning it would cost a pass over its changed bytes for little.
     let scan = match old {
         None => true,
         Some(_) => changed.count_ones() as usize >= budget.held_anchors,
