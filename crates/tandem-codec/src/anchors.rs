@@ -1,10 +1,9 @@
 //! Content-defined anchors: positions chosen by the bytes before them (a gear rolling hash
 //! over the last 64 bytes), so the same content yields the same anchors wherever it lies in a
 //! page. tandem indexes the anchors of new content it sends and looks up those of a page it
-//! holds no previous version of; a held page found that way joins the record's reference
-//! prefix, where zstd finds the shared content, shifted or not.
-
-use crate::format::PAGE;
+//! holds no previous version of, or of which much changed (content moved in from elsewhere);
+//! a held page found that way joins the record's reference prefix, where zstd finds the
+//! shared content, shifted or not.
 
 /// Most anchors taken from one page.
 pub const MAX: usize = 8;
@@ -33,19 +32,28 @@ static GEAR: [u64; 256] = gear();
 /// blocks are scanned as one stretch); zero stretches give none. Returns how many were found.
 pub fn find(page: &[u8], mask: u64, out: &mut [u64; MAX]) -> usize {
     let mut n = 0;
+    for r in stretches(mask) {
+        if n == MAX {
+            break;
+        }
+        n = stretch(&page[r], out, n);
+    }
+    n
+}
+
+/// Byte ranges of the runs of contiguous blocks set in `mask`, in order.
+fn stretches(mask: u64) -> impl Iterator<Item = std::ops::Range<usize>> {
     let mut b = 0;
-    while b < 64 && n < MAX {
-        if mask >> b & 1 == 0 {
+    std::iter::from_fn(move || {
+        while b < 64 && mask >> b & 1 == 0 {
             b += 1;
-            continue;
         }
         let start = b;
         while b < 64 && mask >> b & 1 == 1 {
             b += 1;
         }
-        n = stretch(&page[start * 64..(b * 64).min(PAGE)], out, n);
-    }
-    n
+        (start < 64).then(|| start * 64..b * 64)
+    })
 }
 
 /// A hash below this (top bits zero) at a non-zero byte is an anchor.
@@ -165,6 +173,7 @@ impl Index {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::format::PAGE;
 
     #[test]
     fn anchors_survive_a_shift() {
@@ -195,17 +204,8 @@ mod tests {
                 let (mut a, mut b) = ([0; MAX], [0; MAX]);
                 let na = find(&page, mask, &mut a);
                 let mut nb = 0;
-                let mut blk = 0;
-                while blk < 64 {
-                    if mask >> blk & 1 == 0 {
-                        blk += 1;
-                        continue;
-                    }
-                    let start = blk;
-                    while blk < 64 && mask >> blk & 1 == 1 {
-                        blk += 1;
-                    }
-                    nb = stretch_serial(&page[start * 64..blk * 64], WARM, &mut b, nb);
+                for r in stretches(mask) {
+                    nb = stretch_serial(&page[r], WARM, &mut b, nb);
                 }
                 proptest::prop_assert_eq!(&a[..na], &b[..nb]);
             }

@@ -359,11 +359,8 @@ pub fn tandem(c: &Ctx<'_>, pfn: u64, new: &[u8], pre: &Pre, budget: &Budget) -> 
     // moved in from elsewhere: a write-ahead log's copy of a database page, a B-tree split)
     // look up their anchors. A small edit of a held page has its previous version in the
     // prefix, and scanning it would cost a pass over its changed bytes for little.
-    let scan = match old {
-        None => true,
-        Some(_) => changed.count_ones() as usize >= budget.held_anchors,
-    };
-    if let (Some(ix), true) = (c.anchors, scan) {
+    let scan = old.is_none() || changed.count_ones() as usize >= budget.held_anchors;
+    if let Some(ix) = c.anchors.filter(|_| scan) {
         refs.n = crate::anchors::find(new, changed, &mut refs.anchors);
         if budget.prefix {
             // Held pages that share content with this one join the prefix.
