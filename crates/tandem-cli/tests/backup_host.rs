@@ -82,13 +82,20 @@ fn kill_host(p: &mut common::Proc, qemu: u32) {
     p.wait().unwrap();
 }
 
-/// The failover report, written just after the failover line.
+/// The failover report, written once the restore finished (after the failover line): read
+/// until it is there whole, for up to 120 s.
 fn report(v: &Vm) -> serde_json::Value {
     let t = std::time::Instant::now();
-    while !v.report.exists() && t.elapsed() < Duration::from_secs(10) {
-        std::thread::sleep(Duration::from_millis(50));
+    loop {
+        let r = std::fs::read(&v.report).map_err(|e| e.to_string());
+        match r.and_then(|b| serde_json::from_slice(&b).map_err(|e| e.to_string())) {
+            Ok(j) => return j,
+            Err(e) if t.elapsed() > Duration::from_secs(120) => {
+                panic!("no whole failover report at {}: {e}", v.report.display())
+            }
+            Err(_) => std::thread::sleep(Duration::from_millis(50)),
+        }
     }
-    serde_json::from_slice(&std::fs::read(&v.report).unwrap()).unwrap()
 }
 
 #[test]

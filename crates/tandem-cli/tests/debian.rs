@@ -111,7 +111,7 @@ fn the_booted_checkpoint_restores_with_its_disk_and_serves_sql_and_ssh() {
     let mut child = Command::new(env!("CARGO_BIN_EXE_tandem"))
         .args(["checkpoint", "restore"])
         .arg(deb.join("booted"))
-        .args(["--id", "1", "--run-seconds", "120", "--json", "--vm-config"])
+        .args(["--id", "1", "--run-seconds", "900", "--json", "--vm-config"])
         .arg(&desc)
         .arg("--disk-out")
         .arg(&disk_out)
