@@ -87,14 +87,15 @@ fn kill_host(p: &mut common::Proc, qemu: u32) {
 fn report(v: &Vm) -> serde_json::Value {
     let t = std::time::Instant::now();
     loop {
-        let r = std::fs::read(&v.report).map_err(|e| e.to_string());
-        match r.and_then(|b| serde_json::from_slice(&b).map_err(|e| e.to_string())) {
-            Ok(j) => return j,
-            Err(e) if t.elapsed() > Duration::from_secs(120) => {
-                panic!("no whole failover report at {}: {e}", v.report.display())
-            }
-            Err(_) => std::thread::sleep(Duration::from_millis(50)),
+        if let Some(j) = tandem_harness::demo::read_report(&v.report) {
+            return j;
         }
+        assert!(
+            t.elapsed() < Duration::from_secs(120),
+            "no whole failover report at {}",
+            v.report.display()
+        );
+        std::thread::sleep(Duration::from_millis(50));
     }
 }
 

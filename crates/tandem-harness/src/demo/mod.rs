@@ -16,6 +16,7 @@ pub use pg::{pgbench_init, DebianVm, PgAt};
 mod phases;
 pub(crate) mod round;
 mod steps;
+pub use steps::read_report;
 mod vmdesc;
 
 use std::time::Duration;

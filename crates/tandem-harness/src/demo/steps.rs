@@ -104,6 +104,8 @@ pub fn fill(dir: &Path) -> u64 {
     n
 }
 
+/// The backup's failover report at `path`, once it is there whole (`None` until then: it
+/// may be missing or half-written).
 pub fn read_report(path: &Path) -> Option<serde_json::Value> {
     serde_json::from_str(&std::fs::read_to_string(path).ok()?).ok()
 }
