@@ -24,7 +24,9 @@ pub struct EncodeStats {
     /// zstd level used for the record.
     pub level: i32,
     /// Microseconds spent in: pre-pass, reference resolution, page encoding, serialisation and
-    /// record compression, state update.
+    /// record compression, state update. With a worker pool and an epoch large enough for it,
+    /// the state update runs beside the record's compression: its time is then its own and
+    /// overlaps the fourth.
     pub phase_us: [u64; 5],
 }
 
@@ -46,6 +48,9 @@ pub struct Encoder {
     pub(crate) pool: Option<std::sync::Arc<rayon::ThreadPool>>,
     // Buffers and contexts reused across epochs (large allocations each epoch cost faults).
     pub(crate) buf: crate::record::Buffers,
+    /// A record failed after the state had advanced past its epoch (phase 5 runs beside the
+    /// compression): every later epoch is refused.
+    diverged: bool,
 }
 
 fn block_hashes(page: &[u8], granule: usize, out: &mut [u64]) {
@@ -130,6 +135,7 @@ impl Encoder {
             level: cfg.zstd_level,
             pool: None,
             buf: Default::default(),
+            diverged: false,
         };
         if cfg.threads > 1 {
             let pool = rayon::ThreadPoolBuilder::new()
@@ -234,6 +240,9 @@ impl Encoder {
         data: &[u8],
         out: &mut Vec<u8>,
     ) -> Result<EncodeStats, EncodeError> {
+        if self.diverged {
+            return Err(EncodeError::Diverged);
+        }
         self.check_input(pfns, data)?;
         let mut phase = [0u64; 5];
         let mut t = std::time::Instant::now();
@@ -254,11 +263,46 @@ impl Encoder {
         // 3. Parallel: encode every page that is not left out.
         let coded = self.code_pages(pfns, data, &pre, &block_refs);
         lap(2, &mut t);
+        // 4. The record laid out (the prefix copied out of the store), then compressed while
+        // the state advances (5) beside it when the epoch is large enough for the pool.
+        let laid = self.lay_out(pfns, data, &coded)?;
         let start = out.len();
-        let (entries, prefix_pages) = self.write_record(epoch, pfns, data, &coded, out)?;
-        lap(3, &mut t);
-        self.advance(pfns, data, &pre, &block_new, &coded);
-        lap(4, &mut t);
+        let how = (self.codec, self.level, self.cfg.frame_bytes);
+        let pool = self.pool.clone();
+        let beside = pool
+            .as_deref()
+            .filter(|_| pfns.len() >= 2 * self.cfg.min_pages_per_thread.max(1));
+        let mut buf = std::mem::take(&mut self.buf);
+        let finish = |buf: &mut crate::record::Buffers, out: &mut Vec<u8>| {
+            crate::record::finish(buf, laid, how, pool.as_deref(), epoch, out)
+        };
+        let r = match beside {
+            Some(p) => {
+                let (r, advance_us) = p.install(|| {
+                    rayon::join(
+                        || finish(&mut buf, out),
+                        || {
+                            let t = std::time::Instant::now();
+                            self.advance(pfns, data, &pre, &block_new, &coded);
+                            t.elapsed().as_micros() as u64
+                        },
+                    )
+                });
+                lap(3, &mut t);
+                phase[4] = advance_us;
+                // The state has moved past this epoch: without its record the decoder can no
+                // longer follow.
+                self.diverged = r.is_err();
+                r
+            }
+            None => finish(&mut buf, out).inspect(|_| {
+                lap(3, &mut t);
+                self.advance(pfns, data, &pre, &block_new, &coded);
+                lap(4, &mut t);
+            }),
+        };
+        self.buf = buf;
+        let (entries, prefix_pages) = r?;
         Ok(EncodeStats {
             pages_in: pfns.len(),
             entries: entries as usize,

@@ -88,6 +88,9 @@ pub enum EncodeError {
     /// zstd failed.
     #[error("zstd compression failed")]
     Compress(#[source] std::io::Error),
+    /// An earlier record failed after the reference state had advanced past its epoch.
+    #[error("the encoder's state ran ahead of a record that failed; start a new encoder (a full resync)")]
+    Diverged,
 }
 
 /// Pseudo-random test bytes (xorshift64), shared by the unit tests.

@@ -93,20 +93,32 @@ pub(crate) fn par_chunks_map<T: Send, F: Fn(usize, &mut [u8]) -> T + Sync>(
     }
 }
 
+/// A record laid out in the encoder's [`Buffers`] by [`Encoder::lay_out`], waiting for
+/// [`finish`] to compress it.
+pub(crate) struct Laid {
+    /// Per entry: prefix pages and payload bytes up to and including it.
+    marks: Vec<(usize, usize)>,
+    /// Bytes of reference prefix at the start of `Buffers::data`.
+    plen: usize,
+    /// Bytes of run headers at the end of the payloads.
+    heads: usize,
+    /// Bytes of payloads and run headers.
+    raw_len: usize,
+    entries: u32,
+}
+
 impl Encoder {
-    /// Phase 4: serialises the coded pages in page order, compresses the data section and
-    /// appends the record; returns the number of entries and of prefix pages.
-    pub(crate) fn write_record(
+    /// Phase 4, first half: serialises the coded pages in page order into the encoder's
+    /// buffers, with the reference prefix copied out of the store (so the state may advance
+    /// while [`finish`] compresses).
+    pub(crate) fn lay_out(
         &mut self,
-        epoch: u64,
         pfns: &[u64],
         data: &[u8],
         coded: &[Option<(Coded, Refs)>],
-        out: &mut Vec<u8>,
-    ) -> Result<(u32, usize), EncodeError> {
+    ) -> Result<Laid, EncodeError> {
         let page = |i: usize| &data[i * PAGE..(i + 1) * PAGE];
         let codec = self.codec;
-        let level = self.level;
         let b = &mut self.buf;
         b.ops.clear();
         b.codes.clear();
@@ -171,9 +183,6 @@ impl Encoder {
             entries += 1;
         }
         let heads = b.heads.len();
-        // Enough run headers get a zstd frame of their own (their own entropy tables); fewer
-        // would not pay for the frame's header and table entry.
-        let head_frame = heads >= HEAD_FRAME_MIN;
         if heads > 0 {
             b.data.extend_from_slice(&b.heads);
         }
@@ -183,123 +192,150 @@ impl Encoder {
                 "epoch data of {raw_len} bytes exceeds the record limit"
             )));
         }
-        let mut flags = 0;
-        match codec {
-            // A record without prefix pages or a run-header frame is one plain zstd frame: no
-            // frame table.
-            Codec::Tandem if raw_len > 0 && (plen > 0 || head_frame) => {
-                // Frames of about `frame_bytes` (prefix and payload), cut between entries; no
-                // more than the decoder takes, and the run headers last (in the last frame or
-                // in one of their own).
-                let inline = raw_len - if head_frame { heads } else { 0 };
-                let most = MAX_FRAMES as usize - 2;
-                let step = self
-                    .cfg
-                    .frame_bytes
-                    .max(1)
-                    .max((plen + inline).div_ceil(most));
-                let mut cuts = Vec::new();
-                let (mut p0, mut d0) = (0, 0);
-                for &(p, d) in &marks {
-                    if (p - p0) * PAGE + (d - d0) >= step {
-                        cuts.push(Cut {
-                            pages: p0..p,
-                            data: d0..d,
-                        });
-                        (p0, d0) = (p, d);
-                    }
-                }
-                if p0 < b.prefix.len() || d0 < inline || cuts.is_empty() {
-                    cuts.push(Cut {
-                        pages: p0..b.prefix.len(),
-                        data: d0..inline,
-                    });
-                }
-                if head_frame {
-                    let pages = b.prefix.len();
-                    cuts.push(Cut {
-                        pages: pages..pages,
-                        data: inline..raw_len,
-                    });
-                }
-                let frames = compress_frames(b, &cuts, plen, level, self.pool.as_deref())?;
-                crate::prefix::write_frames(&frames, compact, &mut b.ops);
-                flags = FLAG_ZSTD | FLAG_PREFIX;
-            }
-            Codec::Zstd | Codec::Fgbi | Codec::XbzrleZstd | Codec::TandemV1 | Codec::Tandem
-                if raw_len > 0 =>
-            {
-                let payload = &b.data[plen..];
-                let stored = &mut b.stored;
-                let z = zstd_at(&mut b.zstd, level)?;
-                stored.clear();
-                stored.reserve(zstd::zstd_safe::compress_bound(raw_len));
-                z.compress_to_buffer(payload, stored)
-                    .map_err(EncodeError::Compress)?;
-                if stored.len() < raw_len {
-                    flags = FLAG_ZSTD;
-                }
-            }
-            Codec::Lz4 if raw_len > 0 => {
-                let payload = &b.data[plen..];
-                let stored = &mut b.stored;
-                stored.clear();
-                stored.resize(lz4_flex::block::get_maximum_output_size(raw_len), 0);
-                let n = lz4_flex::block::compress_into(payload, stored)
-                    .map_err(|e| EncodeError::Input(e.to_string()))?;
-                stored.truncate(n);
-                flags = FLAG_LZ4;
-            }
-            _ => {}
-        }
-        if compact {
-            flags |= FLAG_COMPACT;
-        }
-        if heads > 0 {
-            flags |= FLAG_SPLIT;
-            crate::runs::put_uleb(&mut b.ops, heads as u64);
-        }
-        // With a zstd pass, the page codes get one too when it makes them smaller (`compact`:
-        // not tandem-v1).
-        let mut packed = false;
-        if flags & FLAG_ZSTD != 0 && compact && b.codes.len() >= CODES_ZSTD_MIN {
-            let z = zstd_at(&mut b.zstd, level)?;
-            b.zcodes.clear();
-            b.zcodes
-                .reserve(zstd::zstd_safe::compress_bound(b.codes.len()));
-            z.compress_to_buffer(&b.codes[..], &mut b.zcodes)
-                .map_err(EncodeError::Compress)?;
-            packed = b.zcodes.len() + 4 < b.codes.len();
-        }
-        if packed {
-            flags |= FLAG_CODES_ZSTD;
-            crate::runs::put_uleb(&mut b.ops, b.codes.len() as u64);
-            b.ops.extend_from_slice(&b.zcodes);
-        } else {
-            b.ops.extend_from_slice(&b.codes);
-        }
-        let payload = &b.data[plen..];
-        let stored = &b.stored;
-        let stored_data: &[u8] = if flags & (FLAG_ZSTD | FLAG_LZ4) == 0 {
-            payload
-        } else {
-            stored
-        };
-        Header {
-            flags,
-            epoch,
+        Ok(Laid {
+            marks,
+            plen,
+            heads,
+            raw_len,
             entries,
-            ops_len: b.ops.len() as u32,
-            data_stored_len: stored_data.len() as u32,
-            data_raw_len: raw_len as u32,
-            crc_ops: crc32c::crc32c(&b.ops),
-            crc_data: crc32c::crc32c(stored_data),
-        }
-        .write(out);
-        out.extend_from_slice(&b.ops);
-        out.extend_from_slice(stored_data);
-        Ok((entries, b.prefix.len()))
+        })
     }
+}
+
+/// Phase 4, second half: compresses the record [`Encoder::lay_out`] left in `b` and appends
+/// it to `out`; returns the number of entries and of prefix pages. It touches nothing but `b`,
+/// so it can run beside the state update.
+pub(crate) fn finish(
+    b: &mut Buffers,
+    laid: Laid,
+    (codec, level, frame_bytes): (Codec, i32, usize),
+    pool: Option<&rayon::ThreadPool>,
+    epoch: u64,
+    out: &mut Vec<u8>,
+) -> Result<(u32, usize), EncodeError> {
+    let Laid {
+        marks,
+        plen,
+        heads,
+        raw_len,
+        entries,
+    } = laid;
+    let compact = codec != Codec::TandemV1;
+    // Enough run headers get a zstd frame of their own (their own entropy tables); fewer
+    // would not pay for the frame's header and table entry.
+    let head_frame = heads >= HEAD_FRAME_MIN;
+    let mut flags = 0;
+    match codec {
+        // A record without prefix pages or a run-header frame is one plain zstd frame: no
+        // frame table.
+        Codec::Tandem if raw_len > 0 && (plen > 0 || head_frame) => {
+            // Frames of about `frame_bytes` (prefix and payload), cut between entries; no
+            // more than the decoder takes, and the run headers last (in the last frame or
+            // in one of their own).
+            let inline = raw_len - if head_frame { heads } else { 0 };
+            let most = MAX_FRAMES as usize - 2;
+            let step = frame_bytes.max(1).max((plen + inline).div_ceil(most));
+            let mut cuts = Vec::new();
+            let (mut p0, mut d0) = (0, 0);
+            for &(p, d) in &marks {
+                if (p - p0) * PAGE + (d - d0) >= step {
+                    cuts.push(Cut {
+                        pages: p0..p,
+                        data: d0..d,
+                    });
+                    (p0, d0) = (p, d);
+                }
+            }
+            if p0 < b.prefix.len() || d0 < inline || cuts.is_empty() {
+                cuts.push(Cut {
+                    pages: p0..b.prefix.len(),
+                    data: d0..inline,
+                });
+            }
+            if head_frame {
+                let pages = b.prefix.len();
+                cuts.push(Cut {
+                    pages: pages..pages,
+                    data: inline..raw_len,
+                });
+            }
+            let frames = compress_frames(b, &cuts, plen, level, pool)?;
+            crate::prefix::write_frames(&frames, compact, &mut b.ops);
+            flags = FLAG_ZSTD | FLAG_PREFIX;
+        }
+        Codec::Zstd | Codec::Fgbi | Codec::XbzrleZstd | Codec::TandemV1 | Codec::Tandem
+            if raw_len > 0 =>
+        {
+            let payload = &b.data[plen..];
+            let stored = &mut b.stored;
+            let z = zstd_at(&mut b.zstd, level)?;
+            stored.clear();
+            stored.reserve(zstd::zstd_safe::compress_bound(raw_len));
+            z.compress_to_buffer(payload, stored)
+                .map_err(EncodeError::Compress)?;
+            if stored.len() < raw_len {
+                flags = FLAG_ZSTD;
+            }
+        }
+        Codec::Lz4 if raw_len > 0 => {
+            let payload = &b.data[plen..];
+            let stored = &mut b.stored;
+            stored.clear();
+            stored.resize(lz4_flex::block::get_maximum_output_size(raw_len), 0);
+            let n = lz4_flex::block::compress_into(payload, stored)
+                .map_err(|e| EncodeError::Input(e.to_string()))?;
+            stored.truncate(n);
+            flags = FLAG_LZ4;
+        }
+        _ => {}
+    }
+    if compact {
+        flags |= FLAG_COMPACT;
+    }
+    if heads > 0 {
+        flags |= FLAG_SPLIT;
+        crate::runs::put_uleb(&mut b.ops, heads as u64);
+    }
+    // With a zstd pass, the page codes get one too when it makes them smaller (`compact`:
+    // not tandem-v1).
+    let mut packed = false;
+    if flags & FLAG_ZSTD != 0 && compact && b.codes.len() >= CODES_ZSTD_MIN {
+        let z = zstd_at(&mut b.zstd, level)?;
+        b.zcodes.clear();
+        b.zcodes
+            .reserve(zstd::zstd_safe::compress_bound(b.codes.len()));
+        z.compress_to_buffer(&b.codes[..], &mut b.zcodes)
+            .map_err(EncodeError::Compress)?;
+        packed = b.zcodes.len() + 4 < b.codes.len();
+    }
+    if packed {
+        flags |= FLAG_CODES_ZSTD;
+        crate::runs::put_uleb(&mut b.ops, b.codes.len() as u64);
+        b.ops.extend_from_slice(&b.zcodes);
+    } else {
+        b.ops.extend_from_slice(&b.codes);
+    }
+    let payload = &b.data[plen..];
+    let stored = &b.stored;
+    let stored_data: &[u8] = if flags & (FLAG_ZSTD | FLAG_LZ4) == 0 {
+        payload
+    } else {
+        stored
+    };
+    Header {
+        flags,
+        epoch,
+        entries,
+        ops_len: b.ops.len() as u32,
+        data_stored_len: stored_data.len() as u32,
+        data_raw_len: raw_len as u32,
+        crc_ops: crc32c::crc32c(&b.ops),
+        crc_data: crc32c::crc32c(stored_data),
+    }
+    .write(out);
+    out.extend_from_slice(&b.ops);
+    out.extend_from_slice(stored_data);
+    Ok((entries, b.prefix.len()))
 }
 
 /// The encoder's plain zstd context (created on first use), set to `level`.

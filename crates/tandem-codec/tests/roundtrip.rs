@@ -208,6 +208,11 @@ fn output_does_not_depend_on_threads() {
         .iter()
         .flat_map(|&p| apply(&truth, p as usize, &Edit::Shift((p as u8 + 1) % 64, 3)))
         .collect();
+    let data2: Vec<u8> = data
+        .chunks_exact(P)
+        .enumerate()
+        .flat_map(|(k, page)| apply(page, 0, &Edit::Shift(0, -5 - (k % 7) as i16)))
+        .collect();
     for codec in Codec::ALL {
         let mut outs = Vec::new();
         for threads in [1, 2, 5] {
@@ -225,6 +230,9 @@ fn output_does_not_depend_on_threads() {
             .unwrap();
             let mut rec = Vec::new();
             e.encode(1, &set, &data, &mut rec).unwrap();
+            // A second epoch starts from the state the first left (the state update runs
+            // beside the first record's compression with a pool).
+            e.encode(2, &set, &data2, &mut rec).unwrap();
             outs.push(rec);
         }
         assert!(
