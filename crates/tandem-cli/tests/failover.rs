@@ -64,6 +64,9 @@ fn primary_killed_backup_resumes_the_guest() {
     let jsonl = dir.path().join("epochs.jsonl");
     let (mut primary, prx) = spawn(&[
         "primary",
+        // The encoder with a worker pool (epochs of 1 024 pages or more use it).
+        "--encoder-threads",
+        "2",
         "--metrics-jsonl",
         jsonl.to_str().unwrap(),
         "--metrics-listen",

@@ -88,8 +88,23 @@ fn apply<M: AsRef<[u8]> + AsMut<[u8]>>(bk: &mut Backup<M>, frames: &[Frame]) {
 
 #[test]
 fn epochs_with_disk_writes_and_a_resync_reach_the_same_state() {
+    epochs_and_a_resync(Config::default());
+}
+
+#[test]
+fn an_encoder_with_threads_replicates_the_same_state() {
+    // `tandem primary --encoder-threads 2`; one page per thread, so even these small epochs
+    // go to the pool (the state update beside the record's compression).
+    epochs_and_a_resync(Config {
+        threads: 2,
+        min_pages_per_thread: 1,
+        ..Config::default()
+    });
+}
+
+fn epochs_and_a_resync(cfg: Config) {
     let mut g = Guest::new();
-    let mut p = Primary::new(VM, Codec::Tandem, Config::default());
+    let mut p = Primary::new(VM, Codec::Tandem, cfg);
     let mut bk = new_backup();
     apply(&mut bk, &session_start(&mut p, &g, 0));
     assert!(!bk.consistent(), "no epoch committed yet");
