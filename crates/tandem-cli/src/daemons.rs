@@ -167,8 +167,9 @@ pub struct PrimaryArgs {
     /// epoch's level is in the metrics lines) or a fixed level.
     #[arg(long, default_value = "auto", value_parser = parse_level)]
     pub zstd_level: Level,
-    /// Threads of the memory encoder. More pay on large epochs (1 024 dirty pages or more)
-    /// when the host has cores to spare beside QEMU; smaller epochs stay on one thread.
+    /// Threads of the memory encoder. More pay on large epochs when the host has cores to
+    /// spare beside QEMU: the per-page work splits from 1 024 dirty pages on (the compressed
+    /// store's tier from 64).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=64))]
     pub encoder_threads: u16,
     /// Identifier of the protected VM (the backup refuses frames of any other).

@@ -25,8 +25,9 @@ pub struct EncodeStats {
     pub level: i32,
     /// Microseconds spent in: pre-pass, reference resolution, page encoding, serialisation and
     /// record compression, state update. With a worker pool and an epoch large enough for it,
-    /// the state update runs beside the record's compression: its time is then its own and
-    /// overlaps the fourth.
+    /// the state update runs beside the record's compression: the fourth is then the wall
+    /// time until both are done, and the fifth (the update's own time) overlaps it, so the
+    /// five add up to more than the call took.
     pub phase_us: [u64; 5],
 }
 

@@ -317,7 +317,12 @@ impl Primary {
     pub fn epoch(&mut self, e: &EpochInput<'_>) -> Result<(Frame, EpochSizes), PrimaryError> {
         let enc = self.enc.as_mut().ok_or(PrimaryError::NoSession)?;
         self.rec.clear();
-        enc.encode(e.seq, e.pfns, e.pages, &mut self.rec)?;
+        if let Err(err) = enc.encode(e.seq, e.pfns, e.pages, &mut self.rec) {
+            // The encoder's state may be past this epoch (EncodeError::Diverged) and the
+            // backup never gets it: the session is over, as for an epoch too large to send.
+            self.enc = None;
+            return Err(err.into());
+        }
         encode_delta(&self.prev_dev, e.device_state, &mut self.dev_delta);
         self.prev_dev.clear();
         self.prev_dev.extend_from_slice(e.device_state);

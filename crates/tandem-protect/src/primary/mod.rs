@@ -59,9 +59,9 @@ pub struct PrimaryConfig {
     /// zstd level of the memory records; `None` (default): chosen per epoch from whether the
     /// encoder or the link is the slower stage (`tandem_codec::level`).
     pub zstd_level: Option<i32>,
-    /// Threads of the memory encoder (default 1). More pay on epochs of at least 1 024 dirty
-    /// pages (`tandem_codec::Config::min_pages_per_thread` per thread) on a host with cores to
-    /// spare; smaller epochs stay on one thread.
+    /// Threads of the memory encoder (default 1). More pay on large epochs on a host with
+    /// cores to spare: the per-page work splits from 1 024 dirty pages on
+    /// (`tandem_codec::Config::min_pages_per_thread` per thread).
     pub encoder_threads: usize,
     /// Identifier of the protected VM (the backup refuses frames of any other).
     pub vm_id: u64,
