@@ -270,9 +270,8 @@ impl Encoder {
         let start = out.len();
         let how = (self.codec, self.level, self.cfg.frame_bytes);
         let pool = self.pool.clone();
-        let beside = pool
-            .as_deref()
-            .filter(|_| pfns.len() >= 2 * self.cfg.min_pages_per_thread.max(1));
+        let beside =
+            crate::record::pool_for(pool.as_deref(), self.cfg.min_pages_per_thread, pfns.len());
         let mut buf = std::mem::take(&mut self.buf);
         let finish = |buf: &mut crate::record::Buffers, out: &mut Vec<u8>| {
             crate::record::finish(buf, laid, how, pool.as_deref(), epoch, out)

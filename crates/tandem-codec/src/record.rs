@@ -44,9 +44,18 @@ struct Cut {
     data: std::ops::Range<usize>,
 }
 
-/// Maps `f` over `0..n` in order, on the encoder's persistent worker pool when it has one
-/// and every worker gets at least `min_per_thread` items (a small epoch stays on the calling
-/// thread: handing it out costs more than encoding it).
+/// The encoder's persistent worker pool for `n` items, when it has one and every worker gets
+/// at least `min_per_thread` of them (a small epoch stays on the calling thread: handing it
+/// out costs more than encoding it).
+pub(crate) fn pool_for(
+    pool: Option<&rayon::ThreadPool>,
+    min_per_thread: usize,
+    n: usize,
+) -> Option<&rayon::ThreadPool> {
+    pool.filter(|_| n >= 2 * min_per_thread.max(1))
+}
+
+/// Maps `f` over `0..n` in order, on the worker pool when [`pool_for`] gives it.
 pub fn par_map<T: Send, F: Fn(usize) -> T + Sync>(
     pool: Option<&rayon::ThreadPool>,
     min_per_thread: usize,
@@ -54,15 +63,15 @@ pub fn par_map<T: Send, F: Fn(usize) -> T + Sync>(
     f: F,
 ) -> Vec<T> {
     use rayon::prelude::*;
-    match pool {
-        Some(p) if n >= 2 * min_per_thread.max(1) => p.install(|| {
+    match pool_for(pool, min_per_thread, n) {
+        Some(p) => p.install(|| {
             (0..n)
                 .into_par_iter()
                 .with_min_len(min_per_thread.max(1))
                 .map(&f)
                 .collect()
         }),
-        _ => (0..n).map(f).collect(),
+        None => (0..n).map(f).collect(),
     }
 }
 
@@ -77,15 +86,15 @@ pub(crate) fn par_chunks_map<T: Send, F: Fn(usize, &mut [u8]) -> T + Sync>(
 ) -> Vec<T> {
     use rayon::prelude::*;
     let min = min_per_thread.max(1);
-    match pool {
-        Some(p) if data.len() / chunk >= 2 * min => p.install(|| {
+    match pool_for(pool, min, data.len() / chunk) {
+        Some(p) => p.install(|| {
             data.par_chunks_mut(chunk)
                 .enumerate()
                 .with_min_len(min)
                 .map(|(i, d)| f(i, d))
                 .collect()
         }),
-        _ => data
+        None => data
             .chunks_mut(chunk)
             .enumerate()
             .map(|(i, d)| f(i, d))
