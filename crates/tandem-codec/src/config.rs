@@ -9,8 +9,9 @@ pub enum Codec {
     Remus,
     /// QEMU XBZRLE: 64 MiB direct-mapped cache, XOR + zero/non-zero runs, zero pages.
     Xbzrle,
-    /// Attribution control: XBZRLE's runs followed by the same record-wide zstd pass as
-    /// tandem, which shows how much comes from the generic compressor alone.
+    /// Attribution control: XBZRLE's runs followed by one zstd pass over the whole record at
+    /// tandem's level (without its reference prefix), which shows how much comes from the
+    /// generic compressor alone.
     XbzrleZstd,
     /// zstd level 1 over the whole dirty pages.
     Zstd,

@@ -17,7 +17,8 @@ pub struct Plan {
     pub epoch: u64,
     /// Pages written, ascending.
     pub pfns: Vec<u64>,
-    /// New contents, one page per entry of `pfns`.
+    /// New contents, one page per entry of `pfns`, when the record is not committed in place
+    /// (on the one-pass path it stays empty and `commit` reads the decompressed section).
     pub data: Vec<u8>,
     /// Decompressed data section (after the reference prefix, if any), kept to reuse its
     /// allocation and, on the one-pass path, read by `commit`.
@@ -435,9 +436,7 @@ fn decode_with(
                     Method::Lz4 => {
                         lz4_flex::block::decompress_into(payload, dst).ok() == Some(PAGE)
                     }
-                    Method::Zstd => {
-                        zstd::bulk::decompress_to_buffer(payload, dst).ok() == Some(PAGE)
-                    }
+                    Method::Zstd => crate::prefix::decompress(payload, &[], dst) == Ok(PAGE),
                     Method::Wkdm => crate::wkdm::decompress(payload, dst),
                 };
                 if !ok {

@@ -92,13 +92,28 @@ impl Encoder {
             _ => 0,
         };
         let hash_bytes = base.len().checked_div(granule).unwrap_or(0) * 8;
+        // tandem's similarity tables (off by default) take at most a sixteenth of guest memory.
+        let sim_bits = if tandem {
+            let fit = (base.len() / 1024).max(1).ilog2();
+            cfg.index_bits.min(fit)
+        } else {
+            cfg.index_bits
+        };
         // tandem's whole state stays within a quarter of guest memory: the store gets what
         // the block hashes and indexes leave of it (and at most `cache_bytes`).
         let store_bytes = if tandem {
             let quarter = base.len() / 4;
             // Page index (~24 B per entry, 4 entries per stored page), anchors (1 MiB), slack,
-            // the admission's clock per page.
-            let index = 4 * (cfg.cache_bytes / PAGE) * 24 + (2 << 20) + pages as usize * 4;
+            // the admission's clock per page, and the two similarity tables when they are on
+            // (4 slots of 8 B per bucket). Below ~8 MiB of guest the store's floor of 64 pages
+            // is more than the quarter.
+            let similarity = if cfg.budget.similarity {
+                2 * (32usize << sim_bits)
+            } else {
+                0
+            };
+            let index =
+                4 * (cfg.cache_bytes / PAGE) * 24 + (2 << 20) + pages as usize * 4 + similarity;
             cfg.cache_bytes
                 .min(quarter.saturating_sub(hash_bytes + index))
                 .max(64 * PAGE)
@@ -127,7 +142,7 @@ impl Encoder {
             cfg,
             pages,
             page_index: shares.then(|| PageIndex::new(4 * store_bytes / PAGE)),
-            de: similar.then(|| [Buckets::new(cfg.index_bits), Buckets::new(cfg.index_bits)]),
+            de: similar.then(|| [Buckets::new(sim_bits), Buckets::new(sim_bits)]),
             areas: (strategy == Codec::Gerofi).then(|| Buckets::new(cfg.index_bits)),
             anchors: (tandem && cfg.budget.anchors).then(|| crate::anchors::Index::new(17)),
             block_hashes: Vec::new(),
@@ -198,6 +213,14 @@ impl Encoder {
             + self.areas.as_ref().map_or(0, |a| a.bytes())
             + self.anchors.as_ref().map_or(0, |a| a.bytes())
             + self.block_hashes.capacity() * 8
+    }
+
+    /// Working memory kept between epochs, apart from the reference state: the record's
+    /// buffers (its reference prefix, payloads and output) and the compressed tier's staging,
+    /// all about the size of the largest epoch so far. Not counted: one zstd context per
+    /// encoder thread (at most ~2.5 MiB each, for a prefix frame's hash table).
+    pub fn work_bytes(&self) -> usize {
+        self.buf.bytes() + self.prev.as_ref().map_or(0, |p| p.work_bytes())
     }
 
     /// Content hash of a held page as the pre-pass computes it.

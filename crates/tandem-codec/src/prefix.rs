@@ -183,11 +183,56 @@ thread_local! {
     /// One decompression context per thread, reused by every frame it decodes: creating one
     /// allocates (and the kernel zeroes) ~160 KiB each time.
     static DCTX: std::cell::RefCell<Option<DCtx<'static>>> = const { std::cell::RefCell::new(None) };
+    /// One compression context per thread ([`compress_frame`]).
+    static CCTX: std::cell::RefCell<Option<Compressor>> = const { std::cell::RefCell::new(None) };
+}
+
+/// Compresses `data` as one frame with `prefix` as its reference prefix (see
+/// [`Compressor::compress`]), with this thread's reused context: one context per thread for
+/// every frame it compresses (a record's, a page's in the encoder's compressed tier, a device
+/// state's), so their memory stays one context per thread however many frames there are.
+pub fn compress_frame(
+    prefix: &[u8],
+    data: &[u8],
+    level: i32,
+    out: &mut Vec<u8>,
+) -> std::io::Result<()> {
+    CCTX.with(|cell| match cell.try_borrow_mut() {
+        Ok(mut slot) => slot
+            .get_or_insert_with(Compressor::default)
+            .compress(prefix, data, level, out),
+        // Only if a compression on this thread were interrupted by another (it is not:
+        // nothing inside one waits on the worker pool); a context of its own then.
+        Err(_) => Compressor::default().compress(prefix, data, level, out),
+    })
+}
+
+/// [`compress_frame`] without a prefix: for small, frequent frames (a page, a device state,
+/// a checkpoint's sections), where creating a context each time costs more than compressing.
+pub fn compress_alone(data: &[u8], level: i32, out: &mut Vec<u8>) -> std::io::Result<()> {
+    compress_frame(&[], data, level, out)
 }
 
 /// Decompresses `frame` into `dst` with `prefix` as its reference prefix; returns the bytes
 /// written.
 pub fn decompress(frame: &[u8], prefix: &[u8], dst: &mut [u8]) -> Result<usize, String> {
+    decompress_into(frame, prefix, dst)
+}
+
+/// Decompresses a frame without a prefix into a new buffer of at most `cap` bytes, with this
+/// thread's reused context. A frame that would decode to more than `cap` is an error.
+pub fn decompress_alone(frame: &[u8], cap: usize) -> Result<Vec<u8>, String> {
+    let mut out = Vec::with_capacity(cap);
+    decompress_into(frame, &[], &mut out)?;
+    Ok(out)
+}
+
+/// [`decompress`] into any of zstd's output buffers (a slice, or a vector's spare capacity).
+fn decompress_into<C: zstd::zstd_safe::WriteBuf + ?Sized>(
+    frame: &[u8],
+    prefix: &[u8],
+    dst: &mut C,
+) -> Result<usize, String> {
     let name = |c| zstd::zstd_safe::get_error_name(c).to_string();
     DCTX.with(|cell| {
         let mut slot = cell.borrow_mut();

@@ -27,8 +27,19 @@ pub struct Buffers {
     /// Run headers of the record's byte-run patches, sent after all payloads (FLAG_SPLIT).
     heads: Vec<u8>,
     zstd: Option<zstd::bulk::Compressor<'static>>,
-    /// One prefix compressor per thread.
-    refz: Vec<crate::prefix::Compressor>,
+}
+
+impl Buffers {
+    /// Bytes these buffers hold (their capacity, kept for the next epoch).
+    pub fn bytes(&self) -> usize {
+        self.ops.capacity()
+            + self.data.capacity()
+            + self.stored.capacity()
+            + self.prefix.capacity() * 8
+            + self.codes.capacity()
+            + self.zcodes.capacity()
+            + self.heads.capacity()
+    }
 }
 
 /// Fewest bytes of page codes worth trying to compress (a zstd frame costs ~10 bytes).
@@ -371,9 +382,6 @@ fn compress_frames(
     pool: Option<&rayon::ThreadPool>,
 ) -> Result<Vec<crate::prefix::FrameSpec>, EncodeError> {
     use rayon::prelude::*;
-    while b.refz.len() < cuts.len() {
-        b.refz.push(Default::default());
-    }
     let (prefix, payload) = b.data.split_at(plen);
     let part = |c: &Cut| {
         (
@@ -385,23 +393,16 @@ fn compress_frames(
     if cuts.len() == 1 {
         outs[0] = std::mem::take(&mut b.stored);
     }
-    let one = |((z, c), o): ((&mut crate::prefix::Compressor, &Cut), &mut Vec<u8>)| {
+    // Each thread compresses with its own reused context (`prefix::compress_frame`).
+    let one = |(c, o): (&Cut, &mut Vec<u8>)| {
         let (p, d) = part(c);
-        z.compress(p, d, level, o)
+        crate::prefix::compress_frame(p, d, level, o)
     };
-    let refz = &mut b.refz[..cuts.len()];
     let r: std::io::Result<()> = match pool {
-        Some(pool) if cuts.len() > 1 => pool.install(|| {
-            refz.par_iter_mut()
-                .zip(cuts.par_iter())
-                .zip(outs.par_iter_mut())
-                .try_for_each(one)
-        }),
-        _ => refz
-            .iter_mut()
-            .zip(cuts.iter())
-            .zip(outs.iter_mut())
-            .try_for_each(one),
+        Some(pool) if cuts.len() > 1 => {
+            pool.install(|| cuts.par_iter().zip(outs.par_iter_mut()).try_for_each(one))
+        }
+        _ => cuts.iter().zip(outs.iter_mut()).try_for_each(one),
     };
     r.map_err(EncodeError::Compress)?;
     let frames = cuts

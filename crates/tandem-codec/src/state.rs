@@ -259,6 +259,10 @@ impl Lru {
         self.push_front(s, list);
     }
 
+    fn work_bytes(&self) -> usize {
+        self.cold.as_ref().map_or(0, |c| c.work_bytes())
+    }
+
     fn bytes(&self) -> usize {
         self.cold.as_ref().map_or(0, |c| c.bytes())
             + self.data.capacity()
@@ -398,6 +402,14 @@ impl PrevStore {
             PrevStore::Mirror(m) => m.capacity(),
             PrevStore::Lru(l) => l.bytes(),
             PrevStore::Direct { tags, data } => tags.capacity() * 8 + data.capacity(),
+        }
+    }
+
+    /// Working memory kept between epochs (the compressed tier's staging buffers).
+    pub fn work_bytes(&self) -> usize {
+        match self {
+            PrevStore::Lru(l) => l.work_bytes(),
+            _ => 0,
         }
     }
 }

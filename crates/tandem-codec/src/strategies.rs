@@ -265,8 +265,10 @@ pub fn de(c: &Ctx<'_>, new: &[u8], pre: &Pre) -> Coded {
         let limit = best.as_ref().map(|b| b.2.len()).unwrap_or(PAGE);
         best = smaller(best, runs_vs(Base::Mirror(q), r, new, 1, limit));
         let x: Vec<u8> = r.iter().zip(new).map(|(a, b)| a ^ b).collect();
-        let z = zstd::bulk::compress(&x, 1).unwrap_or_default();
-        if !z.is_empty() && z.len() < best.as_ref().map(|b| b.2.len()).unwrap_or(PAGE) {
+        let mut z = Vec::new();
+        // An in-memory compression fails only on allocation; the candidate is then skipped.
+        let ok = crate::prefix::compress_alone(&x, 1, &mut z).is_ok() && !z.is_empty();
+        if ok && z.len() < best.as_ref().map(|b| b.2.len()).unwrap_or(PAGE) {
             best = Some((Base::Mirror(q), Body::Xor(Method::Zstd), Payload::Own(z)));
         }
     }

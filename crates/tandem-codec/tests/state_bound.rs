@@ -27,7 +27,13 @@ fn page(pfn: u64, round: u64, compressible: bool) -> Vec<u8> {
 fn tandem_state_stays_within_a_quarter_of_guest_memory() {
     // A 32 MiB guest rewriting all of its memory in a cycle of 8 epochs of 1 024 pages.
     let pages = 8192u64;
-    for (mix, cold) in [(0u64, true), (1, true), (2, true), (2, false)] {
+    for (mix, cold, similarity) in [
+        (0u64, true, false),
+        (1, true, false),
+        (2, true, false),
+        (2, false, false),
+        (2, true, true),
+    ] {
         let kind = |pfn: u64| match mix {
             0 => true,
             1 => false,
@@ -36,6 +42,7 @@ fn tandem_state_stays_within_a_quarter_of_guest_memory() {
         let base: Vec<u8> = (0..pages).flat_map(|p| page(p, 0, kind(p))).collect();
         let mut cfg = Config::default();
         cfg.budget.cold = cold;
+        cfg.budget.similarity = similarity;
         let mut enc = Encoder::new(Codec::Tandem, &base, cfg).unwrap();
         let (mut mirror, mut plan) = (base.clone(), Plan::default());
         let mut most = 0;
@@ -57,7 +64,7 @@ fn tandem_state_stays_within_a_quarter_of_guest_memory() {
         }
         assert!(
             most <= base.len() / 4,
-            "mix {mix}, compressed tier {cold}: {most} bytes of state for a guest of {}",
+            "mix {mix}, compressed tier {cold}, similarity {similarity}: {most} bytes of state for a guest of {}",
             base.len()
         );
     }

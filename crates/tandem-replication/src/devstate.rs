@@ -30,14 +30,28 @@ fn xor_into(out: &mut [u8], prev: &[u8]) {
     }
 }
 
+thread_local! {
+    /// The XOR image and the compressed frame of the last delta this thread encoded: kept
+    /// for the next epoch, as a new buffer of the device state's size costs its page faults.
+    static SCRATCH: std::cell::RefCell<(Vec<u8>, Vec<u8>)> =
+        const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
+}
+
 /// Encodes `cur` against `prev` into `out` (cleared first).
 pub fn encode_delta(prev: &[u8], cur: &[u8], out: &mut Vec<u8>) {
-    let mut x = cur.to_vec();
-    xor_into(&mut x, prev);
-    out.clear();
-    out.extend_from_slice(&(cur.len() as u32).to_le_bytes());
-    // Level 1: this runs on the primary for every epoch. An in-memory encode cannot fail.
-    out.extend_from_slice(&zstd::bulk::compress(&x, 1).unwrap_or_default());
+    SCRATCH.with(|cell| {
+        let (x, z) = &mut *cell.borrow_mut();
+        x.clear();
+        x.extend_from_slice(cur);
+        xor_into(x, prev);
+        out.clear();
+        out.extend_from_slice(&(cur.len() as u32).to_le_bytes());
+        // Level 1: this runs on the primary for every epoch, with the thread's reused zstd
+        // context. An in-memory encode fails only on allocation, which aborts first.
+        if tandem_codec::prefix::compress_alone(x, 1, z).is_ok() {
+            out.extend_from_slice(z);
+        }
+    })
 }
 
 /// Decodes a delta against `prev`.
@@ -47,7 +61,8 @@ pub fn decode_delta(prev: &[u8], delta: &[u8]) -> Result<Vec<u8>, DeviceStateErr
         .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]) as usize)
         .filter(|&l| l <= MAX_DEVICE_STATE)
         .ok_or(DeviceStateError::Header)?;
-    let mut x = zstd::bulk::decompress(&delta[4..], len).map_err(|_| DeviceStateError::Body)?;
+    let mut x = tandem_codec::prefix::decompress_alone(&delta[4..], len)
+        .map_err(|_| DeviceStateError::Body)?;
     if x.len() != len {
         return Err(DeviceStateError::Body);
     }

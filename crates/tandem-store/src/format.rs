@@ -221,8 +221,13 @@ pub fn encode_record_with_disk(
     if device_state.len() as u64 > max_dev {
         return Err(too_large("device state", device_state.len(), max_dev));
     }
-    let dev = zstd::bulk::compress(device_state, 1)
-        .map_err(|e| crate::StoreError::Encode(tandem_codec::EncodeError::Compress(e)))?;
+    let zstd = |data: &[u8]| {
+        let mut out = Vec::new();
+        tandem_codec::prefix::compress_alone(data, 1, &mut out)
+            .map(|()| out)
+            .map_err(|e| crate::StoreError::Encode(tandem_codec::EncodeError::Compress(e)))
+    };
+    let dev = zstd(device_state)?;
     if dev.len() as u64 > max_dev {
         return Err(too_large("compressed device state", dev.len(), max_dev));
     }
@@ -232,8 +237,7 @@ pub fn encode_record_with_disk(
     let disk = if disk.is_empty() {
         Vec::new()
     } else {
-        zstd::bulk::compress(disk, 1)
-            .map_err(|e| crate::StoreError::Encode(tandem_codec::EncodeError::Compress(e)))?
+        zstd(disk)?
     };
     let total = RECORD_HEADER + memory.len() + dev.len() + disk.len();
     if total as u64 > u32::MAX as u64 {
@@ -325,7 +329,7 @@ pub fn disk_writes(r: &Record<'_>) -> Result<Vec<u8>, String> {
         Ok(Some(n)) => n,
         _ => most,
     };
-    zstd::bulk::decompress(z, cap as usize)
+    tandem_codec::prefix::decompress_alone(z, cap as usize)
         .map_err(|e| format!("disk writes do not decompress: {e}"))
 }
 
@@ -346,7 +350,7 @@ pub fn device_state(r: &Record<'_>) -> Result<Vec<u8>, String> {
         Ok(Some(n)) => n,
         _ => most,
     };
-    zstd::bulk::decompress(z, cap as usize)
+    tandem_codec::prefix::decompress_alone(z, cap as usize)
         .map_err(|e| format!("device state does not decompress: {e}"))
 }
 

@@ -20,6 +20,8 @@ pub struct TraceReader<R: Read> {
     epochs: u32,
     dirty_pages: u64,
     ended: bool,
+    /// One zstd context for every frame (creating one allocates ~160 KiB).
+    dctx: zstd::bulk::Decompressor<'static>,
 }
 
 /// Reads exactly `buf.len()` bytes; returns how many were read before EOF.
@@ -104,6 +106,7 @@ impl<R: Read> TraceReader<R> {
             offset: (HEADER_LEN + meta_len) as u64,
             epochs: 0,
             dirty_pages: 0,
+            dctx: zstd::bulk::Decompressor::new()?,
             ended: false,
         })
     }
@@ -184,7 +187,8 @@ impl<R: Read> TraceReader<R> {
             return Err(corrupt("frame checksum mismatch".into()));
         }
         let raw = if codec == 1 {
-            let d = zstd::bulk::decompress(&stored, raw_len)
+            let d = (self.dctx)
+                .decompress(&stored, raw_len)
                 .map_err(|e| corrupt(format!("zstd payload does not decode: {e}")))?;
             if d.len() != raw_len {
                 return Err(corrupt(format!(

@@ -13,8 +13,9 @@ pub struct TraceWriter<W: Write> {
     header: TraceHeader,
     epochs: u32,
     dirty_pages: u64,
-    level: i32,
     bytes: u64,
+    /// One zstd context (at the writer's level) for every frame.
+    cctx: zstd::bulk::Compressor<'static>,
 }
 
 impl<W: Write> TraceWriter<W> {
@@ -58,8 +59,8 @@ impl<W: Write> TraceWriter<W> {
             header,
             epochs: 0,
             dirty_pages: 0,
-            level,
             bytes,
+            cctx: zstd::bulk::Compressor::new(level)?,
         })
     }
 
@@ -75,7 +76,7 @@ impl<W: Write> TraceWriter<W> {
                 raw.len()
             )));
         }
-        let packed = zstd::bulk::compress(raw, self.level)?;
+        let packed = self.cctx.compress(raw)?;
         let (codec, stored) = if packed.len() < raw.len() {
             (1u8, &packed[..])
         } else {

@@ -32,7 +32,7 @@ use std::collections::VecDeque;
 
 use super::FxMap;
 use crate::format::PAGE;
-use crate::prefix::Compressor;
+use crate::prefix::compress_alone;
 
 /// zstd level of the tier's frames. On this project's test machine a page takes 4–14 µs to
 /// compress (memtouch's to compile's) and 2–6 µs to decompress; on memtouch level −1 holds
@@ -55,15 +55,16 @@ const WINDOW: u64 = 1 << 14;
 const PER_THREAD: usize = 32;
 
 thread_local! {
-    /// One compression context per thread, reused by every page it compresses.
-    static ZC: RefCell<(Compressor, Vec<u8>)> = RefCell::new(Default::default());
+    /// One output buffer per thread, reused by every page it compresses (the context is the
+    /// thread's reused one, `prefix::compress_alone`).
+    static ZC: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
 }
 
 /// `content` as the tier keeps it: a zstd frame, or the page itself when that is not shorter.
 fn pack(content: &[u8]) -> Box<[u8]> {
     ZC.with(|cell| {
-        let (zc, buf) = &mut *cell.borrow_mut();
-        match zc.compress(&[], content, LEVEL, buf) {
+        let buf = &mut *cell.borrow_mut();
+        match compress_alone(content, LEVEL, buf) {
             Ok(()) if buf.len() < content.len() => buf.as_slice().into(),
             _ => content.into(),
         }
@@ -298,10 +299,18 @@ impl Cold {
         }
     }
 
-    /// Memory held as state: the frames and their bookkeeping. The staging and deferral
-    /// buffers are the epoch's working memory, copies of pages of the epoch like the
-    /// encoder's prefix and record buffers, which are not counted either (each is kept for
-    /// the next epoch, and released after an epoch far smaller than the largest).
+    /// Working memory of the epoch: the staging and deferral buffers, copies of pages of the
+    /// epoch like the encoder's prefix and record buffers (each is kept for the next epoch,
+    /// and released after an epoch far smaller than the largest).
+    pub(super) fn work_bytes(&self) -> usize {
+        self.staged_data.capacity()
+            + self.deferred_data.capacity()
+            + self.deferred_pfns.capacity() * 8
+            + (self.staged.capacity() + self.deferred.capacity()) * 16
+    }
+
+    /// Memory held as state: the frames and their bookkeeping (not the working memory,
+    /// [`Cold::work_bytes`]).
     pub(super) fn bytes(&self) -> usize {
         self.map.values().map(|b| b.data.len() + 16).sum::<usize>()
             + self.map.capacity() * 32
