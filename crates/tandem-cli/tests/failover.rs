@@ -150,6 +150,13 @@ fn primary_killed_backup_resumes_the_guest() {
     assert_eq!(p["state"], "protected", "{p:#}");
     assert_eq!(p["link"], "up", "{p:#}");
     assert!(p["committed_epoch"].as_u64().unwrap() >= 10, "{p:#}");
+    // The level the last epoch was encoded at (chosen per epoch), on the primary only.
+    let level = p["zstd_level"]
+        .as_i64()
+        .expect("primary reports its zstd level");
+    assert!((-7..=19).contains(&level), "{p:#}");
+    assert!(b["zstd_level"].is_null(), "{b:#}");
+    assert!(text.contains("\ntandem_zstd_level "), "{text}");
     assert!(
         b["state"].as_str().unwrap().starts_with("protecting"),
         "{b:#}"

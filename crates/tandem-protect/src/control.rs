@@ -231,6 +231,9 @@ pub fn describe(v: &serde_json::Value) -> String {
     if let Some(a) = f("last_ack_ms_ago").as_u64() {
         line += &format!(" (last {a} ms ago)");
     }
+    if let Some(l) = f("zstd_level").as_i64() {
+        line += &format!(", zstd level {l}");
+    }
     line += &format!("; link {}", f("link").as_str().unwrap_or("?"));
     if let Some(p) = f("peer").as_str() {
         line += &format!(" to {p}");

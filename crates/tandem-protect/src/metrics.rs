@@ -384,6 +384,11 @@ impl Registry {
             help,
             &[(String::new(), s.who.failovers.to_string())],
         );
+        if s.epochs > 0 {
+            let help = "zstd level of the last epoch's memory record (chosen per epoch from whether the encoder or the link is slower, unless --zstd-level fixes it).";
+            let v = s.last.level.to_string();
+            family(&mut o, "tandem_zstd_level", g, help, &[(String::new(), v)]);
+        }
         if let Some(h) = &s.lease {
             let v = format!("{:.3}", h.remaining().as_secs_f64());
             let help = "Time this node may still let guest output out under its etcd lease.";

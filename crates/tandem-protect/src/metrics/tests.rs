@@ -58,6 +58,7 @@ fn registry() -> Registry {
         dirty_pages: 10,
         raw_bytes: 40960,
         sent_bytes: 900,
+        level: -3,
         held_frames: 3,
         held_bytes: 180,
         ..Default::default()
@@ -97,6 +98,7 @@ fn renders_prometheus_text_with_histograms_and_daemon_state() {
         "tandem_backup_can_failover 1\n",
         "tandem_held_frames 4\n",
         "tandem_held_bytes 240\n",
+        "tandem_zstd_level -3\n",
         "tandem_reconnects_total 2\n",
         "tandem_resyncs_total 1\n",
         "tandem_hold_dropped_frames_total 9\n",

@@ -142,6 +142,7 @@ impl Registry {
             "state": state,
             "committed_epoch": s.acked,
             "lag_epochs": (w.role == "primary").then(|| s.last.epoch.saturating_sub(s.acked)),
+            "zstd_level": (s.epochs > 0).then_some(s.last.level),
             "last_ack_ms_ago": (w.last_ack_ms > 0).then(|| now.saturating_sub(w.last_ack_ms)),
             "link": if s.link_up { "up" } else { "down" },
             "peer": w.peer,
