@@ -72,6 +72,15 @@ fn page_hash(blocks: &[u64]) -> u64 {
 
 pub(crate) use crate::simd::diff_mask;
 
+/// The level zstd runs at for `level`: within -7..=19, and 0 read as zstd's default, 3 (so
+/// `EncodeStats::level` reports what ran).
+fn effective_level(level: i32) -> i32 {
+    match level.clamp(-7, 19) {
+        0 => zstd::DEFAULT_COMPRESSION_LEVEL,
+        l => l,
+    }
+}
+
 impl Encoder {
     /// An encoder whose reference state starts from `base`, the guest memory both sides hold
     /// before epoch 1 (its length sets the guest size).
@@ -148,7 +157,7 @@ impl Encoder {
             block_hashes: Vec::new(),
             granule,
             prev,
-            level: cfg.zstd_level,
+            level: effective_level(cfg.zstd_level),
             pool: None,
             buf: Default::default(),
             diverged: false,
@@ -199,7 +208,7 @@ impl Encoder {
     /// list and drops them instead; at negative levels, tandem skips the anchor scan of held
     /// pages (`Budget::held_anchors`). Level 0 is zstd's default, 3.
     pub fn set_level(&mut self, level: i32) {
-        self.level = level.clamp(-7, 19);
+        self.level = effective_level(level);
         if let Some(s) = self.prev.as_mut() {
             s.set_compressing(self.level > crate::level::MIN);
         }
@@ -217,8 +226,9 @@ impl Encoder {
 
     /// Working memory kept between epochs, apart from the reference state: the record's
     /// buffers (its reference prefix, payloads and output) and the compressed tier's staging,
-    /// all about the size of the largest epoch so far. Not counted: one zstd context per
-    /// encoder thread (at most ~2.5 MiB each, for a prefix frame's hash table).
+    /// all about the size of the largest epoch so far. Not counted: the zstd contexts, one
+    /// per encoder thread for records and one for the compressed tier's pages (~2.5 MiB for a
+    /// prefix frame at the automatic levels, −5 to 3; more at a high fixed `--zstd-level`).
     pub fn work_bytes(&self) -> usize {
         self.buf.bytes() + self.prev.as_ref().map_or(0, |p| p.work_bytes())
     }

@@ -177,6 +177,24 @@ impl Compressor {
         c.reset(ResetDirective::SessionAndParameters).map_err(io)?;
         r
     }
+
+    /// Compresses `data` as one frame at `level` with zstd's own parameters for that level
+    /// and size (what `zstd::bulk::compress` writes: a window any zstd tool reads without
+    /// `--long`), into `out` (cleared first).
+    pub fn compress_plain(
+        &mut self,
+        data: &[u8],
+        level: i32,
+        out: &mut Vec<u8>,
+    ) -> std::io::Result<()> {
+        let c = &mut self.cctx;
+        c.reset(ResetDirective::SessionAndParameters).map_err(io)?;
+        c.set_parameter(CParameter::CompressionLevel(level))
+            .map_err(io)?;
+        out.clear();
+        out.reserve(zstd::zstd_safe::compress_bound(data.len()));
+        c.compress2(out, data).map(|_| ()).map_err(io)
+    }
 }
 
 thread_local! {
@@ -189,28 +207,34 @@ thread_local! {
 
 /// Compresses `data` as one frame with `prefix` as its reference prefix (see
 /// [`Compressor::compress`]), with this thread's reused context: one context per thread for
-/// every frame it compresses (a record's, a page's in the encoder's compressed tier, a device
-/// state's), so their memory stays one context per thread however many frames there are.
+/// the frames it compresses (a record's, a device state's, a checkpoint's sections), so their
+/// memory stays one context per thread however many frames there are. (The compressed tier
+/// keeps a context of its own per thread for its many page-sized frames.)
 pub fn compress_frame(
     prefix: &[u8],
     data: &[u8],
     level: i32,
     out: &mut Vec<u8>,
 ) -> std::io::Result<()> {
-    CCTX.with(|cell| match cell.try_borrow_mut() {
-        Ok(mut slot) => slot
-            .get_or_insert_with(Compressor::default)
-            .compress(prefix, data, level, out),
-        // Only if a compression on this thread were interrupted by another (it is not:
-        // nothing inside one waits on the worker pool); a context of its own then.
-        Err(_) => Compressor::default().compress(prefix, data, level, out),
-    })
+    with_cctx(|c| c.compress(prefix, data, level, out))
 }
 
-/// [`compress_frame`] without a prefix: for small, frequent frames (a page, a device state,
-/// a checkpoint's sections), where creating a context each time costs more than compressing.
+/// One frame of `data` alone at `level` with zstd's own parameters
+/// ([`Compressor::compress_plain`]), with this thread's reused context: for small, frequent
+/// frames (a page's patch, a device state, a checkpoint's sections), where creating a context
+/// each time costs more than compressing.
 pub fn compress_alone(data: &[u8], level: i32, out: &mut Vec<u8>) -> std::io::Result<()> {
-    compress_frame(&[], data, level, out)
+    with_cctx(|c| c.compress_plain(data, level, out))
+}
+
+/// Runs `f` with this thread's compression context.
+fn with_cctx<R>(f: impl FnOnce(&mut Compressor) -> R) -> R {
+    CCTX.with(|cell| match cell.try_borrow_mut() {
+        Ok(mut slot) => f(slot.get_or_insert_with(Compressor::default)),
+        // Only if a compression on this thread were interrupted by another (it is not:
+        // nothing inside one waits on the worker pool); a context of its own then.
+        Err(_) => f(&mut Compressor::default()),
+    })
 }
 
 /// Decompresses `frame` into `dst` with `prefix` as its reference prefix; returns the bytes
@@ -227,7 +251,8 @@ pub fn decompress_alone(frame: &[u8], cap: usize) -> Result<Vec<u8>, String> {
     Ok(out)
 }
 
-/// [`decompress`] into any of zstd's output buffers (a slice, or a vector's spare capacity).
+/// [`decompress`] into any of zstd's output buffers (a slice, or a vector from its start up
+/// to its capacity).
 fn decompress_into<C: zstd::zstd_safe::WriteBuf + ?Sized>(
     frame: &[u8],
     prefix: &[u8],
@@ -249,10 +274,12 @@ fn decompress_into<C: zstd::zstd_safe::WriteBuf + ?Sized>(
         // (parameters stay).
         d.reset(ResetDirective::SessionOnly).map_err(name)?;
         if !prefix.is_empty() {
-            // SAFETY: zstd keeps a reference prefix for the next frame only; `decompress`
-            // below is that frame and completes (or fails) before this function returns, and
-            // the session reset that follows drops the pointer either way. So it never
-            // outlives `prefix`; the 'static lifetime is only what the context's type demands.
+            // SAFETY: a reference prefix is single-use: zstd reads it for the next frame only
+            // and marks it unused when that frame starts. `decompress` below is that frame and
+            // completes (or fails) before this function returns; the next `ref_prefix` on this
+            // context replaces the stale pointer without reading it. So zstd never reads
+            // `prefix` after this call; the 'static lifetime is only what the context's type
+            // demands.
             let prefix: &'static [u8] = unsafe { &*(prefix as *const [u8]) };
             d.ref_prefix(prefix).map_err(name)?;
         }

@@ -32,7 +32,9 @@ fn xor_into(out: &mut [u8], prev: &[u8]) {
 
 thread_local! {
     /// The XOR image and the compressed frame of the last delta this thread encoded: kept
-    /// for the next epoch, as a new buffer of the device state's size costs its page faults.
+    /// for the next epoch, as a new buffer of the device state's size costs its page faults
+    /// (so about twice the largest device state, ≤ 2 × MAX_DEVICE_STATE, stays allocated on
+    /// the thread that encodes epochs).
     static SCRATCH: std::cell::RefCell<(Vec<u8>, Vec<u8>)> =
         const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
 }

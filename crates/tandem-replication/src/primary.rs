@@ -206,6 +206,8 @@ pub struct EpochSizes {
     pub disk_writes: u64,
     /// Bytes of disk writes.
     pub disk_bytes: u64,
+    /// The zstd level the memory record was encoded at.
+    pub level: i32,
 }
 
 /// The primary's protocol state: VM id, codec, the encoder's reference state and the
@@ -317,12 +319,15 @@ impl Primary {
     pub fn epoch(&mut self, e: &EpochInput<'_>) -> Result<(Frame, EpochSizes), PrimaryError> {
         let enc = self.enc.as_mut().ok_or(PrimaryError::NoSession)?;
         self.rec.clear();
-        if let Err(err) = enc.encode(e.seq, e.pfns, e.pages, &mut self.rec) {
-            // The encoder's state may be past this epoch (EncodeError::Diverged) and the
-            // backup never gets it: the session is over, as for an epoch too large to send.
-            self.enc = None;
-            return Err(err.into());
-        }
+        let stats = match enc.encode(e.seq, e.pfns, e.pages, &mut self.rec) {
+            Ok(s) => s,
+            Err(err) => {
+                // The encoder's state may be past this epoch (EncodeError::Diverged) and the
+                // backup never gets it: the session is over, as for an epoch too large to send.
+                self.enc = None;
+                return Err(err.into());
+            }
+        };
         encode_delta(&self.prev_dev, e.device_state, &mut self.dev_delta);
         self.prev_dev.clear();
         self.prev_dev.extend_from_slice(e.device_state);
@@ -350,6 +355,7 @@ impl Primary {
             sent: (payload.len() + HEADER_LEN) as u64,
             disk_writes: writes.len() as u64,
             disk_bytes,
+            level: stats.level,
         };
         Ok((self.frame(Kind::Epoch, e.seq, payload), sizes))
     }

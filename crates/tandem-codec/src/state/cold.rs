@@ -32,7 +32,7 @@ use std::collections::VecDeque;
 
 use super::FxMap;
 use crate::format::PAGE;
-use crate::prefix::compress_alone;
+use crate::prefix::Compressor;
 
 /// zstd level of the tier's frames. On this project's test machine a page takes 4–14 µs to
 /// compress (memtouch's to compile's) and 2–6 µs to decompress; on memtouch level −1 holds
@@ -55,16 +55,18 @@ const WINDOW: u64 = 1 << 14;
 const PER_THREAD: usize = 32;
 
 thread_local! {
-    /// One output buffer per thread, reused by every page it compresses (the context is the
-    /// thread's reused one, `prefix::compress_alone`).
-    static ZC: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
+    /// One compression context and output buffer per thread, reused by every page it
+    /// compresses. Not the thread's context for records (`prefix::compress_frame`): zstd
+    /// shrinks a context used for many frames much smaller than its tables, and the next
+    /// record's frame (a table of up to 2 MiB) would allocate them again.
+    static ZC: RefCell<(Compressor, Vec<u8>)> = RefCell::new(Default::default());
 }
 
 /// `content` as the tier keeps it: a zstd frame, or the page itself when that is not shorter.
 fn pack(content: &[u8]) -> Box<[u8]> {
     ZC.with(|cell| {
-        let buf = &mut *cell.borrow_mut();
-        match compress_alone(content, LEVEL, buf) {
+        let (zc, buf) = &mut *cell.borrow_mut();
+        match zc.compress(&[], content, LEVEL, buf) {
             Ok(()) if buf.len() < content.len() => buf.as_slice().into(),
             _ => content.into(),
         }

@@ -168,7 +168,7 @@ impl Step<'_> {
             raw_bytes: sizes.raw,
             sent_bytes: sizes.sent,
             encode_us: t.elapsed().as_micros() as u64,
-            level,
+            level: sizes.level,
             held_frames: held.held_frames,
             held_bytes: held.held_bytes,
             disk_writes: sizes.disk_writes,
