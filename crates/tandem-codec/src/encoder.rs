@@ -47,7 +47,7 @@ pub struct Encoder {
     pub(crate) level: i32,
     /// Persistent worker threads (with `threads` > 1), reused every epoch.
     pub(crate) pool: Option<std::sync::Arc<rayon::ThreadPool>>,
-    // Buffers and contexts reused across epochs (large allocations each epoch cost faults).
+    // Buffers reused across epochs (large allocations each epoch cost faults).
     pub(crate) buf: crate::record::Buffers,
     /// A record failed after the state had advanced past its epoch (phase 5 runs beside the
     /// compression): every later epoch is refused.

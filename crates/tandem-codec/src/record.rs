@@ -13,7 +13,7 @@ use crate::prefix::MAX_FRAMES;
 use crate::strategies::{Coded, Payload, Refs};
 use crate::EncodeError;
 
-/// Buffers and compression contexts an encoder reuses across epochs.
+/// Buffers an encoder reuses across epochs (its zstd contexts are per thread, `prefix::compress_frame`).
 #[derive(Default)]
 pub struct Buffers {
     ops: Vec<u8>,
@@ -26,7 +26,6 @@ pub struct Buffers {
     zcodes: Vec<u8>,
     /// Run headers of the record's byte-run patches, sent after all payloads (FLAG_SPLIT).
     heads: Vec<u8>,
-    zstd: Option<zstd::bulk::Compressor<'static>>,
 }
 
 impl Buffers {
@@ -286,12 +285,8 @@ pub(crate) fn finish(
         Codec::Zstd | Codec::Fgbi | Codec::XbzrleZstd | Codec::TandemV1 | Codec::Tandem
             if raw_len > 0 =>
         {
-            let payload = &b.data[plen..];
             let stored = &mut b.stored;
-            let z = zstd_at(&mut b.zstd, level)?;
-            stored.clear();
-            stored.reserve(zstd::zstd_safe::compress_bound(raw_len));
-            z.compress_to_buffer(payload, stored)
+            crate::prefix::compress_alone(&b.data[plen..], level, stored)
                 .map_err(EncodeError::Compress)?;
             if stored.len() < raw_len {
                 flags = FLAG_ZSTD;
@@ -320,11 +315,7 @@ pub(crate) fn finish(
     // not tandem-v1).
     let mut packed = false;
     if flags & FLAG_ZSTD != 0 && compact && b.codes.len() >= CODES_ZSTD_MIN {
-        let z = zstd_at(&mut b.zstd, level)?;
-        b.zcodes.clear();
-        b.zcodes
-            .reserve(zstd::zstd_safe::compress_bound(b.codes.len()));
-        z.compress_to_buffer(&b.codes[..], &mut b.zcodes)
+        crate::prefix::compress_alone(&b.codes, level, &mut b.zcodes)
             .map_err(EncodeError::Compress)?;
         packed = b.zcodes.len() + 4 < b.codes.len();
     }
@@ -356,20 +347,6 @@ pub(crate) fn finish(
     out.extend_from_slice(&b.ops);
     out.extend_from_slice(stored_data);
     Ok((entries, b.prefix.len()))
-}
-
-/// The encoder's plain zstd context (created on first use), set to `level`.
-fn zstd_at<'a>(
-    slot: &'a mut Option<zstd::bulk::Compressor<'static>>,
-    level: i32,
-) -> Result<&'a mut zstd::bulk::Compressor<'static>, EncodeError> {
-    let z = match slot {
-        Some(z) => z,
-        None => slot.insert(zstd::bulk::Compressor::new(level).map_err(EncodeError::Compress)?),
-    };
-    z.set_compression_level(level)
-        .map_err(EncodeError::Compress)?;
-    Ok(z)
 }
 
 /// Compresses each cut as one zstd frame with its prefix pages (on the worker pool, with the

@@ -30,30 +30,25 @@ fn xor_into(out: &mut [u8], prev: &[u8]) {
     }
 }
 
-thread_local! {
-    /// The XOR image and the compressed frame of the last delta this thread encoded: kept
-    /// for the next epoch, as a new buffer of the device state's size costs its page faults
-    /// (so about twice the largest device state, ≤ 2 × MAX_DEVICE_STATE, stays allocated on
-    /// the thread that encodes epochs).
-    static SCRATCH: std::cell::RefCell<(Vec<u8>, Vec<u8>)> =
-        const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
-}
-
 /// Encodes `cur` against `prev` into `out` (cleared first).
 pub fn encode_delta(prev: &[u8], cur: &[u8], out: &mut Vec<u8>) {
-    SCRATCH.with(|cell| {
-        let (x, z) = &mut *cell.borrow_mut();
-        x.clear();
-        x.extend_from_slice(cur);
-        xor_into(x, prev);
+    encode_delta_into(&mut prev.to_vec(), cur, out);
+}
+
+/// [`encode_delta`] for the primary's every epoch: the XOR image is made in `prev`'s own
+/// buffer, which then holds `cur` (the next epoch's previous state), so no buffer of the
+/// device state's size is allocated or copied beyond that.
+pub fn encode_delta_into(prev: &mut Vec<u8>, cur: &[u8], out: &mut Vec<u8>) {
+    // previous read as zeros past its end
+    prev.resize(cur.len(), 0);
+    xor_into(prev, cur);
+    // Level 1, with the thread's reused zstd context. An in-memory encode fails only on
+    // allocation, which aborts first; an empty body would be refused by the backup.
+    if tandem_codec::prefix::compress_alone(prev, 1, out).is_err() {
         out.clear();
-        out.extend_from_slice(&(cur.len() as u32).to_le_bytes());
-        // Level 1: this runs on the primary for every epoch, with the thread's reused zstd
-        // context. An in-memory encode fails only on allocation, which aborts first.
-        if tandem_codec::prefix::compress_alone(x, 1, z).is_ok() {
-            out.extend_from_slice(z);
-        }
-    })
+    }
+    out.splice(0..0, (cur.len() as u32).to_le_bytes());
+    prev.copy_from_slice(cur);
 }
 
 /// Decodes a delta against `prev`.
@@ -82,7 +77,13 @@ mod tests {
                       cur in proptest::collection::vec(0u8..4, 0..3000)) {
             let mut d = Vec::new();
             encode_delta(&prev, &cur, &mut d);
-            proptest::prop_assert_eq!(decode_delta(&prev, &d).unwrap(), cur);
+            proptest::prop_assert_eq!(&decode_delta(&prev, &d).unwrap(), &cur);
+            // In place, as the primary runs it: the same delta, and the buffer left at `cur`
+            // (with a stale delta in `out` beforehand).
+            let (mut kept, mut out) = (prev.clone(), vec![7u8; 5]);
+            encode_delta_into(&mut kept, &cur, &mut out);
+            proptest::prop_assert_eq!(&out, &d);
+            proptest::prop_assert_eq!(kept, cur);
         }
 
         #[test]

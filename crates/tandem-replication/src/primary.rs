@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use tandem_codec::{Codec, Config, EncodeError, Encoder};
 
-use crate::devstate::encode_delta;
+use crate::devstate::encode_delta_into;
 use crate::wire::{ack_can_fail_over, epoch_payload, section, Frame, Hello, Kind, HEADER_LEN};
 use crate::{base_payload, MAX_EPOCH_PAYLOAD};
 
@@ -328,9 +328,7 @@ impl Primary {
                 return Err(err.into());
             }
         };
-        encode_delta(&self.prev_dev, e.device_state, &mut self.dev_delta);
-        self.prev_dev.clear();
-        self.prev_dev.extend_from_slice(e.device_state);
+        encode_delta_into(&mut self.prev_dev, e.device_state, &mut self.dev_delta);
         let disk = e.disk_writes.map(tandem_disk::encode_writes);
         let mut secs: Vec<(u8, &[u8])> = vec![
             (section::MEMORY, &self.rec),
