@@ -15,21 +15,22 @@ use crate::vmargs::{kv_load, SiteArgs, VmArgs};
 /// Fencing flags, the same on both daemons.
 #[derive(clap::Args, Clone, Default)]
 pub struct FenceArgs {
-    /// Fence with a per-VM leader key held with a lease in this etcd cluster (client URLs,
-    /// comma-separated, e.g. http://10.79.0.11:2379,http://10.79.0.12:2379); see
-    /// docs/FENCING.md. Without it the backup cannot tell a partition from a dead primary.
+    /// Fence with the VM's ownership record in this etcd cluster (client URLs,
+    /// comma-separated, e.g. http://10.79.0.11:2379,http://10.79.0.12:2379): the backup takes
+    /// over, and the primary runs without a replica, only by one compare-and-swap each on it
+    /// (docs/FENCING.md). Give both daemons the same. Without it the backup cannot tell a
+    /// partition from a dead primary.
     #[arg(long, value_delimiter = ',')]
     pub etcd: Vec<String>,
-    /// Lease TTL in seconds (at least 2): a dead primary's guest resumes on the backup at most
-    /// this long after its last renewal; output stops 0.5 s + 1 % before it.
-    #[arg(long, default_value_t = 3)]
-    pub lease_ttl_s: u64,
-    /// Key prefix in etcd.
+    /// Key prefix in etcd (the record is PREFIX/vm/VM-ID/owner).
     #[arg(long, default_value = "/tandem")]
     pub etcd_prefix: String,
-    /// This node's name in the leader key (default: ROLE@HOSTNAME).
+    /// This node's name in the ownership record (default: ROLE@HOSTNAME).
     #[arg(long)]
     pub node: Option<String>,
+    /// Timeout of one etcd request to one member, in ms (the next member is tried after it).
+    #[arg(long, default_value_t = 300)]
+    pub etcd_timeout_ms: u64,
     /// CA certificate(s) of the etcd members (PEM), for https:// endpoints.
     #[arg(long)]
     pub etcd_ca: Option<PathBuf>,
@@ -42,7 +43,8 @@ pub struct FenceArgs {
 }
 
 impl FenceArgs {
-    fn config(&self, vm_id: u64, role: &str) -> Option<tandem_fence::FenceConfig> {
+    /// The fencing configuration of VM `vm_id` for a daemon in `role` (`None` without --etcd).
+    pub fn config(&self, vm_id: u64, role: &str) -> Option<tandem_fence::FenceConfig> {
         if self.etcd.is_empty() {
             return None;
         }
@@ -52,7 +54,7 @@ impl FenceArgs {
             .clone()
             .unwrap_or_else(|| format!("{role}@{}", host.trim()));
         let mut c = tandem_fence::FenceConfig::new(self.etcd.clone(), vm_id, node);
-        c.ttl = Duration::from_secs(self.lease_ttl_s.max(2));
+        c.request_timeout = Duration::from_millis(self.etcd_timeout_ms.max(10));
         c.prefix = self.etcd_prefix.trim_end_matches('/').to_string();
         c.tls = self.etcd_ca.as_ref().map(|ca| tandem_fence::EtcdTls {
             ca: ca.clone(),
@@ -286,6 +288,10 @@ pub struct KeysArgs {
     /// 127.0.0.1 and the lab's replication addresses 10.78.0.1 and 10.78.0.2).
     #[arg(long)]
     pub san: Vec<String>,
+    /// The VMs the certificates may serve (repeat; default: every VM). A daemon refuses a
+    /// peer whose certificate does not name its VM (vm-ID.tandem.invalid).
+    #[arg(long = "vm")]
+    pub vms: Vec<u64>,
 }
 
 /// `tandem keys`: a lab CA and a certificate for each side.
@@ -297,12 +303,20 @@ pub fn keys(a: KeysArgs) -> anyhow::Result<()> {
     } else {
         a.san
     };
-    let files = tandem_protect::tls::generate(&a.dir, &sans)?;
+    let vms = (!a.vms.is_empty()).then_some(a.vms.as_slice());
+    let files = tandem_protect::tls::generate(&a.dir, &sans, vms)?;
     for f in files {
         println!("{}", f.display());
     }
+    let for_vms = match vms {
+        None => "every VM".to_string(),
+        Some(v) => format!(
+            "VM {}",
+            v.iter().map(u64::to_string).collect::<Vec<_>>().join(", ")
+        ),
+    };
     eprintln!(
-        "keys: a lab CA and certificates for primary and backup, valid for {}; the CA's key was not kept (use your PKI in production)",
+        "keys: a lab CA and certificates for primary and backup, valid for {} and {for_vms}; the CA's key was not kept (use your PKI in production)",
         sans.join(", ")
     );
     Ok(())

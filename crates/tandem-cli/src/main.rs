@@ -3,6 +3,7 @@
 mod checkpoint;
 mod daemons;
 mod doctor;
+mod fence;
 mod host;
 mod record;
 mod setup;
@@ -56,8 +57,11 @@ enum Cmd {
     BackupHost(host::Args),
     /// Make a lab CA and TLS certificates for the replication link (--tls-dir).
     Keys(daemons::KeysArgs),
-    /// What the daemons on this host are doing (role, committed epoch, lag, lease, link).
+    /// What the daemons on this host are doing (role, committed epoch, lag, ownership, link).
     Status(daemons::StatusArgs),
+    /// The VMs' ownership records in etcd, and the operator's override.
+    #[command(subcommand)]
+    Fence(fence::Cmd),
     /// Planned maintenance: the primary on this host hands the guest over to its backup and
     /// serves as its backup (started with --listen); run it again to fail back.
     Switchover(switchover::Args),
@@ -79,7 +83,12 @@ fn main() {
     // EPIPE instead).
     if matches!(
         cli.cmd,
-        Cmd::Trace(_) | Cmd::Vm(_) | Cmd::Status(_) | Cmd::Keys(_) | Cmd::Switchover(_)
+        Cmd::Trace(_)
+            | Cmd::Vm(_)
+            | Cmd::Status(_)
+            | Cmd::Keys(_)
+            | Cmd::Switchover(_)
+            | Cmd::Fence(_)
     ) {
         // SAFETY: called in main before any other thread exists; SIG_DFL is valid.
         unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
@@ -99,6 +108,7 @@ fn main() {
             | Cmd::Status(_)
             | Cmd::Keys(_)
             | Cmd::Switchover(_)
+            | Cmd::Fence(_)
     ) {
         tandem_vm::clean_stale();
     }
@@ -120,9 +130,37 @@ fn main() {
         Cmd::Status(a) => daemons::status(a),
         Cmd::Keys(a) => daemons::keys(a),
         Cmd::Switchover(a) => switchover::run(a),
+        Cmd::Fence(c) => fence::run(c),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");
-        std::process::exit(1);
+        std::process::exit(exit_code(&e));
+    }
+}
+
+/// Exit status 3: the ownership record in etcd says this node must not run the VM (another
+/// copy runs, or ran last): restarting would change nothing (the units'
+/// RestartPreventExitStatus). 1: any other error.
+fn exit_code(e: &anyhow::Error) -> i32 {
+    use tandem_protect::{backup::BackupError, node::NodeError, primary::PrimaryError};
+    let fenced_primary = |p: &PrimaryError| match p {
+        PrimaryError::Fenced(_) | PrimaryError::FencedBy(_) => true,
+        PrimaryError::Fence(f) => f.refusal().is_some(),
+        _ => false,
+    };
+    let fenced_backup = |b: &BackupError| matches!(b, BackupError::FencedBy(_));
+    let fenced = e.chain().any(|c| {
+        c.downcast_ref::<PrimaryError>().is_some_and(fenced_primary)
+            || c.downcast_ref::<BackupError>().is_some_and(fenced_backup)
+            || c.downcast_ref::<NodeError>().is_some_and(|n| match n {
+                NodeError::Primary(p) => fenced_primary(p),
+                NodeError::Backup(b) => fenced_backup(b),
+                NodeError::Metrics(..) => false,
+            })
+    });
+    if fenced {
+        3
+    } else {
+        1
     }
 }

@@ -311,3 +311,149 @@ fn which(bin: &str) -> Option<PathBuf> {
             .find(|p| p.exists())
     })
 }
+
+/// What a [`Proxy`] does to the replies of the member behind it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ProxyMode {
+    /// Passes everything on.
+    #[default]
+    Pass,
+    /// Holds every reply this long before passing it on (a slow member or network).
+    Delay(Duration),
+    /// Passes requests on, then drops the next `n` replies and closes their connections: the
+    /// request may have committed, the client cannot know (an ambiguous outcome).
+    DropReplies(u32),
+    /// Like `DropReplies`, for replies to transactions only (`POST /v3/kv/txn`; plain http
+    /// only: the proxy cannot see into TLS).
+    DropTxnReplies(u32),
+}
+
+/// A TCP proxy in front of one etcd member that delays or drops its replies, for tests and
+/// the fault campaign. It forwards bytes without parsing them, so it works for TLS too.
+pub struct Proxy {
+    addr: std::net::SocketAddr,
+    mode: std::sync::Arc<std::sync::Mutex<ProxyMode>>,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl Proxy {
+    /// Listens on `listen` (`ip:0` for any port) and forwards to `upstream`.
+    pub fn start(
+        listen: std::net::SocketAddr,
+        upstream: std::net::SocketAddr,
+    ) -> std::io::Result<Proxy> {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        use std::sync::{Arc, Mutex};
+        let l = std::net::TcpListener::bind(listen)?;
+        let addr = l.local_addr()?;
+        let mode = Arc::new(Mutex::new(ProxyMode::Pass));
+        let stop = Arc::new(AtomicBool::new(false));
+        let (m, st) = (mode.clone(), stop.clone());
+        std::thread::spawn(move || {
+            for c in l.incoming() {
+                if st.load(Ordering::SeqCst) {
+                    return;
+                }
+                let Ok(down) = c else { continue };
+                let Ok(up) = std::net::TcpStream::connect_timeout(&upstream, Duration::from_secs(1))
+                else {
+                    continue;
+                };
+                proxy_pair(down, up, m.clone());
+            }
+        });
+        Ok(Proxy { addr, mode, stop })
+    }
+
+    /// The address clients use (its endpoint: `http://ADDR` or `https://ADDR`).
+    pub fn addr(&self) -> std::net::SocketAddr {
+        self.addr
+    }
+
+    /// Changes what it does from the next reply on.
+    pub fn set(&self, mode: ProxyMode) {
+        *self.mode.lock().unwrap_or_else(|e| e.into_inner()) = mode;
+    }
+
+    /// What it does now (a drop count goes down as replies are dropped).
+    pub fn mode(&self) -> ProxyMode {
+        *self.mode.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+impl Drop for Proxy {
+    fn drop(&mut self) {
+        self.stop
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        let _ = std::net::TcpStream::connect_timeout(&self.addr, Duration::from_millis(100));
+    }
+}
+
+fn proxy_pair(
+    down: std::net::TcpStream,
+    up: std::net::TcpStream,
+    mode: std::sync::Arc<std::sync::Mutex<ProxyMode>>,
+) {
+    use std::io::{Read, Write};
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let (Ok(mut d_in), Ok(mut u_out)) = (down.try_clone(), up.try_clone()) else {
+        return;
+    };
+    // A transaction went up on this connection: its reply is the next one.
+    let txn = std::sync::Arc::new(AtomicBool::new(false));
+    let t = txn.clone();
+    std::thread::spawn(move || {
+        let mut buf = vec![0u8; 64 << 10];
+        loop {
+            let n = match d_in.read(&mut buf) {
+                Ok(0) | Err(_) => break,
+                Ok(n) => n,
+            };
+            if buf[..n].windows(11).any(|w| w == b"/v3/kv/txn ") {
+                t.store(true, Ordering::SeqCst);
+            }
+            if u_out.write_all(&buf[..n]).is_err() {
+                break;
+            }
+        }
+        let _ = u_out.shutdown(std::net::Shutdown::Write);
+    });
+    let (mut u_in, mut d_out) = (up, down);
+    std::thread::spawn(move || {
+        let mut buf = vec![0u8; 64 << 10];
+        loop {
+            let n = match u_in.read(&mut buf) {
+                Ok(0) | Err(_) => break,
+                Ok(n) => n,
+            };
+            let was_txn = txn.swap(false, Ordering::SeqCst);
+            let drop_it = {
+                let mut m = mode.lock().unwrap_or_else(|e| e.into_inner());
+                match *m {
+                    ProxyMode::Pass => false,
+                    ProxyMode::Delay(d) => {
+                        drop(m);
+                        std::thread::sleep(d);
+                        false
+                    }
+                    ProxyMode::DropReplies(k) | ProxyMode::DropTxnReplies(k)
+                        if was_txn || matches!(*m, ProxyMode::DropReplies(_)) =>
+                    {
+                        *m = match (*m, k) {
+                            (_, 0 | 1) => ProxyMode::Pass,
+                            (ProxyMode::DropReplies(_), k) => ProxyMode::DropReplies(k - 1),
+                            (_, k) => ProxyMode::DropTxnReplies(k - 1),
+                        };
+                        true
+                    }
+                    _ => false,
+                }
+            };
+            if drop_it || d_out.write_all(&buf[..n]).is_err() {
+                break;
+            }
+        }
+        let _ = d_out.shutdown(std::net::Shutdown::Both);
+        let _ = u_in.shutdown(std::net::Shutdown::Both);
+    });
+}

@@ -6,7 +6,7 @@
 //! with a short timeout: a member cut from its quorum does not answer linearizable requests,
 //! and the next member is tried.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use base64::engine::general_purpose::STANDARD as B64;
@@ -146,6 +146,7 @@ pub struct Client {
     endpoints: Vec<String>,
     agent: ureq::Agent,
     preferred: AtomicUsize,
+    cluster_id: AtomicU64,
 }
 
 fn b64(s: &[u8]) -> String {
@@ -154,14 +155,21 @@ fn b64(s: &[u8]) -> String {
 
 fn int(v: &Value) -> i64 {
     match v {
-        Value::String(s) => s.parse().unwrap_or(0),
+        // Unsigned ids (cluster_id) may exceed i64: keep their bits.
+        Value::String(s) => s
+            .parse::<i64>()
+            .or_else(|_| s.parse::<u64>().map(|u| u as i64))
+            .unwrap_or(0),
         Value::Number(n) => n.as_i64().unwrap_or(0),
         _ => 0,
     }
 }
 
 fn kv_of(v: &Value) -> Option<Kv> {
-    let first = v.get("kvs")?.as_array()?.first()?;
+    kv_at(v.get("kvs")?.as_array()?.first()?)
+}
+
+fn kv_at(first: &Value) -> Option<Kv> {
     Some(Kv {
         value: first
             .get("value")
@@ -209,7 +217,13 @@ impl Client {
                 .collect(),
             agent,
             preferred: AtomicUsize::new(0),
+            cluster_id: AtomicU64::new(0),
         })
+    }
+
+    /// The cluster id from the last answer's header (0: none yet).
+    pub fn cluster_id(&self) -> u64 {
+        self.cluster_id.load(Ordering::Relaxed)
     }
 
     /// The endpoints, comma-separated.
@@ -234,14 +248,12 @@ impl Client {
             match r {
                 Ok(v) if v.get("error").is_some() => {
                     last = format!("{}: {}", self.endpoints[at], v["error"]);
-                    // "lease not found" is an answer, not an unreachable member.
-                    if v["code"] == 5 {
-                        self.preferred.store(at, Ordering::Relaxed);
-                        return Ok(v);
-                    }
                 }
                 Ok(v) => {
                     self.preferred.store(at, Ordering::Relaxed);
+                    if let Some(id) = v.get("header").and_then(|h| h.get("cluster_id")) {
+                        self.cluster_id.store(int(id) as u64, Ordering::Relaxed);
+                    }
                     return Ok(v);
                 }
                 Err(e) => last = format!("{}: {e}", self.endpoints[at]),
@@ -253,32 +265,6 @@ impl Client {
         })
     }
 
-    /// Grants a lease of `ttl_s` seconds; returns its id and the TTL etcd chose (it raises
-    /// TTLs below its minimum).
-    pub fn grant(&self, ttl_s: u64) -> Result<(i64, i64), EtcdError> {
-        let v = self.post("/v3/lease/grant", &json!({ "TTL": ttl_s }))?;
-        let id = v.get("ID").map_or(0, int);
-        if id == 0 {
-            return Err(reply("/v3/lease/grant", &v));
-        }
-        Ok((id, v.get("TTL").map_or(0, int)))
-    }
-
-    /// Renews a lease; returns the TTL it was renewed for (`None`: the lease expired or was
-    /// revoked).
-    pub fn keepalive(&self, id: i64) -> Result<Option<i64>, EtcdError> {
-        let v = self.post("/v3/lease/keepalive", &json!({ "ID": id.to_string() }))?;
-        let ttl = v.get("result").and_then(|r| r.get("TTL")).map_or(0, int);
-        Ok((ttl > 0).then_some(ttl))
-    }
-
-    /// Revokes a lease (its keys are deleted at once). Revoking an unknown lease is not an
-    /// error.
-    pub fn revoke(&self, id: i64) -> Result<(), EtcdError> {
-        self.post("/v3/lease/revoke", &json!({ "ID": id.to_string() }))?;
-        Ok(())
-    }
-
     /// Reads one key.
     pub fn get(&self, key: &str) -> Result<Option<Kv>, EtcdError> {
         let v = self.post("/v3/kv/range", &json!({ "key": b64(key.as_bytes()) }))?;
@@ -286,6 +272,23 @@ impl Client {
             return Err(reply("/v3/kv/range", &v));
         }
         Ok(kv_of(&v))
+    }
+
+    /// Reads every key that starts with `prefix` (at most `limit`), with its name.
+    pub fn range_prefix(&self, prefix: &str, limit: u64) -> Result<Vec<(String, Kv)>, EtcdError> {
+        let mut end = prefix.as_bytes().to_vec();
+        match end.last_mut() {
+            Some(b) if *b < 0xff => *b += 1,
+            _ => end.push(0),
+        }
+        let v = self.post(
+            "/v3/kv/range",
+            &json!({ "key": b64(prefix.as_bytes()), "range_end": b64(&end), "limit": limit }),
+        )?;
+        if v.get("header").is_none() {
+            return Err(reply("/v3/kv/range", &v));
+        }
+        Ok(range_kvs(&v))
     }
 
     /// Runs a transaction: if every comparison holds, `success`, else `failure`.
@@ -322,12 +325,6 @@ impl Client {
     }
 }
 
-/// The TTL a keepalive reply renewed the lease for (`None`: the lease is gone).
-pub(crate) fn keepalive_ttl(v: &Value) -> Option<i64> {
-    let ttl = v.get("result").and_then(|r| r.get("TTL")).map_or(0, int);
-    (ttl > 0).then_some(ttl)
-}
-
 /// A transaction reply (`None`: not one).
 pub(crate) fn txn_result(v: &Value) -> Option<TxnResult> {
     v.get("header")?;
@@ -345,6 +342,22 @@ pub(crate) fn txn_result(v: &Value) -> Option<TxnResult> {
         succeeded: v.get("succeeded").and_then(Value::as_bool).unwrap_or(false),
         reads,
     })
+}
+
+/// Every key of a range reply, with its name.
+pub(crate) fn range_kvs(v: &Value) -> Vec<(String, Kv)> {
+    let Some(kvs) = v.get("kvs").and_then(Value::as_array) else {
+        return Vec::new();
+    };
+    kvs.iter()
+        .filter_map(|e| {
+            let key = e
+                .get("key")
+                .and_then(Value::as_str)
+                .and_then(|s| B64.decode(s).ok())?;
+            Some((String::from_utf8_lossy(&key).into_owned(), kv_at(e)?))
+        })
+        .collect()
 }
 
 /// A range reply's first key.

@@ -1,17 +1,26 @@
-//! Fencing for tandem: which copy of a protected VM may let output out, decided by an etcd
-//! cluster (docs/FENCING.md).
+//! Fencing for tandem: which copy of a protected VM runs it, decided by one ownership record
+//! per VM in an etcd cluster, every change a compare-and-swap (docs/FENCING.md).
 //!
+//! Protected output needs no lease: the primary releases it only on an acknowledgement of its
+//! session's backup, and a backup that took over never acknowledges again. Only the switch to
+//! running without a replica and the backup's takeover must be serialised — one
+//! compare-and-swap each on the record, so a takeover waits for no lease to expire.
+//!
+//! - [`record`]: the record, its states and transitions (pure).
+//! - [`owner`]: the transitions as idempotent compare-and-swaps in etcd; the owner's
+//!   read-back.
 //! - [`etcd`]: a small etcd v3 client over the JSON gateway.
-//! - [`lease`]: the VM's leader key held with a lease, the holder's release deadline, the
-//!   replica record, and the guarded campaigns of a primary and a backup.
-//! - [`cluster`]: starts a real etcd cluster of local members (lab and tests).
+//! - [`cluster`]: starts a real etcd cluster of local members and a proxy that delays or drops
+//!   its replies (lab and tests).
 
 #![warn(missing_docs)]
 
 pub mod cluster;
 pub mod etcd;
 pub mod fuzz;
-pub mod lease;
+pub mod owner;
+pub mod record;
 
 pub use etcd::EtcdTls;
-pub use lease::{campaign, Claim, FenceConfig, FenceError, Holder, Outcome, Replica};
+pub use owner::{random_id, Descriptor, Fence, FenceConfig, FenceError, Owner};
+pub use record::{Record, Refusal, State, Transition};

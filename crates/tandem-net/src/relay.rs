@@ -173,16 +173,25 @@ impl Relay {
     /// Writes every frame sealed with an epoch `<= epoch` to the outside, in order; returns
     /// how many were written (a frame the outside refuses is counted as dropped).
     pub fn release(&self, epoch: u64) -> Result<u64, RelayError> {
+        self.release_while(epoch, &|| true)
+    }
+
+    /// Like [`Relay::release`], but `allowed` is consulted (with the gate) right before each
+    /// frame is written: once it returns false, this frame and the rest stay held, in order.
+    /// The primary's session passes its acknowledgement's deadline here.
+    pub fn release_while(&self, epoch: u64, allowed: &dyn Fn() -> bool) -> Result<u64, RelayError> {
         let mut n = 0;
-        let gate = lock(&self.shared.gate).clone();
         let mut q = lock(&self.shared.queues);
+        // Fetched under the queue lock: once `set_gate` returns, no release runs with the
+        // gate it replaced.
+        let gate = lock(&self.shared.gate).clone();
         'epochs: while q.sealed.front().is_some_and(|(e, _)| *e <= epoch) {
             let Some((e, frames)) = q.sealed.pop_front() else {
                 break;
             };
             let mut frames = frames.into_iter();
             while let Some(f) = frames.next() {
-                if !self.shared.open_with(gate.as_ref()) {
+                if !self.shared.open_with(gate.as_ref()) || !allowed() {
                     // The gate closed: this frame and the rest stay held, in order.
                     let mut rest = vec![f];
                     rest.extend(frames);
@@ -224,9 +233,17 @@ impl Relay {
         Ok(())
     }
 
-    /// Installs the gate consulted before any guest frame leaves (`None`: always open).
+    /// Installs the gate consulted before any guest frame leaves (`None`: always open). It
+    /// waits for a release in progress: when it returns, every later frame sees the new gate.
     pub fn set_gate(&self, gate: Option<Gate>) {
+        let _q = lock(&self.shared.queues);
         *lock(&self.shared.gate) = gate;
+    }
+
+    /// Waits until no release is in progress (a release that starts later sees whatever its
+    /// caller's `allowed` says by then).
+    pub fn quiesce(&self) {
+        drop(lock(&self.shared.queues));
     }
 
     /// How many times a frame found the gate closed.

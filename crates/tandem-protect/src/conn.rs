@@ -17,6 +17,8 @@ use std::time::Duration;
 pub struct Conn {
     io: Io,
     tcp: TcpStream,
+    /// With TLS: the peer's end-entity certificate (already verified against the CA).
+    peer_cert: Option<rustls::pki_types::CertificateDer<'static>>,
 }
 
 enum Io {
@@ -30,11 +32,16 @@ impl Conn {
         Ok(Conn {
             io: Io::Plain(tcp.try_clone()?),
             tcp,
+            peer_cert: None,
         })
     }
 
     /// A TLS connection whose handshake completed: starts the pump.
     pub fn tls(tcp: TcpStream, tls: rustls::Connection) -> std::io::Result<Conn> {
+        let peer_cert = tls
+            .peer_certificates()
+            .and_then(|c| c.first())
+            .map(|c| c.clone().into_owned());
         let (mine, pumps) = UnixStream::pair()?;
         let t = tcp.try_clone()?;
         std::thread::Builder::new()
@@ -49,7 +56,16 @@ impl Conn {
         Ok(Conn {
             io: Io::Tls(mine),
             tcp,
+            peer_cert,
         })
+    }
+
+    /// Whether the peer's certificate may serve VM `vm_id` (`vm-ID.tandem.invalid` or
+    /// `*.tandem.invalid` among its names). A plain connection has none: false.
+    pub fn peer_valid_for_vm(&self, vm_id: u64) -> bool {
+        self.peer_cert
+            .as_ref()
+            .is_some_and(|c| crate::tls::valid_for_vm(c, vm_id))
     }
 
     /// Another handle on the same connection (one thread reads, another writes).
@@ -60,6 +76,7 @@ impl Conn {
                 Io::Tls(s) => Io::Tls(s.try_clone()?),
             },
             tcp: self.tcp.try_clone()?,
+            peer_cert: self.peer_cert.clone(),
         })
     }
 

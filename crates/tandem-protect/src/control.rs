@@ -1,6 +1,6 @@
 //! The daemons' control socket: a unix socket that reads one request line and answers with one
 //! JSON document, then closes. `status` (or nothing) gets the daemon's status (role, committed
-//! epoch, lag, lease remaining, link, last failover and why); `switchover` asks a primary for a
+//! epoch, lag, ownership generation in etcd, link, last failover and why); `switchover` asks a primary for a
 //! planned switchover (`tandem switchover`). `tandem status` reads every socket in the run
 //! directory.
 //!
@@ -238,8 +238,8 @@ pub fn describe(v: &serde_json::Value) -> String {
     if let Some(p) = f("peer").as_str() {
         line += &format!(" to {p}");
     }
-    if let Some(l) = f("lease_remaining_s").as_f64() {
-        line += &format!("; lease {l:.2} s left");
+    if let Some(g) = f("owner").get("generation").and_then(|g| g.as_u64()) {
+        line += &format!("; owner generation {g} in etcd");
     }
     match f("last_failover") {
         serde_json::Value::Null => {}

@@ -177,7 +177,8 @@ struct State {
     reconnects: u64,
     resyncs: u64,
     hold_dropped: u64,
-    lease: Option<tandem_fence::Holder>,
+    release_deferred: u64,
+    owner: Option<tandem_fence::Owner>,
     who: who::Who,
 }
 
@@ -206,7 +207,8 @@ impl Default for State {
             reconnects: 0,
             resyncs: 0,
             hold_dropped: 0,
-            lease: None,
+            release_deferred: 0,
+            owner: None,
             who: who::Who {
                 role: "primary",
                 started_ms: crate::unix_ms(),
@@ -265,9 +267,14 @@ impl Registry {
 
 /// Gauges and counters the daemon sets as its state changes.
 impl Registry {
-    /// The lease whose remaining right `tandem_lease_remaining_seconds` reports.
-    pub fn set_lease(&self, holder: Option<tandem_fence::Holder>) {
-        self.lock().lease = holder;
+    /// The ownership of the VM this node runs (`tandem_owner_generation`, `tandem_fenced`).
+    pub fn set_owner(&self, owner: Option<tandem_fence::Owner>) {
+        self.lock().owner = owner;
+    }
+
+    /// An acknowledgement came after its deadline: its output waits for the next one.
+    pub fn inc_release_deferred(&self) {
+        self.lock().release_deferred += 1;
     }
 
     /// Whether the replication link to the backup is up.
@@ -361,6 +368,8 @@ impl Registry {
                 "Guest network frames released after their epoch was acknowledged."),
             ("tandem_hold_dropped_frames_total", c, s.hold_dropped.to_string(),
                 "Guest network frames dropped because the hold queue was full."),
+            ("tandem_release_deferred_total", c, s.release_deferred.to_string(),
+                "Acknowledgements that arrived after the backup's promise ran out: their output waited for the next one."),
             ("tandem_link_up", g, b(s.link_up), "1 while the replication link to the backup is up."),
             ("tandem_protected", g, b(s.protected),
                 "1 while the guest is protected (output held for a backup that can fail over)."),
@@ -389,16 +398,13 @@ impl Registry {
             let v = s.last.level.to_string();
             family(&mut o, "tandem_zstd_level", g, help, &[(String::new(), v)]);
         }
-        if let Some(h) = &s.lease {
-            let v = format!("{:.3}", h.remaining().as_secs_f64());
-            let help = "Time this node may still let guest output out under its etcd lease.";
-            family(
-                &mut o,
-                "tandem_lease_remaining_seconds",
-                "gauge",
-                help,
-                &[(String::new(), v)],
-            );
+        if let Some(h) = &s.owner {
+            let help = "Generation of the VM's ownership record in etcd that this node runs.";
+            let v = h.generation().to_string();
+            family(&mut o, "tandem_owner_generation", g, help, &[(String::new(), v)]);
+            let help = "1 once this node learned that another node owns the VM (its copy stops).";
+            let v = b(h.is_fenced());
+            family(&mut o, "tandem_fenced", g, help, &[(String::new(), v)]);
         }
         if let Some(u) = &s.who.memory {
             let page = tandem_consolidate::PAGE as f64;

@@ -96,7 +96,7 @@ pub fn run(start: Start, cfg: NodeConfig, status: Status) -> Result<(), NodeErro
                 // is an old copy: it is told that the guest runs here (after a resume), or
                 // turned away (a guest booted here).
                 let fenced = match &run_as_primary {
-                    Next::Protect(r) => Some((vm_id, r.epoch)),
+                    Next::Protect(r) => Some((vm_id, r.epoch, r.session)),
                     _ => None,
                 };
                 let done = AtomicBool::new(false);

@@ -446,12 +446,24 @@ impl Relays {
         }
     }
 
-    /// Releases output up to epoch `epoch` on every relay; the frames released so far.
-    pub fn release(&self, epoch: u64) -> Result<u64, tandem_net::RelayError> {
+    /// Releases output up to epoch `epoch` on every relay while `allowed` says so (checked
+    /// before each frame); the frames released so far.
+    pub fn release_while(
+        &self,
+        epoch: u64,
+        allowed: &dyn Fn() -> bool,
+    ) -> Result<u64, tandem_net::RelayError> {
         for r in &self.0 {
-            r.release(epoch)?;
+            r.release_while(epoch, allowed)?;
         }
         Ok(self.stats().released_frames)
+    }
+
+    /// Waits until no release is in progress on any relay.
+    pub fn quiesce(&self) {
+        for r in &self.0 {
+            r.quiesce();
+        }
     }
 
     /// Drops every held frame (this copy of the guest will never run again).

@@ -1,7 +1,9 @@
 //! Mutual TLS on the replication link (rustls, ring): the backup accepts only primaries whose
 //! certificate chains to the configured CA, the primary accepts only a backup whose
-//! certificate chains to it and names the address it dialled. `tandem keys` makes a lab CA
-//! and the two certificates; operators pass their own PKI's files instead.
+//! certificate chains to it and names the address it dialled. Both must name the VM too:
+//! `vm-ID.tandem.invalid` (or `*.tandem.invalid` for every VM) among the certificate's DNS
+//! names, so that a certificate of the CA serves only the VMs it was issued for. `tandem keys`
+//! makes a lab CA and the two certificates; operators pass their own PKI's files instead.
 
 use std::net::TcpStream;
 use std::path::{Path, PathBuf};
@@ -118,6 +120,25 @@ pub fn client_config(f: &TlsFiles) -> Result<Arc<ClientConfig>, TlsError> {
     Ok(Arc::new(c))
 }
 
+/// The DNS name a certificate carries to serve VM `vm_id` on the replication link.
+pub fn vm_name(vm_id: u64) -> String {
+    format!("vm-{vm_id}.tandem.invalid")
+}
+
+/// The DNS name a certificate carries to serve every VM.
+pub const ANY_VM: &str = "*.tandem.invalid";
+
+/// Whether `cert` names VM `vm_id` ([`vm_name`], or [`ANY_VM`]).
+pub fn valid_for_vm(cert: &CertificateDer<'_>, vm_id: u64) -> bool {
+    let Ok(parsed) = rustls::server::ParsedCertificate::try_from(cert) else {
+        return false;
+    };
+    let Ok(name) = ServerName::try_from(vm_name(vm_id)) else {
+        return false;
+    };
+    rustls::client::verify_server_name(&parsed, &name).is_ok()
+}
+
 /// The name the primary expects in the backup's certificate: `name`, or the host part of
 /// `addr` (`host:port`).
 pub fn server_name(addr: &str, name: Option<&str>) -> Result<ServerName<'static>, TlsError> {
@@ -214,8 +235,13 @@ pub fn connect(
 }
 
 /// Writes a lab CA (`ca.pem`; its key is not kept) and certificates for `primary` and
-/// `backup` valid for `sans` (DNS names or IP addresses) into `dir`.
-pub fn generate(dir: &Path, sans: &[String]) -> Result<Vec<PathBuf>, TlsError> {
+/// `backup` valid for `sans` (DNS names or IP addresses) and for the VMs `vms` (`None`: every
+/// VM) into `dir`.
+pub fn generate(
+    dir: &Path,
+    sans: &[String],
+    vms: Option<&[u64]>,
+) -> Result<Vec<PathBuf>, TlsError> {
     use rcgen::{
         BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, KeyPair,
     };
@@ -243,8 +269,13 @@ pub fn generate(dir: &Path, sans: &[String]) -> Result<Vec<PathBuf>, TlsError> {
         Ok(())
     };
     write("ca.pem", ca_cert.pem(), 0o644)?;
+    let mut names = sans.to_vec();
+    match vms {
+        None => names.push(ANY_VM.to_string()),
+        Some(ids) => names.extend(ids.iter().map(|&id| vm_name(id))),
+    }
     for role in ["primary", "backup"] {
-        let mut p = CertificateParams::new(sans.to_vec()).map_err(k)?;
+        let mut p = CertificateParams::new(names.clone()).map_err(k)?;
         p.distinguished_name
             .push(DnType::CommonName, format!("tandem {role}"));
         p.extended_key_usages = vec![

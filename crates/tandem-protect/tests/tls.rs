@@ -1,6 +1,7 @@
 //! Mutual TLS on loopback sockets: keys from `tls::generate`, a handshake each way, a few MiB
 //! through the pump in both directions, EOF; a peer from another CA, a client without a
-//! certificate and a silent client are refused within the deadline.
+//! certificate and a silent client are refused within the deadline; a certificate names the
+//! VMs it may serve.
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -9,7 +10,7 @@ use std::time::{Duration, Instant};
 use tandem_protect::tls::{self, TlsFiles};
 
 fn pair(dir: &std::path::Path) -> (TlsFiles, TlsFiles) {
-    tls::generate(dir, &["127.0.0.1".into(), "localhost".into()]).unwrap();
+    tls::generate(dir, &["127.0.0.1".into(), "localhost".into()], None).unwrap();
     (
         TlsFiles::in_dir(dir, "primary"),
         TlsFiles::in_dir(dir, "backup"),
@@ -37,6 +38,7 @@ fn mutual_tls_carries_data_both_ways() {
     let tcp = TcpStream::connect(&addr).unwrap();
     let mut c = tls::connect(tcp, &client, name, Duration::from_secs(5)).unwrap();
     assert!(c.is_tls());
+    assert!(c.peer_valid_for_vm(1) && c.peer_valid_for_vm(u64::MAX));
     let data: Vec<u8> = (0..(3 << 20)).map(|i| (i * 7 % 251) as u8).collect();
     let mut w = c.try_clone().unwrap();
     w.write_all(&data).unwrap();
@@ -113,4 +115,18 @@ fn missing_or_empty_pem_files_are_named() {
     std::fs::write(dir.path().join("ca.pem"), "not pem").unwrap();
     let e = tls::client_config(&f).err().unwrap().to_string();
     assert!(e.contains("ca.pem") && e.contains("no certificate"), "{e}");
+}
+
+#[test]
+fn a_certificate_serves_only_the_vms_it_names() {
+    // Finding 8: with TLS, any certificate of the CA could claim any VM id.
+    let dir = tempfile::tempdir().unwrap();
+    tls::generate(dir.path(), &["127.0.0.1".into()], Some(&[3, 5])).unwrap();
+    let pem = std::fs::read(dir.path().join("primary.pem")).unwrap();
+    use rustls::pki_types::pem::PemObject;
+    let cert = rustls::pki_types::CertificateDer::from_pem_slice(&pem).unwrap();
+    assert!(tls::valid_for_vm(&cert, 3));
+    assert!(tls::valid_for_vm(&cert, 5));
+    assert!(!tls::valid_for_vm(&cert, 4));
+    assert!(!tls::valid_for_vm(&cert, 35));
 }

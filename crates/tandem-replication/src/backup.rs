@@ -12,7 +12,7 @@ use tandem_codec::{decode, DecodeError, Plan};
 use tandem_consolidate::{Pool, Replica, Usage};
 
 use crate::disk::{apply_all, DiskApplyError, DiskCopy};
-use crate::wire::{heartbeat_progress, section, sections, Frame, Hello, Kind};
+use crate::wire::{heartbeat_progress, section, sections, Fencing, Frame, Hello, Kind};
 
 /// Why the backup refused a frame. The mirror, the disk copy and the committed epoch are
 /// unchanged (except for [`ApplyError::DiskInconsistent`], after which the backup can no
@@ -41,6 +41,9 @@ pub enum ApplyError {
     /// Guest geometry does not match the mirror.
     #[error("guest geometry mismatch: {0}")]
     Geometry(String),
+    /// The primary fences otherwise than this backup.
+    #[error("fencing mismatch: {0}")]
+    Fencing(String),
     /// Structure is wrong.
     #[error("malformed {0}")]
     Malformed(String),
@@ -93,6 +96,7 @@ pub struct Backup<M> {
     device_state: Vec<u8>,
     plan: Plan,
     session: u64,
+    fencing: Fencing,
     consolidated: Option<Consolidated>,
 }
 
@@ -130,8 +134,15 @@ impl<M: AsRef<[u8]> + AsMut<[u8]>> Backup<M> {
             device_state: Vec::new(),
             plan: Plan::default(),
             session: 0,
+            fencing: Fencing::None,
             consolidated: None,
         }
+    }
+
+    /// How this backup fences: a hello of a primary that fences otherwise is refused
+    /// before anything changes (default: no fencing).
+    pub fn set_fencing(&mut self, fencing: Fencing) {
+        self.fencing = fencing;
     }
 
     /// Consolidates the mirror's cold pages into `pool` (shared with the host's other
@@ -263,7 +274,7 @@ impl<M: AsRef<[u8]> + AsMut<[u8]>> Backup<M> {
                 }
                 Ok(Applied::Handover(f.seq))
             }
-            Kind::Ack | Kind::Fenced => Err(ApplyError::Malformed(format!(
+            Kind::Ack | Kind::Fenced | Kind::Refused => Err(ApplyError::Malformed(format!(
                 "{:?} frame sent to a backup",
                 f.kind
             ))),
@@ -287,8 +298,17 @@ impl<M: AsRef<[u8]> + AsMut<[u8]>> Backup<M> {
                 self.disk_size()
             )));
         }
+        if let Some(why) = self.fencing.mismatch(&h.fencing) {
+            return Err(ApplyError::Fencing(why));
+        }
         // A new initial copy follows; it sends only non-zero pages and disk chunks, so start
-        // again from zeros. Until its first epoch commits there is nothing to resume.
+        // again from zeros. Until its first epoch commits there is nothing to resume — and
+        // from the first byte changed on there is nothing consistent, even if zeroing fails
+        // half way (a failed disk zeroing must not leave a mirror of zeros marked
+        // consistent).
+        self.consistent = false;
+        self.session = 0;
+        self.device_state.clear();
         if let Some(c) = &mut self.consolidated {
             // Forget the old copy's pool pages and give its memory back: zeros, for free.
             c.replica.forget(&mut lock(&c.pool));

@@ -15,7 +15,7 @@ pub mod wire;
 pub use backup::{Applied, ApplyError, Backup};
 pub use disk::{DiskCopy, FileDisk};
 pub use primary::{AckError, Acks, EpochInput, EpochSizes, Primary, PrimaryError, Reply};
-pub use wire::{Frame, Hello, Kind, WireError};
+pub use wire::{Fencing, Frame, Hello, Kind, WireError};
 
 /// The hello payload for a guest of `mem_bytes` with a data disk of `disk_bytes` (0 = none),
 /// whose initial copy belongs to epoch 0.
@@ -26,6 +26,7 @@ pub fn hello_payload(mem_bytes: u64, disk_bytes: u64) -> Vec<u8> {
         disk_bytes,
         start_epoch: 0,
         session: 0,
+        fencing: wire::Fencing::None,
     }
     .encode()
 }

@@ -8,7 +8,10 @@ use std::time::{Duration, Instant};
 use tandem_codec::{Codec, Config, EncodeError, Encoder};
 
 use crate::devstate::encode_delta_into;
-use crate::wire::{ack_can_fail_over, epoch_payload, section, Frame, Hello, Kind, HEADER_LEN};
+use crate::wire::{
+    ack_can_fail_over, ack_promise, epoch_payload, fenced_session, section, Fencing, Frame, Hello,
+    Kind, HEADER_LEN,
+};
 use crate::{base_payload, MAX_EPOCH_PAYLOAD};
 
 /// Why an epoch could not be assembled.
@@ -63,7 +66,7 @@ pub enum AckError {
 }
 
 /// What the backup told the primary.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Reply {
     /// Epochs up to `seq` are committed; release their output.
     Acked {
@@ -73,9 +76,20 @@ pub enum Reply {
         epochs: usize,
         /// The backup can resume the guest from it.
         can_fail_over: bool,
+        /// The backup takes over no sooner than this long after the last bytes it received
+        /// (`None`: an earlier backup that makes no promise).
+        promise: Option<Duration>,
     },
-    /// The guest runs on the backup since `seq`: stop this copy without releasing anything.
-    Fenced(u64),
+    /// The guest runs on the backup since `epoch`, which took over `session` (`None`: it
+    /// does not say): stop this copy without releasing anything, once believed.
+    Fenced {
+        /// The epoch it resumed from.
+        epoch: u64,
+        /// The session it says it took over.
+        session: Option<u64>,
+    },
+    /// The backup refused the session.
+    Refused(String),
     /// A heartbeat.
     Heartbeat,
 }
@@ -172,9 +186,16 @@ impl Acks {
                     seq: f.seq,
                     epochs: n,
                     can_fail_over: self.can_fail_over,
+                    promise: ack_promise(f),
                 })
             }
-            Kind::Fenced => Ok(Reply::Fenced(f.seq)),
+            Kind::Fenced => Ok(Reply::Fenced {
+                epoch: f.seq,
+                session: fenced_session(f),
+            }),
+            Kind::Refused => Ok(Reply::Refused(
+                String::from_utf8_lossy(&f.payload).into_owned(),
+            )),
             Kind::Heartbeat => Ok(Reply::Heartbeat),
             k => Err(AckError::Unexpected(k)),
         }
@@ -221,6 +242,7 @@ pub struct Primary {
     dev_delta: Vec<u8>,
     rec: Vec<u8>,
     session: u64,
+    fencing: Fencing,
 }
 
 impl Primary {
@@ -235,6 +257,7 @@ impl Primary {
             dev_delta: Vec::new(),
             rec: Vec::new(),
             session: 0,
+            fencing: Fencing::None,
         }
     }
 
@@ -259,9 +282,20 @@ impl Primary {
         }
     }
 
-    /// Sets the id the next hello carries (fencing records it in etcd as the replica).
+    /// Sets the id the next hello carries (fencing records it in etcd as the session whose
+    /// backup may take over).
     pub fn set_session(&mut self, session: u64) {
         self.session = session;
+    }
+
+    /// The session of the last hello.
+    pub fn session(&self) -> u64 {
+        self.session
+    }
+
+    /// How this primary fences (its hellos say it; default: no fencing).
+    pub fn set_fencing(&mut self, fencing: Fencing) {
+        self.fencing = fencing;
     }
 
     /// Starts a session whose initial copy is `ram` (and the disk the caller sends) at epoch
@@ -280,6 +314,7 @@ impl Primary {
             disk_bytes,
             start_epoch: start,
             session: self.session,
+            fencing: self.fencing,
         };
         Ok(self.frame(Kind::Hello, 0, hello.encode()))
     }

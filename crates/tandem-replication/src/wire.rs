@@ -11,13 +11,18 @@
 //! kinds: 1 hello (payload: mem_bytes u64, page_size u32, disk_bytes u64
 //!                 [, start_epoch u64 — the epoch the initial copy belongs to; absent = 0
 //!                 [, session u64 — random id of this replication session, which the primary
-//!                    records in etcd as the replica that may take over; absent = 0]])
+//!                    records in etcd as the one whose backup may take over; absent = 0
+//!                 [, fencing u8 (0 none, 1 etcd), etcd cluster id u64, hash of the VM's
+//!                    ownership key u64 — both daemons must fence the same way; absent:
+//!                    an older primary that does not say]]])
 //!        2 base chunk (payload: first_pfn u64 + pages) — initial copy of guest memory
 //!        3 epoch (payload: sections, each kind u8 + len u32 + bytes:
 //!                 1 memory record (tandem-codec), 2 device state, 3 disk writes,
 //!                 4 device state as a delta against the previous epoch's)
 //!        4 ack (backup → primary, seq = committed epoch
-//!               [, payload flags u8: bit 0 = the backup can fail over to it])
+//!               [, payload flags u8: bit 0 = the backup can fail over to it
+//!               [, promise_ms u32: the backup takes over no sooner than this long after the
+//!                  last bytes it received from the primary]])
 //!        5 heartbeat (primary → backup [, payload progress u64: epochs the primary's loop
 //!               has completed, so a primary whose loop is stuck does not look alive])
 //!        6 disk base chunk (payload: offset u64 + bytes) — initial copy of the data disk
@@ -25,7 +30,10 @@
 //!        8 handover (primary → backup: the guest stopped for good after epoch seq; resume it
 //!               now — a planned switch or a primary that is shutting down)
 //!        9 fenced (backup → primary: the guest already runs on the backup since epoch seq;
-//!               the primary must stop its copy without releasing anything)
+//!               the primary must stop its copy without releasing anything
+//!               [, payload session u64: the session the backup took over, which the primary
+//!                  checks against its own before believing it])
+//!       10 refused (backup → primary: the session is refused, payload: why, UTF-8 ≤ 1 KiB)
 //! ```
 //! `seq` numbers epochs from 1 and keeps counting across sessions (a primary that reconnects
 //! sends a new hello whose start epoch is its current epoch, then a new initial copy); base
@@ -33,6 +41,7 @@
 //! before returning a frame; a writer refuses a payload over the limit.
 
 use std::io::{Read, Write};
+use std::time::Duration;
 
 use tandem_types::framing::{crc32c, has_magic, u16_at, u32_at, u64_at};
 
@@ -66,6 +75,8 @@ pub enum Kind {
     Handover = 8,
     /// The backup runs the guest (it failed over): the primary must stop its copy.
     Fenced = 9,
+    /// The backup refuses the session (why, in the payload).
+    Refused = 10,
 }
 
 impl Kind {
@@ -80,6 +91,7 @@ impl Kind {
             7 => Kind::Bye,
             8 => Kind::Handover,
             9 => Kind::Fenced,
+            10 => Kind::Refused,
             _ => return None,
         })
     }
@@ -133,6 +145,14 @@ pub enum WireError {
 impl Frame {
     /// Serialises the frame; a payload over [`MAX_PAYLOAD`] is refused (`InvalidInput`).
     pub fn write_to(&self, w: &mut impl Write) -> std::io::Result<()> {
+        let h = self.header()?;
+        w.write_all(&h)?;
+        w.write_all(&self.payload)
+    }
+
+    /// The frame's header (its checksum covers the payload); a payload over
+    /// [`MAX_PAYLOAD`] is refused (`InvalidInput`).
+    pub fn header(&self) -> std::io::Result<[u8; HEADER_LEN]> {
         if self.payload.len() > MAX_PAYLOAD as usize {
             return Err(std::io::Error::new(
                 std::io::ErrorKind::InvalidInput,
@@ -152,8 +172,7 @@ impl Frame {
         h[24..28].copy_from_slice(&(self.payload.len() as u32).to_le_bytes());
         let crc = crc32c(&[&h[..28], &self.payload]);
         h[28..32].copy_from_slice(&crc.to_le_bytes());
-        w.write_all(&h)?;
-        w.write_all(&self.payload)
+        Ok(h)
     }
 
     /// Reads one frame; `Ok(None)` on a clean end of stream before a header.
@@ -229,7 +248,56 @@ pub fn sections(p: &[u8]) -> Option<Vec<(u8, &[u8])>> {
     Some(out)
 }
 
-/// The hello payload: guest geometry and the epoch the following initial copy belongs to.
+/// How a daemon fences, as its hello says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fencing {
+    /// An older primary that does not say.
+    Unstated,
+    /// No fencing: the backup cannot tell a partition from a dead primary.
+    None,
+    /// An ownership record in an etcd cluster.
+    Etcd {
+        /// etcd's cluster id (0: the daemon could not ask it yet).
+        cluster_id: u64,
+        /// Hash of the record's key (prefix and VM id).
+        key_hash: u64,
+    },
+}
+
+impl Fencing {
+    /// Why a backup fencing as `self` must refuse a primary fencing as `primary` (`None`: they
+    /// agree). A cluster id of 0 (not known yet) matches any.
+    pub fn mismatch(&self, primary: &Fencing) -> Option<String> {
+        match (self, primary) {
+            (Fencing::None, Fencing::None | Fencing::Unstated) => None,
+            (Fencing::Etcd { .. }, Fencing::Unstated) => Some(
+                "the primary does not say how it fences (an older tandem); this backup fences with etcd: upgrade the primary".into(),
+            ),
+            (Fencing::Etcd { .. }, Fencing::None) => Some(
+                "the primary runs without --etcd, this backup fences with etcd: give both daemons the same --etcd (a backup that fences alone could take over while the primary runs on)".into(),
+            ),
+            (Fencing::None | Fencing::Unstated, Fencing::Etcd { .. }) => Some(
+                "the primary fences with etcd, this backup runs without --etcd: give both daemons the same --etcd (else both could let output out after a partition)".into(),
+            ),
+            (
+                Fencing::Etcd { cluster_id: a, key_hash: ka },
+                Fencing::Etcd { cluster_id: b, key_hash: kb },
+            ) => {
+                if ka != kb {
+                    Some("the primary's ownership record in etcd is another key than this backup's: give both daemons the same --etcd-prefix and --vm-id".into())
+                } else if *a != 0 && *b != 0 && a != b {
+                    Some(format!("the primary fences in etcd cluster {b:x}, this backup in cluster {a:x}: give both daemons the same --etcd"))
+                } else {
+                    None
+                }
+            }
+            (Fencing::Unstated, Fencing::None | Fencing::Unstated) => None,
+        }
+    }
+}
+
+/// The hello payload: guest geometry, the epoch the following initial copy belongs to, the
+/// session and how the primary fences.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Hello {
     /// Guest RAM in bytes.
@@ -240,28 +308,50 @@ pub struct Hello {
     pub disk_bytes: u64,
     /// Epoch number of the initial copy: the first epoch of the session is `start_epoch + 1`.
     pub start_epoch: u64,
-    /// Random id of the session (0: none; fencing records it as the eligible replica).
+    /// Random id of the session (0: none; fencing records it as the one whose backup may
+    /// take over).
     pub session: u64,
+    /// How the primary fences.
+    pub fencing: Fencing,
 }
 
 impl Hello {
-    /// Serialises (36 bytes; the 20- and 28-byte forms of earlier primaries lack the start
-    /// epoch and the session).
+    /// Serialises (53 bytes; the 20-, 28- and 36-byte forms of earlier primaries lack the
+    /// start epoch, the session and the fencing).
     pub fn encode(&self) -> Vec<u8> {
-        let mut p = Vec::with_capacity(36);
+        let mut p = Vec::with_capacity(53);
         p.extend_from_slice(&self.mem_bytes.to_le_bytes());
         p.extend_from_slice(&self.page_size.to_le_bytes());
         p.extend_from_slice(&self.disk_bytes.to_le_bytes());
         p.extend_from_slice(&self.start_epoch.to_le_bytes());
         p.extend_from_slice(&self.session.to_le_bytes());
+        let (kind, id, key) = match self.fencing {
+            Fencing::Unstated | Fencing::None => (0u8, 0, 0),
+            Fencing::Etcd {
+                cluster_id,
+                key_hash,
+            } => (1, cluster_id, key_hash),
+        };
+        p.push(kind);
+        p.extend_from_slice(&id.to_le_bytes());
+        p.extend_from_slice(&key.to_le_bytes());
         p
     }
 
-    /// Parses a hello payload; `None` if it has neither known length.
+    /// Parses a hello payload; `None` if it has no known length or an unknown fencing kind.
     pub fn parse(p: &[u8]) -> Option<Hello> {
-        if ![20, 28, 36].contains(&p.len()) {
+        if ![20, 28, 36, 53].contains(&p.len()) {
             return None;
         }
+        let fencing = match p.get(36) {
+            None => Fencing::Unstated,
+            Some(0) => Fencing::None,
+            Some(1) => Fencing::Etcd {
+                cluster_id: u64_at(p, 37),
+                key_hash: u64_at(p, 45),
+            },
+            Some(_) => return None,
+        };
         Some(Hello {
             mem_bytes: u64_at(p, 0),
             page_size: u32_at(p, 8),
@@ -269,6 +359,7 @@ impl Hello {
             // Absent in the 20-byte form: reads as 0.
             start_epoch: u64_at(p, 20),
             session: u64_at(p, 28),
+            fencing,
         })
     }
 }
@@ -277,13 +368,17 @@ impl Hello {
 /// is alive and its copies are consistent).
 pub const ACK_CAN_FAIL_OVER: u8 = 1;
 
-/// An acknowledgement of `seq` with the backup's status.
-pub fn ack_frame(vm_id: u64, seq: u64, can_fail_over: bool) -> Frame {
+/// An acknowledgement of `seq` with the backup's status and its promise: it takes over no
+/// sooner than `promise` after the last bytes it received from the primary.
+pub fn ack_frame(vm_id: u64, seq: u64, can_fail_over: bool, promise: Duration) -> Frame {
+    let mut payload = vec![if can_fail_over { ACK_CAN_FAIL_OVER } else { 0 }];
+    let ms = promise.as_millis().min(u32::MAX as u128) as u32;
+    payload.extend_from_slice(&ms.to_le_bytes());
     Frame {
         kind: Kind::Ack,
         vm_id,
         seq,
-        payload: vec![if can_fail_over { ACK_CAN_FAIL_OVER } else { 0 }],
+        payload,
     }
 }
 
@@ -291,6 +386,43 @@ pub fn ack_frame(vm_id: u64, seq: u64, can_fail_over: bool) -> Frame {
 /// says nothing and counts as yes).
 pub fn ack_can_fail_over(f: &Frame) -> bool {
     f.payload.first().is_none_or(|b| b & ACK_CAN_FAIL_OVER != 0)
+}
+
+/// The backup's promise in an ack (`None`: an earlier backup that makes none).
+pub fn ack_promise(f: &Frame) -> Option<Duration> {
+    (f.payload.len() >= 5).then(|| Duration::from_millis(u64::from(u32_at(&f.payload, 1))))
+}
+
+/// The backup runs the guest since `epoch`, having taken over session `session`.
+pub fn fenced_frame(vm_id: u64, epoch: u64, session: u64) -> Frame {
+    Frame {
+        kind: Kind::Fenced,
+        vm_id,
+        seq: epoch,
+        payload: session.to_le_bytes().to_vec(),
+    }
+}
+
+/// The session a `fenced` frame says the backup took over (`None`: it does not say).
+pub fn fenced_session(f: &Frame) -> Option<u64> {
+    (f.payload.len() >= 8).then(|| u64_at(&f.payload, 0))
+}
+
+/// Longest reason a `refused` frame carries.
+pub const MAX_REFUSAL: usize = 1024;
+
+/// The backup refuses the session, saying why (shortened to [`MAX_REFUSAL`] bytes).
+pub fn refused_frame(vm_id: u64, why: &str) -> Frame {
+    let mut end = why.len().min(MAX_REFUSAL);
+    while !why.is_char_boundary(end) {
+        end -= 1;
+    }
+    Frame {
+        kind: Kind::Refused,
+        vm_id,
+        seq: 0,
+        payload: why.as_bytes()[..end].to_vec(),
+    }
 }
 
 /// A heartbeat carrying the primary's progress (epochs its loop has completed).
@@ -320,6 +452,10 @@ mod tests {
             disk_bytes: 1 << 26,
             start_epoch: 77,
             session: 0xfeed,
+            fencing: Fencing::Etcd {
+                cluster_id: 1,
+                key_hash: 2,
+            },
         };
         assert_eq!(Hello::parse(&h.encode()), Some(h));
         let short = &h.encode()[..20];
@@ -328,13 +464,33 @@ mod tests {
             Some(Hello {
                 start_epoch: 0,
                 session: 0,
+                fencing: Fencing::Unstated,
                 ..h
             })
         );
         assert_eq!(
             Hello::parse(&h.encode()[..28]),
-            Some(Hello { session: 0, ..h })
+            Some(Hello {
+                session: 0,
+                fencing: Fencing::Unstated,
+                ..h
+            })
         );
+        assert_eq!(
+            Hello::parse(&h.encode()[..36]),
+            Some(Hello {
+                fencing: Fencing::Unstated,
+                ..h
+            })
+        );
+        let none = Hello {
+            fencing: Fencing::None,
+            ..h
+        };
+        assert_eq!(Hello::parse(&none.encode()), Some(none));
+        let mut bad = h.encode();
+        bad[36] = 2;
+        assert_eq!(Hello::parse(&bad), None);
         assert_eq!(Hello::parse(&[0; 21]), None);
     }
 
@@ -360,16 +516,63 @@ mod tests {
     }
 
     #[test]
+    fn both_daemons_must_fence_the_same_way() {
+        let etcd = |c, k| Fencing::Etcd {
+            cluster_id: c,
+            key_hash: k,
+        };
+        assert_eq!(Fencing::None.mismatch(&Fencing::None), None);
+        assert_eq!(Fencing::None.mismatch(&Fencing::Unstated), None);
+        assert_eq!(etcd(1, 2).mismatch(&etcd(1, 2)), None);
+        assert_eq!(etcd(0, 2).mismatch(&etcd(1, 2)), None);
+        for (b, p) in [
+            (Fencing::None, etcd(1, 2)),
+            (etcd(1, 2), Fencing::None),
+            (etcd(1, 2), Fencing::Unstated),
+            (etcd(1, 2), etcd(1, 3)),
+            (etcd(1, 2), etcd(4, 2)),
+        ] {
+            let why = b.mismatch(&p).unwrap();
+            assert!(why.contains("--etcd") || why.contains("upgrade"), "{why}");
+        }
+    }
+
+    #[test]
+    fn ack_fenced_and_refused_payloads() {
+        let a = ack_frame(1, 2, true, Duration::from_millis(500));
+        assert!(ack_can_fail_over(&a));
+        assert_eq!(ack_promise(&a), Some(Duration::from_millis(500)));
+        assert!(!ack_can_fail_over(&ack_frame(1, 2, false, Duration::ZERO)));
+        let old = Frame {
+            payload: vec![1],
+            ..a.clone()
+        };
+        assert_eq!(ack_promise(&old), None);
+        assert_eq!(fenced_session(&fenced_frame(1, 9, 0xab)), Some(0xab));
+        assert_eq!(
+            fenced_session(&Frame {
+                payload: vec![],
+                ..fenced_frame(1, 9, 0xab)
+            }),
+            None
+        );
+        let long = "é".repeat(MAX_REFUSAL);
+        let r = refused_frame(1, &long);
+        assert!(r.payload.len() <= MAX_REFUSAL);
+        assert!(std::str::from_utf8(&r.payload).is_ok());
+    }
+
+    #[test]
     fn ack_and_heartbeat_payloads() {
-        assert!(ack_can_fail_over(&ack_frame(1, 2, true)));
-        assert!(!ack_can_fail_over(&ack_frame(1, 2, false)));
+        assert!(ack_can_fail_over(&ack_frame(1, 2, true, Duration::ZERO)));
+        assert!(!ack_can_fail_over(&ack_frame(1, 2, false, Duration::ZERO)));
         assert_eq!(heartbeat_progress(&heartbeat_frame(1, 42)), Some(42));
         let mut old = heartbeat_frame(1, 0);
         old.payload.clear();
         assert_eq!(heartbeat_progress(&old), None);
         assert!(ack_can_fail_over(&Frame {
             payload: vec![],
-            ..ack_frame(1, 2, false)
+            ..ack_frame(1, 2, false, Duration::ZERO)
         }));
     }
 }

@@ -1,12 +1,14 @@
 //! Sessions built with the library's `Primary` (the same code the daemon runs) and applied by
 //! `Backup`: epochs with disk writes, a re-sync after a lost link, ack validation, handover
-//! and bye, and an epoch whose disk write fails half-way.
+//! and bye, an epoch whose disk write fails half-way, a hello whose disk zeroing fails and
+//! hellos of a primary that fences otherwise.
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use tandem_codec::{Codec, Config};
 use tandem_replication::{
-    AckError, Acks, Applied, ApplyError, Backup, DiskCopy, EpochInput, Frame, Kind, Primary, Reply,
+    AckError, Acks, Applied, ApplyError, Backup, DiskCopy, EpochInput, Fencing, Frame, Kind, Primary,
+    Reply,
 };
 
 const P: usize = 4096;
@@ -142,7 +144,7 @@ fn acks_are_validated() {
     let mut acks = Acks::new(VM, 10);
     let mut lat = Vec::new();
     let ack = |vm, seq, ok| {
-        let mut f = tandem_replication::wire::ack_frame(vm, seq, ok);
+        let mut f = tandem_replication::wire::ack_frame(vm, seq, ok, Duration::from_millis(300));
         f.vm_id = vm;
         f
     };
@@ -161,7 +163,8 @@ fn acks_are_validated() {
         Ok(Reply::Acked {
             seq: 12,
             epochs: 2,
-            can_fail_over: false
+            can_fail_over: false,
+            promise: Some(Duration::from_millis(300)),
         })
     );
     assert_eq!(lat.len(), 2);
@@ -177,7 +180,24 @@ fn acks_are_validated() {
         seq: 9,
         payload: vec![],
     };
-    assert_eq!(acks.on_frame(&fenced, &mut lat), Ok(Reply::Fenced(9)));
+    assert_eq!(
+        acks.on_frame(&fenced, &mut lat),
+        Ok(Reply::Fenced {
+            epoch: 9,
+            session: None
+        })
+    );
+    assert_eq!(
+        acks.on_frame(&tandem_replication::wire::fenced_frame(VM, 9, 7), &mut lat),
+        Ok(Reply::Fenced {
+            epoch: 9,
+            session: Some(7)
+        })
+    );
+    assert_eq!(
+        acks.on_frame(&tandem_replication::wire::refused_frame(VM, "no"), &mut lat),
+        Ok(Reply::Refused("no".into()))
+    );
     let epoch = Frame {
         kind: Kind::Epoch,
         ..fenced
@@ -233,8 +253,80 @@ impl DiskCopy for Full {
         self.d.write_at(o, data)
     }
     fn zero(&mut self) -> std::io::Result<()> {
+        if self.budget == 0 {
+            return Err(std::io::Error::from_raw_os_error(28));
+        }
         self.d.zero()
     }
+}
+
+#[test]
+fn a_hello_that_fails_after_zeroing_leaves_nothing_to_fail_over_to() {
+    // Finding 5: the mirror was zeroed, then zeroing the disk copy failed (ENOSPC) and the
+    // backup stayed marked consistent: a later failover would resume a guest of zeros.
+    let mut g = Guest::new();
+    let mut p = Primary::new(VM, Codec::Tandem, Config::default());
+    let mut bk = Backup::new(vec![0u8; PAGES * P]).with_disk(Box::new(Full {
+        d: vec![0u8; DISK],
+        budget: usize::MAX - 1,
+    }));
+    p.set_session(5);
+    apply(&mut bk, &session_start(&mut p, &g, 0));
+    bk.handle(&epoch_frame(&mut p, &mut g, 1)).unwrap();
+    assert!(bk.consistent());
+    assert_eq!(bk.session(), 5);
+    // The disk copy can write no more, not even zeros.
+    let mut bk = {
+        let mut failing = Backup::new(vec![0u8; PAGES * P]).with_disk(Box::new(Full {
+            d: vec![0u8; DISK],
+            budget: 16 + 3,
+        }));
+        apply(&mut failing, &session_start(&mut p, &g, 1));
+        failing.handle(&epoch_frame(&mut p, &mut g, 2)).unwrap();
+        assert!(failing.consistent());
+        failing
+    };
+    p.set_session(6);
+    let hello = p.begin(2, &g.mem, DISK as u64).unwrap();
+    assert!(matches!(bk.handle(&hello), Err(ApplyError::DiskIo(_))));
+    assert!(!bk.consistent(), "a half-zeroed copy must not be resumed");
+    assert_eq!(bk.session(), 0, "nor taken over as any session");
+}
+
+#[test]
+fn a_primary_that_fences_otherwise_is_refused_before_anything_changes() {
+    let mut g = Guest::new();
+    let etcd = Fencing::Etcd {
+        cluster_id: 1,
+        key_hash: 2,
+    };
+    let mut p = Primary::new(VM, Codec::Tandem, Config::default());
+    p.set_fencing(etcd);
+    let mut bk = new_backup();
+    bk.set_fencing(etcd);
+    apply(&mut bk, &session_start(&mut p, &g, 0));
+    bk.handle(&epoch_frame(&mut p, &mut g, 1)).unwrap();
+    let mem = bk.mirror().to_vec();
+    // Finding 1: a primary without --etcd (or another record) next to a backup with it.
+    for other in [
+        Fencing::None,
+        Fencing::Etcd {
+            cluster_id: 1,
+            key_hash: 3,
+        },
+    ] {
+        p.set_fencing(other);
+        let hello = p.begin(1, &g.mem, DISK as u64).unwrap();
+        let e = bk.handle(&hello).unwrap_err();
+        assert!(matches!(e, ApplyError::Fencing(_)), "{e}");
+        assert!(bk.consistent(), "a refused hello changes nothing");
+        assert!(bk.mirror() == &mem[..]);
+    }
+    // And the other way round.
+    let mut plain = new_backup();
+    p.set_fencing(etcd);
+    let e = plain.handle(&p.begin(0, &g.mem, DISK as u64).unwrap()).unwrap_err();
+    assert!(e.to_string().contains("--etcd"), "{e}");
 }
 
 #[test]

@@ -154,7 +154,7 @@ fn measure(
 /// Runs the link benchmark.
 pub fn run(json: bool, mib: usize) -> anyhow::Result<()> {
     let keys = tempfile::tempdir().context("a directory for the lab keys")?;
-    tls::generate(keys.path(), &["127.0.0.1".into()])?;
+    tls::generate(keys.path(), &["127.0.0.1".into()], None)?;
     let rows = vec![
         measure("plain TCP", None, mib)?,
         measure(

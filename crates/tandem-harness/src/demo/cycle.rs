@@ -30,9 +30,8 @@ pub struct Move {
     pub epoch: u64,
     /// Request (switchover) or kill (failover) to the guest running on the other node.
     pub to_running_ms: f64,
-    /// Of which the wait for the leader key in etcd (failovers; 0 for a switchover, whose
-    /// primary releases the key at once).
-    pub lease_wait_ms: f64,
+    /// Of which the takeover in etcd (one compare-and-swap of the VM's ownership record).
+    pub takeover_ms: f64,
     /// Request or kill (failover: restart of the dead node as a backup) until the guest is
     /// protected again (a full copy of RAM and disk, sent while the guest runs).
     pub to_protected_ms: Option<f64>,
@@ -266,7 +265,7 @@ pub fn run(o: &Opts<'_>, pb: &ProgressBar) -> anyhow::Result<CycleResult> {
             what: what.into(),
             epoch,
             to_running_ms: running,
-            lease_wait_ms: fo.map_or(0.0, |f| num(&f, &["lease_wait_ms"])),
+            takeover_ms: fo.map_or(0.0, |f| num(&f, &["takeover_ms"])),
             to_protected_ms: Some(protected),
             client_gap_ms: 0.0,
         });
@@ -293,7 +292,7 @@ pub fn run(o: &Opts<'_>, pb: &ProgressBar) -> anyhow::Result<CycleResult> {
         what: "host kill A → B, A restarted as backup".into(),
         epoch: num(&fo, &["epoch"]) as u64,
         to_running_ms: running.as_secs_f64() * 1000.0,
-        lease_wait_ms: num(&fo, &["lease_wait_ms"]),
+        takeover_ms: num(&fo, &["takeover_ms"]),
         to_protected_ms: Some(restart.elapsed().as_secs_f64() * 1000.0),
         client_gap_ms,
     });
@@ -311,7 +310,7 @@ pub fn run(o: &Opts<'_>, pb: &ProgressBar) -> anyhow::Result<CycleResult> {
         what: "host kill B → A (no backup left)".into(),
         epoch: num(&fo, &["epoch"]) as u64,
         to_running_ms: running.as_secs_f64() * 1000.0,
-        lease_wait_ms: num(&fo, &["lease_wait_ms"]),
+        takeover_ms: num(&fo, &["takeover_ms"]),
         to_protected_ms: None,
         client_gap_ms,
     });

@@ -33,7 +33,8 @@ pub enum Fault {
     /// SIGKILL of the backup (tandem and standby), then a new backup on the same address.
     BackupRestart,
     /// The primary's host cut from the backup and from etcd for this many milliseconds
-    /// (needs `--etcd`): the backup takes over once the lease expired; the primary pauses.
+    /// (needs `--etcd`): the backup takes the VM over in etcd; the primary, unable to record
+    /// anything, holds its output until it learns it was fenced.
     Isolate(u64),
     /// The backup's host cut from etcd for this many milliseconds (needs `--etcd`).
     BackupEtcdCut(u64),

@@ -222,7 +222,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         let k = dir.path().join("keys");
         // Either node may serve as the backup (the HA cycle): both addresses.
         let sans = [tandem_net::lab::BACKUP_IP, tandem_net::lab::PRIMARY_IP].map(String::from);
-        tandem_protect::tls::generate(&k, &sans)?;
+        tandem_protect::tls::generate(&k, &sans, None)?;
         Some(k)
     } else {
         None
@@ -242,7 +242,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     }
     if let Some(e) = &etcd {
         eprintln!(
-            "tandem demo: etcd cluster of 3 members in netns {} ({}, mutual TLS); leader key per round: /tandem/vm/ROUND/leader, lease TTL 3 s",
+            "tandem demo: etcd cluster of 3 members in netns {} ({}, mutual TLS); the VM's ownership record per round: /tandem/vm/ROUND/owner (a takeover is one compare-and-swap, no lease)",
             lab.etcd.clone().unwrap_or_default(),
             e.lock().unwrap_or_else(|e| e.into_inner()).endpoints().join(",")
         );
@@ -304,7 +304,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             res.kill_to_running_ms,
             res.detection_ms,
             res.resume_after_detection_ms,
-            if res.lease_wait_ms > 0.0 { format!(", of which {:.0} ms waiting for the primary's etcd lease", res.lease_wait_ms) } else { String::new() },
+            if res.takeover_ms > 0.0 { format!(", of which {:.1} ms taking the VM over in etcd", res.takeover_ms) } else { String::new() },
             memory_line(&res),
             res.acked_keys_checked,
             res.acked_keys_lost,
@@ -341,7 +341,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                 m.what,
                 m.epoch,
                 m.to_running_ms,
-                if m.lease_wait_ms > 0.0 { format!(" (of which {:.0} ms for the leader key)", m.lease_wait_ms) } else { String::new() },
+                if m.takeover_ms > 0.0 { format!(" (of which {:.1} ms taking it over in etcd)", m.takeover_ms) } else { String::new() },
                 m.to_protected_ms.map_or(String::new(), |p| format!(", protected again after {:.1} s (full copy while it runs)", p / 1000.0)),
                 m.client_gap_ms
             ));

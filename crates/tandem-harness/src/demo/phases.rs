@@ -508,8 +508,8 @@ impl<'a> Ctx<'a> {
                 .get("resume_ms")
                 .and_then(|v| v.as_f64())
                 .unwrap_or(f64::NAN),
-            lease_wait_ms: rep
-                .get("lease_wait_ms")
+            takeover_ms: rep
+                .get("takeover_ms")
                 .and_then(|v| v.as_f64())
                 .unwrap_or(0.0),
             materialise_ms: rep

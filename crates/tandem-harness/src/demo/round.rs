@@ -145,8 +145,8 @@ pub struct RoundResult {
     pub failover_reason: String,
     pub detection_ms: f64,
     pub resume_after_detection_ms: f64,
-    /// Of the resume: waiting for the primary's lease and winning the key (with --etcd).
-    pub lease_wait_ms: f64,
+    /// Of the resume: taking the VM over in etcd (with --etcd).
+    pub takeover_ms: f64,
     /// Of the resume: restoring the consolidated pages into the mirror.
     pub materialise_ms: f64,
     /// The replica's memory on the backup when the primary was lost (with consolidation).

@@ -1,5 +1,6 @@
 //! The backup's failover: resume the guest on the standby from the last committed epoch, run
-//! it under this side's lease, and tell every primary that connects that it was fenced.
+//! it as the owner the takeover recorded in etcd, and tell every primary that connects that it
+//! was fenced.
 
 use std::io::BufWriter;
 use std::sync::mpsc::Receiver;
@@ -7,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 use tandem_net::Policy;
-use tandem_replication::{Backup, Frame, Kind};
+use tandem_replication::{Backup, Frame};
 use tandem_vm::MirrorFile;
 
 use super::gate;
@@ -29,11 +30,10 @@ pub struct FailoverReport {
     /// When the guest ran again.
     pub running_at_ms: u64,
     /// Detection to guest running (type I downtime without detection time), including the
-    /// wait for the leader key.
+    /// takeover in etcd.
     pub resume_ms: f64,
-    /// Of which: waiting for the primary's lease to expire and winning the key (0 without
-    /// fencing).
-    pub lease_wait_ms: f64,
+    /// Of which: changing the ownership record in etcd (0 without fencing).
+    pub takeover_ms: f64,
     /// The silence timeout.
     pub timeout_ms: u64,
     /// Of `resume_ms`: restoring the consolidated pages into the mirror (0 without
@@ -55,60 +55,8 @@ pub(super) struct Loss {
     /// When (monotonic and Unix milliseconds).
     pub detected: Instant,
     pub at_ms: u64,
-    /// The leader key this backup won (with `--etcd`).
-    pub fence: Option<tandem_fence::Holder>,
-}
-
-/// The guest runs here under this side's lease: while it is not certainly valid the guest is
-/// stopped (its output is gated anyway); a lease that expired is taken back if nobody else
-/// holds the key, otherwise this copy stops for good.
-fn keep_paused_while_invalid(
-    h: &mut tandem_fence::Holder,
-    vm: &mut tandem_vm::Vm,
-    site: &Site,
-    registry: &crate::metrics::Registry,
-    status: &Status,
-    beat: &crate::service::Beat,
-) -> Result<(), BackupError> {
-    vm.stop()
-        .map_err(|e| BackupError::Lease("pausing the guest for its lease", e))?;
-    status.warn("cannot renew this side's lease in etcd: guest paused, output held");
-    registry.set_paused_for_lease(true);
-    let cfg = h.config().clone();
-    while !h.valid() {
-        beat.beat();
-        if stopping() {
-            break;
-        }
-        if h.expired() {
-            let Some(claim) = h.reacquire_claim() else {
-                // Unknown outcome of the last record: stay paused, never revive a stale copy.
-                std::thread::sleep(Duration::from_millis(200));
-                continue;
-            };
-            match tandem_fence::campaign(&cfg, claim) {
-                Ok(tandem_fence::Outcome::Won(n)) => {
-                    *h = n;
-                    site.relays.set_gate(Some(h.gate()));
-                    registry.set_lease(Some(h.clone()));
-                }
-                Ok(tandem_fence::Outcome::Held(by)) => {
-                    site.relays.discard_held();
-                    vm.kill();
-                    return Err(BackupError::FencedBy(by));
-                }
-                Err(_) => {}
-            }
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    registry.set_paused_for_lease(false);
-    if h.valid() {
-        vm.cont()
-            .map_err(|e| BackupError::Lease("continuing the guest", e))?;
-        status.info("lease renewed: guest continues");
-    }
-    Ok(())
+    /// The ownership this backup's takeover won (with `--etcd`).
+    pub fence: Option<tandem_fence::Owner>,
 }
 
 pub(super) fn send(w: &mut impl std::io::Write, f: &Frame) -> std::io::Result<()> {
@@ -119,7 +67,7 @@ pub(super) fn send(w: &mut impl std::io::Write, f: &Frame) -> std::io::Result<()
 /// The guest, resumed here.
 pub(super) struct Running {
     pub vm: tandem_vm::Vm,
-    pub fence: Option<tandem_fence::Holder>,
+    pub fence: Option<tandem_fence::Owner>,
     pub epoch: u64,
 }
 
@@ -139,7 +87,7 @@ pub(super) fn failover(
         at_ms: detected_at_ms,
         fence,
     } = loss;
-    let lease_wait = detected.elapsed();
+    let takeover = detected.elapsed();
     let epoch = bk.committed();
     let state = bk.device_state().to_vec();
     if !standby.check_now() {
@@ -158,9 +106,12 @@ pub(super) fn failover(
             return Err(e);
         }
     };
-    // The resumed guest's output is gated by this side's lease from now on.
-    if let Some(h) = &fence {
-        site.relays.set_gate(Some(h.gate()));
+    // The resumed guest's output stops once this node learns another one owns the VM.
+    if let Some(o) = &fence {
+        o.watch();
+        let o = o.clone();
+        site.relays
+            .set_gate(Some(std::sync::Arc::new(move || !o.is_fenced())));
     }
     site.relays
         .set_policy(Policy::Pass)
@@ -189,8 +140,8 @@ pub(super) fn failover(
         } else {
             String::new()
         },
-        if fence.is_some() {
-            format!("; of which {:.1} ms waiting for the primary's lease and winning the leader key in etcd", lease_wait.as_secs_f64() * 1000.0)
+        if let Some(o) = &fence {
+            format!("; of which {:.1} ms taking the VM over in etcd (generation {})", takeover.as_secs_f64() * 1000.0, o.generation())
         } else {
             String::new()
         }
@@ -198,11 +149,11 @@ pub(super) fn failover(
     registry.failed_over(
         &why,
         epoch,
-        lease_wait.as_secs_f64() * 1000.0,
+        takeover.as_secs_f64() * 1000.0,
         resume.as_secs_f64() * 1000.0,
         materialise.as_secs_f64() * 1000.0,
     );
-    registry.set_lease(fence.clone());
+    registry.set_owner(fence.clone());
     let lazy = match lazy {
         None => None,
         Some(l) => match l.wait() {
@@ -232,7 +183,7 @@ pub(super) fn failover(
             detected_at_ms,
             running_at_ms,
             resume_ms: resume.as_secs_f64() * 1000.0,
-            lease_wait_ms: lease_wait.as_secs_f64() * 1000.0,
+            takeover_ms: takeover.as_secs_f64() * 1000.0,
             timeout_ms: cfg.timeout.as_millis() as u64,
             materialise_ms: materialise.as_secs_f64() * 1000.0,
             materialised_pages,
@@ -304,48 +255,46 @@ fn start_lazy(
 }
 
 /// Runs the resumed guest here, fencing every primary that connects, until told to stop.
+/// `(vm_id, session)`: the VM and the session this node took over.
 pub(super) fn run_resumed(
     r: Running,
-    vm_id: u64,
+    (vm_id, session): (u64, u64),
     site: &Site,
     listener: &Receiver<gate::Vetted>,
-    (registry, beat): (&crate::metrics::Registry, &crate::service::Beat),
+    (_registry, beat): (&crate::metrics::Registry, &crate::service::Beat),
     status: &Status,
 ) -> Result<(), BackupError> {
     let Running {
         mut vm,
-        mut fence,
+        fence,
         epoch,
     } = r;
     while !stopping() {
         if let Some(st) = vm.exit_status() {
             return Err(BackupError::Exited(st.to_string()));
         }
-        if let Some(h) = fence.as_mut() {
-            if !h.valid() {
-                keep_paused_while_invalid(h, &mut vm, site, registry, status, beat)?;
-            }
+        // Another node owns the VM (an operator override): this copy stops, releasing
+        // nothing more.
+        if let Some(what) = fence.as_ref().and_then(|o| o.fenced()) {
+            site.relays.discard_held();
+            vm.kill();
+            return Err(BackupError::FencedBy(what));
         }
         let accepted = accept_within(listener, Some(Duration::from_millis(100)), status, beat);
         if let Some(v) = accepted {
-            tell_fenced(v, vm_id, epoch, status);
+            tell_fenced(v, vm_id, epoch, session, status);
         }
     }
     vm.quit();
     Ok(())
 }
 
-/// Tells a primary that connected that the guest runs here (resumed from `epoch`): it must
-/// stop its copy.
-pub fn tell_fenced(v: gate::Vetted, vm_id: u64, epoch: u64, status: &Status) {
+/// Tells a primary that connected that the guest runs here (resumed from `epoch`, taken over
+/// from `session`): it must stop its copy.
+pub fn tell_fenced(v: gate::Vetted, vm_id: u64, epoch: u64, session: u64, status: &Status) {
     let s = v.conn;
     let _ = s.set_write_timeout(Some(Duration::from_secs(1)));
-    let fenced = Frame {
-        kind: Kind::Fenced,
-        vm_id,
-        seq: epoch,
-        payload: Vec::new(),
-    };
+    let fenced = tandem_replication::wire::fenced_frame(vm_id, epoch, session);
     let mut w = BufWriter::new(s);
     let _ = send(&mut w, &fenced);
     status.info("told a connecting primary that the guest runs here (fenced)");

@@ -18,7 +18,7 @@ use std::path::PathBuf;
 use std::sync::mpsc::Receiver;
 use std::time::{Duration, Instant};
 
-use tandem_replication::wire::ack_frame;
+use tandem_replication::wire::{ack_frame, refused_frame};
 use tandem_replication::{Applied, Backup, FileDisk, Frame, WireError};
 use tandem_vm::{DirtyMode, MirrorFile, VmError};
 
@@ -48,9 +48,10 @@ pub struct BackupConfig {
     pub stall: Option<Duration>,
     /// Write a JSON report of the failover here.
     pub report: Option<PathBuf>,
-    /// Take over only after winning the VM's leader key in etcd (docs/FENCING.md).
+    /// Take over only by changing the VM's ownership record in etcd from "protected by this
+    /// backup's session" to "runs here" (docs/FENCING.md).
     pub fence: Option<tandem_fence::FenceConfig>,
-    /// The protected VM's id (status and metrics; the leader key with `fence`).
+    /// The protected VM's id (status and metrics; the ownership record with `fence`).
     pub vm_id: u64,
     /// Serve Prometheus metrics on this address (GET /metrics).
     pub metrics_listen: Option<String>,
@@ -128,15 +129,15 @@ pub enum BackupError {
     /// The resumed guest's QEMU exited.
     #[error("the resumed guest's QEMU exited ({0})")]
     Exited(String),
-    /// etcd says another node holds the VM now: this copy was stopped.
-    #[error("etcd says {0:?} holds the VM now: the guest resumed here was stopped")]
+    /// The ownership record names another node: this copy was stopped.
+    #[error("etcd's ownership record says the VM is {0}: the guest resumed here was stopped")]
     FencedBy(String),
+    /// The etcd client could not be set up.
+    #[error("fencing")]
+    Fence(#[source] tandem_fence::FenceError),
     /// The lazy restore could not install every page: the resumed guest was stopped.
     #[error("the lazy restore failed; the resumed guest was stopped")]
     Lazy(#[source] tandem_consolidate::LazyError),
-    /// QEMU did not pause or continue for the lease.
-    #[error("{0}")]
-    Lease(&'static str, #[source] VmError),
 }
 
 fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> BackupError {
@@ -165,9 +166,10 @@ struct Link<'a> {
     status: Status,
     /// A primary connected during the last [`Link::until_lost`].
     reconnected: bool,
-    /// The last loss was a handover: the primary releases the key at once, so the key is
-    /// asked for again sooner.
-    handed_over: bool,
+    /// The fence this backup takes over with (its descriptor goes into each hello check).
+    fence: Option<std::sync::Arc<tandem_fence::Fence>>,
+    /// What each ack promises: no takeover sooner than this after the last bytes received.
+    promise: Duration,
     registry: crate::metrics::Registry,
     beat: crate::service::Beat,
     /// When the replica's memory use was last published.
@@ -197,6 +199,10 @@ impl Link<'_> {
             .set_peer(stream.peer_addr().ok().map(|a| a.to_string()));
         let mut r = BufReader::with_capacity(1 << 20, stream.try_clone()?);
         let mut w = BufWriter::new(stream);
+        // The cluster id may have become known since the last session.
+        if let Some(fence) = &self.fence {
+            self.bk.set_fencing(wire_fencing(fence));
+        }
         let (mut progress, mut progress_at) = (self.bk.committed(), Instant::now());
         self.standby.check();
         loop {
@@ -236,6 +242,16 @@ impl Link<'_> {
             };
             let applied = match self.bk.handle(&f) {
                 Ok(a) => a,
+                Err(e) if f.kind == tandem_replication::Kind::Hello => {
+                    // Tell the primary why (it logs it and retries later), then drop.
+                    let why = crate::chain(&e);
+                    let _ = send(&mut w, &refused_frame(f.vm_id, &why));
+                    self.status.warn(format!(
+                        "refusing the session: {why}; mirror stays at epoch {}",
+                        self.bk.committed()
+                    ));
+                    return Ok(LinkEnd::Dropped(format!("refused a session ({why})")));
+                }
                 Err(e) => {
                     self.status.warn(format!(
                         "refusing frame {:?} #{}: {e}; link dropped, mirror stays at epoch {}",
@@ -272,7 +288,8 @@ impl Link<'_> {
                         // The session's first epoch: silence now means a lost primary.
                         r.get_ref().set_read_timeout(Some(self.timeout))?;
                     }
-                    if send(&mut w, &ack_frame(f.vm_id, seq, standby_ok)).is_err() {
+                    let ack = ack_frame(f.vm_id, seq, standby_ok, self.promise);
+                    if send(&mut w, &ack).is_err() {
                         return Ok(LinkEnd::Lost("the link broke while acknowledging".into()));
                     }
                     // The consolidation clock, once the acknowledgement is on its way.
@@ -323,6 +340,15 @@ fn accept_within(
     }
 }
 
+/// How a backup with `fence` fences, as hellos must say.
+fn wire_fencing(fence: &tandem_fence::Fence) -> tandem_replication::Fencing {
+    let d = fence.descriptor();
+    tandem_replication::Fencing::Etcd {
+        cluster_id: d.cluster_id,
+        key_hash: d.key_hash,
+    }
+}
+
 /// Whether `dir` is on a file system that lives in memory (tmpfs, hugetlbfs).
 fn in_memory_fs(dir: &std::path::Path) -> bool {
     const TMPFS: i64 = 0x0102_1994;
@@ -347,15 +373,16 @@ pub fn listen(cfg: &BackupConfig, status: &Status) -> Result<Listener, BackupErr
 pub struct Listener(Receiver<gate::Vetted>);
 
 impl Listener {
-    /// Answers every primary that connects within `wait`: `Some(epoch)` tells it that the
-    /// guest runs here since `epoch` (fenced); `None` just closes the connection (this node
-    /// runs a guest it booted and is nobody's backup now).
+    /// Answers every primary that connects within `wait`: `Some((vm, epoch, session))` tells
+    /// it that the guest runs here since `epoch`, taken over from `session` (fenced); `None`
+    /// just closes the connection (this node runs a guest it booted and is nobody's backup
+    /// now).
     /// A connection that arrives while `close_only()` holds is just closed (its primary
     /// retries).
     pub fn turn_away(
         &self,
         wait: Duration,
-        fenced: Option<(u64, u64)>,
+        fenced: Option<(u64, u64, u64)>,
         close_only: &dyn Fn() -> bool,
         status: &Status,
     ) {
@@ -364,7 +391,9 @@ impl Listener {
                 return;
             }
             match fenced {
-                Some((vm_id, epoch)) => failover::tell_fenced(v, vm_id, epoch, status),
+                Some((vm_id, epoch, session)) => {
+                    failover::tell_fenced(v, vm_id, epoch, session, status)
+                }
                 None => status.warn(
                     "a primary connected, but this node runs the guest as its primary: connection closed",
                 ),
@@ -426,6 +455,21 @@ pub fn serve(
     let mirror = unsafe { MirrorFile::create(&mirror_path, vmc.mem_mib << 20) }
         .map_err(BackupError::Mirror)?;
     let mut bk = Backup::new(mirror);
+    let fence = match &cfg.fence {
+        Some(fc) => {
+            let f = tandem_fence::Fence::connect(fc.clone()).map_err(BackupError::Fence)?;
+            // The cluster id comes with the first answer (hellos compare it when known).
+            if let Err(e) = f.read() {
+                status.warn(format!(
+                    "etcd does not answer yet ({}): this backup can take over only once it does",
+                    crate::chain(&e)
+                ));
+            }
+            bk.set_fencing(wire_fencing(&f));
+            Some(f)
+        }
+        None => None,
+    };
     if let Some(c) = &cfg.consolidate {
         bk = bk.consolidate(c.pool.clone(), c.revolution);
     }
@@ -462,7 +506,8 @@ pub fn serve(
             .max(Duration::from_millis(1)),
         status: status.clone(),
         reconnected: false,
-        handed_over: false,
+        fence: fence.clone(),
+        promise: timeout,
         registry: registry.clone(),
         beat: beat.clone(),
         memory_at: Instant::now(),
@@ -471,7 +516,7 @@ pub fn serve(
     let mut wait = None;
     let mut lost: Option<(String, Instant, u64)> = None;
     let mut said = String::new();
-    let holder = loop {
+    let owner = loop {
         let Some(why) = link.until_lost(listener, wait)? else {
             standby.quit();
             return Ok(None);
@@ -483,12 +528,12 @@ pub fn serve(
         }
         // The first reason (and time) of this loss is the one reported.
         let (why, detected, at_ms) = lost.get_or_insert((why, Instant::now(), unix_ms())).clone();
-        let Some(fc) = &cfg.fence else {
+        let Some(fence) = &fence else {
             break None;
         };
         if !link.standby.check_now() {
-            // Winning the key without a standby to resume would leave nobody allowed to run.
-            let msg = format!("primary lost ({why}) but the standby QEMU is not running: not taking the leader key");
+            // Taking over without a standby to resume would leave nobody running the guest.
+            let msg = format!("primary lost ({why}) but the standby QEMU is not running: not taking over");
             if msg != said {
                 status.warn(&msg);
                 said = msg;
@@ -496,10 +541,19 @@ pub fn serve(
             wait = Some(Duration::from_millis(100));
             continue;
         }
-        let msg = match tandem_fence::campaign(fc, tandem_fence::Claim::Takeover(link.bk.session())) {
-            Ok(tandem_fence::Outcome::Won(h)) => break Some((h, detected, at_ms)),
-            Ok(tandem_fence::Outcome::Held(by)) => format!("primary lost ({why}) but {by:?} still holds VM {} in etcd: not taking over yet (a dead primary's lease runs out within {} s; a partitioned primary keeps it and keeps running the guest); waiting for the lease or a reconnect", fc.vm_id, fc.ttl.as_secs()),
-            Err(e) => format!("primary lost ({why}); cannot take over: {e}; retrying"),
+        let (msg, retry) = match fence.take_over(link.bk.session()) {
+            Ok(o) => break Some((o, detected, at_ms)),
+            // Not known: the write stays pending and the next attempt resolves it first.
+            Err(e) if e.unknown() => (
+                format!("primary lost ({why}); cannot reach etcd to take over ({}); retrying", crate::chain(&e)),
+                Some(Duration::from_millis(50)),
+            ),
+            // The record says the primary runs without a replica, or with another session:
+            // this mirror may never be resumed. Wait for a new session.
+            Err(e) => (
+                format!("primary lost ({why}); not taking over: {}; waiting for a primary to start a new session", crate::chain(&e)),
+                None,
+            ),
         };
         if msg != said {
             status.warn(&msg);
@@ -507,19 +561,16 @@ pub fn serve(
             said = msg;
         }
         // Keep serving: a primary that reconnects starts a new session.
-        wait = Some(Duration::from_millis(if link.handed_over {
-            10
-        } else {
-            100
-        }));
+        wait = retry;
     };
     let (why, detected, at_ms) = lost.unwrap_or_else(|| (String::new(), Instant::now(), unix_ms()));
-    let fence = holder.map(|(h, _, _)| h);
+    let session = link.bk.session();
+    let owner = owner.map(|(o, _, _)| o);
     let loss = Loss {
         why,
         detected,
         at_ms,
-        fence,
+        fence: owner,
     };
     let running = failover(cfg, &site, &mut bk, &mut standby, loss, &registry, &status)?;
     let vm_id = bk.vm_id().unwrap_or(cfg.vm_id);
@@ -530,9 +581,17 @@ pub fn serve(
             holder: running.fence,
             site,
             dir: cfg.dir.clone(),
+            session,
         }));
     }
-    run_resumed(running, vm_id, &site, listener, (&registry, &beat), &status)?;
+    run_resumed(
+        running,
+        (vm_id, session),
+        &site,
+        listener,
+        (&registry, &beat),
+        &status,
+    )?;
     Ok(None)
 }
 
@@ -563,7 +622,6 @@ impl Link<'_> {
             };
             wait = None;
             self.reconnected = true;
-            self.handed_over = false;
             let end = match self.serve(stream) {
                 Ok(end) => end,
                 Err(e) => LinkEnd::Lost(format!("link error: {e}")),
@@ -577,7 +635,6 @@ impl Link<'_> {
                     self.bk.committed()
                 )),
                 LinkEnd::Handover(n) => {
-                    self.handed_over = true;
                     return Ok(Some(format!("the primary handed the guest over at epoch {n}")))
                 }
                 LinkEnd::Lost(why) if self.bk.consistent() => return Ok(Some(why)),

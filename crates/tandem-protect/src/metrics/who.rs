@@ -9,13 +9,12 @@ pub(super) struct Who {
     pub(super) role: &'static str,
     pub(super) vm_id: u64,
     pub(super) node: Option<String>,
-    /// A short state a human reads ("protected", "paused: lease not renewed", ...); the
-    /// primary's is derived from its flags when empty.
+    /// A short state a human reads ("protected", "running the guest", ...); the primary's
+    /// is derived from its flags when empty.
     pub(super) state: String,
     pub(super) peer: Option<String>,
     pub(super) started_ms: u64,
     pub(super) last_ack_ms: u64,
-    pub(super) paused_for_lease: bool,
     pub(super) unprotected: bool,
     pub(super) failovers: u64,
     pub(super) last_failover: Option<serde_json::Value>,
@@ -34,13 +33,12 @@ impl Registry {
     }
 
     /// This node changes role (a switchover, or a backup that resumed the guest and protects
-    /// it in turn): the link, protection and lease flags of the old role are cleared.
+    /// it in turn): the link and protection flags of the old role are cleared.
     pub fn switch_role(&self, role: &'static str) {
         let mut s = self.lock();
         s.who.role = role;
         s.who.state.clear();
         s.who.peer = None;
-        s.who.paused_for_lease = false;
         s.who.unprotected = false;
         s.link_up = false;
         s.protected = false;
@@ -80,11 +78,6 @@ impl Registry {
         s.who.last_ack_ms = crate::unix_ms();
     }
 
-    /// The guest is paused because the lease is not certainly valid.
-    pub fn set_paused_for_lease(&self, paused: bool) {
-        self.lock().who.paused_for_lease = paused;
-    }
-
     /// The guest's output passes unprotected (recorded in etcd).
     pub fn set_unprotected(&self, unprotected: bool) {
         self.lock().who.unprotected = unprotected;
@@ -101,7 +94,7 @@ impl Registry {
         &self,
         reason: &str,
         epoch: u64,
-        lease_wait_ms: f64,
+        takeover_ms: f64,
         resume_ms: f64,
         materialise_ms: f64,
     ) {
@@ -111,7 +104,7 @@ impl Registry {
         s.who.state = format!("running the guest (failed over from epoch {epoch})");
         s.who.last_failover = Some(serde_json::json!({
             "at_unix_ms": crate::unix_ms(), "reason": reason, "epoch": epoch,
-            "lease_wait_ms": lease_wait_ms, "resume_ms": resume_ms,
+            "takeover_ms": takeover_ms, "resume_ms": resume_ms,
             "materialise_ms": materialise_ms,
         }));
     }
@@ -120,8 +113,9 @@ impl Registry {
     pub fn status(&self) -> serde_json::Value {
         let s = self.lock();
         let w = &s.who;
-        let state = if w.paused_for_lease {
-            "paused: the lease in etcd is not certainly valid (output held)".into()
+        let fenced = s.owner.as_ref().and_then(|o| o.fenced());
+        let state = if let Some(f) = &fenced {
+            format!("fenced: etcd's record says the VM is {f} (this copy stops)")
         } else if !w.state.is_empty() {
             w.state.clone()
         } else if s.protected {
@@ -146,7 +140,13 @@ impl Registry {
             "last_ack_ms_ago": (w.last_ack_ms > 0).then(|| now.saturating_sub(w.last_ack_ms)),
             "link": if s.link_up { "up" } else { "down" },
             "peer": w.peer,
-            "lease_remaining_s": s.lease.as_ref().map(|h| h.remaining().as_secs_f64()),
+            "owner": s.owner.as_ref().map(|o| {
+                let r = o.record();
+                serde_json::json!({
+                    "generation": o.generation(), "state": r.state, "session":
+                    r.session.map(|x| format!("{x:016x}")), "fenced": o.is_fenced(),
+                })
+            }),
             "held_frames": s.held_frames,
             "failovers": w.failovers,
             "last_failover": w.last_failover,

@@ -94,6 +94,22 @@ pub struct Shared {
     pub ship_rate: AtomicU64,
     /// The zstd level the next epochs are encoded at (moved by each acknowledgement).
     pub level: std::sync::atomic::AtomicI32,
+    /// When the last byte of each epoch's frame not yet acknowledged was handed to the link,
+    /// oldest first: the backup received all of epoch N no earlier, so it takes over no
+    /// earlier than that plus its promise (the deadline of N's release).
+    pub last_byte: Mutex<std::collections::VecDeque<(u64, Instant)>>,
+    /// The session is ending: no release may start any more (the link closes once every
+    /// release in progress is done, so the backup sees the close only after them).
+    pub closing: AtomicBool,
+    /// Newest epoch whose output was released.
+    pub released: AtomicU64,
+    /// The session the backup says it took over when it fenced this primary.
+    pub fenced_session: Mutex<Option<u64>>,
+    /// Why the backup refused the session, if it did.
+    pub refused: Mutex<Option<String>>,
+    /// Heartbeat period now (µs): the configured one, shortened to a quarter of the backup's
+    /// promise so that a backup with a short timeout never finds the link silent.
+    pub heartbeat_us: AtomicU64,
 }
 
 impl Shared {
@@ -108,7 +124,28 @@ impl Shared {
             pending: Mutex::default(),
             ship_rate: AtomicU64::new(0),
             level: std::sync::atomic::AtomicI32::new(1),
+            last_byte: Mutex::default(),
+            closing: AtomicBool::new(false),
+            released: AtomicU64::new(progress),
+            fenced_session: Mutex::new(None),
+            refused: Mutex::new(None),
+            heartbeat_us: AtomicU64::new(100_000),
         }
+    }
+
+    /// When the last byte of epoch `seq` was handed to the link (`None`: not recorded yet);
+    /// forgets the epochs before it.
+    pub fn last_byte_of(&self, seq: u64) -> Option<Instant> {
+        let mut q = self.last_byte.lock().unwrap_or_else(|e| e.into_inner());
+        while q.front().is_some_and(|(s, _)| *s < seq) {
+            q.pop_front();
+        }
+        q.front().filter(|(s, _)| *s == seq).map(|(_, t)| *t)
+    }
+
+    /// The heartbeat period now.
+    pub fn heartbeat(&self) -> Duration {
+        Duration::from_micros(self.heartbeat_us.load(Ordering::Relaxed).max(1_000))
     }
 
     /// Folds one acknowledged epoch into the shipping rate: `pages` dirty pages took `us`
@@ -182,6 +219,29 @@ pub fn send(w: &mut impl Write, f: &Frame) -> std::io::Result<()> {
     w.flush()
 }
 
+/// Sends `f` and returns when its last byte was handed to the link: the frame goes out but
+/// for its last byte, then the time is taken, then the last byte goes. The peer receives the
+/// whole frame no earlier than that time, whatever the buffers in between do.
+pub fn send_marked(w: &mut impl Write, f: &Frame) -> std::io::Result<Instant> {
+    let h = f.header()?;
+    let last = match f.payload.split_last() {
+        Some((last, most)) => {
+            w.write_all(&h)?;
+            w.write_all(most)?;
+            *last
+        }
+        None => {
+            w.write_all(&h[..h.len() - 1])?;
+            h[h.len() - 1]
+        }
+    };
+    w.flush()?;
+    let t = Instant::now();
+    w.write_all(&[last])?;
+    w.flush()?;
+    Ok(t)
+}
+
 /// Ships frames from `rx` in order; sends a heartbeat with the loop's progress whenever
 /// nothing else was sent for `heartbeat`. Ends when `rx` closes or a write fails (then the
 /// session is marked lost). Never sends `bye` by itself: only an `Out::Control` does.
@@ -195,15 +255,24 @@ pub fn spawn_sender(
 ) -> std::thread::JoinHandle<()> {
     std::thread::spawn(move || {
         let mut w = BufWriter::with_capacity(1 << 20, stream);
+        shared
+            .heartbeat_us
+            .store(o.heartbeat.as_micros() as u64, Ordering::Relaxed);
         loop {
-            let r = match rx.recv_timeout(o.heartbeat) {
+            let r = match rx.recv_timeout(shared.heartbeat()) {
                 Ok(Out::Epoch(f, mut m)) => {
                     let t = Instant::now();
                     shared.acks().sent(f.seq, t);
                     if o.stall_epoch == Some(f.seq) {
                         stall(&mut w, &f, &status);
                     }
-                    let r = send(&mut w, &f);
+                    let r = send_marked(&mut w, &f).map(|last| {
+                        shared
+                            .last_byte
+                            .lock()
+                            .unwrap_or_else(|e| e.into_inner())
+                            .push_back((f.seq, last));
+                    });
                     m.transfer_us = t.elapsed().as_micros() as u64;
                     if let Some(p) = shared.pending().iter_mut().find(|p| p.epoch == f.seq) {
                         p.transfer_us = m.transfer_us;

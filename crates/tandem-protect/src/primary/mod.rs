@@ -81,8 +81,9 @@ pub struct PrimaryConfig {
     pub fault_stall_epoch: Option<u64>,
     /// Host-side load started once the guest is ready.
     pub load: Option<StartLoad>,
-    /// Fence with a leader key in etcd (docs/FENCING.md); `None`: no lease (the backup
-    /// cannot tell a partition from a dead host, and output stays held without a backup).
+    /// Fence with the VM's ownership record in etcd (docs/FENCING.md); `None`: no fencing
+    /// (the backup cannot tell a partition from a dead host, and output stays held without a
+    /// backup).
     pub fence: Option<tandem_fence::FenceConfig>,
     /// The control socket `tandem status` asks (default: in /run/tandem).
     pub control: Option<PathBuf>,
@@ -160,13 +161,11 @@ pub enum PrimaryError {
     /// The backup resumed the guest: this copy was stopped.
     #[error("the backup resumed the guest (from epoch {0}): this copy was stopped and its held output discarded")]
     Fenced(u64),
-    /// Fencing in etcd failed (the VM is held elsewhere, a replica exists, etcd is down).
+    /// Fencing in etcd failed (the VM runs elsewhere or ran there last, etcd is down).
     #[error("fencing")]
     Fence(#[from] tandem_fence::FenceError),
-    /// etcd says another node holds the VM.
-    #[error(
-        "etcd says {0:?} holds the VM now: this copy was stopped and its held output discarded"
-    )]
+    /// The ownership record names another node.
+    #[error("etcd's ownership record says the VM is {0}: this copy was stopped and its held output discarded")]
     FencedBy(String),
     /// The host-side load reported a failure.
     #[error("the load on the guest's workload: {0}")]
@@ -195,12 +194,14 @@ pub struct Resumed {
     pub vm: Vm,
     /// The backup's relay, disk copy and captures.
     pub site: Site,
-    /// The leader key this node won (with fencing).
-    pub holder: Option<tandem_fence::Holder>,
+    /// The ownership this node's takeover won (with fencing).
+    pub holder: Option<tandem_fence::Owner>,
     /// The epoch the guest resumed from.
     pub epoch: u64,
     /// The backup's directory (the capture of writable disks goes there).
     pub dir: PathBuf,
+    /// The replication session this node took over.
+    pub session: u64,
 }
 
 /// Boots the guest described by `cfg` and protects it until told to stop.
@@ -240,7 +241,8 @@ pub fn run_in(cfg: &PrimaryConfig, fe: &Frontend, status: Status) -> Result<Ende
         }
     };
     let site = Site::prepare(&cfg.site, &dir, Role::Primary, &mut vmc)?;
-    // The leader key before the guest runs: no second copy may ever boot next to another.
+    // The ownership record before the guest runs: no second copy may ever boot next to
+    // another.
     let fencing = match &cfg.fence {
         Some(f) => Some(fence::Fencing::acquire(f.clone(), &site, status.clone())?),
         None => None,
@@ -284,18 +286,12 @@ pub fn run_resumed(
         holder,
         epoch,
         dir,
+        session: _,
     } = r;
     fe.registry.switch_role("primary");
     site.become_primary(&dir)?;
-    let fencing = match (holder, &cfg.fence) {
-        (Some(h), Some(fc)) => {
-            let mut f = fence::Fencing::resumed(h, fc.clone(), status.clone());
-            // The resumed guest's output already passes: etcd says so before anything else.
-            f.go_unprotected(&site);
-            Some(f)
-        }
-        _ => None,
-    };
+    // The takeover recorded that the guest runs here without a replica.
+    let fencing = holder.map(|h| fence::Fencing::resumed(h, &site, status.clone()));
     status.info(format!(
         "protecting the resumed guest (epoch {epoch}) in turn: connecting to the next backup at {}",
         cfg.backup
@@ -403,6 +399,7 @@ fn protect(
         fenced_by: None,
         passing,
         recapture,
+        sessions: Default::default(),
     };
     let end = sessions(&mut d, &mut vm);
     // The main loop is done with this QEMU: whatever comes next (a handover, a shutdown, a
@@ -410,10 +407,9 @@ fn protect(
     watchdog.stop();
     let end = match end {
         Err(e) => {
-            // A guest whose QEMU is gone releases nothing any more: give the key up at once,
-            // so that the backup need not wait for the lease to expire.
-            // The kernel closes QEMU's sockets before its parent can reap it, so a session
-            // that failed on a killed QEMU may still see it "running": wait a little.
+            // A guest whose QEMU is gone releases nothing any more: the backup takes over as
+            // soon as it sees the link close (the daemon exits). The kernel closes QEMU's
+            // sockets before its parent can reap it: wait a little for it.
             if qemu_gone(&mut vm) {
                 if let Some(f) = &d.fencing {
                     f.hand_over();
@@ -523,23 +519,18 @@ fn wait_for_backup(d: &mut Daemon<'_>, vm: &mut Vm) -> Result<Option<Conn>, Prim
                 .warn("switchover refused: no backup is connected to take the guest over");
         }
         if let Some(f) = &mut d.fencing {
-            if !f.valid() {
-                // No copy runs past its lease: pause the guest until it is renewed.
-                vm.stop()?;
-                match f.wait_valid(d.site, &d.watchdog) {
-                    fence::Wait::Valid => vm.cont()?,
-                    fence::Wait::Fenced(by) => {
-                        d.fenced_by = Some(by);
-                        return Ok(None);
-                    }
-                    fence::Wait::Stopping => return Ok(None),
-                }
+            if let Some(what) = f.fenced() {
+                d.fenced_by = Some(what);
+                return Ok(None);
             }
             // No backup for the ack timeout: etcd records that nobody may take over, then
             // the output passes unprotected.
             if since.elapsed() >= d.opts.ack_timeout {
                 d.watchdog.allow(Duration::from_secs(3));
-                f.go_unprotected(d.site);
+                if let Err(what) = f.go_unprotected(d.site) {
+                    d.fenced_by = Some(what);
+                    return Ok(None);
+                }
             }
         }
         let broken = d.site.mirror_health.broken().or_else(|| {
@@ -577,6 +568,14 @@ fn wait_for_backup(d: &mut Daemon<'_>, vm: &mut Vm) -> Result<Option<Conn>, Prim
                 Some((c, name)) => {
                     crate::tls::connect(tcp, c, name.clone(), Duration::from_secs(5))
                         .map_err(|e| crate::chain(&e))
+                        .and_then(|conn| {
+                            let vm = d.opts.vm_id;
+                            if conn.peer_valid_for_vm(vm) {
+                                Ok(conn)
+                            } else {
+                                Err(format!("the backup's certificate does not name VM {vm} ({} or {}): refusing it", crate::tls::vm_name(vm), crate::tls::ANY_VM))
+                            }
+                        })
                 }
                 None => Conn::plain(tcp).map_err(|e| e.to_string()),
             });

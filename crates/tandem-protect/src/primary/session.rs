@@ -13,6 +13,7 @@ use tandem_replication::{Acks, Frame, Primary, Reply};
 use tandem_vm::epoch::{run_pipeline, Checkpoint};
 use tandem_vm::{EpochSink, Guest, Vm, VmError};
 
+use super::fence::Blocked;
 use super::link::{self, Out, SenderOpts, Shared};
 use super::sink::{LinkSink, Step};
 use super::watchdog::Watchdog;
@@ -63,6 +64,9 @@ pub struct Daemon<'a> {
     /// The first capture of the writable disks failed (a resumed guest): redo it before the
     /// next session.
     pub recapture: bool,
+    /// The ids of the last sessions (a backup's `fenced` must name one of them to be
+    /// believed without etcd).
+    pub sessions: std::collections::VecDeque<u64>,
 }
 
 pub(super) type Writes = Vec<(u64, Vec<u8>)>;
@@ -96,21 +100,49 @@ impl Daemon<'_> {
             Ok(s) => s,
             Err(e) => return Ok(End::Lost(format!("setting up the link: {e}"))),
         };
-        if let Some(f) = &mut self.fencing {
-            match f.begin_session(self.site) {
-                Ok(s) => self.proto.set_session(s),
-                Err(why) => return Ok(End::Lost(why)),
+        let session = tandem_fence::random_id();
+        self.proto.set_session(session);
+        self.sessions.push_back(session);
+        if self.sessions.len() > 8 {
+            self.sessions.pop_front();
+        }
+        match &mut self.fencing {
+            Some(f) => {
+                self.proto.set_fencing(f.wire());
+                match f.begin_session(session) {
+                    Ok(()) => {}
+                    Err(Blocked::Unknown(why)) => {
+                        return Ok(End::Lost(format!(
+                            "cannot record the new session in etcd ({why})"
+                        )))
+                    }
+                    Err(Blocked::Fenced(what)) => return Ok(End::FencedBy(what)),
+                }
             }
+            None => self.proto.set_fencing(tandem_replication::Fencing::None),
         }
         let start = self.epoch;
         let shared = Arc::new(Shared::new(Acks::new(self.proto.vm_id(), start), start));
         let reader = self.spawn_reader(reader_stream, shared.clone());
         let end = self.copy_and_run(vm, &stream, &shared);
-        let end = match self.fenced_by.take() {
-            Some(by) => Ok(End::FencedBy(by)),
-            None => end,
+        let end = match (self.fenced_by.take(), end) {
+            (Some(by), _) => Ok(End::FencedBy(by)),
+            (None, Ok(End::Fenced(n))) => Ok(self.believe_fenced(n, &shared)),
+            (None, end) => end,
         };
+        if let Some(why) = shared
+            .refused
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+        {
+            self.status.warn(format!("the backup refused the session: {why}"));
+        }
         self.last_session_acked = shared.acks().acked() > start;
+        // No release may start any more, and none is in progress: only then does the link
+        // close (the backup may take over at once when it sees the close).
+        shared.closing.store(true, Ordering::SeqCst);
+        self.site.relays.quiesce();
         // Unblock the reader (and a sender stuck in a write), then collect them.
         stream.shutdown();
         let _ = reader.join();
@@ -171,6 +203,35 @@ impl Daemon<'_> {
         drop(tx);
         let _ = sender.join();
         end
+    }
+
+    /// Whether to believe a backup that says it runs the guest since `epoch`: with etcd, the
+    /// record decides; without, the backup must name a session of this primary.
+    fn believe_fenced(&self, epoch: u64, shared: &Shared) -> End {
+        let session = *shared
+            .fenced_session
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        match &self.fencing {
+            Some(f) => match f.check() {
+                Ok(false) => End::FencedBy(f.fenced().unwrap_or_else(|| "owned elsewhere".into())),
+                Ok(true) => {
+                    self.status.warn("a peer at the backup's address says it runs the guest, but the ownership record in etcd names this node: not believed (is it the real backup?)");
+                    End::Lost("a peer claimed to run the guest; etcd says otherwise".into())
+                }
+                Err(why) => End::Lost(format!(
+                    "the backup says it runs the guest and etcd cannot confirm it ({why}); output stays held"
+                )),
+            },
+            None if session.is_some_and(|s| self.sessions.contains(&s)) => End::Fenced(epoch),
+            None => {
+                self.status.warn(format!(
+                    "a peer at the backup's address says it runs the guest since epoch {epoch}, but names no session of this primary ({}): not believed",
+                    session.map_or("none".into(), |s| format!("{s:016x}"))
+                ));
+                End::Lost("a peer claimed to run the guest without proof".into())
+            }
+        }
     }
 
     fn lost_or_fenced(&self, shared: &Shared, why: String) -> End {
@@ -346,16 +407,22 @@ impl Daemon<'_> {
         let w = std::mem::replace(&mut sink.writes, Ok(Vec::new()))
             .map_err(PrimaryError::FinalWrites)?;
         sink.st.ship(seq, &cp, &w)?;
-        let _ = tx.send(Out::Control(sink.st.proto.handover(seq)));
         self.epoch = seq;
+        // The handover goes only once the last epoch's output is out: the backup resumes the
+        // guest as soon as it reads it, and no frame of this copy may follow.
         let t = Instant::now();
-        while shared.acks().acked() < seq && !shared.is_lost() && t.elapsed() < ack_timeout {
-            std::thread::sleep(Duration::from_millis(2));
+        while shared.released.load(Ordering::SeqCst) < seq
+            && !shared.is_lost()
+            && t.elapsed() < ack_timeout
+        {
+            std::thread::sleep(Duration::from_millis(1));
         }
-        Ok(End::HandedOver {
-            epoch: seq,
-            acked: shared.acks().acked() >= seq,
-        })
+        let acked = shared.released.load(Ordering::SeqCst) >= seq;
+        if acked {
+            // The sender writes it before it stops (the session joins it).
+            let _ = tx.send(Out::Control(self.proto.handover(seq)));
+        }
+        Ok(End::HandedOver { epoch: seq, acked })
     }
 
     /// Ends replication on purpose: waits for outstanding acks, then says goodbye.
@@ -371,7 +438,8 @@ impl Daemon<'_> {
         End::Shutdown
     }
 
-    /// Reads the backup's frames: validated acks release their epochs' output.
+    /// Reads the backup's frames: validated acks release their epochs' output, each until
+    /// the deadline the backup's promise gives.
     fn spawn_reader(&self, stream: Conn, shared: Arc<Shared>) -> std::thread::JoinHandle<()> {
         let (relay, registry, jsonl, status) = (
             self.site.relays.clone(),
@@ -379,6 +447,7 @@ impl Daemon<'_> {
             self.jsonl.clone(),
             self.status.clone(),
         );
+        let heartbeat = self.opts.heartbeat;
         std::thread::spawn(move || {
             let mut r = BufReader::new(stream);
             let mut lat = Vec::new();
@@ -392,21 +461,50 @@ impl Daemon<'_> {
                 let reply = shared.acks().on_frame(&f, &mut lat);
                 match reply {
                     Ok(Reply::Acked {
-                        seq, can_fail_over, ..
+                        seq,
+                        can_fail_over,
+                        promise,
+                        ..
                     }) => {
-                        let released = match relay.release(seq) {
+                        if let Some(p) = promise {
+                            let hb = heartbeat.min(p / 4).max(Duration::from_millis(1));
+                            shared
+                                .heartbeat_us
+                                .store(hb.as_micros() as u64, Ordering::Relaxed);
+                        }
+                        let deadline = release_deadline(&shared, seq, promise, &lat);
+                        let allowed = || {
+                            !shared.closing.load(Ordering::SeqCst)
+                                && deadline.is_none_or(|d| Instant::now() < d)
+                        };
+                        let released = match relay.release_while(seq, &allowed) {
                             Ok(n) => n,
                             Err(e) => return shared.lose(format!("releasing output: {e}")),
                         };
+                        if allowed() {
+                            shared.released.fetch_max(seq, Ordering::SeqCst);
+                        } else {
+                            registry.inc_release_deferred();
+                        }
                         registry.set_protected(can_fail_over);
                         registry.set_backup_can_failover(can_fail_over);
                         record_acked(&shared, &registry, &jsonl, &lat, released, &status);
                     }
-                    Ok(Reply::Fenced(n)) => {
-                        status.warn(format!("the backup says it resumed the guest from epoch {n}: another copy runs; stopping this one without releasing anything"));
-                        shared.fenced_at.store(n, Ordering::SeqCst);
+                    Ok(Reply::Fenced { epoch, session }) => {
+                        status.warn(format!("the backup says it resumed the guest from epoch {epoch}: checking before stopping this copy (nothing is released meanwhile)"));
+                        *shared
+                            .fenced_session
+                            .lock()
+                            .unwrap_or_else(|e| e.into_inner()) = session;
+                        shared.fenced_at.store(epoch, Ordering::SeqCst);
                         shared.fenced.store(true, Ordering::SeqCst);
-                        return shared.lose("fenced by the backup".into());
+                        shared.closing.store(true, Ordering::SeqCst);
+                        return shared.lose("the backup says it runs the guest".into());
+                    }
+                    Ok(Reply::Refused(why)) => {
+                        let msg = format!("refused by the backup: {why}");
+                        *shared.refused.lock().unwrap_or_else(|e| e.into_inner()) = Some(why);
+                        return shared.lose(msg);
                     }
                     Ok(Reply::Heartbeat) => {}
                     Err(e) => {
@@ -416,6 +514,26 @@ impl Daemon<'_> {
             }
         })
     }
+}
+
+/// Until when the output of epochs up to `seq` may be released: the backup received all of
+/// epoch `seq` no earlier than the moment its last byte was handed to the link (or, not
+/// recorded yet, the moment its sending began) and promises to take over no sooner than
+/// `promise` after that. 2 % of the promise and 2 ms go off for clock-rate differences and
+/// the release itself. `None`: an earlier backup that makes no promise.
+fn release_deadline(
+    shared: &Shared,
+    seq: u64,
+    promise: Option<Duration>,
+    covered: &[(u64, Instant)],
+) -> Option<Instant> {
+    let p = promise?;
+    let from = shared
+        .last_byte_of(seq)
+        .or_else(|| covered.last().map(|&(_, t)| t));
+    let right = p.mul_f64(0.98).saturating_sub(Duration::from_millis(2));
+    // Without any send time nothing can be proven: release nothing on this ack.
+    Some(from.map_or_else(Instant::now, |t| t + right))
 }
 
 /// Records the metrics of the epochs an ack covers: registry, and one JSON line each. A

@@ -1,6 +1,6 @@
 //! The replication link as the epoch pipeline's sink: at the checkpoint boundary it seals the
-//! relays' epoch, takes the disk write log and keeps the guest stopped while the lease is not
-//! certainly valid; after the pause it encodes the epoch and hands it to the sender.
+//! relays' epoch and takes the disk write log (and ends the session once the ownership record
+//! names another node); after the pause it encodes the epoch and hands it to the sender.
 
 use std::sync::atomic::Ordering;
 use std::sync::mpsc::{SyncSender, TrySendError};
@@ -75,14 +75,12 @@ impl EpochSink for LinkSink<'_> {
         if let Some(d) = &self.st.site.disk {
             self.writes = d.try_take_epoch_writes();
         }
-        // The guest is stopped here: it stays stopped while the lease is not certainly valid.
-        if let Some(f) = self.fencing.as_mut() {
-            if let super::fence::Wait::Fenced(by) = f.wait_valid(self.st.site, self.watchdog) {
-                *self.fenced_by = Some(by);
-                self.st
-                    .shared
-                    .lose("etcd says another node holds the VM".into());
-            }
+        // Another node owns the VM (the read-back saw it): this copy stops here.
+        if let Some(what) = self.fencing.as_ref().and_then(|f| f.fenced()) {
+            *self.fenced_by = Some(what);
+            self.st
+                .shared
+                .lose("etcd's ownership record names another node".into());
         }
         if let Some(why) = self.st.site.mirror_health.broken() {
             // A mirror failed during the epoch: its writes are incomplete.
