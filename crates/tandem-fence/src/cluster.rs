@@ -279,6 +279,67 @@ impl Cluster {
         }
     }
 
+    /// The index of the member that leads the cluster now (`None`: no running member says).
+    pub fn leader(&self) -> Option<usize> {
+        let mut ids = Vec::new();
+        let mut leader = None;
+        for (i, m) in self.members.iter().enumerate() {
+            if self.children[i].is_none() {
+                ids.push(None);
+                continue;
+            }
+            let (id, l) = self.status(m).unwrap_or((0, 0));
+            ids.push((id != 0).then_some(id));
+            if l != 0 {
+                leader = Some(l);
+            }
+        }
+        let l = leader?;
+        ids.iter().position(|id| *id == Some(l))
+    }
+
+    /// A member's own id and the leader's, as it reports them.
+    fn status(&self, m: &Member) -> Option<(u64, u64)> {
+        let tls = self.client_tls();
+        let v: serde_json::Value = match &self.netns {
+            None => {
+                let c = Client::with_tls(&[self.url(m)], Duration::from_millis(500), tls).ok()?;
+                c.status().ok()?
+            }
+            Some(ns) => {
+                let out = Command::new("ip")
+                    .args(["netns", "exec", ns, "etcdctl", "--endpoints"])
+                    .arg(self.url(m))
+                    .args(tls.map_or_else(Vec::new, |t| {
+                        let mut a = vec![format!("--cacert={}", t.ca.display())];
+                        if let (Some(c), Some(k)) = (&t.cert, &t.key) {
+                            a.push(format!("--cert={}", c.display()));
+                            a.push(format!("--key={}", k.display()));
+                        }
+                        a
+                    }))
+                    .args(["--command-timeout=500ms", "endpoint", "status", "-w", "json"])
+                    .env("ETCDCTL_API", "3")
+                    .stderr(Stdio::null())
+                    .output()
+                    .ok()?;
+                let all: serde_json::Value = serde_json::from_slice(&out.stdout).ok()?;
+                all.get(0)?.get("Status")?.clone()
+            }
+        };
+        let num = |x: Option<&serde_json::Value>| -> u64 {
+            match x {
+                Some(serde_json::Value::Number(n)) => n.as_u64().unwrap_or(0),
+                Some(serde_json::Value::String(s)) => s.parse().unwrap_or(0),
+                _ => 0,
+            }
+        };
+        Some((
+            num(v.get("header").and_then(|h| h.get("member_id"))),
+            num(v.get("leader")),
+        ))
+    }
+
     /// Kills member `i` (SIGKILL), as a crashed host would lose it.
     pub fn kill(&mut self, i: usize) {
         if let Some(mut c) = self.children[i].take() {
@@ -293,6 +354,14 @@ impl Cluster {
             self.spawn(i, false)?;
         }
         Ok(())
+    }
+
+    /// Restarts every killed member and waits until all answer.
+    pub fn restart_all(&mut self) -> Result<(), ClusterError> {
+        for i in 0..self.children.len() {
+            self.restart(i)?;
+        }
+        self.wait_healthy(Duration::from_secs(20))
     }
 }
 
@@ -355,7 +424,8 @@ impl Proxy {
                     return;
                 }
                 let Ok(down) = c else { continue };
-                let Ok(up) = std::net::TcpStream::connect_timeout(&upstream, Duration::from_secs(1))
+                let Ok(up) =
+                    std::net::TcpStream::connect_timeout(&upstream, Duration::from_secs(1))
                 else {
                     continue;
                 };
@@ -383,8 +453,7 @@ impl Proxy {
 
 impl Drop for Proxy {
     fn drop(&mut self) {
-        self.stop
-            .store(true, std::sync::atomic::Ordering::SeqCst);
+        self.stop.store(true, std::sync::atomic::Ordering::SeqCst);
         let _ = std::net::TcpStream::connect_timeout(&self.addr, Duration::from_millis(100));
     }
 }

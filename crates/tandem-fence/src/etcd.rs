@@ -265,6 +265,11 @@ impl Client {
         })
     }
 
+    /// The answering member's status (its header's member id, the leader's id).
+    pub fn status(&self) -> Result<Value, EtcdError> {
+        self.post("/v3/maintenance/status", &json!({}))
+    }
+
     /// Reads one key.
     pub fn get(&self, key: &str) -> Result<Option<Kv>, EtcdError> {
         let v = self.post("/v3/kv/range", &json!({ "key": b64(key.as_bytes()) }))?;

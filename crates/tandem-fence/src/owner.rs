@@ -190,7 +190,10 @@ impl Fence {
                 Some(r) => Ok((Some(r), kv.mod_revision)),
                 None => Err(FenceError::Corrupt {
                     key: self.cfg.key(),
-                    value: String::from_utf8_lossy(&kv.value).chars().take(120).collect(),
+                    value: String::from_utf8_lossy(&kv.value)
+                        .chars()
+                        .take(120)
+                        .collect(),
                 }),
             },
         }
@@ -230,7 +233,10 @@ impl Fence {
         let key = self.cfg.key();
         let r = self.client.txn(
             &[Compare::ModRevision(key.clone(), p.rev)],
-            &[Op::Put(key.clone(), p.record.encode(), 0), Op::Get(key.clone())],
+            &[
+                Op::Put(key.clone(), p.record.encode(), 0),
+                Op::Get(key.clone()),
+            ],
             &[Op::Get(key)],
         )?;
         let seen = self.parse(r.reads.first().cloned().flatten())?;
@@ -254,8 +260,8 @@ impl Fence {
                 Some(s) => s,
                 None => self.read_seen()?,
             };
-            let planned = plan(current.as_ref(), t, random_id(), unix_ms())
-                .map_err(|r| self.refused(r))?;
+            let planned =
+                plan(current.as_ref(), t, random_id(), unix_ms()).map_err(|r| self.refused(r))?;
             let Some(record) = planned else {
                 // The record says it already (nothing to write).
                 return current.ok_or_else(|| self.refused(Refusal::NotEligible(None)));
@@ -267,6 +273,20 @@ impl Fence {
             });
         }
         Err(FenceError::Contention(self.cfg.vm_id))
+    }
+
+    /// Reads the record every `every` on a thread of its own while the fence is in use, so
+    /// that the connection to etcd stays open (a takeover then costs one round trip, not a
+    /// TLS handshake) and the cluster id is known.
+    pub fn keep_warm(self: &Arc<Self>, every: Duration) {
+        let weak = Arc::downgrade(self);
+        let _ = std::thread::Builder::new()
+            .name("tandem-etcd".into())
+            .spawn(move || loop {
+                std::thread::sleep(every);
+                let Some(f) = weak.upgrade() else { return };
+                let _ = f.read();
+            });
     }
 
     /// Claims the VM for a fresh guest on this node: only a new VM (no record) or one stopped
@@ -455,8 +475,7 @@ impl Owner {
             .spawn(move || loop {
                 std::thread::sleep(every);
                 let Some(inner) = weak.upgrade() else { return };
-                if inner.done.load(Ordering::SeqCst) || inner.fenced_flag.load(Ordering::SeqCst)
-                {
+                if inner.done.load(Ordering::SeqCst) || inner.fenced_flag.load(Ordering::SeqCst) {
                     return;
                 }
                 let _ = (Owner { inner }).check();

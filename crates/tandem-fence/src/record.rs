@@ -203,7 +203,11 @@ pub fn plan(
             }
             _ => Err(Refusal::NotEligible(current.cloned())),
         },
-        Transition::Protect { node, gen: g, session } => {
+        Transition::Protect {
+            node,
+            gen: g,
+            session,
+        } => {
             mine(node, *g)?;
             if current.is_some_and(|r| r.session == Some(*session)) {
                 return Ok(None);
@@ -287,7 +291,13 @@ mod tests {
         assert_eq!(Record::parse(&r.encode()), Some(r.clone()));
         let text = String::from_utf8(r.encode()).unwrap();
         assert!(text.contains("\"session\":\"000000000000002a\""), "{text}");
-        for bad in [&b""[..], b"none", b"{}", b"{\"gen\":1}", &[b' '; MAX_RECORD + 1][..]] {
+        for bad in [
+            &b""[..],
+            b"none",
+            b"{}",
+            b"{\"gen\":1}",
+            &[b' '; MAX_RECORD + 1][..],
+        ] {
             assert_eq!(Record::parse(bad), None);
         }
     }
@@ -296,12 +306,26 @@ mod tests {
     fn a_fresh_boot_needs_a_new_or_stopped_vm() {
         let r = plan(None, &boot("a"), 1, 0).unwrap().unwrap();
         assert_eq!((r.gen, r.state), (1, State::Unprotected));
-        assert!(matches!(plan(Some(&r), &boot("b"), 2, 0), Err(Refusal::Owned(_))));
+        assert!(matches!(
+            plan(Some(&r), &boot("b"), 2, 0),
+            Err(Refusal::Owned(_))
+        ));
         // Not even the same node: its earlier copy may hold the only current state.
-        assert!(matches!(plan(Some(&r), &boot("a"), 2, 0), Err(Refusal::Owned(_))));
-        let s = plan(Some(&r), &Transition::Stop { node: "a".into(), gen: 1 }, 3, 0)
-            .unwrap()
-            .unwrap();
+        assert!(matches!(
+            plan(Some(&r), &boot("a"), 2, 0),
+            Err(Refusal::Owned(_))
+        ));
+        let s = plan(
+            Some(&r),
+            &Transition::Stop {
+                node: "a".into(),
+                gen: 1,
+            },
+            3,
+            0,
+        )
+        .unwrap()
+        .unwrap();
         let again = plan(Some(&s), &boot("b"), 4, 0).unwrap().unwrap();
         assert_eq!((again.gen, again.node.as_str()), (2, "b"));
     }
@@ -309,20 +333,45 @@ mod tests {
     #[test]
     fn only_the_recorded_session_takes_over_and_the_old_owner_is_fenced() {
         let a = plan(None, &boot("a"), 1, 0).unwrap().unwrap();
-        let p = Transition::Protect { node: "a".into(), gen: 1, session: 9 };
+        let p = Transition::Protect {
+            node: "a".into(),
+            gen: 1,
+            session: 9,
+        };
         let prot = plan(Some(&a), &p, 2, 0).unwrap().unwrap();
-        let take = |s| Transition::Takeover { node: "b".into(), session: s };
-        assert!(matches!(plan(Some(&prot), &take(8), 3, 0), Err(Refusal::NotEligible(_))));
+        let take = |s| Transition::Takeover {
+            node: "b".into(),
+            session: s,
+        };
+        assert!(matches!(
+            plan(Some(&prot), &take(8), 3, 0),
+            Err(Refusal::NotEligible(_))
+        ));
         // Unprotected: no backup may take over.
-        assert!(matches!(plan(Some(&a), &take(9), 3, 0), Err(Refusal::NotEligible(_))));
+        assert!(matches!(
+            plan(Some(&a), &take(9), 3, 0),
+            Err(Refusal::NotEligible(_))
+        ));
         let b = plan(Some(&prot), &take(9), 3, 0).unwrap().unwrap();
-        assert_eq!((b.gen, b.state, b.node.as_str()), (2, State::Unprotected, "b"));
+        assert_eq!(
+            (b.gen, b.state, b.node.as_str()),
+            (2, State::Unprotected, "b")
+        );
         for t in [
             p.clone(),
-            Transition::Unprotect { node: "a".into(), gen: 1 },
-            Transition::Stop { node: "a".into(), gen: 1 },
+            Transition::Unprotect {
+                node: "a".into(),
+                gen: 1,
+            },
+            Transition::Stop {
+                node: "a".into(),
+                gen: 1,
+            },
         ] {
-            assert!(matches!(plan(Some(&b), &t, 4, 0), Err(Refusal::Fenced(_))), "{t:?}");
+            assert!(
+                matches!(plan(Some(&b), &t, 4, 0), Err(Refusal::Fenced(_))),
+                "{t:?}"
+            );
         }
         // A second takeover by the same session (its own write, read back) is not allowed by
         // planning: recognising one's own write is the op id's job.
@@ -332,12 +381,22 @@ mod tests {
     #[test]
     fn repeated_transitions_write_nothing() {
         let a = plan(None, &boot("a"), 1, 0).unwrap().unwrap();
-        let u = Transition::Unprotect { node: "a".into(), gen: 1 };
+        let u = Transition::Unprotect {
+            node: "a".into(),
+            gen: 1,
+        };
         assert_eq!(plan(Some(&a), &u, 2, 0), Ok(None));
-        let p = Transition::Protect { node: "a".into(), gen: 1, session: 3 };
+        let p = Transition::Protect {
+            node: "a".into(),
+            gen: 1,
+            session: 3,
+        };
         let prot = plan(Some(&a), &p, 2, 0).unwrap().unwrap();
         assert_eq!(plan(Some(&prot), &p, 3, 0), Ok(None));
-        let st = Transition::Stop { node: "a".into(), gen: 1 };
+        let st = Transition::Stop {
+            node: "a".into(),
+            gen: 1,
+        };
         let s = plan(Some(&prot), &st, 4, 0).unwrap().unwrap();
         assert_eq!(plan(Some(&s), &st, 5, 0), Ok(None));
     }
@@ -349,7 +408,9 @@ mod tests {
             plan(Some(&a), &Transition::Override { gen: 2 }, 2, 0),
             Err(Refusal::Generation { named: 2, .. })
         ));
-        let s = plan(Some(&a), &Transition::Override { gen: 1 }, 2, 0).unwrap().unwrap();
+        let s = plan(Some(&a), &Transition::Override { gen: 1 }, 2, 0)
+            .unwrap()
+            .unwrap();
         assert_eq!((s.state, s.gen), (State::Stopped, 1));
         assert!(plan(Some(&s), &boot("c"), 3, 0).is_ok());
         assert!(matches!(

@@ -83,7 +83,11 @@ fn only_the_recorded_session_takes_over_and_the_old_owner_is_fenced() {
         assert!(matches!(refusal(r.err().unwrap()), Refusal::Fenced(_)));
     }
     assert!(a.is_fenced());
-    assert!(a.fenced().unwrap().contains("\"backup\""), "{:?}", a.fenced());
+    assert!(
+        a.fenced().unwrap().contains("\"backup\""),
+        "{:?}",
+        a.fenced()
+    );
 }
 
 #[test]
@@ -131,12 +135,17 @@ fn a_takeover_whose_reply_is_lost_counts_as_won() {
     a.protect(5).unwrap();
     let b = fence(eps, 4, "b");
     proxy.set(ProxyMode::DropTxnReplies(1));
-    let owner = b.take_over(5).expect("our own write read back counts as won");
+    let owner = b
+        .take_over(5)
+        .expect("our own write read back counts as won");
     assert_eq!(proxy.mode(), ProxyMode::Pass, "the reply was dropped");
     assert_eq!(owner.generation(), 2);
     let r = fence(c.endpoints(), 4, "x").read().unwrap().unwrap();
     assert_eq!((r.node.as_str(), r.gen), ("b", 2));
-    assert!(matches!(refusal(a.unprotect().err().unwrap()), Refusal::Fenced(_)));
+    assert!(matches!(
+        refusal(a.unprotect().err().unwrap()),
+        Refusal::Fenced(_)
+    ));
 }
 
 #[test]
@@ -186,7 +195,9 @@ fn the_owner_notices_a_change_it_did_not_make() {
     a.watch();
     std::thread::sleep(Duration::from_millis(400));
     assert!(!a.is_fenced());
-    fence(c.endpoints(), 8, "operator").override_stop(1).unwrap();
+    fence(c.endpoints(), 8, "operator")
+        .override_stop(1)
+        .unwrap();
     let t = Instant::now();
     while !a.is_fenced() {
         assert!(t.elapsed() < Duration::from_secs(3), "not noticed");
@@ -228,7 +239,10 @@ fn a_corrupt_record_is_named_and_left_alone() {
         .unwrap();
     let e = fence(c.endpoints(), 2, "a").boot().err().unwrap();
     assert!(matches!(e, FenceError::Corrupt { .. }), "{e}");
-    assert!(e.to_string().contains("etcdctl get /tandem/vm/2/owner"), "{e}");
+    assert!(
+        e.to_string().contains("etcdctl get /tandem/vm/2/owner"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -238,7 +252,9 @@ fn an_unreachable_cluster_is_named() {
     assert!(e.unknown());
     assert!(format!("{e}: {}", std::error::Error::source(&e).unwrap())
         .contains("no etcd endpoint answered"));
-    let e = Fence::connect(FenceConfig::new(vec![], 1, "p")).err().unwrap();
+    let e = Fence::connect(FenceConfig::new(vec![], 1, "p"))
+        .err()
+        .unwrap();
     assert!(std::error::Error::source(&e)
         .unwrap()
         .to_string()
@@ -264,7 +280,11 @@ fn etcd_over_mutual_tls() {
     let a = f.boot().unwrap();
     a.protect(1).unwrap();
     a.stop().unwrap();
-    assert_ne!(f.descriptor().cluster_id, 0, "the cluster id comes with the answers");
+    assert_ne!(
+        f.descriptor().cluster_id,
+        0,
+        "the cluster id comes with the answers"
+    );
     // Without a client certificate the cluster refuses (client-cert-auth).
     let mut no_cert = cfg.clone();
     no_cert.tls = Some(tandem_fence::EtcdTls {
@@ -272,7 +292,12 @@ fn etcd_over_mutual_tls() {
         key: None,
         ..tls.client.clone()
     });
-    assert!(Fence::connect(no_cert).unwrap().boot().err().unwrap().unknown());
+    assert!(Fence::connect(no_cert)
+        .unwrap()
+        .boot()
+        .err()
+        .unwrap()
+        .unknown());
     // Without TLS at all the https endpoint is refused before any request.
     let mut plain = cfg.clone();
     plain.tls = None;

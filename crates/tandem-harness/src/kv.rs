@@ -118,6 +118,25 @@ impl KvClient {
     pub fn get(&mut self, key: &[u8]) -> Result<Option<Vec<u8>>, KvError> {
         self.command(&[b"GET", key])
     }
+
+    /// `LRANGE key 0 -1`: the whole list.
+    pub fn lrange(&mut self, key: &[u8]) -> Result<Vec<Vec<u8>>, KvError> {
+        let mut buf = Vec::new();
+        encode_command(&mut buf, &[b"LRANGE", key, b"0", b"-1"]);
+        self.w.write_all(&buf)?;
+        let mut line = String::new();
+        if self.r.read_line(&mut line)? == 0 {
+            return Err(KvError::Io(std::io::ErrorKind::UnexpectedEof.into()));
+        }
+        let line = line.trim_end();
+        let n: i64 = line
+            .strip_prefix('*')
+            .and_then(|n| n.parse().ok())
+            .ok_or_else(|| KvError::Reply(line.into()))?;
+        (0..n.max(0))
+            .map(|_| self.reply().map(Option::unwrap_or_default))
+            .collect()
+    }
 }
 
 fn encode_command(buf: &mut Vec<u8>, args: &[&[u8]]) {

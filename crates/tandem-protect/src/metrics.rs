@@ -401,7 +401,13 @@ impl Registry {
         if let Some(h) = &s.owner {
             let help = "Generation of the VM's ownership record in etcd that this node runs.";
             let v = h.generation().to_string();
-            family(&mut o, "tandem_owner_generation", g, help, &[(String::new(), v)]);
+            family(
+                &mut o,
+                "tandem_owner_generation",
+                g,
+                help,
+                &[(String::new(), v)],
+            );
             let help = "1 once this node learned that another node owns the VM (its copy stops).";
             let v = b(h.is_fenced());
             family(&mut o, "tandem_fenced", g, help, &[(String::new(), v)]);

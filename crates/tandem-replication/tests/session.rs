@@ -7,8 +7,8 @@ use std::time::{Duration, Instant};
 
 use tandem_codec::{Codec, Config};
 use tandem_replication::{
-    AckError, Acks, Applied, ApplyError, Backup, DiskCopy, EpochInput, Fencing, Frame, Kind, Primary,
-    Reply,
+    AckError, Acks, Applied, ApplyError, Backup, DiskCopy, EpochInput, Fencing, Frame, Kind,
+    Primary, Reply,
 };
 
 const P: usize = 4096;
@@ -325,7 +325,9 @@ fn a_primary_that_fences_otherwise_is_refused_before_anything_changes() {
     // And the other way round.
     let mut plain = new_backup();
     p.set_fencing(etcd);
-    let e = plain.handle(&p.begin(0, &g.mem, DISK as u64).unwrap()).unwrap_err();
+    let e = plain
+        .handle(&p.begin(0, &g.mem, DISK as u64).unwrap())
+        .unwrap_err();
     assert!(e.to_string().contains("--etcd"), "{e}");
 }
 

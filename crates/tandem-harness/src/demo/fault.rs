@@ -42,6 +42,27 @@ pub enum Fault {
     EtcdMemberKill,
     /// Two of three etcd members down for this many milliseconds: quorum lost, then back.
     EtcdQuorumLoss(u64),
+    /// SIGSTOP of the primary's tandem process (not its QEMU) for this many milliseconds,
+    /// then SIGCONT: a daemon that hangs past the backup's promise.
+    DaemonStop(u64),
+    /// The primary's host cut from etcd (not from the backup) for this many milliseconds.
+    PrimaryEtcdCut(u64),
+    /// The primary's frames to the backup dropped (the other way passes) for this long.
+    OneWay(u64),
+    /// The replication link cut and healed every 300 ms for this many milliseconds.
+    Flap(u64),
+    /// The etcd member that leads the cluster killed (restarted at the next round).
+    EtcdLeaderKill,
+    /// One etcd member's replies delayed past the daemons' request timeout for this long
+    /// (a slow member: requests time out after it may have committed them).
+    EtcdSlow(u64),
+    /// One etcd member's replies dropped for this long (requests may commit; the client
+    /// cannot know).
+    EtcdAmbiguous(u64),
+    /// The backup's tmpfs kept full by another writer for this long while a corrupt frame
+    /// forces a new session: the hello's zeroing of the disk copy fails with ENOSPC (needs
+    /// the backup on a small tmpfs).
+    EnospcHello(u64),
 }
 
 impl Fault {
@@ -66,7 +87,16 @@ impl Fault {
                 | Fault::BackupEtcdCut(_)
                 | Fault::EtcdMemberKill
                 | Fault::EtcdQuorumLoss(_)
+                | Fault::PrimaryEtcdCut(_)
+                | Fault::EtcdLeaderKill
+                | Fault::EtcdSlow(_)
+                | Fault::EtcdAmbiguous(_)
         )
+    }
+
+    /// Whether the fault needs the proxy on the replication link.
+    pub fn needs_link_proxy(self) -> bool {
+        matches!(self, Fault::CorruptFrame | Fault::EnospcHello(_))
     }
 }
 
@@ -86,6 +116,14 @@ impl std::fmt::Display for Fault {
             Fault::BackupEtcdCut(ms) => write!(f, "backup-etcd-cut:{ms}"),
             Fault::EtcdMemberKill => write!(f, "etcd-member-kill"),
             Fault::EtcdQuorumLoss(ms) => write!(f, "etcd-quorum-loss:{ms}"),
+            Fault::DaemonStop(ms) => write!(f, "daemon-stop:{ms}"),
+            Fault::PrimaryEtcdCut(ms) => write!(f, "primary-etcd-cut:{ms}"),
+            Fault::OneWay(ms) => write!(f, "one-way:{ms}"),
+            Fault::Flap(ms) => write!(f, "flap:{ms}"),
+            Fault::EtcdLeaderKill => write!(f, "etcd-leader-kill"),
+            Fault::EtcdSlow(ms) => write!(f, "etcd-slow:{ms}"),
+            Fault::EtcdAmbiguous(ms) => write!(f, "etcd-ambiguous:{ms}"),
+            Fault::EnospcHello(ms) => write!(f, "enospc-hello:{ms}"),
         }
     }
 }
@@ -103,6 +141,7 @@ impl std::str::FromStr for Fault {
             "corrupt-frame" => Fault::CorruptFrame,
             "backup-restart" => Fault::BackupRestart,
             "etcd-member-kill" => Fault::EtcdMemberKill,
+            "etcd-leader-kill" => Fault::EtcdLeaderKill,
             p if p.contains(':') => {
                 let (name, ms) = p.split_once(':').unwrap_or_default();
                 let ms = ms
@@ -113,12 +152,19 @@ impl std::str::FromStr for Fault {
                     "isolate" => Fault::Isolate(ms),
                     "backup-etcd-cut" => Fault::BackupEtcdCut(ms),
                     "etcd-quorum-loss" => Fault::EtcdQuorumLoss(ms),
+                    "daemon-stop" => Fault::DaemonStop(ms),
+                    "primary-etcd-cut" => Fault::PrimaryEtcdCut(ms),
+                    "one-way" => Fault::OneWay(ms),
+                    "flap" => Fault::Flap(ms),
+                    "etcd-slow" => Fault::EtcdSlow(ms),
+                    "etcd-ambiguous" => Fault::EtcdAmbiguous(ms),
+                    "enospc-hello" => Fault::EnospcHello(ms),
                     _ => return Err(format!("unknown fault {p:?}")),
                 }
             }
             other => {
                 return Err(format!(
-                    "unknown fault {other:?}; one of host-kill, qemu-kill, pause-kill, tandem-kill, qemu-stop, handover, partition:MS, corrupt-frame, backup-restart, and with --etcd isolate:MS, backup-etcd-cut:MS, etcd-member-kill, etcd-quorum-loss:MS"
+                    "unknown fault {other:?}; one of host-kill, qemu-kill, pause-kill, tandem-kill, qemu-stop, handover, daemon-stop:MS, partition:MS, one-way:MS, flap:MS, corrupt-frame, backup-restart, enospc-hello:MS, and with --etcd isolate:MS, backup-etcd-cut:MS, primary-etcd-cut:MS, etcd-member-kill, etcd-leader-kill, etcd-quorum-loss:MS, etcd-slow:MS, etcd-ambiguous:MS"
                 ))
             }
         })
@@ -151,6 +197,11 @@ fn is_zombie(pid: u32) -> bool {
 /// Drops every packet between namespace `ns` and each of `peers` (addresses or prefixes, both
 /// ways) with nftables, until [`heal`].
 pub fn partition(ns: &str, peers: &[&str]) -> anyhow::Result<()> {
+    partition_ways(ns, peers, true, true)
+}
+
+/// Like [`partition`], dropping only what `ns` sends (`out`) and/or receives (`inward`).
+pub fn partition_ways(ns: &str, peers: &[&str], out: bool, inward: bool) -> anyhow::Result<()> {
     let nft = |args: &[&str]| -> anyhow::Result<()> {
         let out = Command::new("ip")
             .args(["netns", "exec", ns, "nft"])
@@ -172,28 +223,32 @@ pub fn partition(ns: &str, peers: &[&str]) -> anyhow::Result<()> {
     ])?;
     nft(&["add chain inet tandem_fault in { type filter hook input priority 0; policy accept; }"])?;
     for peer in peers {
-        nft(&[
-            "add",
-            "rule",
-            "inet",
-            "tandem_fault",
-            "out",
-            "ip",
-            "daddr",
-            peer,
-            "drop",
-        ])?;
-        nft(&[
-            "add",
-            "rule",
-            "inet",
-            "tandem_fault",
-            "in",
-            "ip",
-            "saddr",
-            peer,
-            "drop",
-        ])?;
+        if out {
+            nft(&[
+                "add",
+                "rule",
+                "inet",
+                "tandem_fault",
+                "out",
+                "ip",
+                "daddr",
+                peer,
+                "drop",
+            ])?;
+        }
+        if inward {
+            nft(&[
+                "add",
+                "rule",
+                "inet",
+                "tandem_fault",
+                "in",
+                "ip",
+                "saddr",
+                peer,
+                "drop",
+            ])?;
+        }
     }
     Ok(())
 }

@@ -10,6 +10,8 @@ mod client;
 mod cycle;
 mod daemon;
 mod debian;
+pub(crate) mod etcdlab;
+pub(crate) mod history;
 pub(crate) mod fault;
 mod pg;
 pub use pg::{pgbench_init, DebianVm, PgAt};
@@ -153,36 +155,6 @@ fn next(seed: &mut u64) -> u64 {
     seed.wrapping_mul(0x2545_f491_4f6c_dd1d)
 }
 
-/// Adds the etcd segment to `lab` and starts a 3-member cluster on it (data in `dir`).
-fn start_etcd(
-    lab: &mut NetLab,
-    dir: &std::path::Path,
-) -> anyhow::Result<tandem_fence::cluster::Cluster> {
-    let ns = lab.add_etcd().context("adding the etcd namespace")?;
-    let members = tandem_net::lab::ETCD_IPS
-        .iter()
-        .enumerate()
-        .map(|(i, ip)| tandem_fence::cluster::Member {
-            name: format!("e{}", i + 1),
-            ip: ip.to_string(),
-            client_port: 2379,
-            peer_port: 2380,
-        })
-        .collect();
-    let d = dir.join("etcd");
-    std::fs::create_dir_all(&d)?;
-    // As a production cluster: https with the members' certificates, client certificates
-    // required (the daemons get --etcd-ca/--etcd-cert/--etcd-key).
-    let tls =
-        tandem_fence::cluster::ClusterTls::generate(&d.join("keys"), &tandem_net::lab::ETCD_IPS)?;
-    Ok(tandem_fence::cluster::Cluster::start_with(
-        members,
-        &d,
-        Some(&ns),
-        Some(tls),
-    )?)
-}
-
 /// Runs the demo.
 pub fn run(a: Args) -> anyhow::Result<()> {
     match a.vm.as_str() {
@@ -228,7 +200,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         None
     };
     let etcd = if with_cycle || a.etcd || a.faults.iter().any(|f| f.needs_etcd()) {
-        Some(std::sync::Mutex::new(start_etcd(&mut lab, dir.path())?))
+        Some(etcdlab::EtcdLab::start(&mut lab, dir.path())?)
     } else {
         None
     };
@@ -243,8 +215,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     if let Some(e) = &etcd {
         eprintln!(
             "tandem demo: etcd cluster of 3 members in netns {} ({}, mutual TLS); the VM's ownership record per round: /tandem/vm/ROUND/owner (a takeover is one compare-and-swap, no lease)",
-            lab.etcd.clone().unwrap_or_default(),
-            e.lock().unwrap_or_else(|e| e.into_inner()).endpoints().join(",")
+            e.ns,
+            e.endpoints().join(",")
         );
     }
     let pb = indicatif::ProgressBar::new_spinner();

@@ -34,6 +34,8 @@ pub struct Ctx<'a> {
 pub struct Client {
     pub addr: SocketAddr,
     pub writers: Option<Writers>,
+    /// The list appenders whose history is checked (kv only).
+    pub appenders: Option<super::history::Appenders>,
     /// Redis run id and uptime before the kill (kv only).
     pub identity_before: (String, u64),
 }
@@ -46,6 +48,9 @@ impl Client {
             .map_or(0, |w| w.ops.load(Ordering::Relaxed))
     }
 }
+
+/// List appenders beside the writers in every kv round (their history is checked).
+const APPENDERS: usize = 4;
 
 /// The same moment on the monotonic clock and the Unix clock, to convert the backup's times.
 pub struct Clock {
@@ -98,6 +103,8 @@ pub struct Outcome {
     first_second: (f64, f64),
     identity_before: (String, u64),
     identity_after: (String, u64),
+    /// The list appenders' history, checked.
+    history: Option<super::history::Check>,
 }
 
 /// The checks made after both daemons stopped.
@@ -215,16 +222,24 @@ impl<'a> Ctx<'a> {
         let o = self.o;
         let kv = o.workload == "kv";
         let mut identity_before = (String::new(), 0);
-        let writers = if kv {
+        let (writers, appenders) = if kv {
             let mut probe = client::wait_ready(&o.lab.clients, addr, Duration::from_secs(60))?;
             identity_before = client::server_identity(&mut probe)?;
-            Some(Writers::start(&o.lab.clients, addr, o.conns, o.batch))
+            (
+                Some(Writers::start(&o.lab.clients, addr, o.conns, o.batch)),
+                Some(super::history::Appenders::start(
+                    &o.lab.clients,
+                    addr,
+                    APPENDERS,
+                )),
+            )
         } else {
-            None
+            (None, None)
         };
         Ok(Client {
             addr,
             writers,
+            appenders,
             identity_before,
         })
     }
@@ -314,7 +329,9 @@ impl<'a> Ctx<'a> {
         tl: &Timeline,
     ) -> anyhow::Result<Outcome> {
         match client.writers {
-            Some(w) => self.kv_outcome(w, client.addr, client.identity_before, tl),
+            Some(w) => {
+                self.kv_outcome(w, client.appenders, client.addr, client.identity_before, tl)
+            }
             None => Ok(self.progress_outcome(primary, backup, tl)),
         }
     }
@@ -323,6 +340,7 @@ impl<'a> Ctx<'a> {
     fn kv_outcome(
         &self,
         w: Writers,
+        appenders: Option<super::history::Appenders>,
         addr: SocketAddr,
         identity_before: (String, u64),
         tl: &Timeline,
@@ -332,6 +350,7 @@ impl<'a> Ctx<'a> {
         let latencies = w.latencies.clone();
         let reconnects = w.reconnects.load(Ordering::Relaxed);
         let acked = w.stop();
+        let history = appenders.map(super::history::Appenders::stop);
         self.pb.set_message(format!(
             "round {round}: reading back every acknowledged write"
         ));
@@ -340,6 +359,13 @@ impl<'a> Ctx<'a> {
             Err(_) => client::wait_ready(&o.lab.clients, addr, Duration::from_secs(30))?,
         };
         let (checked, lost, first_lost) = client::verify(&mut verifier, &acked)?;
+        let history = match history {
+            Some(h) => {
+                let lists = super::history::read_lists(&mut verifier, APPENDERS)?;
+                Some(super::history::check(&h, &lists))
+            }
+            None => None,
+        };
         let identity_after = client::server_identity(&mut verifier)?;
         let lat = latencies.lock().unwrap_or_else(|e| e.into_inner());
         let before_kill: Vec<f64> = lat
@@ -372,6 +398,7 @@ impl<'a> Ctx<'a> {
             first_second: first_second(&lat, kill_at, tl.end),
             identity_before,
             identity_after,
+            history,
         })
     }
 
@@ -414,6 +441,7 @@ impl<'a> Ctx<'a> {
             first_second: (f64::NAN, f64::NAN),
             identity_before: (String::new(), 0),
             identity_after: (String::new(), 0),
+            history: None,
         }
     }
 
@@ -536,6 +564,7 @@ impl<'a> Ctx<'a> {
             primary_frames_after_failover: c.after_failover,
             primary_copy_stopped: c.primary_copy_stopped,
             leftovers: c.left,
+            history: g.history,
         }
     }
 }

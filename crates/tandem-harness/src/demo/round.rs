@@ -55,8 +55,8 @@ pub struct Opts<'a> {
     /// of `--workload` with tandem's NBD data disk.
     pub vm_config: Option<PathBuf>,
     /// Fence both daemons with this etcd cluster (`--etcd`).
-    pub etcd: Option<&'a std::sync::Mutex<tandem_fence::cluster::Cluster>>,
-    /// The VM id (its leader key in etcd).
+    pub etcd: Option<&'a super::etcdlab::EtcdLab>,
+    /// The VM id (its ownership record in etcd).
     pub vm_id: u64,
     /// Mutual TLS on the replication link with the keys in this directory (`tandem keys`).
     pub tls_dir: Option<PathBuf>,
@@ -181,6 +181,9 @@ pub struct RoundResult {
     pub primary_copy_stopped: bool,
     /// Processes or files of this round left behind after it (must be empty).
     pub leftovers: Vec<String>,
+    /// The list appenders' history, checked (kv only): every acknowledged append present,
+    /// in order, nothing never written.
+    pub history: Option<super::history::Check>,
 }
 
 impl RoundResult {
@@ -191,6 +194,7 @@ impl RoundResult {
             && self.primary_frames_after_failover == 0
             && self.primary_copy_stopped
             && self.leftovers.is_empty()
+            && self.history.as_ref().is_none_or(|h| h.anomalies() == 0 && h.ok > 0)
     }
 }
 
@@ -276,6 +280,11 @@ impl Epochs {
 pub(crate) const MIB: f64 = (1 << 20) as f64;
 
 pub fn run(round: usize, o: &Opts<'_>, pb: &ProgressBar) -> anyhow::Result<RoundResult> {
+    // Members an earlier round killed come back; the proxy passes replies again.
+    if let Some(e) = o.etcd {
+        e.set_proxy(tandem_fence::cluster::ProxyMode::Pass);
+        e.cluster().restart_all()?;
+    }
     let rdir = o.dir.join(format!("round{round}"));
     std::fs::create_dir_all(&rdir)?;
     let report = rdir.join("failover.json");
@@ -327,7 +336,7 @@ fn run_mounted(
         0
     };
     let backup_addr: SocketAddr = format!("{BACKUP_IP}:7000").parse()?;
-    let proxy = if o.faults.contains(&Fault::CorruptFrame) {
+    let proxy = if o.faults.iter().any(|f| f.needs_link_proxy()) {
         Some(Proxy::start(&o.lab.primary, backup_addr)?)
     } else {
         None

@@ -11,6 +11,7 @@ use indicatif::ProgressBar;
 use tandem_net::lab::BACKUP_IP;
 
 use super::fault::{self, Fault, Proxy};
+use tandem_fence::cluster::ProxyMode;
 use super::round::{Epochs, Opts};
 
 /// The daemons of a round and how to restart the backup.
@@ -41,16 +42,14 @@ pub fn common(o: &Opts<'_>, v: &mut Vec<String>) {
         v.extend(["--tls-dir".to_string(), d.display().to_string()]);
     }
     if let Some(e) = o.etcd {
-        let c = e.lock().unwrap_or_else(|e| e.into_inner());
-        let eps = c.endpoints().join(",");
-        if let Some(t) = c.client_tls() {
+        let eps = e.endpoints().join(",");
+        if let Some(t) = e.client_tls() {
             v.extend(["--etcd-ca".to_string(), t.ca.display().to_string()]);
             if let (Some(cert), Some(key)) = (&t.cert, &t.key) {
                 v.extend(["--etcd-cert".to_string(), cert.display().to_string()]);
                 v.extend(["--etcd-key".to_string(), key.display().to_string()]);
             }
         }
-        drop(c);
         // A VM id per round: each round's guest is another VM for etcd.
         v.extend([
             "--etcd".to_string(),
@@ -236,11 +235,11 @@ pub fn inject_faults(
             }
             Fault::EtcdMemberKill => {
                 let e = o.etcd.context("etcd-member-kill needs --etcd")?;
-                e.lock().unwrap_or_else(|e| e.into_inner()).kill(0);
+                e.cluster().kill(0);
             }
             Fault::EtcdQuorumLoss(ms) => {
                 let e = o.etcd.context("etcd-quorum-loss needs --etcd")?;
-                let mut c = e.lock().unwrap_or_else(|e| e.into_inner());
+                let mut c = e.cluster();
                 // The member killed by an earlier etcd-member-kill stays down.
                 c.restart(0)?;
                 c.kill(1);
@@ -253,6 +252,54 @@ pub fn inject_faults(
                 if let Some(p) = t.proxy {
                     p.corrupt();
                 }
+            }
+            Fault::DaemonStop(ms) => {
+                fault::signal(t.primary.pid(), libc::SIGSTOP);
+                std::thread::sleep(Duration::from_millis(ms));
+                fault::signal(t.primary.pid(), libc::SIGCONT);
+            }
+            Fault::PrimaryEtcdCut(ms) => {
+                fault::partition(&o.lab.primary, &[tandem_net::lab::ETCD_NET])?;
+                std::thread::sleep(Duration::from_millis(ms));
+                fault::heal(&o.lab.primary);
+            }
+            Fault::OneWay(ms) => {
+                fault::partition_ways(&o.lab.primary, &[BACKUP_IP], true, false)?;
+                std::thread::sleep(Duration::from_millis(ms));
+                fault::heal(&o.lab.primary);
+            }
+            Fault::Flap(ms) => {
+                let t0 = Instant::now();
+                while t0.elapsed() < Duration::from_millis(ms) {
+                    fault::partition(&o.lab.primary, &[BACKUP_IP])?;
+                    std::thread::sleep(Duration::from_millis(300));
+                    fault::heal(&o.lab.primary);
+                    std::thread::sleep(Duration::from_millis(300));
+                }
+            }
+            Fault::EtcdLeaderKill => {
+                let e = o.etcd.context("etcd-leader-kill needs --etcd")?;
+                let mut c = e.cluster();
+                let i = c.leader().unwrap_or(0);
+                c.kill(i);
+            }
+            Fault::EtcdSlow(ms) | Fault::EtcdAmbiguous(ms) => {
+                let e = o.etcd.context("the etcd proxy needs --etcd")?;
+                e.set_proxy(match f {
+                    // Slower than the daemons' 300 ms request timeout.
+                    Fault::EtcdSlow(_) => ProxyMode::Delay(Duration::from_millis(450)),
+                    _ => ProxyMode::DropReplies(u32::MAX),
+                });
+                std::thread::sleep(Duration::from_millis(ms));
+                e.set_proxy(ProxyMode::Pass);
+            }
+            Fault::EnospcHello(ms) => {
+                let hog = Hog::start(&pair.rdir.join("backup"));
+                if let Some(p) = t.proxy {
+                    p.corrupt();
+                }
+                std::thread::sleep(Duration::from_millis(ms));
+                hog.stop();
             }
             Fault::BackupRestart => {
                 pair.backup.kill_host();
@@ -298,5 +345,41 @@ pub fn await_report(
             );
         }
         std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Another writer on the backup's tmpfs that takes every byte freed there, until stopped
+/// (its file is then deleted).
+struct Hog {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    handle: std::thread::JoinHandle<()>,
+    path: PathBuf,
+}
+
+impl Hog {
+    fn start(dir: &Path) -> Hog {
+        use std::io::Write;
+        use std::sync::atomic::Ordering;
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let path = dir.join("hog");
+        let (s, p) = (stop.clone(), path.clone());
+        let handle = std::thread::spawn(move || {
+            let Ok(mut f) = std::fs::File::create(&p) else {
+                return;
+            };
+            let chunk = vec![0x5au8; 4096];
+            while !s.load(Ordering::SeqCst) {
+                if f.write_all(&chunk).is_err() {
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+            }
+        });
+        Hog { stop, handle, path }
+    }
+
+    fn stop(self) {
+        self.stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        let _ = self.handle.join();
+        let _ = std::fs::remove_file(&self.path);
     }
 }

@@ -109,7 +109,10 @@ pub fn start(listener: TcpListener, gate: Gate, status: Status) -> Receiver<Vett
                 let ip = tcp
                     .peer_addr()
                     .map_or(IpAddr::from([0, 0, 0, 0]), |a| a.ip());
-                let taken = busy.lock().unwrap_or_else(|e| e.into_inner()).take(ip, &tcp);
+                let taken = busy
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .take(ip, &tcp);
                 let Some((id, evicted)) = taken else {
                     once(
                         &said,

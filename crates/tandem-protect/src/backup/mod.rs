@@ -466,6 +466,7 @@ pub fn serve(
                 ));
             }
             bk.set_fencing(wire_fencing(&f));
+            f.keep_warm(Duration::from_secs(2));
             Some(f)
         }
         None => None,
@@ -533,7 +534,9 @@ pub fn serve(
         };
         if !link.standby.check_now() {
             // Taking over without a standby to resume would leave nobody running the guest.
-            let msg = format!("primary lost ({why}) but the standby QEMU is not running: not taking over");
+            let msg = format!(
+                "primary lost ({why}) but the standby QEMU is not running: not taking over"
+            );
             if msg != said {
                 status.warn(&msg);
                 said = msg;

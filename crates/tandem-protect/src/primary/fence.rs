@@ -86,7 +86,8 @@ impl Fencing {
         owner.watch();
         let o = owner.clone();
         // Output of any kind stops once this node learns that another copy owns the VM.
-        site.relays.set_gate(Some(std::sync::Arc::new(move || !o.is_fenced())));
+        site.relays
+            .set_gate(Some(std::sync::Arc::new(move || !o.is_fenced())));
         Fencing {
             owner,
             status,
@@ -124,11 +125,9 @@ impl Fencing {
 
     fn blocked(&self, e: FenceError) -> Blocked {
         match e.refusal() {
-            Some(Refusal::Fenced(_)) => Blocked::Fenced(
-                self.owner
-                    .fenced()
-                    .unwrap_or_else(|| crate::chain(&e)),
-            ),
+            Some(Refusal::Fenced(_)) => {
+                Blocked::Fenced(self.owner.fenced().unwrap_or_else(|| crate::chain(&e)))
+            }
             _ => Blocked::Unknown(crate::chain(&e)),
         }
     }

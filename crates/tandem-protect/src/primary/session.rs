@@ -136,7 +136,8 @@ impl Daemon<'_> {
             .unwrap_or_else(|e| e.into_inner())
             .take()
         {
-            self.status.warn(format!("the backup refused the session: {why}"));
+            self.status
+                .warn(format!("the backup refused the session: {why}"));
         }
         self.last_session_acked = shared.acks().acked() > start;
         // No release may start any more, and none is in progress: only then does the link

@@ -1,0 +1,80 @@
+//! The demo's etcd: a 3-member cluster in its own namespace over mutual TLS, as a production
+//! cluster would be, with a proxy in front of the first member that the fault campaign makes
+//! slow or drops replies of (ambiguous outcomes). The daemons reach the first member only
+//! through the proxy.
+
+use std::net::SocketAddr;
+use std::sync::{Mutex, MutexGuard};
+
+use anyhow::Context;
+use tandem_fence::cluster::{Cluster, ClusterTls, Member, Proxy, ProxyMode};
+use tandem_net::NetLab;
+
+/// The address the proxy listens on: the etcd bridge's own address.
+const PROXY_IP: &str = "10.79.0.1";
+const PROXY_PORT: u16 = 2479;
+
+/// The demo's etcd cluster and the proxy in front of its first member.
+pub struct EtcdLab {
+    cluster: Mutex<Cluster>,
+    proxy: Proxy,
+    /// The members' namespace.
+    pub ns: String,
+}
+
+impl EtcdLab {
+    /// Adds the etcd segment to `lab` and starts a 3-member cluster on it (data in `dir`).
+    pub fn start(lab: &mut NetLab, dir: &std::path::Path) -> anyhow::Result<EtcdLab> {
+        let ns = lab.add_etcd().context("adding the etcd namespace")?;
+        let members = tandem_net::lab::ETCD_IPS
+            .iter()
+            .enumerate()
+            .map(|(i, ip)| Member {
+                name: format!("e{}", i + 1),
+                ip: ip.to_string(),
+                client_port: 2379,
+                peer_port: 2380,
+            })
+            .collect();
+        let d = dir.join("etcd");
+        std::fs::create_dir_all(&d)?;
+        // As a production cluster: https with the members' certificates (valid for the proxy's
+        // address too), client certificates required (the daemons get --etcd-ca/...).
+        let mut ips = tandem_net::lab::ETCD_IPS.to_vec();
+        ips.push(PROXY_IP);
+        let tls = ClusterTls::generate(&d.join("keys"), &ips)?;
+        let cluster = Cluster::start_with(members, &d, Some(&ns), Some(tls))?;
+        let listen: SocketAddr = format!("{PROXY_IP}:{PROXY_PORT}").parse()?;
+        let up: SocketAddr = format!("{}:2379", tandem_net::lab::ETCD_IPS[0]).parse()?;
+        // Started inside the namespace: its threads connect to the member from there.
+        let proxy = tandem_net::netns::in_netns(Some(&ns), move || Proxy::start(listen, up))?
+            .context("starting the etcd proxy")?;
+        Ok(EtcdLab {
+            cluster: Mutex::new(cluster),
+            proxy,
+            ns,
+        })
+    }
+
+    /// The cluster (to kill and restart members).
+    pub fn cluster(&self) -> MutexGuard<'_, Cluster> {
+        self.cluster.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The endpoints the daemons get: the proxy, then the other two members.
+    pub fn endpoints(&self) -> Vec<String> {
+        let mut v = vec![format!("https://{PROXY_IP}:{PROXY_PORT}")];
+        v.extend(self.cluster().endpoints().into_iter().skip(1));
+        v
+    }
+
+    /// What a client needs for the members' TLS.
+    pub fn client_tls(&self) -> Option<tandem_fence::EtcdTls> {
+        self.cluster().client_tls().cloned()
+    }
+
+    /// Makes the first member slow or drop replies (or pass them again).
+    pub fn set_proxy(&self, mode: ProxyMode) {
+        self.proxy.set(mode);
+    }
+}
