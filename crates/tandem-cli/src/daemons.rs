@@ -219,7 +219,7 @@ pub struct PrimaryArgs {
     #[arg(long, requires = "listen")]
     pub backup_dir: Option<PathBuf>,
     /// With --listen: the backup role fails over when the primary has been silent this long.
-    #[arg(long, default_value_t = 1000)]
+    #[arg(long, default_value_t = 500)]
     pub timeout_ms: u64,
 }
 
@@ -236,8 +236,9 @@ pub struct BackupArgs {
     pub vm: VmArgs,
     #[command(flatten)]
     pub site: SiteArgs,
-    /// Fail over when the primary has been silent this long.
-    #[arg(long, default_value_t = 1000)]
+    /// Fail over when the primary has been silent this long (down to 100 ms: the primary's
+    /// heartbeat shortens itself to a quarter of it).
+    #[arg(long, default_value_t = 500)]
     pub timeout_ms: u64,
     /// Fail over when the primary's epochs have not advanced for this long although it still
     /// sends heartbeats (a primary stuck in QEMU); also how long a primary whose frame was

@@ -318,7 +318,13 @@ impl Cluster {
                         }
                         a
                     }))
-                    .args(["--command-timeout=500ms", "endpoint", "status", "-w", "json"])
+                    .args([
+                        "--command-timeout=500ms",
+                        "endpoint",
+                        "status",
+                        "-w",
+                        "json",
+                    ])
                     .env("ETCDCTL_API", "3")
                     .stderr(Stdio::null())
                     .output()

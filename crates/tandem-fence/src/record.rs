@@ -20,7 +20,7 @@
 use serde::{Deserialize, Serialize};
 
 /// What the record says about the guest.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum State {
     /// Shut down on purpose (or released by an operator): a fresh boot may claim the VM.
@@ -34,7 +34,7 @@ pub enum State {
 }
 
 /// The ownership record of one VM.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct Record {
     /// Generation: +1 each time another copy of the guest starts (a boot or a takeover).
     pub gen: u64,

@@ -184,11 +184,17 @@ pub fn check(history: &[Op], lists: &[Vec<u64>]) -> Check {
             match invoked.get(&v) {
                 None => {
                     c.never_written += 1;
-                    note(&mut c, format!("list h{a} holds {v}, which was never appended"));
+                    note(
+                        &mut c,
+                        format!("list h{a} holds {v}, which was never appended"),
+                    );
                 }
                 Some(op) if op.outcome == Outcome::Failed => {
                     c.never_written += 1;
-                    note(&mut c, format!("list h{a} holds {v}, whose append was never sent"));
+                    note(
+                        &mut c,
+                        format!("list h{a} holds {v}, whose append was never sent"),
+                    );
                 }
                 Some(_) => {}
             }
@@ -197,18 +203,26 @@ pub fn check(history: &[Op], lists: &[Vec<u64>]) -> Check {
                 note(&mut c, format!("list h{a} holds {v} twice"));
             } else if v <= last {
                 c.out_of_order += 1;
-                note(&mut c, format!("list h{a} holds {v} after {last} (position {i})"));
+                note(
+                    &mut c,
+                    format!("list h{a} holds {v} after {last} (position {i})"),
+                );
             }
             last = last.max(v);
         }
         let position: std::collections::HashMap<u64, usize> =
             list.iter().enumerate().map(|(i, &v)| (v, i)).collect();
         for op in &mine {
-            let Outcome::Ok(len) = op.outcome else { continue };
+            let Outcome::Ok(len) = op.outcome else {
+                continue;
+            };
             match position.get(&op.value) {
                 None => {
                     c.lost += 1;
-                    note(&mut c, format!("acknowledged append {} to h{a} is missing", op.value));
+                    note(
+                        &mut c,
+                        format!("acknowledged append {} to h{a} is missing", op.value),
+                    );
                 }
                 Some(&i) if i as u64 + 1 != len => {
                     c.misplaced += 1;

@@ -194,7 +194,10 @@ impl RoundResult {
             && self.primary_frames_after_failover == 0
             && self.primary_copy_stopped
             && self.leftovers.is_empty()
-            && self.history.as_ref().is_none_or(|h| h.anomalies() == 0 && h.ok > 0)
+            && self
+                .history
+                .as_ref()
+                .is_none_or(|h| h.anomalies() == 0 && h.ok > 0)
     }
 }
 

@@ -11,8 +11,8 @@ use indicatif::ProgressBar;
 use tandem_net::lab::BACKUP_IP;
 
 use super::fault::{self, Fault, Proxy};
-use tandem_fence::cluster::ProxyMode;
 use super::round::{Epochs, Opts};
+use tandem_fence::cluster::ProxyMode;
 
 /// The daemons of a round and how to restart the backup.
 pub struct Pair<'a> {

@@ -84,7 +84,7 @@ impl BackupConfig {
             dir: dir.into(),
             vm,
             site: SiteConfig::default(),
-            timeout: Duration::from_secs(1),
+            timeout: Duration::from_millis(500),
             stall: None,
             report: None,
             fence: None,
