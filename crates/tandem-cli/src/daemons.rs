@@ -210,6 +210,10 @@ pub struct PrimaryArgs {
     /// Fault injection for tests: SIGUSR2 kills QEMU inside the next checkpoint pause.
     #[arg(long, hide = true)]
     pub fault_hooks: bool,
+    /// Fault injection for tests: kill this host (process group) at a handover step
+    /// (handover-shipped, handover-released, handover-sent).
+    #[arg(long, hide = true)]
+    pub fault_kill_at: Option<String>,
     /// This node's own replication address (host:port): after a planned switchover
     /// (`tandem switchover`) it serves as the backup of the guest there, and while it runs
     /// the guest it turns away old copies that connect. Without it a switchover is refused.
@@ -412,6 +416,7 @@ pub fn primary(a: PrimaryArgs) -> anyhow::Result<()> {
         metrics_jsonl: a.metrics_jsonl,
         metrics_listen: a.metrics_listen,
         fault_stall_epoch: a.fault_stall_epoch,
+        fault_kill_at: a.fault_kill_at.clone(),
         load: Some(kv_load()),
         fence: a.fence.config(a.vm_id, "primary"),
         control: a.control,

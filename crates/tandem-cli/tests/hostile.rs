@@ -137,6 +137,7 @@ fn hostile(tls: bool) {
             disk_bytes: 0,
             start_epoch: 0,
             session: 1,
+            fencing: tandem_replication::Fencing::None,
         };
         let f = Frame {
             kind: Kind::Hello,

@@ -2,7 +2,7 @@
 //! (docs/FENCING.md): both daemons must fence the same way; a takeover whose reply is lost
 //! still wins; the old primary, restarted, never boots a fresh guest (exit status 3); the
 //! operator's override names the generation it throws away, and the node running the guest
-//! stops when the record no longer names it.
+//! stops when the record no longer names it; a `fenced` from a stranger is not believed.
 
 mod common;
 
@@ -257,4 +257,35 @@ fn a_takeover_survives_a_lost_reply_and_the_old_primary_never_boots_again() {
         String::from_utf8_lossy(&out.stdout).contains("stopped by"),
         "{out:?}"
     );
+}
+
+#[test]
+fn a_fenced_frame_from_a_stranger_is_not_believed() {
+    // Finding 8: on a plain link an unauthenticated `fenced` frame killed the primary. A peer
+    // at the backup's address now has to name a session of this primary (without etcd), or
+    // etcd has to confirm it.
+    use std::io::Read;
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let fake = std::thread::spawn(move || {
+        for _ in 0..2 {
+            let (mut s, _) = listener.accept().unwrap();
+            let mut r = std::io::BufReader::new(s.try_clone().unwrap());
+            let hello = tandem_replication::Frame::read_from(&mut r).unwrap().unwrap();
+            // Whatever follows the hello (the initial copy) is read and dropped.
+            std::thread::spawn(move || {
+                let mut sink = [0u8; 1 << 16];
+                while matches!(r.read(&mut sink), Ok(n) if n > 0) {}
+            });
+            let f = tandem_replication::wire::fenced_frame(hello.vm_id, 9, 0xdead_beef);
+            f.write_to(&mut s).unwrap();
+        }
+    });
+    let (mut p, prx) = primary(&addr, None, "6");
+    let line = wait_line(&prx, "not believed", Duration::from_secs(120));
+    assert!(line.contains("names no session of this primary"), "{line}");
+    fake.join().unwrap();
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(p.try_wait().unwrap().is_none(), "the primary stopped on a stranger's word");
+    sigterm(&mut p);
 }

@@ -240,11 +240,18 @@ impl Client {
         for i in 0..n {
             let at = (first + i) % n;
             let url = format!("{}{path}", self.endpoints[at]);
+            let t = std::time::Instant::now();
             let r = self
                 .agent
                 .post(&url)
                 .send_json(body)
                 .and_then(|r| r.into_body().read_json::<Value>());
+            tracing::debug!(
+                "etcd {path} at {}: {:.1} ms{}",
+                self.endpoints[at],
+                t.elapsed().as_secs_f64() * 1000.0,
+                if r.is_ok() { "" } else { " (failed)" }
+            );
             match r {
                 Ok(v) if v.get("error").is_some() => {
                     last = format!("{}: {}", self.endpoints[at], v["error"]);

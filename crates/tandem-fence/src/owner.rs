@@ -148,6 +148,8 @@ pub struct Fence {
     cfg: FenceConfig,
     /// A write whose outcome is not known yet.
     pending: Mutex<Option<Pending>>,
+    /// The record as last read or written, with its revision.
+    last: Mutex<Option<Seen>>,
 }
 
 /// A write whose outcome is not known yet: the record, the revision it compares against and
@@ -167,6 +169,7 @@ impl Fence {
             client,
             cfg,
             pending: Mutex::new(None),
+            last: Mutex::new(None),
         }))
     }
 
@@ -206,7 +209,15 @@ impl Fence {
 
     fn read_seen(&self) -> Result<Seen, FenceError> {
         let kv = self.client.get(&self.cfg.key())?;
-        self.parse(kv)
+        let seen = self.parse(kv)?;
+        self.remember(&seen);
+        Ok(seen)
+    }
+
+    /// Keeps the record as last seen (a write may be planned on it: its compare-and-swap
+    /// fails if it changed since).
+    fn remember(&self, seen: &Seen) {
+        *self.last.lock().unwrap_or_else(|e| e.into_inner()) = Some(seen.clone());
     }
 
     fn refused(&self, refusal: Refusal) -> FenceError {
@@ -240,6 +251,7 @@ impl Fence {
             &[Op::Get(key)],
         )?;
         let seen = self.parse(r.reads.first().cloned().flatten())?;
+        self.remember(&seen);
         let ours = seen.0.as_ref().is_some_and(|c| c.op == p.record.op);
         *self.pending.lock().unwrap_or_else(|e| e.into_inner()) = None;
         Ok(Some((seen, ours, p.t)))
@@ -247,21 +259,34 @@ impl Fence {
 
     /// Makes transition `t`; returns the record after it.
     fn apply(&self, t: &Transition) -> Result<Record, FenceError> {
+        // The record as last seen saves a round trip when it is still current (the
+        // compare-and-swap checks that); a refusal or "nothing to write" is only ever
+        // decided on a record read now.
         let mut seen = None;
+        let mut cached = self.last.lock().unwrap_or_else(|e| e.into_inner()).clone();
         for _ in 0..16 {
             match self.resolve()? {
                 // Our write of this transition (now, or in an earlier call whose reply was
                 // lost): done.
                 Some(((Some(r), _), true, pt)) if pt == *t => return Ok(r),
-                Some((s, _, _)) => seen = Some(s),
+                Some((s, _, _)) => {
+                    seen = Some(s);
+                    cached = None;
+                }
                 None => {}
             }
-            let (current, rev) = match seen.take() {
-                Some(s) => s,
-                None => self.read_seen()?,
+            let (from_cache, (current, rev)) = match (seen.take(), cached.take()) {
+                (Some(s), _) => (false, s),
+                (None, Some(c)) => (true, c),
+                (None, None) => (false, self.read_seen()?),
             };
-            let planned =
-                plan(current.as_ref(), t, random_id(), unix_ms()).map_err(|r| self.refused(r))?;
+            let planned = plan(current.as_ref(), t, random_id(), unix_ms());
+            let planned = match planned {
+                Ok(Some(_)) => planned,
+                _ if from_cache => continue,
+                _ => planned,
+            }
+            .map_err(|r| self.refused(r))?;
             let Some(record) = planned else {
                 // The record says it already (nothing to write).
                 return current.ok_or_else(|| self.refused(Refusal::NotEligible(None)));

@@ -331,20 +331,20 @@ impl World {
                     ack_in_hand: None,
                 });
             }
-            (Role::Primary(p), Want::Protect(s)) => {
-                if p.session.is_none() && p.sessions < MAX_SESSIONS {
-                    p.protected_by = Some(s);
-                    p.sessions += 1;
-                    // Hello and the initial copy, taken at the last checkpoint.
-                    p.session = Some((s, p.ck, false, p.ck));
-                    let base = Gs {
-                        lin: p.lin,
-                        ep: p.ck,
-                    };
-                    self.down.clear();
-                    self.up.clear();
-                    self.down.push(Msg::Hello { s, base });
-                }
+            (Role::Primary(p), Want::Protect(s))
+                if p.session.is_none() && p.sessions < MAX_SESSIONS =>
+            {
+                p.protected_by = Some(s);
+                p.sessions += 1;
+                // Hello and the initial copy, taken at the last checkpoint.
+                p.session = Some((s, p.ck, false, p.ck));
+                let base = Gs {
+                    lin: p.lin,
+                    ep: p.ck,
+                };
+                self.down.clear();
+                self.up.clear();
+                self.down.push(Msg::Hello { s, base });
             }
             (Role::Primary(p), Want::Unprotect) => {
                 p.protected_by = None;
@@ -464,10 +464,7 @@ impl World {
             self.pending[n] = None;
             self.inbox
                 .retain(|(m, r, _)| !(*m as usize == n && r.op == p.rec.op));
-            let still = match &p.want {
-                Want::Boot | Want::Takeover(_) => false,
-                _ => true,
-            };
+            let still = !matches!(&p.want, Want::Boot | Want::Takeover(_));
             if still {
                 self.write(n, p.want);
             } else {

@@ -3,6 +3,7 @@
 
 mod codec;
 mod consolidate;
+mod failover;
 mod faults;
 mod host;
 mod ksm;
@@ -151,10 +152,19 @@ pub struct Args {
     /// Guest RAM in MiB.
     #[arg(long, default_value_t = 256)]
     pub mem: u64,
-    /// Soak: inject at least this many random faults into replicated kv guests and check
-    /// every round (docs/BENCHMARKS.md, "Faults").
+    /// Fault campaign: inject at least this many random faults, in combinations, into
+    /// replicated kv guests fenced by etcd, and check every round's history
+    /// (docs/BENCHMARKS.md, "Fencing").
     #[arg(long)]
     pub faults: Option<u64>,
+    /// With --faults: no etcd fencing (no etcd faults, no double faults).
+    #[arg(long)]
+    pub no_etcd: bool,
+    /// Failover times: N host kills with etcd fencing and N without (the baseline), and N/2
+    /// isolations at 500 and 100 ms detection, rounds alternated (docs/BENCHMARKS.md,
+    /// "Fencing").
+    #[arg(long, value_name = "N")]
+    pub failover: Option<usize>,
     /// Seed for --faults (default: from the clock).
     #[arg(long)]
     pub seed: Option<u64>,
@@ -272,8 +282,11 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     if a.link {
         return link::run(a.json, a.link_mib);
     }
+    if let Some(n) = a.failover {
+        return failover::run(n, a.json);
+    }
     if let Some(n) = a.faults {
-        return faults::run(n, a.seed, a.mem, a.json);
+        return faults::run(n, a.seed, a.mem, a.no_etcd, a.json);
     }
     if a.replication {
         return replication::run(&a);

@@ -145,15 +145,23 @@ impl Writers {
     }
 
     /// Stops the writers (each finishes its batch) and returns the acknowledged counts.
-    pub fn stop(self) -> Vec<u64> {
+    pub fn stop(mut self) -> Vec<u64> {
         self.stop.store(true, Ordering::SeqCst);
-        for h in self.handles {
+        for h in std::mem::take(&mut self.handles) {
             let _ = h.join();
         }
         self.acked
             .iter()
             .map(|a| a.load(Ordering::SeqCst))
             .collect()
+    }
+}
+
+impl Drop for Writers {
+    /// Writers given up on stop at their next batch instead of writing to the next round's
+    /// guest at the same address.
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
     }
 }
 

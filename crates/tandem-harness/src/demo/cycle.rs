@@ -58,17 +58,17 @@ impl CycleResult {
     }
 }
 
-struct Node {
-    name: &'static str,
-    ns: String,
-    me: String,
-    peer: String,
-    dir: PathBuf,
-    sock: PathBuf,
-    tap: &'static str,
+pub(super) struct Node {
+    pub(super) name: &'static str,
+    pub(super) ns: String,
+    pub(super) me: String,
+    pub(super) peer: String,
+    pub(super) dir: PathBuf,
+    pub(super) sock: PathBuf,
+    pub(super) tap: &'static str,
 }
 
-fn status(sock: &Path) -> Option<serde_json::Value> {
+pub(super) fn status(sock: &Path) -> Option<serde_json::Value> {
     tandem_protect::control::ask(sock).ok()
 }
 
@@ -81,7 +81,7 @@ fn num(v: &serde_json::Value, path: &[&str]) -> f64 {
 }
 
 /// Waits until the node at `sock` is a backup that committed an epoch after `after`.
-fn wait_protected(sock: &Path, after: u64, timeout: Duration) -> anyhow::Result<()> {
+pub(super) fn wait_protected(sock: &Path, after: u64, timeout: Duration) -> anyhow::Result<()> {
     let t = Instant::now();
     loop {
         if let Some(v) = status(sock) {
@@ -103,7 +103,11 @@ fn wait_protected(sock: &Path, after: u64, timeout: Duration) -> anyhow::Result<
 }
 
 /// Waits until the node at `sock` runs the guest after `before` failovers; its last one.
-fn wait_failover(sock: &Path, before: u64, timeout: Duration) -> anyhow::Result<serde_json::Value> {
+pub(super) fn wait_failover(
+    sock: &Path,
+    before: u64,
+    timeout: Duration,
+) -> anyhow::Result<serde_json::Value> {
     let t = Instant::now();
     loop {
         if let Some(v) = status(sock) {
@@ -123,6 +127,17 @@ fn wait_failover(sock: &Path, before: u64, timeout: Duration) -> anyhow::Result<
 
 impl Node {
     fn start(&self, o: &Opts<'_>, role: &str, log: PathBuf) -> anyhow::Result<Daemon> {
+        self.start_with(o, role, log, &[])
+    }
+
+    /// Starts the node in `role` with `extra` flags.
+    pub(super) fn start_with(
+        &self,
+        o: &Opts<'_>,
+        role: &str,
+        log: PathBuf,
+        extra: &[String],
+    ) -> anyhow::Result<Daemon> {
         let mut args: Vec<String> = vec![role.into()];
         match role {
             "primary" => args.extend([
@@ -156,6 +171,7 @@ impl Node {
             "--control".into(),
             self.sock.display().to_string(),
         ]);
+        args.extend(extra.iter().cloned());
         common(o, &mut args);
         let _ = std::fs::remove_file(&self.sock);
         let mut d = Daemon::spawn(self.name, &self.ns, &o.exe, &args, log)?;
@@ -217,9 +233,8 @@ fn gap(w: &Writers, from: Instant) -> f64 {
         .fold(0.0, f64::max)
 }
 
-pub fn run(o: &Opts<'_>, pb: &ProgressBar) -> anyhow::Result<CycleResult> {
-    let rdir = o.dir.join("cycle");
-    std::fs::create_dir_all(&rdir)?;
+/// The two nodes of a cycle in `rdir`: A in the primary's namespace, B in the backup's.
+pub(super) fn nodes(o: &Opts<'_>, rdir: &Path) -> (Node, Node) {
     let a = Node {
         name: "node A",
         ns: o.lab.primary.clone(),
@@ -238,6 +253,13 @@ pub fn run(o: &Opts<'_>, pb: &ProgressBar) -> anyhow::Result<CycleResult> {
         sock: rdir.join("b.sock"),
         tap: "tdb0",
     };
+    (a, b)
+}
+
+pub fn run(o: &Opts<'_>, pb: &ProgressBar) -> anyhow::Result<CycleResult> {
+    let rdir = o.dir.join("cycle");
+    std::fs::create_dir_all(&rdir)?;
+    let (a, b) = nodes(o, &rdir);
     pb.set_message("HA cycle: starting node B (backup) and node A (primary)");
     let mut nb = b.start(o, "backup", rdir.join("b.log"))?;
     let mut na = a.start(o, "primary", rdir.join("a.log"))?;

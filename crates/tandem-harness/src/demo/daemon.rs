@@ -140,6 +140,11 @@ impl Daemon {
         matches!(self.child.try_wait(), Ok(Some(_)))
     }
 
+    /// The exit code once the daemon exited (`None`: still running, or killed by a signal).
+    pub fn exit_code(&mut self) -> Option<i32> {
+        self.child.try_wait().ok().flatten().and_then(|s| s.code())
+    }
+
     /// SIGKILL to the whole process group (the daemon and its QEMU), as a host failure.
     pub fn kill_host(&mut self) {
         // SAFETY: kill(2) on our child's process group (it was started with process_group(0)).

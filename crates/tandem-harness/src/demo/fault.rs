@@ -63,6 +63,12 @@ pub enum Fault {
     /// forces a new session: the hello's zeroing of the disk copy fails with ENOSPC (needs
     /// the backup on a small tmpfs).
     EnospcHello(u64),
+    /// A host kill of the primary while the first etcd member drops every reply: the
+    /// backup's takeover may commit without its reply reaching it.
+    AmbiguousKill,
+    /// The primary's daemon stops itself right after reading an acknowledgement, before it
+    /// releases its output, and is continued after this many milliseconds.
+    AckStop(u64),
 }
 
 impl Fault {
@@ -76,6 +82,7 @@ impl Fault {
                 | Fault::QemuStop
                 | Fault::Handover
                 | Fault::Isolate(_)
+                | Fault::AmbiguousKill
         )
     }
 
@@ -91,6 +98,15 @@ impl Fault {
                 | Fault::EtcdLeaderKill
                 | Fault::EtcdSlow(_)
                 | Fault::EtcdAmbiguous(_)
+                | Fault::AmbiguousKill
+        )
+    }
+
+    /// Whether the fault needs the proxy in front of an etcd member.
+    pub fn needs_etcd_proxy(self) -> bool {
+        matches!(
+            self,
+            Fault::EtcdSlow(_) | Fault::EtcdAmbiguous(_) | Fault::AmbiguousKill
         )
     }
 
@@ -124,6 +140,8 @@ impl std::fmt::Display for Fault {
             Fault::EtcdSlow(ms) => write!(f, "etcd-slow:{ms}"),
             Fault::EtcdAmbiguous(ms) => write!(f, "etcd-ambiguous:{ms}"),
             Fault::EnospcHello(ms) => write!(f, "enospc-hello:{ms}"),
+            Fault::AmbiguousKill => write!(f, "ambiguous-host-kill"),
+            Fault::AckStop(ms) => write!(f, "ack-stop:{ms}"),
         }
     }
 }
@@ -142,6 +160,7 @@ impl std::str::FromStr for Fault {
             "backup-restart" => Fault::BackupRestart,
             "etcd-member-kill" => Fault::EtcdMemberKill,
             "etcd-leader-kill" => Fault::EtcdLeaderKill,
+            "ambiguous-host-kill" => Fault::AmbiguousKill,
             p if p.contains(':') => {
                 let (name, ms) = p.split_once(':').unwrap_or_default();
                 let ms = ms
@@ -153,6 +172,7 @@ impl std::str::FromStr for Fault {
                     "backup-etcd-cut" => Fault::BackupEtcdCut(ms),
                     "etcd-quorum-loss" => Fault::EtcdQuorumLoss(ms),
                     "daemon-stop" => Fault::DaemonStop(ms),
+                    "ack-stop" => Fault::AckStop(ms),
                     "primary-etcd-cut" => Fault::PrimaryEtcdCut(ms),
                     "one-way" => Fault::OneWay(ms),
                     "flap" => Fault::Flap(ms),
@@ -164,7 +184,7 @@ impl std::str::FromStr for Fault {
             }
             other => {
                 return Err(format!(
-                    "unknown fault {other:?}; one of host-kill, qemu-kill, pause-kill, tandem-kill, qemu-stop, handover, daemon-stop:MS, partition:MS, one-way:MS, flap:MS, corrupt-frame, backup-restart, enospc-hello:MS, and with --etcd isolate:MS, backup-etcd-cut:MS, primary-etcd-cut:MS, etcd-member-kill, etcd-leader-kill, etcd-quorum-loss:MS, etcd-slow:MS, etcd-ambiguous:MS"
+                    "unknown fault {other:?}; one of host-kill, qemu-kill, pause-kill, tandem-kill, qemu-stop, handover, daemon-stop:MS, ack-stop:MS, partition:MS, one-way:MS, flap:MS, corrupt-frame, backup-restart, enospc-hello:MS, and with --etcd isolate:MS, backup-etcd-cut:MS, primary-etcd-cut:MS, etcd-member-kill, etcd-leader-kill, etcd-quorum-loss:MS, etcd-slow:MS, etcd-ambiguous:MS, ambiguous-host-kill"
                 ))
             }
         })

@@ -119,12 +119,20 @@ impl Appenders {
     }
 
     /// Stops the appenders (each finishes its append) and returns the history.
-    pub fn stop(self) -> Vec<Op> {
+    pub fn stop(mut self) -> Vec<Op> {
         self.stop.store(true, Ordering::SeqCst);
-        for h in self.handles {
+        for h in std::mem::take(&mut self.handles) {
             let _ = h.join();
         }
         std::mem::take(&mut *self.ops.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+}
+
+impl Drop for Appenders {
+    /// Appenders given up on (their guest is gone) stop at their next append instead of
+    /// appending to the next round's guest at the same address.
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
     }
 }
 

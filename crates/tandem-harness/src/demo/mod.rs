@@ -10,6 +10,7 @@ mod client;
 mod cycle;
 mod daemon;
 mod debian;
+pub(crate) mod double;
 pub(crate) mod etcdlab;
 pub(crate) mod fault;
 pub(crate) mod history;
@@ -18,6 +19,7 @@ pub use pg::{pgbench_init, DebianVm, PgAt};
 mod phases;
 pub(crate) mod round;
 mod steps;
+pub(crate) mod swkill;
 pub use steps::read_report;
 mod vmdesc;
 
@@ -200,7 +202,9 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         None
     };
     let etcd = if with_cycle || a.etcd || a.faults.iter().any(|f| f.needs_etcd()) {
-        Some(etcdlab::EtcdLab::start(&mut lab, dir.path())?)
+        // The proxy only for the faults that need it (it costs some requests ~40 ms).
+        let proxied = a.faults.iter().any(|f| f.needs_etcd_proxy());
+        Some(etcdlab::EtcdLab::start(&mut lab, dir.path(), proxied)?)
     } else {
         None
     };

@@ -172,6 +172,25 @@ impl<'a> Ctx<'a> {
     /// it with its QEMU's pid (0 if unknown).
     pub fn start_primary(&self, backup: SocketAddr) -> anyhow::Result<(Daemon, u32)> {
         let (round, o, rdir) = (self.round, self.o, self.rdir);
+        let pargs = self.primary_args(backup);
+        self.pb.set_message(format!(
+            "round {round}: booting the primary guest (redis) and copying it to the backup"
+        ));
+        let mut primary = Daemon::spawn(
+            "primary",
+            &o.lab.primary,
+            &o.exe,
+            &pargs,
+            rdir.join("primary.log"),
+        )?;
+        let ready = primary.wait_line("guest ready", Duration::from_secs(240))?;
+        let qemu = qemu_pid(&ready);
+        Ok((primary, qemu))
+    }
+
+    /// The primary's command line, replicating to `backup`.
+    pub fn primary_args(&self, backup: SocketAddr) -> Vec<String> {
+        let (o, rdir) = (self.o, self.rdir);
         let mut pargs: Vec<String> = vec![
             "primary".into(),
             "--backup".into(),
@@ -202,19 +221,7 @@ impl<'a> Ctx<'a> {
             pargs.extend(["--devstate".into(), d.clone()]);
         }
         common(o, &mut pargs);
-        self.pb.set_message(format!(
-            "round {round}: booting the primary guest (redis) and copying it to the backup"
-        ));
-        let mut primary = Daemon::spawn(
-            "primary",
-            &o.lab.primary,
-            &o.exe,
-            &pargs,
-            rdir.join("primary.log"),
-        )?;
-        let ready = primary.wait_line("guest ready", Duration::from_secs(240))?;
-        let qemu = qemu_pid(&ready);
-        Ok((primary, qemu))
+        pargs
     }
 
     /// Starts the writers against the guest at `addr` (kv only, after noting redis' identity).

@@ -101,7 +101,7 @@ impl<'a> Opts<'a> {
     }
 }
 
-#[derive(Serialize, Clone, Debug)]
+#[derive(Serialize, Clone, Debug, Default)]
 pub struct RoundResult {
     pub round: usize,
     pub workload: String,

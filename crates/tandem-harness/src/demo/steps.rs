@@ -213,6 +213,12 @@ pub fn inject_faults(
         (at, at_unix) = (Instant::now(), tandem_protect::unix_ms());
         match f {
             Fault::HostKill => t.primary.kill_host(),
+            Fault::AmbiguousKill => {
+                // Reset at the next round's start.
+                let e = o.etcd.context("ambiguous-host-kill needs --etcd")?;
+                e.set_proxy(ProxyMode::DropReplies(u32::MAX));
+                t.primary.kill_host();
+            }
             Fault::QemuKill => fault::signal(t.qemu, libc::SIGKILL),
             Fault::PauseKill => fault::signal(t.primary.pid(), libc::SIGUSR2),
             Fault::TandemKill => fault::signal(t.primary.pid(), libc::SIGKILL),
@@ -252,6 +258,11 @@ pub fn inject_faults(
                 if let Some(p) = t.proxy {
                     p.corrupt();
                 }
+            }
+            Fault::AckStop(ms) => {
+                fault::signal(t.primary.pid(), libc::SIGWINCH);
+                std::thread::sleep(Duration::from_millis(ms));
+                fault::signal(t.primary.pid(), libc::SIGCONT);
             }
             Fault::DaemonStop(ms) => {
                 fault::signal(t.primary.pid(), libc::SIGSTOP);

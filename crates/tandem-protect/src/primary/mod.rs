@@ -79,6 +79,11 @@ pub struct PrimaryConfig {
     pub metrics_listen: Option<String>,
     /// Fault injection for tests: send half of this epoch's frame, then stall until killed.
     pub fault_stall_epoch: Option<u64>,
+    /// Fault injection for tests: SIGKILL this process group (the daemon and its QEMU, as a
+    /// host failure) when a handover reaches this step: `handover-shipped` (the last epoch
+    /// sent), `handover-released` (its output released), `handover-sent` (the handover frame
+    /// written).
+    pub fault_kill_at: Option<String>,
     /// Host-side load started once the guest is ready.
     pub load: Option<StartLoad>,
     /// Fence with the VM's ownership record in etcd (docs/FENCING.md); `None`: no fencing
@@ -117,6 +122,7 @@ impl PrimaryConfig {
             metrics_jsonl: None,
             metrics_listen: None,
             fault_stall_epoch: None,
+            fault_kill_at: None,
             load: None,
             fence: None,
             control: None,

@@ -203,7 +203,21 @@ impl Daemon<'_> {
         };
         drop(tx);
         let _ = sender.join();
+        if matches!(end, Ok(End::HandedOver { .. })) {
+            self.kill_point("handover-sent");
+        }
         end
+    }
+
+    /// Fault injection for tests: at `step`, SIGKILL this process group (the daemon and its
+    /// QEMU) if `--fault-kill-at` names it.
+    fn kill_point(&self, step: &str) {
+        if self.opts.fault_kill_at.as_deref() == Some(step) {
+            self.status
+                .warn(format!("fault injection: killing this host at {step}"));
+            // SAFETY: kill(2) of this process's own group (a test's host failure).
+            unsafe { libc::kill(0, libc::SIGKILL) };
+        }
     }
 
     /// Whether to believe a backup that says it runs the guest since `epoch`: with etcd, the
@@ -409,6 +423,7 @@ impl Daemon<'_> {
             .map_err(PrimaryError::FinalWrites)?;
         sink.st.ship(seq, &cp, &w)?;
         self.epoch = seq;
+        self.kill_point("handover-shipped");
         // The handover goes only once the last epoch's output is out: the backup resumes the
         // guest as soon as it reads it, and no frame of this copy may follow.
         let t = Instant::now();
@@ -419,6 +434,7 @@ impl Daemon<'_> {
             std::thread::sleep(Duration::from_millis(1));
         }
         let acked = shared.released.load(Ordering::SeqCst) >= seq;
+        self.kill_point("handover-released");
         if acked {
             // The sender writes it before it stops (the session joins it).
             let _ = tx.send(Out::Control(self.proto.handover(seq)));
@@ -472,6 +488,11 @@ impl Daemon<'_> {
                             shared
                                 .heartbeat_us
                                 .store(hb.as_micros() as u64, Ordering::Relaxed);
+                        }
+                        if crate::signals::take_stop_at_ack() {
+                            status.warn("fault injection: stopping this daemon between an acknowledgement and its release");
+                            // SAFETY: raise(3) with SIGSTOP stops this process until SIGCONT.
+                            unsafe { libc::raise(libc::SIGSTOP) };
                         }
                         let deadline = release_deadline(&shared, seq, promise, &lat);
                         let allowed = || {
