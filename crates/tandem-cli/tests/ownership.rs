@@ -271,7 +271,9 @@ fn a_fenced_frame_from_a_stranger_is_not_believed() {
         for _ in 0..2 {
             let (mut s, _) = listener.accept().unwrap();
             let mut r = std::io::BufReader::new(s.try_clone().unwrap());
-            let hello = tandem_replication::Frame::read_from(&mut r).unwrap().unwrap();
+            let hello = tandem_replication::Frame::read_from(&mut r)
+                .unwrap()
+                .unwrap();
             // Whatever follows the hello (the initial copy) is read and dropped.
             std::thread::spawn(move || {
                 let mut sink = [0u8; 1 << 16];
@@ -286,6 +288,9 @@ fn a_fenced_frame_from_a_stranger_is_not_believed() {
     assert!(line.contains("names no session of this primary"), "{line}");
     fake.join().unwrap();
     std::thread::sleep(Duration::from_millis(500));
-    assert!(p.try_wait().unwrap().is_none(), "the primary stopped on a stranger's word");
+    assert!(
+        p.try_wait().unwrap().is_none(),
+        "the primary stopped on a stranger's word"
+    );
     sigterm(&mut p);
 }
