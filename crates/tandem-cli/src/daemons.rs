@@ -254,7 +254,7 @@ pub struct BackupArgs {
     pub report: Option<PathBuf>,
     #[command(flatten)]
     pub consolidation: ConsolidateArgs,
-    /// The protected VM's identifier (its leader key in etcd, with --etcd).
+    /// The protected VM's identifier (its ownership record in etcd, with --etcd).
     #[arg(long, default_value_t = 1)]
     pub vm_id: u64,
     #[command(flatten)]

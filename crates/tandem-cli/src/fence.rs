@@ -55,8 +55,16 @@ pub fn run(c: Cmd) -> anyhow::Result<()> {
 }
 
 fn show(a: ShowArgs) -> anyhow::Result<()> {
-    let records: Vec<(u64, Option<tandem_fence::Record>)> = match a.vm_id {
-        Some(id) => vec![(id, connect(&a.fence, id)?.read()?)],
+    // `Err`: the key holds something that is not a record.
+    let records: Vec<(u64, Result<Option<tandem_fence::Record>, String>)> = match a.vm_id {
+        Some(id) => vec![(
+            id,
+            match connect(&a.fence, id)?.read() {
+                Ok(r) => Ok(r),
+                Err(e @ tandem_fence::FenceError::Corrupt { .. }) => Err(e.to_string()),
+                Err(e) => return Err(e.into()),
+            },
+        )],
         None => {
             let cfg = a
                 .fence
@@ -77,7 +85,18 @@ fn show(a: ShowArgs) -> anyhow::Result<()> {
                 else {
                     continue;
                 };
-                v.push((id, tandem_fence::Record::parse(&kv.value)));
+                let r = tandem_fence::Record::parse(&kv.value)
+                    .map(Some)
+                    .ok_or_else(|| {
+                        format!(
+                            "{key} holds {:?}, which is not a tandem ownership record",
+                            String::from_utf8_lossy(&kv.value)
+                                .chars()
+                                .take(80)
+                                .collect::<String>()
+                        )
+                    });
+                v.push((id, r));
             }
             v
         }
@@ -85,7 +104,10 @@ fn show(a: ShowArgs) -> anyhow::Result<()> {
     if a.json {
         let docs: Vec<_> = records
             .iter()
-            .map(|(id, r)| serde_json::json!({"vm_id": id, "record": r}))
+            .map(|(id, r)| match r {
+                Ok(r) => serde_json::json!({"vm_id": id, "record": r}),
+                Err(e) => serde_json::json!({"vm_id": id, "record": null, "error": e}),
+            })
             .collect();
         println!("{}", serde_json::to_string_pretty(&docs)?);
         return Ok(());
@@ -95,8 +117,9 @@ fn show(a: ShowArgs) -> anyhow::Result<()> {
     }
     for (id, r) in records {
         match r {
-            Some(r) => println!("vm {id}: {}", r.describe()),
-            None => println!("vm {id}: no record (a new VM: a fresh boot may claim it)"),
+            Ok(Some(r)) => println!("vm {id}: {}", r.describe()),
+            Ok(None) => println!("vm {id}: no record (a new VM: a fresh boot may claim it)"),
+            Err(e) => println!("vm {id}: {e}: nothing may change it until it is repaired"),
         }
     }
     Ok(())

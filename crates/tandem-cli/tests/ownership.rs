@@ -97,7 +97,11 @@ fn both_daemons_must_fence_the_same_way() {
     let eps = etcd.endpoints().join(",");
     for (b_etcd, p_etcd, says) in [
         (None, Some(eps.as_str()), "this backup runs without --etcd"),
-        (Some(eps.as_str()), None, "the primary runs without --etcd"),
+        (
+            Some(eps.as_str()),
+            None,
+            "the primary does not fence with etcd",
+        ),
     ] {
         let listen = format!("127.0.0.1:{}", free_port());
         let (mut b, brx) = backup(dir.path(), &listen, b_etcd, "4");

@@ -480,6 +480,9 @@ impl Owner {
         let r = self.inner.fence.read()?;
         let node = self.node();
         if owned_by(r.as_ref(), &node, self.inner.gen) {
+            if let Some(r) = r {
+                *self.inner.record.lock().unwrap_or_else(|e| e.into_inner()) = r;
+            }
             return Ok(true);
         }
         self.mark_fenced(r.as_ref().map_or_else(

@@ -40,8 +40,8 @@ pub enum Policy {
 }
 
 /// A check consulted right before any guest frame leaves: while it returns false, released
-/// epochs stay held and frames passing in [`Policy::Pass`] are dropped (the fencing lease of
-/// tandem-fence: output may leave only while the lease is certainly valid).
+/// epochs stay held and frames passing in [`Policy::Pass`] are dropped (fencing: no output
+/// once this node learned that etcd's ownership record names another).
 pub type Gate = Arc<dyn Fn() -> bool + Send + Sync>;
 
 /// Relay errors.
@@ -173,14 +173,20 @@ impl Relay {
     /// Writes every frame sealed with an epoch `<= epoch` to the outside, in order; returns
     /// how many were written (a frame the outside refuses is counted as dropped).
     pub fn release(&self, epoch: u64) -> Result<u64, RelayError> {
-        self.release_while(epoch, &|| true)
+        self.release_while(epoch, &|| true).map(|(n, _)| n)
     }
 
     /// Like [`Relay::release`], but `allowed` is consulted (with the gate) right before each
     /// frame is written: once it returns false, this frame and the rest stay held, in order.
-    /// The primary's session passes its acknowledgement's deadline here.
-    pub fn release_while(&self, epoch: u64, allowed: &dyn Fn() -> bool) -> Result<u64, RelayError> {
+    /// The primary's session passes its acknowledgement's deadline here. Returns the frames
+    /// written and whether every frame up to `epoch` left (false: some stay held).
+    pub fn release_while(
+        &self,
+        epoch: u64,
+        allowed: &dyn Fn() -> bool,
+    ) -> Result<(u64, bool), RelayError> {
         let mut n = 0;
+        let mut complete = true;
         let mut q = lock(&self.shared.queues);
         // Fetched under the queue lock: once `set_gate` returns, no release runs with the
         // gate it replaced.
@@ -196,6 +202,7 @@ impl Relay {
                     let mut rest = vec![f];
                     rest.extend(frames);
                     q.sealed.push_front((e, rest));
+                    complete = false;
                     break 'epochs;
                 }
                 q.held_bytes -= f.len() as u64;
@@ -211,7 +218,7 @@ impl Relay {
             }
         }
         self.shared.released.fetch_add(n, Ordering::Relaxed);
-        Ok(n)
+        Ok((n, complete))
     }
 
     /// Switches policy. Switching to [`Policy::Pass`] releases everything still held, sealed

@@ -356,3 +356,36 @@ fn the_clients_bridge_keeps_its_address_when_a_port_leaves() {
     ip(&["link", "del", "lowp"]);
     assert_eq!(mac(), tandem_net::lab::BRIDGE_MAC);
 }
+
+#[test]
+fn a_release_whose_deadline_passes_keeps_the_rest_held_in_order() {
+    // The primary's session releases an acknowledgement's output only until the backup's
+    // promise runs out: what is left waits, in order, for the next acknowledgement.
+    let (_d, relay, mut qemu, world) = setup(Policy::Hold);
+    let mut buf = [0u8; 2048];
+    for i in 0..4 {
+        send_to_relay(&mut qemu, &frame(i));
+    }
+    wait_held(&relay, 4);
+    relay.seal(1);
+    let left = std::cell::Cell::new(2u32);
+    let allowed = || {
+        let n = left.get();
+        left.set(n.saturating_sub(1));
+        n > 0
+    };
+    assert_eq!(relay.release_while(1, &allowed).unwrap(), (2, false));
+    for i in 0..2 {
+        let n = world.recv(&mut buf).unwrap();
+        assert_eq!(&buf[..n], &frame(i)[..]);
+    }
+    assert!(world.recv(&mut buf).is_err(), "nothing past the deadline");
+    assert_eq!(relay.stats().held_frames, 2);
+    // Everything after a quiesce sees what `allowed` says by then.
+    relay.quiesce();
+    assert_eq!(relay.release_while(1, &|| true).unwrap(), (2, true));
+    for i in 2..4 {
+        let n = world.recv(&mut buf).unwrap();
+        assert_eq!(&buf[..n], &frame(i)[..], "the rest, in order");
+    }
+}

@@ -1,8 +1,8 @@
 //! Running as a systemd service (`Type=notify`, units in dist/systemd): READY=1 once the
 //! daemon serves, STATUS= with the `tandem status` line every second, and WATCHDOG=1 pings
 //! while the daemon's main loop makes progress — a hung daemon stops pinging and systemd
-//! kills it after `WatchdogSec` (the backup then takes over; its lease makes that safe, see
-//! docs/FENCING.md). Outside systemd (no `NOTIFY_SOCKET`) all of this does nothing.
+//! kills it after `WatchdogSec` (the backup then takes over; a hung primary releases nothing its
+//! backup did not acknowledge, see docs/FENCING.md). Outside systemd (no `NOTIFY_SOCKET`) all of this does nothing.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;

@@ -447,16 +447,18 @@ impl Relays {
     }
 
     /// Releases output up to epoch `epoch` on every relay while `allowed` says so (checked
-    /// before each frame); the frames released so far.
+    /// before each frame); the frames released so far, and whether everything up to `epoch`
+    /// left.
     pub fn release_while(
         &self,
         epoch: u64,
         allowed: &dyn Fn() -> bool,
-    ) -> Result<u64, tandem_net::RelayError> {
+    ) -> Result<(u64, bool), tandem_net::RelayError> {
+        let mut complete = true;
         for r in &self.0 {
-            r.release_while(epoch, allowed)?;
+            complete &= r.release_while(epoch, allowed)?.1;
         }
-        Ok(self.stats().released_frames)
+        Ok((self.stats().released_frames, complete))
     }
 
     /// Waits until no release is in progress on any relay.

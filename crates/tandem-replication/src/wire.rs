@@ -12,9 +12,9 @@
 //!                 [, start_epoch u64 — the epoch the initial copy belongs to; absent = 0
 //!                 [, session u64 — random id of this replication session, which the primary
 //!                    records in etcd as the one whose backup may take over; absent = 0
-//!                 [, fencing u8 (0 none, 1 etcd), etcd cluster id u64, hash of the VM's
+//!                 [, fencing u8 (1 etcd; 0 none), etcd cluster id u64, hash of the VM's
 //!                    ownership key u64 — both daemons must fence the same way; absent:
-//!                    an older primary that does not say]]])
+//!                    no etcd fencing (or an older primary)]]])
 //!        2 base chunk (payload: first_pfn u64 + pages) — initial copy of guest memory
 //!        3 epoch (payload: sections, each kind u8 + len u32 + bytes:
 //!                 1 memory record (tandem-codec), 2 device state, 3 disk writes,
@@ -271,7 +271,7 @@ impl Fencing {
         match (self, primary) {
             (Fencing::None, Fencing::None | Fencing::Unstated) => None,
             (Fencing::Etcd { .. }, Fencing::Unstated) => Some(
-                "the primary does not say how it fences (an older tandem); this backup fences with etcd: upgrade the primary".into(),
+                "the primary does not fence with etcd (it runs without --etcd, or is an older tandem), this backup does: give both daemons the same --etcd (a backup that fences alone could take over while the primary runs on)".into(),
             ),
             (Fencing::Etcd { .. }, Fencing::None) => Some(
                 "the primary runs without --etcd, this backup fences with etcd: give both daemons the same --etcd (a backup that fences alone could take over while the primary runs on)".into(),
@@ -316,8 +316,10 @@ pub struct Hello {
 }
 
 impl Hello {
-    /// Serialises (53 bytes; the 20-, 28- and 36-byte forms of earlier primaries lack the
-    /// start epoch, the session and the fencing).
+    /// Serialises: 53 bytes with etcd fencing, else the 36-byte form that earlier backups
+    /// read too (a backup that fences reads its missing fencing as "not stated" and refuses
+    /// it). The 20- and 28-byte forms of earlier primaries lack the start epoch and the
+    /// session.
     pub fn encode(&self) -> Vec<u8> {
         let mut p = Vec::with_capacity(53);
         p.extend_from_slice(&self.mem_bytes.to_le_bytes());
@@ -325,16 +327,15 @@ impl Hello {
         p.extend_from_slice(&self.disk_bytes.to_le_bytes());
         p.extend_from_slice(&self.start_epoch.to_le_bytes());
         p.extend_from_slice(&self.session.to_le_bytes());
-        let (kind, id, key) = match self.fencing {
-            Fencing::Unstated | Fencing::None => (0u8, 0, 0),
-            Fencing::Etcd {
-                cluster_id,
-                key_hash,
-            } => (1, cluster_id, key_hash),
-        };
-        p.push(kind);
-        p.extend_from_slice(&id.to_le_bytes());
-        p.extend_from_slice(&key.to_le_bytes());
+        if let Fencing::Etcd {
+            cluster_id,
+            key_hash,
+        } = self.fencing
+        {
+            p.push(1);
+            p.extend_from_slice(&cluster_id.to_le_bytes());
+            p.extend_from_slice(&key_hash.to_le_bytes());
+        }
         p
     }
 
@@ -483,11 +484,22 @@ mod tests {
                 ..h
             })
         );
+        // Without fencing the 36-byte form, which earlier backups read too.
         let none = Hello {
             fencing: Fencing::None,
             ..h
         };
-        assert_eq!(Hello::parse(&none.encode()), Some(none));
+        assert_eq!(none.encode().len(), 36);
+        assert_eq!(
+            Hello::parse(&none.encode()),
+            Some(Hello {
+                fencing: Fencing::Unstated,
+                ..h
+            })
+        );
+        let mut explicit = h.encode();
+        explicit[36] = 0;
+        assert_eq!(Hello::parse(&explicit).unwrap().fencing, Fencing::None);
         let mut bad = h.encode();
         bad[36] = 2;
         assert_eq!(Hello::parse(&bad), None);

@@ -103,7 +103,7 @@ pub struct Args {
     #[arg(long, default_value = "lazy")]
     pub restore: String,
     /// Fence with a real 3-member etcd cluster in its own namespace (docs/FENCING.md): the
-    /// backup takes over only after winning the VM's leader key. Implied by the etcd faults
+    /// backup takes over only by changing the VM's ownership record. Implied by the etcd faults
     /// and by the default plan (no --rounds, no --faults: round 1 kills the primary's host,
     /// round 2 isolates it from the backup and from etcd for 6 s).
     #[arg(long)]

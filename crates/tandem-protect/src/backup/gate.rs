@@ -225,7 +225,7 @@ fn vet(tcp: std::net::TcpStream, gate: &Gate) -> Result<Vetted, (&'static str, S
     Ok(Vetted { conn, hello })
 }
 
-/// A hello frame is a 32-byte header and a payload of at most 36 bytes.
+/// A hello frame is a 32-byte header and a payload of at most 53 bytes.
 const HELLO_MAX: usize = 32 + 64;
 
 struct Bounded<'a> {

@@ -508,7 +508,9 @@ pub fn serve(
         status: status.clone(),
         reconnected: false,
         fence: fence.clone(),
-        promise: timeout,
+        // It takes over no sooner than its silence timeout, and no sooner than the stall
+        // time (the other way it declares a primary lost).
+        promise: timeout.min(cfg.stall.unwrap_or(3 * timeout)),
         registry: registry.clone(),
         beat: beat.clone(),
         memory_at: Instant::now(),
@@ -553,9 +555,15 @@ pub fn serve(
             ),
             // The record says the primary runs without a replica, or with another session:
             // this mirror may never be resumed. Wait for a new session.
-            Err(e) => (
+            Err(e) if e.refusal().is_some() => (
                 format!("primary lost ({why}); not taking over: {}; waiting for a primary to start a new session", crate::chain(&e)),
                 None,
+            ),
+            // A record that is not tandem's, or one that keeps changing: retried (an operator
+            // may repair it).
+            Err(e) => (
+                format!("primary lost ({why}); cannot take over: {}; retrying every second", crate::chain(&e)),
+                Some(Duration::from_secs(1)),
             ),
         };
         if msg != said {

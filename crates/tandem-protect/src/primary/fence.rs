@@ -38,27 +38,28 @@ pub enum Blocked {
     Fenced(String),
 }
 
-/// How long a boot waits for etcd to answer before it gives up.
-const BOOT_WAIT: Duration = Duration::from_secs(30);
+/// How often a boot that waits for etcd says so.
+const BOOT_SAY: Duration = Duration::from_secs(30);
 
 impl Fencing {
-    /// Claims the VM for a fresh guest: only a new VM or one stopped on purpose. Waits up
-    /// to 30 s for etcd to answer.
+    /// Claims the VM for a fresh guest: only a new VM or one stopped on purpose. Waits for
+    /// etcd to answer as long as it takes (a claim whose outcome is unknown when the daemon
+    /// exits could leave the record naming a guest that never ran); a stop request ends the
+    /// wait.
     pub fn acquire(cfg: FenceConfig, site: &Site, status: Status) -> Result<Fencing, FenceError> {
         let fence = Fence::connect(cfg)?;
-        let t = Instant::now();
-        let mut said = false;
+        let mut said: Option<Instant> = None;
         let owner = loop {
             match fence.boot() {
                 Ok(o) => break o,
-                Err(e) if e.unknown() && t.elapsed() < BOOT_WAIT && !stopping() => {
-                    if !std::mem::replace(&mut said, true) {
+                Err(e) if e.unknown() && !stopping() => {
+                    if said.is_none_or(|t| t.elapsed() >= BOOT_SAY) {
                         status.warn(format!(
-                            "cannot claim VM {} in etcd yet ({}); retrying for up to {} s",
+                            "cannot claim VM {} in etcd yet ({}); retrying until etcd answers",
                             fence.config().vm_id,
                             crate::chain(&e),
-                            BOOT_WAIT.as_secs()
                         ));
+                        said = Some(Instant::now());
                     }
                     std::thread::sleep(Duration::from_millis(200));
                 }
@@ -216,5 +217,35 @@ impl Fencing {
     /// it back.
     pub fn hand_over(&self) {
         self.owner.end();
+    }
+
+    /// A handle that outlives this hold (for [`release_unused`]).
+    pub fn owner(&self) -> Owner {
+        self.owner.clone()
+    }
+}
+
+/// The daemon fails before any of its guest's output left the host (no frame released, none
+/// passed): nothing of this copy can be missed, so etcd's record says stopped again and a
+/// restart may boot the guest. Without this, a boot that failed (QEMU would not start, a disk
+/// could not be captured) would leave the record naming a copy that never ran, and every
+/// restart would be refused.
+pub fn release_unused(owner: &Owner, site: &Site, status: &Status) {
+    if site.relays.is_empty() || site.relays.stats().released_frames > 0 {
+        return;
+    }
+    let t = Instant::now();
+    loop {
+        match owner.stop() {
+            Ok(()) => {
+                return status.info(
+                    "nothing of this guest left the host: etcd's record says stopped again (a restart may boot it)",
+                )
+            }
+            Err(e) if e.unknown() && t.elapsed() < Duration::from_secs(5) => {
+                std::thread::sleep(Duration::from_millis(200))
+            }
+            Err(_) => return,
+        }
     }
 }

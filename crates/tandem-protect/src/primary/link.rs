@@ -107,9 +107,13 @@ pub struct Shared {
     pub fenced_session: Mutex<Option<u64>>,
     /// Why the backup refused the session, if it did.
     pub refused: Mutex<Option<String>>,
+    /// Since when an acknowledgement's output has waited because it came after the backup's
+    /// promise ran out (`None`: nothing waits).
+    pub deferred_since: Mutex<Option<Instant>>,
     /// Heartbeat period now (µs): the configured one, shortened to a quarter of the backup's
-    /// promise so that a backup with a short timeout never finds the link silent.
-    pub heartbeat_us: AtomicU64,
+    /// promise so that a backup with a short timeout never finds the link silent (shared by
+    /// the daemon's sessions: the next session starts with what the last promise asked).
+    pub heartbeat_us: Arc<AtomicU64>,
 }
 
 impl Shared {
@@ -129,8 +133,15 @@ impl Shared {
             released: AtomicU64::new(progress),
             fenced_session: Mutex::new(None),
             refused: Mutex::new(None),
-            heartbeat_us: AtomicU64::new(100_000),
+            deferred_since: Mutex::new(None),
+            heartbeat_us: Arc::new(AtomicU64::new(100_000)),
         }
+    }
+
+    /// Shares the daemon's heartbeat period.
+    pub fn with_heartbeat(mut self, heartbeat_us: Arc<AtomicU64>) -> Self {
+        self.heartbeat_us = heartbeat_us;
+        self
     }
 
     /// When the last byte of epoch `seq` was handed to the link (`None`: not recorded yet);
@@ -209,7 +220,6 @@ impl Shared {
 
 /// Fault injection for tests: after sending half of this epoch's frame, stall forever.
 pub struct SenderOpts {
-    pub heartbeat: Duration,
     pub vm_id: u64,
     pub stall_epoch: Option<u64>,
 }
@@ -255,9 +265,6 @@ pub fn spawn_sender(
 ) -> std::thread::JoinHandle<()> {
     std::thread::spawn(move || {
         let mut w = BufWriter::with_capacity(1 << 20, stream);
-        shared
-            .heartbeat_us
-            .store(o.heartbeat.as_micros() as u64, Ordering::Relaxed);
         loop {
             let r = match rx.recv_timeout(shared.heartbeat()) {
                 Ok(Out::Epoch(f, mut m)) => {

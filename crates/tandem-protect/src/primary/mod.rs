@@ -254,7 +254,14 @@ pub fn run_in(cfg: &PrimaryConfig, fe: &Frontend, status: Status) -> Result<Ende
         None => None,
     };
     vmc.fast_devstate = cfg.fast_devstate;
-    let (vm, ready, load) = boot(&vmc, cfg.load.as_ref())?;
+    let owner = fencing.as_ref().map(fence::Fencing::owner);
+    let release = |e: PrimaryError| {
+        if let Some(o) = &owner {
+            fence::release_unused(o, &site, &status);
+        }
+        e
+    };
+    let (vm, ready, load) = boot(&vmc, cfg.load.as_ref()).map_err(|e| release(e.into()))?;
     status.info(format!(
         "guest ready in {:.1} s, QEMU pid {}, network {}, replicated disk {} MiB",
         ready.as_secs_f64(),
@@ -274,7 +281,7 @@ pub fn run_in(cfg: &PrimaryConfig, fe: &Frontend, status: Status) -> Result<Ende
         epoch: 0,
         passing: false,
     };
-    protect(cfg, fe, guest, &site, status)
+    protect(cfg, fe, guest, &site, status.clone()).map_err(release)
 }
 
 /// Protects a guest the backup role resumed on this node: its disks are captured again, its
@@ -406,6 +413,10 @@ fn protect(
         passing,
         recapture,
         sessions: Default::default(),
+        no_backup_since: Some(Instant::now()),
+        heartbeat_us: Arc::new(std::sync::atomic::AtomicU64::new(
+            cfg.heartbeat.as_micros() as u64
+        )),
     };
     let end = sessions(&mut d, &mut vm);
     // The main loop is done with this QEMU: whatever comes next (a handover, a shutdown, a
@@ -510,7 +521,7 @@ fn sessions(d: &mut Daemon<'_>, vm: &mut Vm) -> Result<Option<End>, PrimaryError
 fn wait_for_backup(d: &mut Daemon<'_>, vm: &mut Vm) -> Result<Option<Conn>, PrimaryError> {
     let addr = d.opts.backup.as_str();
     let mut said = None::<Instant>;
-    let since = Instant::now();
+    let since = d.no_backup_since.unwrap_or_else(Instant::now);
     loop {
         d.watchdog.beat();
         if stopping() || d.deadline.is_some_and(|t| Instant::now() >= t) {

@@ -67,6 +67,13 @@ pub struct Daemon<'a> {
     /// The ids of the last sessions (a backup's `fenced` must name one of them to be
     /// believed without etcd).
     pub sessions: std::collections::VecDeque<u64>,
+    /// Since when no backup acknowledged anything (`None`: the last session is acknowledged
+    /// and running). Sessions that fail before their first acknowledgement (a backup that
+    /// refuses them, a link that breaks at once) do not restart it: after the ack timeout the
+    /// primary goes unprotected whatever its connection attempts do.
+    pub no_backup_since: Option<Instant>,
+    /// The heartbeat period the backup's last promise asked for (µs), kept across sessions.
+    pub heartbeat_us: Arc<std::sync::atomic::AtomicU64>,
 }
 
 pub(super) type Writes = Vec<(u64, Vec<u8>)>;
@@ -122,7 +129,10 @@ impl Daemon<'_> {
             None => self.proto.set_fencing(tandem_replication::Fencing::None),
         }
         let start = self.epoch;
-        let shared = Arc::new(Shared::new(Acks::new(self.proto.vm_id(), start), start));
+        let shared = Arc::new(
+            Shared::new(Acks::new(self.proto.vm_id(), start), start)
+                .with_heartbeat(self.heartbeat_us.clone()),
+        );
         let reader = self.spawn_reader(reader_stream, shared.clone());
         let end = self.copy_and_run(vm, &stream, &shared);
         let end = match (self.fenced_by.take(), end) {
@@ -140,6 +150,10 @@ impl Daemon<'_> {
                 .warn(format!("the backup refused the session: {why}"));
         }
         self.last_session_acked = shared.acks().acked() > start;
+        if self.last_session_acked || self.no_backup_since.is_none() {
+            // Lost now (an acknowledged session), or the first failure since one was.
+            self.no_backup_since = Some(Instant::now());
+        }
         // No release may start any more, and none is in progress: only then does the link
         // close (the backup may take over at once when it sees the close).
         shared.closing.store(true, Ordering::SeqCst);
@@ -179,7 +193,6 @@ impl Daemon<'_> {
             shared.clone(),
             self.registry.clone(),
             SenderOpts {
-                heartbeat: self.opts.heartbeat,
                 vm_id: self.proto.vm_id(),
                 stall_epoch: self.opts.fault_stall_epoch,
             },
@@ -499,14 +512,23 @@ impl Daemon<'_> {
                             !shared.closing.load(Ordering::SeqCst)
                                 && deadline.is_none_or(|d| Instant::now() < d)
                         };
-                        let released = match relay.release_while(seq, &allowed) {
-                            Ok(n) => n,
+                        let (released, complete) = match relay.release_while(seq, &allowed) {
+                            Ok(r) => r,
                             Err(e) => return shared.lose(format!("releasing output: {e}")),
                         };
-                        if allowed() {
+                        if complete {
                             shared.released.fetch_max(seq, Ordering::SeqCst);
+                            *shared
+                                .deferred_since
+                                .lock()
+                                .unwrap_or_else(|e| e.into_inner()) = None;
                         } else {
                             registry.inc_release_deferred();
+                            shared
+                                .deferred_since
+                                .lock()
+                                .unwrap_or_else(|e| e.into_inner())
+                                .get_or_insert_with(Instant::now);
                         }
                         registry.set_protected(can_fail_over);
                         registry.set_backup_can_failover(can_fail_over);

@@ -200,7 +200,10 @@ impl Step<'_> {
         self.site.relays.stats()
     }
 
-    /// Marks the link lost if the oldest unacknowledged epoch is older than the ack timeout.
+    /// Marks the link lost if the oldest unacknowledged epoch is older than the ack timeout,
+    /// or acknowledged output has waited that long because every acknowledgement came after
+    /// the backup's promise ran out (a backup whose `--timeout-ms` is shorter than its
+    /// acknowledgements take: output would never leave).
     fn check_deadline(&self) -> bool {
         let age = self.shared.acks().oldest_unacked(Instant::now());
         if let Some(age) = age.filter(|a| *a > self.opts.ack_timeout) {
@@ -208,6 +211,17 @@ impl Step<'_> {
                 "no acknowledgement for {} ms (ack timeout {} ms)",
                 age.as_millis(),
                 self.opts.ack_timeout.as_millis()
+            ));
+        }
+        let deferred = *self
+            .shared
+            .deferred_since
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        if let Some(t) = deferred.filter(|t| t.elapsed() > self.opts.ack_timeout) {
+            self.shared.lose(format!(
+                "acknowledgements have come after the backup's promise ran out for {} ms: their output cannot leave (give the backup a longer --timeout-ms than its acknowledgements take)",
+                t.elapsed().as_millis()
             ));
         }
         self.shared.is_lost()
