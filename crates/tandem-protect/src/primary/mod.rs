@@ -413,7 +413,7 @@ fn protect(
         passing,
         recapture,
         sessions: Default::default(),
-        no_backup_since: Some(Instant::now()),
+        no_backup_since: Instant::now(),
         heartbeat_us: Arc::new(std::sync::atomic::AtomicU64::new(
             cfg.heartbeat.as_micros() as u64
         )),
@@ -521,7 +521,7 @@ fn sessions(d: &mut Daemon<'_>, vm: &mut Vm) -> Result<Option<End>, PrimaryError
 fn wait_for_backup(d: &mut Daemon<'_>, vm: &mut Vm) -> Result<Option<Conn>, PrimaryError> {
     let addr = d.opts.backup.as_str();
     let mut said = None::<Instant>;
-    let since = d.no_backup_since.unwrap_or_else(Instant::now);
+    let since = d.no_backup_since;
     loop {
         d.watchdog.beat();
         if stopping() || d.deadline.is_some_and(|t| Instant::now() >= t) {

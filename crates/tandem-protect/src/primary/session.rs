@@ -67,11 +67,11 @@ pub struct Daemon<'a> {
     /// The ids of the last sessions (a backup's `fenced` must name one of them to be
     /// believed without etcd).
     pub sessions: std::collections::VecDeque<u64>,
-    /// Since when no backup acknowledged anything (`None`: the last session is acknowledged
-    /// and running). Sessions that fail before their first acknowledgement (a backup that
-    /// refuses them, a link that breaks at once) do not restart it: after the ack timeout the
-    /// primary goes unprotected whatever its connection attempts do.
-    pub no_backup_since: Option<Instant>,
+    /// Since when no backup acknowledged anything: the boot, or the end of the last session
+    /// that got an acknowledgement. Sessions that fail before their first acknowledgement (a
+    /// backup that refuses them, a link that breaks at once) do not restart it: after the ack
+    /// timeout the primary goes unprotected whatever its connection attempts do.
+    pub no_backup_since: Instant,
     /// The heartbeat period the backup's last promise asked for (µs), kept across sessions.
     pub heartbeat_us: Arc<std::sync::atomic::AtomicU64>,
 }
@@ -150,9 +150,8 @@ impl Daemon<'_> {
                 .warn(format!("the backup refused the session: {why}"));
         }
         self.last_session_acked = shared.acks().acked() > start;
-        if self.last_session_acked || self.no_backup_since.is_none() {
-            // Lost now (an acknowledged session), or the first failure since one was.
-            self.no_backup_since = Some(Instant::now());
+        if self.last_session_acked {
+            self.no_backup_since = Instant::now();
         }
         // No release may start any more, and none is in progress: only then does the link
         // close (the backup may take over at once when it sees the close).
