@@ -1,4 +1,4 @@
-//! Failures the way they happen (issue 15), each injected into a replicated `kv` guest by
+//! Failures the way they happen, each injected into a replicated `kv` guest by
 //! `tandem demo --faults` (real QEMU, real redis, namespaces, a 1 Gbit/s link): a corrupt
 //! frame, backup restarts and a short partition the pair must survive on a full tmpfs, then
 //! QEMU killed alone; QEMU killed inside a checkpoint pause; tandem killed alone; QEMU hung; a planned handover; partitions of 1.5 s

@@ -1,5 +1,5 @@
-//! Hostile clients on the backup's listen port while a real primary replicates to it (issue
-//! 11): random bytes, a replay of bytes captured from the real primary's session, a
+//! Hostile clients on the backup's listen port while a real primary replicates to it: random
+//! bytes, a replay of bytes captured from the real primary's session, a
 //! valid-looking hello for another VM, and slow-loris connections — each sent twice. They
 //! change nothing (the primary keeps being acknowledged, no failover), each kind is logged
 //! once, and the real primary connects while the slow-loris connections are open.

@@ -1,4 +1,4 @@
-//! tandem's reference state stays within a quarter of guest memory (issue 13), with its
+//! tandem's reference state stays within a quarter of guest memory, with its
 //! compressed tier full of compressible pages, full of incompressible ones, or both; and the
 //! tier stops taking pages in at the lowest zstd level.
 

@@ -9,7 +9,8 @@ use std::time::Instant;
 
 use tandem_replication::devstate::encode_delta_into;
 
-/// The encoder before session 22: a copy of the stream and a zstd context per epoch.
+/// The encoder without a kept previous state: a copy of the stream and a zstd context per
+/// epoch.
 fn per_epoch_context(prev: &[u8], cur: &[u8], out: &mut Vec<u8>) {
     let mut x = cur.to_vec();
     for (o, p) in x.iter_mut().zip(prev) {
