@@ -25,6 +25,7 @@ mod config;
 mod decoder;
 mod encoder;
 pub mod format;
+#[cfg(feature = "fuzz")]
 pub mod fuzz;
 pub mod level;
 pub mod prefix;

@@ -26,11 +26,15 @@
 
 #![warn(missing_docs)]
 
+#[cfg(feature = "fuzz")]
+pub mod fuzz;
+mod keeper;
 mod lazy;
 pub mod pool;
 mod release;
 mod replica;
 
+pub use keeper::Consolidated;
 pub use lazy::{Lazy, LazyError, LazyStats};
 pub use pool::Pool;
 pub use release::{populate, release, shm};

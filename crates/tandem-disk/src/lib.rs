@@ -4,6 +4,7 @@
 
 #![warn(missing_docs)]
 
+#[cfg(feature = "fuzz")]
 pub mod fuzz;
 pub mod image;
 pub mod nbd;

@@ -17,6 +17,7 @@
 
 pub mod cluster;
 pub mod etcd;
+#[cfg(feature = "fuzz")]
 pub mod fuzz;
 pub mod owner;
 pub mod record;

@@ -5,13 +5,10 @@
 //! committed epoch (memory, device state and disk copy of the same checkpoint). A new session's
 //! initial copy makes it inconsistent until that session's first epoch commits.
 
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
-
 use tandem_codec::{decode, DecodeError, Plan};
-use tandem_consolidate::{Pool, Replica, Usage};
 
 use crate::disk::{apply_all, DiskApplyError, DiskCopy};
+use crate::keeper::{PageKeeper, Plain};
 use crate::wire::{heartbeat_progress, section, sections, Fencing, Frame, Hello, Kind};
 
 /// Why the backup refused a frame. The mirror, the disk copy and the committed epoch are
@@ -53,8 +50,8 @@ pub enum ApplyError {
     /// Writing the backup's disk copy failed; the epoch's writes were undone.
     #[error("the epoch's disk writes could not be applied (undone; the copy stays at the committed epoch)")]
     DiskIo(#[source] std::io::Error),
-    /// A consolidated mirror could not get memory back for the pages the epoch reads or
-    /// writes; nothing of the epoch was applied.
+    /// The mirror could not get memory back for the pages the epoch reads or writes (a
+    /// page keeper that keeps pages elsewhere); nothing of the epoch was applied.
     #[error("the mirror could not get memory back for the epoch's pages (not applied)")]
     MirrorMemory(#[source] std::io::Error),
     /// Writing the disk copy failed and could not be undone.
@@ -85,9 +82,10 @@ pub enum Applied {
 
 const PAGE: usize = tandem_codec::format::PAGE;
 
-/// Backup state: the RAM mirror (any byte buffer or mapping of the guest's size), the disk
-/// copy, the device state of the last committed epoch, and its sequence number.
-pub struct Backup<M> {
+/// Backup state: the RAM mirror (any byte buffer or mapping of the guest's size) and where its
+/// pages are kept (`K`, [`Plain`] by default: all in the mirror), the disk copy, the device
+/// state of the last committed epoch, and its sequence number.
+pub struct Backup<M, K = Plain> {
     vm_id: Option<u64>,
     mirror: M,
     disk: Option<Box<dyn DiskCopy + Send>>,
@@ -97,18 +95,7 @@ pub struct Backup<M> {
     plan: Plan,
     session: u64,
     fencing: Fencing,
-    consolidated: Option<Consolidated>,
-}
-
-/// The mirror's cold pages kept in a pool shared with the host's other replicas.
-struct Consolidated {
-    replica: Replica,
-    pool: Arc<Mutex<Pool>>,
-    /// Time for the NRU clock's hand to go once round the mirror.
-    revolution: Duration,
-    last_scan: Instant,
-    /// Pages not yet scanned, carried over between epochs.
-    owed: f64,
+    keeper: K,
 }
 
 /// The sections of one epoch frame, parsed and checked but not applied.
@@ -123,8 +110,15 @@ fn le_u64(b: Option<&[u8]>) -> Option<u64> {
 }
 
 impl<M: AsRef<[u8]> + AsMut<[u8]>> Backup<M> {
-    /// A backup writing into `mirror` (guest-sized).
+    /// A backup writing into `mirror` (guest-sized), every page kept in it.
     pub fn new(mirror: M) -> Self {
+        Backup::with_keeper(mirror, Plain)
+    }
+}
+
+impl<M: AsRef<[u8]> + AsMut<[u8]>, K: PageKeeper> Backup<M, K> {
+    /// A backup writing into `mirror` (guest-sized) whose pages `keeper` keeps.
+    pub fn with_keeper(mirror: M, keeper: K) -> Self {
         Backup {
             vm_id: None,
             mirror,
@@ -135,7 +129,7 @@ impl<M: AsRef<[u8]> + AsMut<[u8]>> Backup<M> {
             plan: Plan::default(),
             session: 0,
             fencing: Fencing::None,
-            consolidated: None,
+            keeper,
         }
     }
 
@@ -145,53 +139,22 @@ impl<M: AsRef<[u8]> + AsMut<[u8]>> Backup<M> {
         self.fencing = fencing;
     }
 
-    /// Consolidates the mirror's cold pages into `pool` (shared with the host's other
-    /// replicas): an NRU clock goes once round the mirror per `revolution`, moving pages no
-    /// epoch wrote or read since its last pass out of the mirror (seed 001; crate
-    /// tandem-consolidate). Each epoch first restores the pages it reads. The mirror must be
-    /// a mapping whose released pages read as zeros (a shared tmpfs file or anonymous
-    /// memory); [`Backup::mirror`] shows consolidated pages as zeros until
-    /// [`Backup::materialise`].
-    pub fn consolidate(mut self, pool: Arc<Mutex<Pool>>, revolution: Duration) -> Self {
-        let pages = (self.mirror.as_ref().len() / PAGE) as u64;
-        self.consolidated = Some(Consolidated {
-            replica: Replica::new(pages),
-            pool,
-            revolution,
-            last_scan: Instant::now(),
-            owed: 0.0,
-        });
-        self
+    /// The page keeper.
+    pub fn keeper(&self) -> &K {
+        &self.keeper
     }
 
-    /// Whether the mirror is consolidated.
-    pub fn is_consolidated(&self) -> bool {
-        self.consolidated.is_some()
+    /// The page keeper, to change it (e.g. a lazy restore that takes the pages kept elsewhere
+    /// out of it at failover).
+    pub fn keeper_mut(&mut self) -> &mut K {
+        &mut self.keeper
     }
 
-    /// Where the mirror's pages are and what they cost (`None` without consolidation).
-    pub fn memory(&self) -> Option<Usage> {
-        let c = self.consolidated.as_ref()?;
-        Some(c.replica.usage(&lock(&c.pool)))
-    }
-
-    /// Takes the consolidation out (for a lazy restore at failover, which installs the
-    /// consolidated pages into the standby itself): the mirror holds only the plain pages
-    /// from then on, and nothing is consolidated any more.
-    pub fn take_consolidated(&mut self) -> Option<(Replica, Arc<Mutex<Pool>>)> {
-        self.consolidated.take().map(|c| (c.replica, c.pool))
-    }
-
-    /// Puts every consolidated page back into the mirror (before a standby resumes from it).
-    /// Returns the pages written; an error when their memory cannot be allocated (a full
+    /// Puts every page kept elsewhere back into the mirror (before a standby resumes from
+    /// it). Returns the pages written; an error when their memory cannot be allocated (a full
     /// tmpfs), before any is written.
     pub fn materialise(&mut self) -> std::io::Result<u64> {
-        match &mut self.consolidated {
-            Some(c) => c
-                .replica
-                .restore_all(&mut lock(&c.pool), self.mirror.as_mut()),
-            None => Ok(0),
-        }
+        self.keeper.materialise(self.mirror.as_mut())
     }
 
     /// Also keeps a copy of the guest's data disk.
@@ -309,13 +272,7 @@ impl<M: AsRef<[u8]> + AsMut<[u8]>> Backup<M> {
         self.consistent = false;
         self.session = 0;
         self.device_state.clear();
-        if let Some(c) = &mut self.consolidated {
-            // Forget the old copy's pool pages and give its memory back: zeros, for free.
-            c.replica.forget(&mut lock(&c.pool));
-            let m = self.mirror.as_mut();
-            let len = m.len();
-            tandem_consolidate::release(m, 0, len);
-        } else if self.vm_id.is_some() {
+        if !self.keeper.reset(self.mirror.as_mut()) && self.vm_id.is_some() {
             self.mirror.as_mut().fill(0);
         }
         if self.vm_id.is_some() {
@@ -345,13 +302,11 @@ impl<M: AsRef<[u8]> + AsMut<[u8]>> Backup<M> {
             (o.checked_add(data.len())? <= m.len() && data.len() % PAGE == 0).then_some(o)
         });
         let o = at.ok_or_else(|| ApplyError::Malformed("base chunk outside the guest".into()))?;
-        if let Some(c) = &mut self.consolidated {
-            // The chunk replaces these pages whole, wherever they are kept now.
-            let (first, n) = ((o / PAGE) as u64, (data.len() / PAGE) as u64);
-            c.replica
-                .overwrite(&mut lock(&c.pool), m, first, n)
-                .map_err(ApplyError::MirrorMemory)?;
-        }
+        // The chunk replaces these pages whole, wherever they are kept now.
+        let (first, n) = ((o / PAGE) as u64, (data.len() / PAGE) as u64);
+        self.keeper
+            .overwrite(m, first, n)
+            .map_err(ApplyError::MirrorMemory)?;
         m[o..o + data.len()].copy_from_slice(data);
         Ok(Applied::Base)
     }
@@ -459,56 +414,28 @@ impl<M: AsRef<[u8]> + AsMut<[u8]>> Backup<M> {
         self.device_state = parts.device_state;
         self.committed = f.seq;
         self.consistent = true;
-        if let Some(c) = &mut self.consolidated {
-            c.replica.written(&self.plan.pfns);
-        }
+        self.keeper.written(&self.plan.pfns);
         Ok(Applied::Committed(f.seq))
     }
 
-    /// With consolidation: puts the pages the memory record reads back into the mirror.
-    /// Changes no content, so a record refused afterwards leaves the epoch unapplied.
+    /// Puts the pages the memory record reads back into the mirror, if the keeper keeps any
+    /// elsewhere. Changes no content, so a record refused afterwards leaves the epoch
+    /// unapplied.
     fn restore_reads(&mut self, record: &[u8]) -> Result<(), ApplyError> {
-        let Some(c) = &mut self.consolidated else {
+        if !self.keeper.keeps_pages_elsewhere() {
             return Ok(());
-        };
+        }
         let m = self.mirror.as_mut();
-        let mut pool = lock(&c.pool);
-        match tandem_codec::pages_read_with(record, (m.len() / PAGE) as u64, &mut self.plan)? {
-            Some(pfns) => c.replica.restore(&mut pool, m, &pfns),
-            // A record that may read and write anywhere: the whole mirror, holes included.
-            None => c
-                .replica
-                .populate_all(m)
-                .and_then(|()| c.replica.restore_all(&mut pool, m)),
-        }
-        .map_err(ApplyError::MirrorMemory)?;
-        Ok(())
+        let pfns = tandem_codec::pages_read_with(record, (m.len() / PAGE) as u64, &mut self.plan)?;
+        // `None`: a record that may read and write anywhere — the whole mirror.
+        self.keeper
+            .restore(m, pfns.as_deref())
+            .map_err(ApplyError::MirrorMemory)
     }
 
-    /// With consolidation: advances the NRU clock by the share of a revolution that passed
-    /// since its last step (at most a quarter second's worth, so that a long pause in the
-    /// stream does not turn into one long scan). Call it after acknowledging an epoch, so
-    /// that the scan is not in the acknowledgement's latency.
+    /// Background work of the page keeper (consolidation's clock). Call it after
+    /// acknowledging an epoch, so that it is not in the acknowledgement's latency.
     pub fn tick(&mut self) {
-        let Some(c) = &mut self.consolidated else {
-            return;
-        };
-        let now = Instant::now();
-        let dt = now.duration_since(c.last_scan).as_secs_f64().min(0.25);
-        c.last_scan = now;
-        let pages = c.replica.pages();
-        c.owed += pages as f64 * dt / c.revolution.as_secs_f64().max(1e-9);
-        c.owed = c.owed.min(pages as f64);
-        let n = c.owed as u64;
-        if n > 0 {
-            c.owed -= n as f64;
-            c.replica.scan(&mut lock(&c.pool), self.mirror.as_mut(), n);
-        }
+        self.keeper.tick(self.mirror.as_mut());
     }
-}
-
-/// The pool's operations index only entries they created and do not panic on any input; were
-/// one to, the host's other replicas would rather go on with the pool than all stop.
-fn lock(p: &Mutex<Pool>) -> std::sync::MutexGuard<'_, Pool> {
-    p.lock().unwrap_or_else(|e| e.into_inner())
 }

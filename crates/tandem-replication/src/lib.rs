@@ -8,12 +8,15 @@
 pub mod backup;
 pub mod devstate;
 pub mod disk;
+#[cfg(feature = "fuzz")]
 pub mod fuzz;
+pub mod keeper;
 pub mod primary;
 pub mod wire;
 
 pub use backup::{Applied, ApplyError, Backup};
 pub use disk::{DiskCopy, FileDisk};
+pub use keeper::{PageKeeper, Plain};
 pub use primary::{AckError, Acks, EpochInput, EpochSizes, Primary, PrimaryError, Reply};
 pub use wire::{Fencing, Frame, Hello, Kind, WireError};
 

@@ -16,44 +16,10 @@ const PAGES: usize = 128;
 const DISK: usize = 64 * 1024;
 const VM: u64 = 0x51;
 
-/// Dirty pfns, their pages and the epoch's disk writes.
-type Step = (Vec<u64>, Vec<u8>, Vec<(u64, Vec<u8>)>);
+type Guest = tandem_test_support::FakeGuest;
 
-struct Guest {
-    mem: Vec<u8>,
-    disk: Vec<u8>,
-}
-
-impl Guest {
-    fn new() -> Guest {
-        Guest {
-            mem: (0..PAGES * P).map(|i| (i / 7 % 253) as u8).collect(),
-            disk: (0..DISK).map(|i| (i / 3 % 13) as u8).collect(),
-        }
-    }
-
-    /// Writes some pages and disk blocks for `epoch`: returns pfns, pages, disk writes.
-    fn step(&mut self, epoch: u64) -> Step {
-        let mut pfns: Vec<u64> = (0..20)
-            .map(|k| (epoch * 31 + k * 5) % PAGES as u64)
-            .collect();
-        pfns.sort_unstable();
-        pfns.dedup();
-        let mut pages = Vec::new();
-        for &p in &pfns {
-            let pg = &mut self.mem[p as usize * P..(p as usize + 1) * P];
-            pg[(epoch as usize * 17) % P] ^= 0xa5;
-            pages.extend_from_slice(pg);
-        }
-        let mut writes = Vec::new();
-        for k in 0..3u64 {
-            let off = ((epoch * 7 + k * 13) % 60) * 1024;
-            let data = vec![(epoch + k) as u8; 1536];
-            self.disk[off as usize..off as usize + data.len()].copy_from_slice(&data);
-            writes.push((off, data));
-        }
-        (pfns, pages, writes)
-    }
+fn new_guest() -> Guest {
+    Guest::new(PAGES, DISK)
 }
 
 fn epoch_frame(p: &mut Primary, g: &mut Guest, seq: u64) -> Frame {
@@ -105,7 +71,7 @@ fn an_encoder_with_threads_replicates_the_same_state() {
 }
 
 fn epochs_and_a_resync(cfg: Config) {
-    let mut g = Guest::new();
+    let mut g = new_guest();
     let mut p = Primary::new(VM, Codec::Tandem, cfg);
     let mut bk = new_backup();
     apply(&mut bk, &session_start(&mut p, &g, 0));
@@ -210,7 +176,7 @@ fn acks_are_validated() {
 
 #[test]
 fn handover_only_from_the_committed_epoch_and_bye_forbids_failover() {
-    let mut g = Guest::new();
+    let mut g = new_guest();
     let mut p = Primary::new(VM, Codec::Tandem, Config::default());
     let mut bk = new_backup();
     apply(&mut bk, &session_start(&mut p, &g, 0));
@@ -264,7 +230,7 @@ impl DiskCopy for Full {
 fn a_hello_that_fails_after_zeroing_leaves_nothing_to_fail_over_to() {
     // Finding 5: the mirror was zeroed, then zeroing the disk copy failed (ENOSPC) and the
     // backup stayed marked consistent: a later failover would resume a guest of zeros.
-    let mut g = Guest::new();
+    let mut g = new_guest();
     let mut p = Primary::new(VM, Codec::Tandem, Config::default());
     let mut bk = Backup::new(vec![0u8; PAGES * P]).with_disk(Box::new(Full {
         d: vec![0u8; DISK],
@@ -295,7 +261,7 @@ fn a_hello_that_fails_after_zeroing_leaves_nothing_to_fail_over_to() {
 
 #[test]
 fn a_primary_that_fences_otherwise_is_refused_before_anything_changes() {
-    let mut g = Guest::new();
+    let mut g = new_guest();
     let etcd = Fencing::Etcd {
         cluster_id: 1,
         key_hash: 2,
@@ -333,7 +299,7 @@ fn a_primary_that_fences_otherwise_is_refused_before_anything_changes() {
 
 #[test]
 fn a_disk_write_failing_half_way_leaves_the_committed_epoch_whole() {
-    let mut g = Guest::new();
+    let mut g = new_guest();
     let mut p = Primary::new(VM, Codec::Tandem, Config::default());
     // Initial disk chunks (16 of 4 KiB) + 3 writes per epoch for 2 epochs, then 1 more.
     let mut bk = Backup::new(vec![0u8; PAGES * P]).with_disk(Box::new(Full {
@@ -361,39 +327,4 @@ fn a_disk_write_failing_half_way_leaves_the_committed_epoch_whole() {
         "the failed epoch was undone, epoch 2 is whole"
     );
     assert!(bk.mirror() == &mem_at_2[..]);
-}
-
-#[test]
-fn a_consolidated_mirror_applies_every_epoch_and_materialises_exactly() {
-    use std::sync::{Arc, Mutex};
-    let mut g = Guest::new();
-    let mut p = Primary::new(VM, Codec::Tandem, Config::default());
-    let pool = Arc::new(Mutex::new(tandem_consolidate::Pool::new()));
-    // A clock that goes round the whole mirror after every epoch: every page not used by
-    // that epoch leaves the mirror, so the next epochs must restore what they read.
-    let mut bk = Backup::new(tandem_consolidate::shm(PAGES * P).unwrap())
-        .with_disk(Box::new(vec![0u8; DISK]))
-        .consolidate(pool.clone(), std::time::Duration::from_nanos(1));
-    for start in [0, 20] {
-        if start > 0 {
-            for seq in 11..=start {
-                let _ = epoch_frame(&mut p, &mut g, seq); // lost with the link
-            }
-        }
-        apply(&mut bk, &session_start(&mut p, &g, start));
-        for seq in start + 1..=start + 10 {
-            let f = epoch_frame(&mut p, &mut g, seq);
-            assert_eq!(bk.handle(&f).unwrap(), Applied::Committed(seq));
-            bk.tick();
-        }
-        let u = bk.memory().unwrap();
-        assert!(u.plain < PAGES as u64 / 2, "the clock moved little: {u:?}");
-        assert!(
-            bk.mirror() != &g.mem[..],
-            "consolidated pages read as holes"
-        );
-        assert!(bk.materialise().unwrap() > 0);
-        assert!(bk.mirror() == &g.mem[..], "session from {start}");
-    }
-    assert!(!pool.lock().unwrap().is_empty() || bk.memory().unwrap().plain == PAGES as u64);
 }

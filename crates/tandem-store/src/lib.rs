@@ -14,6 +14,7 @@
 mod compact;
 pub mod disks;
 pub mod format;
+#[cfg(feature = "fuzz")]
 pub mod fuzz;
 pub mod lock;
 pub mod ramhash;

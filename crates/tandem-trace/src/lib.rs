@@ -21,6 +21,7 @@
 #![warn(missing_docs)]
 
 mod frame;
+#[cfg(feature = "fuzz")]
 pub mod fuzz;
 mod reader;
 mod replay;

@@ -12,6 +12,7 @@ use tandem_replication::{Backup, Frame};
 use tandem_vm::MirrorFile;
 
 use super::gate;
+use super::keeper::Keeper;
 use super::standby::Standby;
 use super::{accept_within, io, BackupConfig, BackupError};
 use crate::signals::stopping;
@@ -75,7 +76,7 @@ pub(super) struct Running {
 pub(super) fn failover(
     cfg: &BackupConfig,
     site: &Site,
-    bk: &mut Backup<MirrorFile>,
+    bk: &mut Backup<MirrorFile, Keeper>,
     standby: &mut Standby,
     loss: Loss,
     registry: &crate::metrics::Registry,
@@ -98,7 +99,7 @@ pub(super) fn failover(
     };
     // Consolidated pages back into the mirror file the standby maps: all of them now, or
     // (lazy) those the guest touches first, the rest behind them while it runs.
-    let memory = bk.memory();
+    let memory = bk.keeper().usage();
     let (lazy, materialised_pages, materialise) = match restore(bk, standby, &vm, status) {
         Ok(r) => r,
         Err(e) => {
@@ -201,7 +202,7 @@ pub(super) fn failover(
 /// (then, for a standby registered for missing faults that nobody will serve, allocates every
 /// hole). Returns the lazy restore, the pages materialised and how long that took.
 fn restore(
-    bk: &mut Backup<MirrorFile>,
+    bk: &mut Backup<MirrorFile, Keeper>,
     standby: &Standby,
     vm: &tandem_vm::Vm,
     status: &Status,
@@ -226,14 +227,14 @@ fn restore(
 /// faults from the consolidated pages (before the device state is loaded, which reads guest
 /// memory). `None`: restore by materialising.
 fn start_lazy(
-    bk: &mut Backup<MirrorFile>,
+    bk: &mut Backup<MirrorFile, Keeper>,
     vm: &tandem_vm::Vm,
     status: &Status,
 ) -> Result<Option<tandem_consolidate::Lazy>, BackupError> {
     let Some(ram) = vm.lazy_ram() else {
         return Ok(None);
     };
-    if !bk.is_consolidated() {
+    if !bk.keeper().is_consolidated() {
         return Ok(None);
     }
     let uffd = match vm.lazy_uffd() {
@@ -246,7 +247,7 @@ fn start_lazy(
             return Ok(None);
         }
     };
-    let Some((replica, pool)) = bk.take_consolidated() else {
+    let Some((replica, pool)) = bk.keeper_mut().take_consolidated() else {
         return Ok(None);
     };
     tandem_consolidate::Lazy::start(uffd, ram.start, replica, pool)

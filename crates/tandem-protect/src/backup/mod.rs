@@ -10,6 +10,7 @@
 
 mod failover;
 mod gate;
+mod keeper;
 mod standby;
 
 use std::io::{BufReader, BufWriter};
@@ -28,6 +29,7 @@ use crate::vmspec::{VmSpec, VmSpecError};
 use crate::{unix_ms, Status};
 pub use failover::FailoverReport;
 use failover::{failover, run_resumed, send, Loss};
+use keeper::Keeper;
 use standby::Standby;
 
 /// What the backup daemon runs.
@@ -159,7 +161,7 @@ enum LinkEnd {
 }
 
 struct Link<'a> {
-    bk: &'a mut Backup<MirrorFile>,
+    bk: &'a mut Backup<MirrorFile, Keeper>,
     standby: &'a mut Standby,
     timeout: Duration,
     stall: Duration,
@@ -274,7 +276,7 @@ impl Link<'_> {
                     self.registry.committed(seq);
                     if self.memory_at.elapsed() >= Duration::from_secs(1) {
                         self.memory_at = Instant::now();
-                        self.registry.set_memory(self.bk.memory());
+                        self.registry.set_memory(self.bk.keeper().usage());
                     }
                     if in_setup {
                         self.registry.set_state(
@@ -454,7 +456,15 @@ pub fn serve(
     // after `resume`, which is called once the mirror is no longer written.
     let mirror = unsafe { MirrorFile::create(&mirror_path, vmc.mem_mib << 20) }
         .map_err(BackupError::Mirror)?;
-    let mut bk = Backup::new(mirror);
+    let keeper = match &cfg.consolidate {
+        Some(c) => Keeper::Consolidated(Box::new(tandem_consolidate::Consolidated::new(
+            mirror.as_ref().len(),
+            c.pool.clone(),
+            c.revolution,
+        ))),
+        None => Keeper::Plain(tandem_replication::Plain),
+    };
+    let mut bk = Backup::with_keeper(mirror, keeper);
     let fence = match &cfg.fence {
         Some(fc) => {
             let f = tandem_fence::Fence::connect(fc.clone()).map_err(BackupError::Fence)?;
@@ -471,9 +481,6 @@ pub fn serve(
         }
         None => None,
     };
-    if let Some(c) = &cfg.consolidate {
-        bk = bk.consolidate(c.pool.clone(), c.revolution);
-    }
     if let Some(p) = &site.disk_path {
         let what = || format!("opening the disk copy {}", p.display());
         let f = std::fs::OpenOptions::new()

@@ -325,6 +325,7 @@ impl Drop for Capturer {
 /// Fuzz entry (target `devstate_frame`): the first byte splits the rest into a `migrate`
 /// stream to learn a frame from and a `xen-save-devices-state` file to wrap; never a panic.
 /// Returns whether it framed a stream.
+#[cfg(feature = "fuzz")]
 pub fn fuzz_frame(data: &[u8]) -> bool {
     let Some((&split, rest)) = data.split_first() else {
         return false;

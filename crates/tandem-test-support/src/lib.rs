@@ -1,0 +1,80 @@
+//! Helpers shared by tandem's tests. A dev-dependency only: nothing of it reaches a product
+//! crate or binary, and it depends on none of them (so any crate's tests may use it).
+
+#![warn(missing_docs)]
+
+use std::path::Path;
+
+/// A TCP port on 127.0.0.1 that was free a moment ago.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free local port")
+}
+
+/// Runs `f` on every input of the committed corpus of fuzz target `target` (`fuzz/corpus/`),
+/// and checks the corpus has at least `min` inputs.
+pub fn replay_corpus(target: &str, min: usize, f: impl Fn(&[u8])) {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../fuzz/corpus")
+        .join(target);
+    let mut n = 0;
+    for e in std::fs::read_dir(&dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display())) {
+        let p = e.expect("corpus entry").path();
+        f(&std::fs::read(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display())));
+        n += 1;
+    }
+    assert!(n >= min, "corpus {target} has {n} inputs");
+}
+
+/// Page size of the fake guest.
+pub const PAGE: usize = 4096;
+
+/// Dirty page numbers, their contents and the epoch's disk writes (offset, bytes).
+pub type Step = (Vec<u64>, Vec<u8>, Vec<(u64, Vec<u8>)>);
+
+/// A guest that writes its memory and disk in a fixed pattern, for protocol tests without
+/// QEMU: its memory and disk are what a backup must end up with.
+pub struct FakeGuest {
+    /// Guest memory.
+    pub mem: Vec<u8>,
+    /// Guest data disk.
+    pub disk: Vec<u8>,
+}
+
+impl FakeGuest {
+    /// `pages` pages of patterned memory and a patterned disk of `disk_bytes`.
+    pub fn new(pages: usize, disk_bytes: usize) -> FakeGuest {
+        FakeGuest {
+            mem: (0..pages * PAGE).map(|i| (i / 7 % 253) as u8).collect(),
+            disk: (0..disk_bytes).map(|i| (i / 3 % 13) as u8).collect(),
+        }
+    }
+
+    /// Writes some pages and disk blocks for `epoch`: returns the dirty pages (ascending),
+    /// their contents and the disk writes.
+    pub fn step(&mut self, epoch: u64) -> Step {
+        let pages = (self.mem.len() / PAGE) as u64;
+        let mut pfns: Vec<u64> = (0..20).map(|k| (epoch * 31 + k * 5) % pages).collect();
+        pfns.sort_unstable();
+        pfns.dedup();
+        let mut out = Vec::new();
+        for &p in &pfns {
+            let pg = &mut self.mem[p as usize * PAGE..(p as usize + 1) * PAGE];
+            pg[(epoch as usize * 17) % PAGE] ^= 0xa5;
+            out.extend_from_slice(pg);
+        }
+        let mut writes = Vec::new();
+        let blocks = (self.disk.len() / 1024).saturating_sub(4) as u64;
+        if blocks > 0 {
+            for k in 0..3u64 {
+                let off = ((epoch * 7 + k * 13) % blocks) * 1024;
+                let data = vec![(epoch + k) as u8; 1536];
+                self.disk[off as usize..off as usize + data.len()].copy_from_slice(&data);
+                writes.push((off, data));
+            }
+        }
+        (pfns, out, writes)
+    }
+}
