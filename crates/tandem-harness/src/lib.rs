@@ -14,6 +14,7 @@ pub mod demo;
 pub mod kv;
 pub mod lab;
 pub mod pgload;
+pub mod replay;
 
 use std::sync::Arc;
 use std::time::Duration;

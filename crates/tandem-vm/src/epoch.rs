@@ -1,7 +1,7 @@
 //! The epoch pipeline: one loop that runs the guest for an epoch, takes a checkpoint pause and
 //! hands the checkpoint to a sink — the replication link, the checkpoint store, the trace
 //! writer or the watch statistics. The [`Schedule`] seam decides epoch lengths; the [`Guest`]
-//! seam is a real QEMU ([`crate::Vm`]) or a recorded trace replayed ([`crate::ReplayGuest`]),
+//! seam is a real QEMU ([`crate::Vm`]) or a recorded trace replayed (tandem-harness's `ReplayGuest`),
 //! so the pipeline, the protocol and the store can be tested in milliseconds without QEMU.
 
 use std::time::{Duration, Instant};

@@ -92,9 +92,9 @@ pub enum VmError {
     /// Console problem (including the guest not becoming ready).
     #[error(transparent)]
     Console(#[from] ConsoleError),
-    /// A replayed trace is unreadable or inconsistent.
-    #[error("replayed trace: {0}")]
-    Trace(String),
+    /// A guest that is not a QEMU (a replayed trace) cannot go on.
+    #[error("{0}")]
+    Guest(String),
     /// A disk mirror could not be set up.
     #[error("{0}")]
     Mirror(String),

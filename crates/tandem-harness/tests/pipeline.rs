@@ -6,11 +6,12 @@
 use std::time::Duration;
 
 use tandem_codec::{Codec, Config};
+use tandem_harness::replay::{device_state_of, ReplayGuest};
 use tandem_replication::{Applied, Backup, EpochInput, Primary};
 use tandem_store::{Meta, Outcome, Saver, Store};
 use tandem_trace::{EpochRecord, TraceHeader, TraceReader, TraceWriter};
 use tandem_vm::epoch::{run_pipeline, Checkpoint, Fixed};
-use tandem_vm::{Epoch, EpochSink, Guest, ReplayGuest, PAGE_SIZE};
+use tandem_vm::{Epoch, EpochSink, Guest, PAGE_SIZE};
 
 const PAGES: usize = 512;
 
@@ -122,10 +123,7 @@ fn a_replayed_trace_replicates_to_an_identical_mirror() {
         link.backup.mirror() == g.memory(),
         "mirror differs from the replayed memory"
     );
-    assert_eq!(
-        link.backup.device_state(),
-        &tandem_vm::replay::device_state_of(40, 4000)[..]
-    );
+    assert_eq!(link.backup.device_state(), &device_state_of(40, 4000)[..]);
 }
 
 #[test]

@@ -1,4 +1,4 @@
-//! A recorded trace replayed as a [`Guest`]: the "VM" whose dirty log is the trace's. Its
+//! A recorded trace replayed as a [`Guest`] (tandem-vm's epoch pipeline seam): the "VM" whose dirty log is the trace's. Its
 //! memory starts as the trace's base image and each pause applies the next recorded epoch; the
 //! device state is a deterministic stand-in of the recorded size (traces keep sizes, not
 //! device states). With it the epoch pipeline, the replication protocol and the checkpoint
@@ -8,9 +8,13 @@ use std::io::Read;
 
 use tandem_trace::{EpochRecord, Frame, TraceReader};
 
-use crate::epoch::Guest;
-use crate::ram::PAGE_SIZE;
-use crate::vm::{PauseTiming, VmError};
+use tandem_vm::epoch::Guest;
+use tandem_vm::{PauseTiming, VmError, PAGE_SIZE};
+
+/// The trace cannot be replayed: `why`.
+fn bad(why: impl std::fmt::Display) -> VmError {
+    VmError::Guest(format!("replayed trace: {why}"))
+}
 
 /// A trace replayed as a guest.
 pub struct ReplayGuest<R: Read> {
@@ -25,7 +29,7 @@ impl<R: Read> ReplayGuest<R> {
     pub fn new(reader: TraceReader<R>) -> Result<Self, VmError> {
         let h = reader.header();
         if h.page_size as usize != PAGE_SIZE {
-            return Err(VmError::Trace(format!(
+            return Err(bad(format!(
                 "trace pages are {} bytes, tandem's are {PAGE_SIZE}",
                 h.page_size
             )));
@@ -51,7 +55,7 @@ impl<R: Read> ReplayGuest<R> {
                     let dst = o
                         .checked_add(data.len())
                         .and_then(|end| self.mem.get_mut(o..end))
-                        .ok_or_else(|| VmError::Trace("base chunk outside guest memory".into()))?;
+                        .ok_or_else(|| bad("base chunk outside guest memory"))?;
                     dst.copy_from_slice(&data);
                 }
                 Ok(Some(Frame::Epoch(e))) => {
@@ -59,7 +63,7 @@ impl<R: Read> ReplayGuest<R> {
                     return Ok(());
                 }
                 Ok(Some(Frame::End { .. })) | Ok(None) => return Ok(()),
-                Err(e) => return Err(VmError::Trace(e.to_string())),
+                Err(e) => return Err(bad(e.to_string())),
             }
         }
     }
@@ -103,13 +107,13 @@ impl<R: Read> Guest for ReplayGuest<R> {
         let e = self
             .next
             .take()
-            .ok_or_else(|| VmError::Trace("the trace has no more epochs".into()))?;
+            .ok_or_else(|| bad("the trace has no more epochs"))?;
         for (i, &pfn) in e.pfns.iter().enumerate() {
             let o = (pfn as usize).saturating_mul(PAGE_SIZE);
             let src = &e.data[i * PAGE_SIZE..(i + 1) * PAGE_SIZE];
             self.mem
                 .get_mut(o..o + PAGE_SIZE)
-                .ok_or_else(|| VmError::Trace(format!("page {pfn} outside guest memory")))?
+                .ok_or_else(|| bad(format!("page {pfn} outside guest memory")))?
                 .copy_from_slice(src);
         }
         dirty.clear();
