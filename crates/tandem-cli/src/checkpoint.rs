@@ -10,7 +10,7 @@ use tandem_protect::saver::SaveConfig;
 use tandem_protect::signals;
 use tandem_store::Store;
 
-use crate::vmargs::{kv_load, VmArgs};
+use tandem_args::VmArgs;
 
 #[derive(clap::Subcommand)]
 pub enum Cmd {
@@ -110,7 +110,7 @@ fn save(a: SaveArgs) -> anyhow::Result<()> {
         base_every: a.base_every,
         codec: a.codec,
         fault_compact: a.fault_compact,
-        load: Some(kv_load()),
+        load: None,
     };
     let s = tandem_protect::saver::save(cfg, crate::daemons::stderr("checkpoint"))?;
     if a.json {

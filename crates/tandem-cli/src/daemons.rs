@@ -10,110 +10,7 @@ use tandem_protect::backup::BackupConfig;
 use tandem_protect::primary::PrimaryConfig;
 use tandem_protect::{signals, Line, Status};
 
-use crate::vmargs::{kv_load, SiteArgs, VmArgs};
-
-/// Fencing flags, the same on both daemons.
-#[derive(clap::Args, Clone, Default)]
-pub struct FenceArgs {
-    /// Fence with the VM's ownership record in this etcd cluster (client URLs,
-    /// comma-separated, e.g. http://10.79.0.11:2379,http://10.79.0.12:2379): the backup takes
-    /// over, and the primary runs without a replica, only by one compare-and-swap each on it
-    /// (docs/FENCING.md). Give both daemons the same. Without it the backup cannot tell a
-    /// partition from a dead primary.
-    #[arg(long, value_delimiter = ',')]
-    pub etcd: Vec<String>,
-    /// Key prefix in etcd (the record is PREFIX/vm/VM-ID/owner).
-    #[arg(long, default_value = "/tandem")]
-    pub etcd_prefix: String,
-    /// This node's name in the ownership record (default: ROLE@HOSTNAME).
-    #[arg(long)]
-    pub node: Option<String>,
-    /// Timeout of one etcd request to one member, in ms (the next member is tried after it).
-    #[arg(long, default_value_t = 300)]
-    pub etcd_timeout_ms: u64,
-    /// CA certificate(s) of the etcd members (PEM), for https:// endpoints.
-    #[arg(long)]
-    pub etcd_ca: Option<PathBuf>,
-    /// This node's client certificate for etcd (PEM; clusters with --client-cert-auth).
-    #[arg(long, requires_all = ["etcd_key", "etcd_ca"])]
-    pub etcd_cert: Option<PathBuf>,
-    /// The key of --etcd-cert (PEM).
-    #[arg(long, requires = "etcd_cert")]
-    pub etcd_key: Option<PathBuf>,
-}
-
-impl FenceArgs {
-    /// The fencing configuration of VM `vm_id` for a daemon in `role` (`None` without --etcd).
-    pub fn config(&self, vm_id: u64, role: &str) -> Option<tandem_fence::FenceConfig> {
-        if self.etcd.is_empty() {
-            return None;
-        }
-        let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
-        let node = self
-            .node
-            .clone()
-            .unwrap_or_else(|| format!("{role}@{}", host.trim()));
-        let mut c = tandem_fence::FenceConfig::new(self.etcd.clone(), vm_id, node);
-        c.request_timeout = Duration::from_millis(self.etcd_timeout_ms.max(10));
-        c.prefix = self.etcd_prefix.trim_end_matches('/').to_string();
-        c.tls = self.etcd_ca.as_ref().map(|ca| tandem_fence::EtcdTls {
-            ca: ca.clone(),
-            cert: self.etcd_cert.clone(),
-            key: self.etcd_key.clone(),
-        });
-        Some(c)
-    }
-}
-
-/// Mutual TLS on the replication link, the same on both daemons.
-#[derive(clap::Args, Clone, Default)]
-pub struct TlsArgs {
-    /// Encrypt and mutually authenticate the replication link with the files in this
-    /// directory: ca.pem, and primary.pem + primary.key or backup.pem + backup.key (what
-    /// `tandem keys` writes). --tls-ca/--tls-cert/--tls-key override single files (your PKI).
-    #[arg(long)]
-    pub tls_dir: Option<PathBuf>,
-    /// CA certificate(s) the peer's certificate must chain to (PEM).
-    #[arg(long)]
-    pub tls_ca: Option<PathBuf>,
-    /// This side's certificate chain (PEM).
-    #[arg(long)]
-    pub tls_cert: Option<PathBuf>,
-    /// This side's private key (PEM).
-    #[arg(long)]
-    pub tls_key: Option<PathBuf>,
-}
-
-impl TlsArgs {
-    fn files(&self, role: &str) -> anyhow::Result<Option<tandem_protect::tls::TlsFiles>> {
-        let base = self
-            .tls_dir
-            .as_ref()
-            .map(|d| tandem_protect::tls::TlsFiles::in_dir(d, role));
-        let pick = |given: &Option<PathBuf>, from_dir: Option<PathBuf>, what: &str| {
-            given
-                .clone()
-                .or(from_dir)
-                .ok_or_else(|| anyhow::anyhow!("TLS needs {what}: give --tls-dir or --tls-{what}"))
-        };
-        if base.is_none()
-            && self.tls_ca.is_none()
-            && self.tls_cert.is_none()
-            && self.tls_key.is_none()
-        {
-            return Ok(None);
-        }
-        Ok(Some(tandem_protect::tls::TlsFiles {
-            ca: pick(&self.tls_ca, base.as_ref().map(|b| b.ca.clone()), "ca")?,
-            cert: pick(
-                &self.tls_cert,
-                base.as_ref().map(|b| b.cert.clone()),
-                "cert",
-            )?,
-            key: pick(&self.tls_key, base.as_ref().map(|b| b.key.clone()), "key")?,
-        }))
-    }
-}
+use tandem_args::{FenceArgs, SiteArgs, TlsArgs, VmArgs};
 
 #[derive(clap::Args)]
 pub struct PrimaryArgs {
@@ -417,7 +314,7 @@ pub fn primary(a: PrimaryArgs) -> anyhow::Result<()> {
         metrics_listen: a.metrics_listen,
         fault_stall_epoch: a.fault_stall_epoch,
         fault_kill_at: a.fault_kill_at.clone(),
-        load: Some(kv_load()),
+        load: None,
         fence: a.fence.config(a.vm_id, "primary"),
         control: a.control,
         tls: match a.tls.files("primary")? {

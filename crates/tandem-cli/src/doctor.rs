@@ -66,7 +66,7 @@ fn kernel() -> Result<String, (Status, String, String)> {
 }
 
 fn qemu(bin: &std::path::Path) -> Result<String, (Status, String, String)> {
-    let fix = "run `tandem setup` (installs Debian's qemu-system-x86)".to_string();
+    let fix = "run `./tandem setup` (installs Debian's qemu-system-x86)".to_string();
     let out = Command::new(bin).arg("--version").output().map_err(|e| {
         (
             Status::Fail,
@@ -120,8 +120,13 @@ fn shm(mem_mib: u64) -> Result<String, (Status, String, String)> {
 
 fn image() -> Result<String, (Status, String, String)> {
     let img = tandem_vm::GuestImage::default_location();
-    img.check()
-        .map_err(|e| (Status::Fail, e.to_string(), "run `tandem setup`".into()))?;
+    img.check().map_err(|e| {
+        (
+            Status::Fail,
+            e.to_string(),
+            "run `./tandem setup` (the lab's set-up builds the image)".into(),
+        )
+    })?;
     let kv = std::fs::read_to_string(img.dir.join("kernel-version")).unwrap_or_default();
     Ok(format!("{} (kernel {})", img.dir.display(), kv.trim()))
 }
@@ -201,18 +206,6 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let mut checks = vec![
         check("kernel", kernel()),
         check("qemu", qemu(&args.qemu)),
-        check("packages", {
-            let m = crate::setup::missing_packages();
-            if m.is_empty() {
-                Ok("all Debian packages present".into())
-            } else {
-                Err((
-                    Status::Fail,
-                    format!("missing: {}", m.join(" ")),
-                    "run `tandem setup`".into(),
-                ))
-            }
-        }),
         check("dev-shm", shm(256)),
         check("guest-image", image()),
         check("preload-library", preload()),

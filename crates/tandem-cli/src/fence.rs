@@ -3,7 +3,7 @@
 
 use anyhow::Context;
 
-use crate::daemons::FenceArgs;
+use tandem_args::FenceArgs;
 
 #[derive(clap::Subcommand)]
 pub enum Cmd {

@@ -5,11 +5,8 @@ mod daemons;
 mod doctor;
 mod fence;
 mod host;
-mod record;
-mod setup;
 mod switchover;
 mod vm;
-mod vmargs;
 mod watch;
 
 use clap::{Parser, Subcommand};
@@ -30,24 +27,10 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
-    /// Install missing Debian packages and build the guest image (idempotent).
-    Setup(setup::Args),
     /// Check kernel, QEMU, /dev/shm and the guest image; run a boot/log/checkpoint/restore self-test.
     Doctor(doctor::Args),
-    /// The main job: replicate a redis guest to a backup, kill the primary, fail over, verify.
-    Demo(tandem_harness::demo::Args),
     /// Boot a guest, checkpoint it every epoch (no replication) and show live statistics.
     Watch(watch::Args),
-    /// Record a memory trace of a real guest run.
-    Record(record::RecordArgs),
-    /// Record the standard traces (idle, compile, sqlite, kv) into the cache.
-    Traces(record::TracesArgs),
-    /// Inspect traces.
-    #[command(subcommand)]
-    Trace(record::TraceCmd),
-    /// Create or remove the network lab (clients' bridge, primary and backup hosts).
-    #[command(subcommand)]
-    Lab(tandem_harness::lab::Cmd),
     /// Replicate a VM to a backup: epochs over TCP, network and disk output commit.
     Primary(daemons::PrimaryArgs),
     /// Receive epochs into a mirror and fail over onto a standby QEMU when the primary is lost.
@@ -71,8 +54,6 @@ enum Cmd {
     /// VM descriptions: import from libvirt, show, check.
     #[command(subcommand)]
     Vm(vm::Cmd),
-    /// Measure: --lab (boot, pause breakdown, harvest, hash scan, dirty rates), --replication (end to end) or --trace (codecs).
-    Bench(tandem_harness::bench::Args),
 }
 
 fn main() {
@@ -83,12 +64,7 @@ fn main() {
     // EPIPE instead).
     if matches!(
         cli.cmd,
-        Cmd::Trace(_)
-            | Cmd::Vm(_)
-            | Cmd::Status(_)
-            | Cmd::Keys(_)
-            | Cmd::Switchover(_)
-            | Cmd::Fence(_)
+        Cmd::Vm(_) | Cmd::Status(_) | Cmd::Keys(_) | Cmd::Switchover(_) | Cmd::Fence(_)
     ) {
         // SAFETY: called in main before any other thread exists; SIG_DFL is valid.
         unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
@@ -102,28 +78,15 @@ fn main() {
     // directories, RAM files) goes first.
     if !matches!(
         cli.cmd,
-        Cmd::Trace(_)
-            | Cmd::Setup(_)
-            | Cmd::Vm(_)
-            | Cmd::Status(_)
-            | Cmd::Keys(_)
-            | Cmd::Switchover(_)
-            | Cmd::Fence(_)
+        Cmd::Vm(_) | Cmd::Status(_) | Cmd::Keys(_) | Cmd::Switchover(_) | Cmd::Fence(_)
     ) {
         tandem_vm::clean_stale();
     }
     let result = match cli.cmd {
-        Cmd::Setup(a) => setup::run(a),
         Cmd::Doctor(a) => doctor::run(a),
-        Cmd::Demo(a) => tandem_harness::demo::run(a),
         Cmd::Watch(a) => watch::run(a),
-        Cmd::Record(a) => record::record(a),
-        Cmd::Traces(a) => record::traces(a),
-        Cmd::Trace(c) => record::trace_cmd(c),
-        Cmd::Bench(a) => tandem_harness::bench::run(a),
         Cmd::Checkpoint(c) => checkpoint::run(c),
         Cmd::Vm(c) => vm::run(c),
-        Cmd::Lab(c) => tandem_harness::lab::run(c),
         Cmd::Primary(a) => daemons::primary(a),
         Cmd::Backup(a) => daemons::backup(a),
         Cmd::BackupHost(a) => host::run(a),

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use anyhow::Context;
 use tandem_protect::vmfile::VmFile;
 
-use crate::vmargs::VmArgs;
+use tandem_args::VmArgs;
 
 #[derive(clap::Subcommand)]
 pub enum Cmd {

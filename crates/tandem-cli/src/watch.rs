@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use tandem_protect::watcher::{watch, WatchConfig};
 
-use crate::vmargs::{kv_load, VmArgs};
+use tandem_args::VmArgs;
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -28,7 +28,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         vm: a.vm.spec(),
         epoch: Duration::from_millis(a.epoch_ms.max(1)),
         duration: Duration::from_secs(a.duration),
-        load: Some(kv_load()),
+        load: None,
     };
     eprintln!(
         "tandem watch: booting a {} MiB Linux guest under QEMU ({}) running `{}`...",

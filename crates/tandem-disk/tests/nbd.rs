@@ -29,7 +29,7 @@ fn qemu_io(sock: &std::path::Path, cmds: &[&str]) -> String {
     c.arg(format!("nbd+unix:///?socket={}", sock.display()));
     let o = c
         .output()
-        .expect("qemu-io (package qemu-utils; run `tandem setup`)");
+        .expect("qemu-io (package qemu-utils; run `./tandem setup`)");
     let text = format!(
         "{}{}",
         String::from_utf8_lossy(&o.stdout),

@@ -373,6 +373,7 @@ pub(crate) fn range_kvs(v: &Value) -> Vec<(String, Kv)> {
 }
 
 /// A range reply's first key.
+#[cfg(feature = "fuzz")]
 pub(crate) fn range_kv(v: &Value) -> Option<Kv> {
     kv_of(v)
 }

@@ -23,6 +23,32 @@ use tandem_protect::vmspec::Booted;
 use tandem_protect::{Load, StartLoad};
 use tandem_vm::VmConfig;
 
+/// The product binary (`tandem`) the lab drives as daemons: next to this executable (the
+/// `tandem-lab` binary), or one directory up (a test binary in `target/*/deps`).
+pub fn product_exe() -> anyhow::Result<std::path::PathBuf> {
+    let me = std::env::current_exe().map_err(|e| anyhow::anyhow!("locating this binary: {e}"))?;
+    let dir = me
+        .parent()
+        .map(std::path::Path::to_path_buf)
+        .unwrap_or_default();
+    for d in [
+        Some(dir.clone()),
+        dir.parent().map(std::path::Path::to_path_buf),
+    ]
+    .into_iter()
+    .flatten()
+    {
+        let p = d.join("tandem");
+        if p.is_file() {
+            return Ok(p);
+        }
+    }
+    anyhow::bail!(
+        "the tandem binary is not next to {} (build the whole workspace: cargo build --workspace)",
+        me.display()
+    )
+}
+
 /// The lab's host-side load: a redis client writing keys while the `kv` guest runs with
 /// user networking (its port forwarded); no load for other workloads.
 pub fn kv_load() -> StartLoad {

@@ -74,7 +74,7 @@ pub enum SiteError {
     #[error("data disk of {0} MiB is too large")]
     DiskSize(u64),
     /// mkfs.ext4 could not run.
-    #[error("running mkfs.ext4 (install e2fsprogs with `tandem setup`)")]
+    #[error("running mkfs.ext4 (install e2fsprogs with `./tandem setup`)")]
     MkfsSpawn(#[source] std::io::Error),
     /// mkfs.ext4 failed.
     #[error("mkfs.ext4 failed: {0}")]

@@ -1,5 +1,5 @@
 //! The TOML VM description (docs/VM_DESCRIPTION.md). Two shapes: the lab guest (`workload`
-//! set: kernel, initramfs, apps disk and NIC come from `tandem setup`'s image) or your own VM
+//! set: kernel, initramfs, apps disk and NIC come from `./tandem setup`'s image) or your own VM
 //! (`[boot]`, `[[disk]]`, `[[nic]]`). Keys shared by both: `mem`, `vcpus`, `machine`,
 //! `extra_args`, `ready`, `dirty_log`, `qemu`, `accel`.
 

@@ -23,7 +23,7 @@ pub struct VmSpec {
     pub qemu: PathBuf,
     /// Accelerator (tcg or kvm).
     pub accel: String,
-    /// Guest image directory (default: the cache that `tandem setup` fills).
+    /// Guest image directory (default: the cache that `./tandem setup` fills).
     pub image: Option<PathBuf>,
     /// VM description file (docs/VM_DESCRIPTION.md); its keys override the fields above,
     /// and its `[boot]`, `[[disk]]` and `[[nic]]` describe your own VM instead of the lab

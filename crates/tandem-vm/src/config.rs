@@ -1,5 +1,5 @@
 //! What to run: the VM as described ([`crate::desc`]) plus how tandem runs it (dirty log, QEMU
-//! binary, accelerator). The lab guest built by `tandem setup` is one such VM
+//! binary, accelerator). The lab guest built by `./tandem setup` is one such VM
 //! ([`VmConfig::lab`]): direct kernel boot of its kernel and initramfs, its read-only apps disk
 //! and one NIC.
 
@@ -35,7 +35,7 @@ pub struct VmConfig {
     pub ready: Option<String>,
     /// The lab guest's workload (see [`crate::image::WORKLOADS`]); `None` for other VMs.
     pub workload: Option<String>,
-    /// The lab guest's image (checked with a `tandem setup` hint before the boot files).
+    /// The lab guest's image (checked with a `./tandem setup` hint before the boot files).
     pub image: Option<GuestImage>,
     /// Dirty-log mode.
     pub dirty: DirtyMode,

@@ -9,7 +9,7 @@ pub const WORKLOADS: &[&str] = &["idle", "memtouch", "compile", "sqlite", "kv", 
 #[derive(Debug, thiserror::Error)]
 pub enum ImageError {
     /// A file of the image is missing.
-    #[error("guest image file {0} is missing: run `tandem setup` to build the guest image")]
+    #[error("guest image file {0} is missing: run `./tandem setup` to build the guest image")]
     Missing(String),
     /// The workload name is unknown.
     #[error("unknown workload {0:?}: choose one of idle, memtouch, compile, sqlite, kv, disk")]
@@ -31,12 +31,12 @@ pub fn cache_dir() -> PathBuf {
     home.join(".cache").join("tandem")
 }
 
-/// Where `tandem setup --debian` keeps the Debian test VM: `cache_dir()/debian`.
+/// Where `./tandem setup --debian` keeps the Debian test VM: `cache_dir()/debian`.
 pub fn debian_dir() -> PathBuf {
     cache_dir().join("debian")
 }
 
-/// The kernel, initramfs and apps disk that `tandem setup` builds.
+/// The kernel, initramfs and apps disk that `./tandem setup` builds.
 #[derive(Debug, Clone)]
 pub struct GuestImage {
     /// Directory holding the files.

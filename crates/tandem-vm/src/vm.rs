@@ -61,7 +61,7 @@ pub enum VmError {
     #[error(transparent)]
     Desc(#[from] DescError),
     /// QEMU could not be started.
-    #[error("cannot start {0} (install it with `tandem setup`, package qemu-system-x86)")]
+    #[error("cannot start {0} (install it with `./tandem setup`, package qemu-system-x86)")]
     Spawn(String, #[source] std::io::Error),
     /// QEMU exited.
     #[error("QEMU exited ({status}); its log:\n{log}")]

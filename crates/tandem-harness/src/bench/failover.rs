@@ -38,7 +38,7 @@ struct Case {
 }
 
 pub fn run(kills: usize, json: bool) -> anyhow::Result<()> {
-    let exe = std::env::current_exe().context("locating the tandem binary")?;
+    let exe = crate::product_exe()?;
     let mut lab = NetLab::create(&format!("tf{}", std::process::id() % 100_000), 1000)
         .context("creating the network lab (needs root)")?;
     let dir = tempfile::Builder::new()

@@ -332,7 +332,7 @@ impl Report {
 
 /// Runs at least `n` faults (fenced by etcd unless `no_etcd`).
 pub fn run(n: u64, seed: Option<u64>, mem: u64, no_etcd: bool, json: bool) -> anyhow::Result<()> {
-    let exe = std::env::current_exe().context("locating the tandem binary")?;
+    let exe = crate::product_exe()?;
     let mut lab = NetLab::create(&format!("tz{}", std::process::id() % 100_000), 1000)
         .context("creating the network lab (needs root)")?;
     let dir = tempfile::Builder::new()

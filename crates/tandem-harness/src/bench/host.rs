@@ -131,7 +131,7 @@ fn number_after(l: &str, key: &str) -> u32 {
 }
 
 fn one(workloads: &[String], consolidate: bool, seconds: u64, dir: &Path) -> anyhow::Result<Run> {
-    let exe = std::env::current_exe()?;
+    let exe = crate::product_exe()?;
     let mut guests = Vec::new();
     for (i, w) in workloads.iter().enumerate() {
         let lab = tandem_net::NetLab::create(&format!("tbh{}{i}", std::process::id() % 1000), 0)

@@ -61,7 +61,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     {
         anyhow::bail!("--devstate {d:?}: use migrate and/or xen-save");
     }
-    let exe = std::env::current_exe().context("locating the tandem binary")?;
+    let exe = crate::product_exe()?;
     let lab = NetLab::create(&format!("tb{}", std::process::id() % 100_000), a.rate_mbit)
         .context("creating the network lab (needs root)")?;
     let dir = tempfile::Builder::new()

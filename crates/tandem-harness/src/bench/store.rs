@@ -37,7 +37,7 @@ struct Row {
 }
 
 fn json(args: &[String]) -> anyhow::Result<serde_json::Value> {
-    let exe = std::env::current_exe()?;
+    let exe = crate::product_exe()?;
     let out = Command::new(exe)
         .args(args)
         .output()

@@ -179,7 +179,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     if rounds == 0 && !a.cycle {
         bail!("--rounds must be at least 1");
     }
-    let exe = std::env::current_exe().context("locating the tandem binary")?;
+    let exe = crate::product_exe()?;
     let mut lab = NetLab::create(&format!("td{}", std::process::id() % 100_000), a.rate_mbit)
         .context("creating the network lab (tandem demo needs root for network namespaces)")?;
     let dir = tempfile::Builder::new()
@@ -373,7 +373,7 @@ fn run_debian(a: Args) -> anyhow::Result<()> {
         bail!("--vm debian always captures its disk by mirroring and kills the primary host; --disk-capture, --faults and --backup-tmpfs are for the lab guest");
     }
     let vm = pg::DebianVm::cached()?;
-    let exe = std::env::current_exe().context("locating the tandem binary")?;
+    let exe = crate::product_exe()?;
     let lab = NetLab::create(&format!("td{}", std::process::id() % 100_000), a.rate_mbit)
         .context("creating the network lab (tandem demo needs root for network namespaces)")?;
     // On disk, not /dev/shm: the overlay and the backup's disk copy grow with the guest's writes.

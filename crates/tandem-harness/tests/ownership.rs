@@ -75,7 +75,7 @@ fn primary(
 }
 
 fn tandem(args: &[&str]) -> std::process::Output {
-    std::process::Command::new(env!("CARGO_BIN_EXE_tandem"))
+    std::process::Command::new(tandem_harness::product_exe().unwrap())
         .args(args)
         .output()
         .unwrap()
@@ -178,7 +178,7 @@ fn a_takeover_survives_a_lost_reply_and_the_old_primary_never_boots_again() {
     // Finding 2: the old primary, restarted (a unit's Restart=), must not boot the
     // pre-failover image next to the guest the backup runs: refused, exit status 3.
     let t = Instant::now();
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_tandem"))
+    let out = std::process::Command::new(tandem_harness::product_exe().unwrap())
         .args([
             "primary",
             "--backup",

@@ -39,24 +39,33 @@ pub const PACKAGES: &[&str] = &[
     "postgresql-client",
 ];
 
-const DEBIAN_BUILDER: &str = include_str!("../../../guest/debian/build-debian.sh");
+const DEBIAN_BUILDER: &str = include_str!("../../../../../guest/debian/build-debian.sh");
 
 const GUEST_FILES: &[(&str, &str)] = &[
     (
         "build-image.sh",
-        include_str!("../../../guest/build-image.sh"),
+        include_str!("../../../../../guest/build-image.sh"),
     ),
     (
         "initramfs-init",
-        include_str!("../../../guest/initramfs-init"),
+        include_str!("../../../../../guest/initramfs-init"),
     ),
-    ("tandem-init", include_str!("../../../guest/tandem-init")),
-    ("workload.sh", include_str!("../../../guest/workload.sh")),
-    ("lua.mk", include_str!("../../../guest/lua.mk")),
-    ("luarun.c", include_str!("../../../guest/luarun.c")),
-    ("memtouch.c", include_str!("../../../guest/memtouch.c")),
+    (
+        "tandem-init",
+        include_str!("../../../../../guest/tandem-init"),
+    ),
+    (
+        "workload.sh",
+        include_str!("../../../../../guest/workload.sh"),
+    ),
+    ("lua.mk", include_str!("../../../../../guest/lua.mk")),
+    ("luarun.c", include_str!("../../../../../guest/luarun.c")),
+    (
+        "memtouch.c",
+        include_str!("../../../../../guest/memtouch.c"),
+    ),
 ];
-const CODEBASE_MANIFEST: &str = include_str!("../../../guest/codebase/Cargo.toml");
+const CODEBASE_MANIFEST: &str = include_str!("../../../../../guest/codebase/Cargo.toml");
 
 #[derive(clap::Args)]
 pub struct Args {

@@ -50,7 +50,7 @@ fn backup_notifies_systemd_and_stops_pinging_while_hung() {
     let mut backup = KillOnDrop(
         Command::new("sh")
             .args(["-c", "WATCHDOG_PID=$$ exec \"$0\" \"$@\""])
-            .arg(env!("CARGO_BIN_EXE_tandem"))
+            .arg(tandem_harness::product_exe().unwrap())
             .args(["backup", "--listen", &format!("127.0.0.1:{port}")])
             .args(["--dir", dir.path().join("b").to_str().unwrap()])
             .args(["--workload", "idle", "--control"])
@@ -105,9 +105,10 @@ fn unit_templates_pass_systemd_analyze_verify() {
     let mut units = Vec::new();
     for name in ["tandem-primary@.service", "tandem-backup@.service"] {
         // An instance of the template, with an executable that exists here.
-        let text = std::fs::read_to_string(src.join(name))
-            .unwrap()
-            .replace("/usr/local/bin/tandem", env!("CARGO_BIN_EXE_tandem"));
+        let text = std::fs::read_to_string(src.join(name)).unwrap().replace(
+            "/usr/local/bin/tandem",
+            &tandem_harness::product_exe().unwrap().display().to_string(),
+        );
         let unit = dir.path().join(name.replace("@.", "@vm1."));
         std::fs::write(&unit, text).unwrap();
         units.push(unit);

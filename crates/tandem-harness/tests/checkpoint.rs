@@ -9,7 +9,7 @@ use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 fn tandem(args: &[&str]) -> Output {
-    let out = Command::new(env!("CARGO_BIN_EXE_tandem"))
+    let out = Command::new(tandem_harness::product_exe().unwrap())
         .args(args)
         .output()
         .expect("run tandem");
@@ -130,7 +130,7 @@ fn restore_equals_saved_and_damage_is_contained() {
 
 /// Starts a saver in its own process group (so its QEMU dies with it).
 fn saver(dir: &Path, extra: &[&str]) -> std::process::Child {
-    Command::new(env!("CARGO_BIN_EXE_tandem"))
+    Command::new(tandem_harness::product_exe().unwrap())
         .args([
             "checkpoint",
             "save",
@@ -306,7 +306,7 @@ fn a_full_disk_skips_checkpoints_and_the_saver_carries_on() {
     let ballast = fs.path.join("ballast");
     std::fs::write(&ballast, vec![1u8; 46 << 20]).unwrap();
     let dir = fs.path.join("store");
-    let mut c = Command::new(env!("CARGO_BIN_EXE_tandem"))
+    let mut c = Command::new(tandem_harness::product_exe().unwrap())
         .args(["checkpoint", "save", "--dir", dir.to_str().unwrap()])
         .args(["--workload", "sqlite", "--interval", "150", "--count", "90"])
         .arg("--json")

@@ -77,7 +77,7 @@ fn hostile(tls: bool) {
     let keys = dir.path().join("keys");
     let mut tls_args: Vec<String> = Vec::new();
     if tls {
-        let st = std::process::Command::new(env!("CARGO_BIN_EXE_tandem"))
+        let st = std::process::Command::new(tandem_harness::product_exe().unwrap())
             .args([
                 "keys",
                 "--dir",

@@ -7,7 +7,7 @@
 use std::process::Command;
 
 fn demo(args: &[&str]) -> serde_json::Value {
-    let out = Command::new(env!("CARGO_BIN_EXE_tandem"))
+    let out = Command::new(env!("CARGO_BIN_EXE_tandem-lab"))
         .arg("demo")
         .args(["--json", "--timeout-ms", "2000"])
         .args(args)

@@ -108,7 +108,7 @@ fn the_booted_checkpoint_restores_with_its_disk_and_serves_sql_and_ssh() {
     let tmp = tempfile::tempdir().unwrap();
     let desc = describe(tmp.path(), &image, "qcow2");
     let disk_out = tmp.path().join("restored.img");
-    let mut child = Command::new(env!("CARGO_BIN_EXE_tandem"))
+    let mut child = Command::new(tandem_harness::product_exe().unwrap())
         .args(["checkpoint", "restore"])
         .arg(deb.join("booted"))
         .args(["--id", "1", "--run-seconds", "900", "--json", "--vm-config"])
@@ -164,7 +164,7 @@ fn the_booted_checkpoint_restores_with_its_disk_and_serves_sql_and_ssh() {
         .unwrap();
     let other = describe(tmp.path(), &small, "raw");
     let out2 = tmp.path().join("never.img");
-    let out = Command::new(env!("CARGO_BIN_EXE_tandem"))
+    let out = Command::new(tandem_harness::product_exe().unwrap())
         .args(["checkpoint", "restore"])
         .arg(deb.join("booted"))
         .args(["--id", "1", "--run-seconds", "1", "--vm-config"])
@@ -186,7 +186,7 @@ fn the_booted_checkpoint_restores_with_its_disk_and_serves_sql_and_ssh() {
 #[test]
 fn demo_debian_a_host_failure_loses_no_acknowledged_commit() {
     debian_dir();
-    let out = Command::new(env!("CARGO_BIN_EXE_tandem"))
+    let out = Command::new(env!("CARGO_BIN_EXE_tandem-lab"))
         .args([
             "demo", "--vm", "debian", "--rounds", "1", "--before", "8", "--after", "4",
         ])

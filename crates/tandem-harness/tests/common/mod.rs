@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 /// write read back, redis kept running, no primary frame after failover, exactly one copy,
 /// nothing left behind) and returns the rounds.
 pub fn demo_rounds(faults: &str, extra: &[&str]) -> Vec<serde_json::Value> {
-    let out = Command::new(env!("CARGO_BIN_EXE_tandem"))
+    let out = Command::new(env!("CARGO_BIN_EXE_tandem-lab"))
         .args(["demo", "--json", "--timeout-ms", "2000", "--before", "3"])
         .args(["--after", "2", "--faults", faults])
         .args(extra)
@@ -82,7 +82,7 @@ impl Drop for Proc {
 
 /// Runs tandem with stdout and stderr merged, line by line, into a channel.
 pub fn spawn(args: &[&str]) -> (Proc, Receiver<String>) {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_tandem"))
+    let mut c = Command::new(tandem_harness::product_exe().unwrap())
         .args(args)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -161,7 +161,7 @@ pub fn status_json(
     args: &[&std::ffi::OsStr],
     run: Option<&std::path::Path>,
 ) -> Vec<serde_json::Value> {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_tandem"));
+    let mut c = Command::new(tandem_harness::product_exe().unwrap());
     c.args(["status", "--json"]).args(args);
     if let Some(r) = run {
         c.env("TANDEM_RUN_DIR", r);

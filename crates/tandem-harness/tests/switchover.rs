@@ -91,7 +91,7 @@ impl Lab {
 }
 
 fn status(sock: &std::path::Path) -> serde_json::Value {
-    let out = Command::new(env!("CARGO_BIN_EXE_tandem"))
+    let out = Command::new(tandem_harness::product_exe().unwrap())
         .args(["status", "--json", "--socket"])
         .arg(sock)
         .output()
@@ -106,7 +106,7 @@ fn status(sock: &std::path::Path) -> serde_json::Value {
 fn wait_protected(sock: &std::path::Path, after: u64) -> serde_json::Value {
     let deadline = Instant::now() + Duration::from_secs(180);
     loop {
-        if let Ok(o) = Command::new(env!("CARGO_BIN_EXE_tandem"))
+        if let Ok(o) = Command::new(tandem_harness::product_exe().unwrap())
             .args(["status", "--json", "--socket"])
             .arg(sock)
             .output()
@@ -131,7 +131,7 @@ fn wait_protected(sock: &std::path::Path, after: u64) -> serde_json::Value {
 }
 
 fn switchover(sock: &std::path::Path) -> serde_json::Value {
-    let out = Command::new(env!("CARGO_BIN_EXE_tandem"))
+    let out = Command::new(tandem_harness::product_exe().unwrap())
         .args(["switchover", "--json", "--socket"])
         .arg(sock)
         .output()
@@ -248,7 +248,7 @@ fn switchover_failback_and_reprotection_after_failover() {
 /// switchover, failback, host kill + re-protection, host kill — every acknowledged write kept.
 #[test]
 fn ha_cycle_fenced_by_etcd_over_tls() {
-    let out = Command::new(env!("CARGO_BIN_EXE_tandem"))
+    let out = Command::new(env!("CARGO_BIN_EXE_tandem-lab"))
         .args(["demo", "--cycle", "--json", "--disk-capture", "mirror"])
         .args(["--timeout-ms", "2000", "--before", "3", "--after", "2"])
         .output()

@@ -12,7 +12,8 @@ use tandem_protect::recorder::RecordConfig;
 use tandem_protect::stats::quantile;
 use tandem_trace::{Timing, TraceHeader};
 
-use crate::vmargs::{kv_load, VmArgs};
+use tandem_args::VmArgs;
+use tandem_harness::kv_load;
 
 #[derive(clap::Args)]
 pub struct RecordArgs {

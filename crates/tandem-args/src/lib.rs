@@ -1,0 +1,213 @@
+//! Command-line arguments shared by tandem's two binaries (`tandem`, the product, and
+//! `tandem-lab`, the demo and benchmarks), turned into the library's plain config structs: the
+//! VM and site flags of every command that starts a guest, and the fencing and link-security
+//! flags of the daemons.
+
+#![warn(missing_docs)]
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use tandem_protect::site::SiteConfig;
+use tandem_protect::VmSpec;
+use tandem_vm::DirtyMode;
+
+/// The VM a command starts.
+#[derive(clap::Args, Clone, Debug)]
+pub struct VmArgs {
+    /// Guest workload: idle, memtouch, compile, sqlite, kv or disk.
+    #[arg(long, default_value = "kv")]
+    pub workload: String,
+    /// Guest RAM in MiB.
+    #[arg(long, default_value_t = 256)]
+    pub mem: u64,
+    /// Virtual CPUs.
+    #[arg(long, default_value_t = 1)]
+    pub vcpus: u32,
+    /// Dirty log: auto (uffd-wp if the kernel has it, else hash), uffd, hash.
+    #[arg(long, default_value = "auto")]
+    pub dirty_log: DirtyMode,
+    /// QEMU binary.
+    #[arg(long, default_value = "qemu-system-x86_64")]
+    pub qemu: PathBuf,
+    /// Accelerator: tcg (works everywhere) or kvm.
+    #[arg(long, default_value = "tcg")]
+    pub accel: String,
+    /// Guest image directory (default: the cache that `tandem setup` fills).
+    #[arg(long)]
+    pub image: Option<PathBuf>,
+    /// VM description file (TOML, docs/VM_DESCRIPTION.md): the lab guest's keys (workload,
+    /// mem, vcpus, ...) override the flags; [boot], [[disk]] and [[nic]] describe your own VM.
+    #[arg(long)]
+    pub vm_config: Option<PathBuf>,
+}
+
+impl VmArgs {
+    /// The defaults for `workload` at `mem` MiB (what the flags default to).
+    pub fn for_workload(workload: &str, mem: u64) -> Self {
+        let s = VmSpec::for_workload(workload, mem);
+        VmArgs {
+            workload: s.workload,
+            mem: s.mem,
+            vcpus: s.vcpus,
+            dirty_log: s.dirty_log,
+            qemu: s.qemu,
+            accel: s.accel,
+            image: s.image,
+            vm_config: s.vm_config,
+        }
+    }
+
+    /// The library's VM description.
+    pub fn spec(&self) -> VmSpec {
+        VmSpec {
+            workload: self.workload.clone(),
+            mem: self.mem,
+            vcpus: self.vcpus,
+            dirty_log: self.dirty_log,
+            qemu: self.qemu.clone(),
+            accel: self.accel.clone(),
+            image: self.image.clone(),
+            vm_config: self.vm_config.clone(),
+        }
+    }
+}
+
+/// Where the guest's NIC and data disk go.
+#[derive(clap::Args, Clone, Debug)]
+pub struct SiteArgs {
+    /// Network namespace holding the clients' bridge. The guest's NIC then goes through
+    /// tandem's relay and a tap on that bridge, and its output is held until acknowledged
+    /// (needs root). Without it the guest uses QEMU user networking and nothing is held.
+    #[arg(long)]
+    pub tap_netns: Option<String>,
+    /// Bridge inside --tap-netns.
+    #[arg(long, default_value = "br0")]
+    pub bridge: String,
+    /// Tap device name (default: tdp0 on the primary, tdb0 on the backup).
+    #[arg(long)]
+    pub tap: Option<String>,
+    /// Guest address on the bridge (CIDR).
+    #[arg(long, default_value = "10.77.0.2/24")]
+    pub guest_ip: String,
+    /// Data disk served by tandem's NBD server, in MiB (0 = none). Both sides must agree.
+    #[arg(long, default_value_t = 64)]
+    pub disk_mib: u64,
+}
+
+impl SiteArgs {
+    /// The library's site configuration.
+    pub fn config(&self) -> SiteConfig {
+        SiteConfig {
+            tap_netns: self.tap_netns.clone(),
+            bridge: self.bridge.clone(),
+            tap: self.tap.clone(),
+            guest_ip: self.guest_ip.clone(),
+            disk_mib: self.disk_mib,
+        }
+    }
+}
+
+/// Fencing flags, the same on both daemons.
+#[derive(clap::Args, Clone, Default)]
+pub struct FenceArgs {
+    /// Fence with the VM's ownership record in this etcd cluster (client URLs,
+    /// comma-separated, e.g. http://10.79.0.11:2379,http://10.79.0.12:2379): the backup takes
+    /// over, and the primary runs without a replica, only by one compare-and-swap each on it
+    /// (docs/FENCING.md). Give both daemons the same. Without it the backup cannot tell a
+    /// partition from a dead primary.
+    #[arg(long, value_delimiter = ',')]
+    pub etcd: Vec<String>,
+    /// Key prefix in etcd (the record is PREFIX/vm/VM-ID/owner).
+    #[arg(long, default_value = "/tandem")]
+    pub etcd_prefix: String,
+    /// This node's name in the ownership record (default: ROLE@HOSTNAME).
+    #[arg(long)]
+    pub node: Option<String>,
+    /// Timeout of one etcd request to one member, in ms (the next member is tried after it).
+    #[arg(long, default_value_t = 300)]
+    pub etcd_timeout_ms: u64,
+    /// CA certificate(s) of the etcd members (PEM), for https:// endpoints.
+    #[arg(long)]
+    pub etcd_ca: Option<PathBuf>,
+    /// This node's client certificate for etcd (PEM; clusters with --client-cert-auth).
+    #[arg(long, requires_all = ["etcd_key", "etcd_ca"])]
+    pub etcd_cert: Option<PathBuf>,
+    /// The key of --etcd-cert (PEM).
+    #[arg(long, requires = "etcd_cert")]
+    pub etcd_key: Option<PathBuf>,
+}
+
+impl FenceArgs {
+    /// The fencing configuration of VM `vm_id` for a daemon in `role` (`None` without --etcd).
+    pub fn config(&self, vm_id: u64, role: &str) -> Option<tandem_fence::FenceConfig> {
+        if self.etcd.is_empty() {
+            return None;
+        }
+        let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+        let node = self
+            .node
+            .clone()
+            .unwrap_or_else(|| format!("{role}@{}", host.trim()));
+        let mut c = tandem_fence::FenceConfig::new(self.etcd.clone(), vm_id, node);
+        c.request_timeout = Duration::from_millis(self.etcd_timeout_ms.max(10));
+        c.prefix = self.etcd_prefix.trim_end_matches('/').to_string();
+        c.tls = self.etcd_ca.as_ref().map(|ca| tandem_fence::EtcdTls {
+            ca: ca.clone(),
+            cert: self.etcd_cert.clone(),
+            key: self.etcd_key.clone(),
+        });
+        Some(c)
+    }
+}
+
+/// Mutual TLS on the replication link, the same on both daemons.
+#[derive(clap::Args, Clone, Default)]
+pub struct TlsArgs {
+    /// Encrypt and mutually authenticate the replication link with the files in this
+    /// directory: ca.pem, and primary.pem + primary.key or backup.pem + backup.key (what
+    /// `tandem keys` writes). --tls-ca/--tls-cert/--tls-key override single files (your PKI).
+    #[arg(long)]
+    pub tls_dir: Option<PathBuf>,
+    /// CA certificate(s) the peer's certificate must chain to (PEM).
+    #[arg(long)]
+    pub tls_ca: Option<PathBuf>,
+    /// This side's certificate chain (PEM).
+    #[arg(long)]
+    pub tls_cert: Option<PathBuf>,
+    /// This side's private key (PEM).
+    #[arg(long)]
+    pub tls_key: Option<PathBuf>,
+}
+
+impl TlsArgs {
+    /// The PEM files of `role` (`primary` or `backup`), if TLS was asked for.
+    pub fn files(&self, role: &str) -> anyhow::Result<Option<tandem_protect::tls::TlsFiles>> {
+        let base = self
+            .tls_dir
+            .as_ref()
+            .map(|d| tandem_protect::tls::TlsFiles::in_dir(d, role));
+        let pick = |given: &Option<PathBuf>, from_dir: Option<PathBuf>, what: &str| {
+            given
+                .clone()
+                .or(from_dir)
+                .ok_or_else(|| anyhow::anyhow!("TLS needs {what}: give --tls-dir or --tls-{what}"))
+        };
+        if base.is_none()
+            && self.tls_ca.is_none()
+            && self.tls_cert.is_none()
+            && self.tls_key.is_none()
+        {
+            return Ok(None);
+        }
+        Ok(Some(tandem_protect::tls::TlsFiles {
+            ca: pick(&self.tls_ca, base.as_ref().map(|b| b.ca.clone()), "ca")?,
+            cert: pick(
+                &self.tls_cert,
+                base.as_ref().map(|b| b.cert.clone()),
+                "cert",
+            )?,
+            key: pick(&self.tls_key, base.as_ref().map(|b| b.key.clone()), "key")?,
+        }))
+    }
+}
