@@ -211,3 +211,83 @@ impl TlsArgs {
         }))
     }
 }
+
+/// The primary's fault-injection flags for the lab's tests (hidden; present only when built
+/// with the `fault-hooks` feature, as the lab builds the `tandem` binary).
+#[cfg(feature = "fault-hooks")]
+#[derive(clap::Args, Clone, Debug, Default)]
+pub struct FaultArgs {
+    /// Send half of this epoch's frame, then stall until killed.
+    #[arg(long, hide = true)]
+    pub fault_stall_epoch: Option<u64>,
+    /// SIGUSR2 kills QEMU inside the next checkpoint pause; SIGWINCH stops the daemon between
+    /// an acknowledgement and its release.
+    #[arg(long, hide = true)]
+    pub fault_hooks: bool,
+    /// Kill this host (the process group) at a handover step.
+    #[arg(long, hide = true)]
+    pub fault_kill_at: Option<KillAtArg>,
+}
+
+/// The primary's fault-injection flags: none in this build (no `fault-hooks` feature).
+#[cfg(not(feature = "fault-hooks"))]
+#[derive(clap::Args, Clone, Debug, Default)]
+pub struct FaultArgs {}
+
+/// `--fault-kill-at`.
+#[cfg(feature = "fault-hooks")]
+#[derive(clap::ValueEnum, Clone, Copy, Debug)]
+pub enum KillAtArg {
+    /// The last epoch was sent.
+    HandoverShipped,
+    /// Its output was released.
+    HandoverReleased,
+    /// The handover frame was written.
+    HandoverSent,
+}
+
+impl FaultArgs {
+    /// Installs the signal hooks if asked and puts the faults into `cfg`.
+    pub fn apply(&self, _cfg: &mut tandem_protect::primary::PrimaryConfig) {
+        #[cfg(feature = "fault-hooks")]
+        {
+            use tandem_protect::faults::{Faults, HandoverStep};
+            if self.fault_hooks {
+                tandem_protect::faults::install_signal_hooks();
+            }
+            _cfg.faults = Faults {
+                stall_epoch: self.fault_stall_epoch,
+                kill_at: self.fault_kill_at.map(|k| match k {
+                    KillAtArg::HandoverShipped => HandoverStep::HandoverShipped,
+                    KillAtArg::HandoverReleased => HandoverStep::HandoverReleased,
+                    KillAtArg::HandoverSent => HandoverStep::HandoverSent,
+                }),
+            };
+        }
+    }
+}
+
+/// The checkpoint saver's fault-injection flag for the lab's tests (hidden; only with the
+/// `fault-hooks` feature).
+#[cfg(feature = "fault-hooks")]
+#[derive(clap::Args, Clone, Debug, Default)]
+pub struct SaveFaultArgs {
+    /// Abort the process at this compaction step (segment, index, renamed).
+    #[arg(long, hide = true)]
+    pub fault_compact: Option<tandem_store::store::CrashPoint>,
+}
+
+/// The checkpoint saver's fault-injection flag: none in this build.
+#[cfg(not(feature = "fault-hooks"))]
+#[derive(clap::Args, Clone, Debug, Default)]
+pub struct SaveFaultArgs {}
+
+impl SaveFaultArgs {
+    /// Puts the fault into `cfg`.
+    pub fn apply(&self, _cfg: &mut tandem_protect::saver::SaveConfig) {
+        #[cfg(feature = "fault-hooks")]
+        {
+            _cfg.fault_compact = self.fault_compact;
+        }
+    }
+}

@@ -61,10 +61,8 @@ pub struct SaveArgs {
     /// Print a JSON summary.
     #[arg(long)]
     pub json: bool,
-    /// Test-only fault injection: abort the process at this compaction step
-    /// (segment, index, renamed).
-    #[arg(long, hide = true)]
-    pub fault_compact: Option<tandem_store::store::CrashPoint>,
+    #[command(flatten)]
+    pub faults: tandem_args::SaveFaultArgs,
 }
 
 #[derive(clap::Args)]
@@ -99,19 +97,15 @@ pub fn run(c: Cmd) -> anyhow::Result<()> {
 
 fn save(a: SaveArgs) -> anyhow::Result<()> {
     signals::install_stop_handler();
-    let cfg = SaveConfig {
-        dir: a.dir,
-        vm: a.vm.spec(),
-        interval: a.interval.map(Duration::from_millis),
-        adaptive: (a.schedule == crate::daemons::ScheduleArg::Adaptive)
-            .then(tandem_vm::schedule::AdaptiveConfig::default),
-        count: a.count,
-        keep: a.keep,
-        base_every: a.base_every,
-        codec: a.codec,
-        fault_compact: a.fault_compact,
-        load: None,
-    };
+    let mut cfg = SaveConfig::new(a.dir, a.vm.spec());
+    cfg.interval = a.interval.map(Duration::from_millis);
+    cfg.adaptive = (a.schedule == crate::daemons::ScheduleArg::Adaptive)
+        .then(tandem_vm::schedule::AdaptiveConfig::default);
+    cfg.count = a.count;
+    cfg.keep = a.keep;
+    cfg.base_every = a.base_every;
+    cfg.codec = a.codec;
+    a.faults.apply(&mut cfg);
     let s = tandem_protect::saver::save(cfg, crate::daemons::stderr("checkpoint"))?;
     if a.json {
         println!("{}", serde_json::to_string_pretty(&s)?);

@@ -101,16 +101,8 @@ pub struct PrimaryArgs {
     /// The name the backup's certificate must carry (default: the host of --backup).
     #[arg(long)]
     pub tls_server_name: Option<String>,
-    /// Fault injection for tests: send half of this epoch's frame, then stall until killed.
-    #[arg(long, hide = true)]
-    pub fault_stall_epoch: Option<u64>,
-    /// Fault injection for tests: SIGUSR2 kills QEMU inside the next checkpoint pause.
-    #[arg(long, hide = true)]
-    pub fault_hooks: bool,
-    /// Fault injection for tests: kill this host (process group) at a handover step
-    /// (handover-shipped, handover-released, handover-sent).
-    #[arg(long, hide = true)]
-    pub fault_kill_at: Option<String>,
+    #[command(flatten)]
+    pub faults: tandem_args::FaultArgs,
     /// This node's own replication address (host:port): after a planned switchover
     /// (`tandem switchover`) it serves as the backup of the guest there, and while it runs
     /// the guest it turns away old copies that connect. Without it a switchover is refused.
@@ -283,48 +275,40 @@ pub enum ScheduleArg {
 
 pub fn primary(a: PrimaryArgs) -> anyhow::Result<()> {
     signals::install_stop_handler();
-    if a.fault_hooks {
-        signals::install_fault_hooks();
-    }
     let ms = Duration::from_millis;
-    let cfg = PrimaryConfig {
-        backup: a.backup.clone(),
-        vm: a.vm.spec(),
-        site: a.site.config(),
-        dir: a.dir,
-        epoch: ms(a.epoch_ms.max(1)),
-        adaptive: (a.schedule == ScheduleArg::Adaptive).then(|| AdaptiveConfig {
-            max_wait: ms(a.epoch_ms.max(1)),
-            min_run: ms(a.min_run_ms),
-            run_per_pause: a.run_per_pause.max(0.0),
-            converge: (a.converge_pct > 0.0).then_some(a.converge_pct / 100.0),
-            stop_budget: (a.stop_budget_ms > 0).then(|| ms(a.stop_budget_ms)),
-            ..AdaptiveConfig::default()
-        }),
-        fast_devstate: a.devstate == "xen-save",
-        duration: a.duration.map(Duration::from_secs),
-        codec: a.codec,
-        zstd_level: a.zstd_level.0,
-        encoder_threads: a.encoder_threads.into(),
-        vm_id: a.vm_id,
-        heartbeat: ms(a.heartbeat_ms.max(1)),
-        ack_timeout: ms(a.ack_timeout_ms.max(100)),
-        stall: a.stall_ms.map(ms),
-        metrics_jsonl: a.metrics_jsonl,
-        metrics_listen: a.metrics_listen,
-        fault_stall_epoch: a.fault_stall_epoch,
-        fault_kill_at: a.fault_kill_at.clone(),
-        load: None,
-        fence: a.fence.config(a.vm_id, "primary"),
-        control: a.control,
-        tls: match a.tls.files("primary")? {
-            Some(f) => Some((
-                tandem_protect::tls::client_config(&f)?,
-                tandem_protect::tls::server_name(&a.backup, a.tls_server_name.as_deref())?,
-            )),
-            None => None,
-        },
+    let mut cfg = PrimaryConfig::new(a.backup.clone(), a.vm.spec());
+    cfg.site = a.site.config();
+    cfg.dir = a.dir;
+    cfg.epoch = ms(a.epoch_ms.max(1));
+    cfg.adaptive = (a.schedule == ScheduleArg::Adaptive).then(|| AdaptiveConfig {
+        max_wait: ms(a.epoch_ms.max(1)),
+        min_run: ms(a.min_run_ms),
+        run_per_pause: a.run_per_pause.max(0.0),
+        converge: (a.converge_pct > 0.0).then_some(a.converge_pct / 100.0),
+        stop_budget: (a.stop_budget_ms > 0).then(|| ms(a.stop_budget_ms)),
+        ..AdaptiveConfig::default()
+    });
+    cfg.fast_devstate = a.devstate == "xen-save";
+    cfg.duration = a.duration.map(Duration::from_secs);
+    cfg.codec = a.codec;
+    cfg.zstd_level = a.zstd_level.0;
+    cfg.encoder_threads = a.encoder_threads.into();
+    cfg.vm_id = a.vm_id;
+    cfg.heartbeat = ms(a.heartbeat_ms.max(1));
+    cfg.ack_timeout = ms(a.ack_timeout_ms.max(100));
+    cfg.stall = a.stall_ms.map(ms);
+    cfg.metrics_jsonl = a.metrics_jsonl;
+    cfg.metrics_listen = a.metrics_listen;
+    cfg.fence = a.fence.config(a.vm_id, "primary");
+    cfg.control = a.control;
+    cfg.tls = match a.tls.files("primary")? {
+        Some(f) => Some((
+            tandem_protect::tls::client_config(&f)?,
+            tandem_protect::tls::server_name(&a.backup, a.tls_server_name.as_deref())?,
+        )),
+        None => None,
     };
+    a.faults.apply(&mut cfg);
     let Some(listen) = a.listen else {
         return Ok(tandem_protect::primary::run(cfg, stdio("primary"))?);
     };

@@ -13,6 +13,7 @@
 pub mod backup;
 pub mod conn;
 pub mod control;
+pub mod faults;
 pub mod frontend;
 pub mod libvirt;
 pub mod metrics;

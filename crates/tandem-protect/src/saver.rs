@@ -12,7 +12,6 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 use tandem_codec::{Codec, Config};
 use tandem_store::format::RecordKind;
-use tandem_store::store::CrashPoint;
 use tandem_store::{Meta, Outcome, Saver, Store, StoreError};
 use tandem_vm::epoch::{run_pipeline, Checkpoint, Pending};
 use tandem_vm::{EpochSink, Vm, VmError, PAGE_SIZE};
@@ -43,10 +42,31 @@ pub struct SaveConfig {
     pub base_every: u64,
     /// Memory codec.
     pub codec: Codec,
-    /// Test-only fault injection: abort the process at this compaction step.
-    pub fault_compact: Option<CrashPoint>,
+    /// Fault injection for the lab's tests: abort the process at this compaction step.
+    #[cfg(feature = "fault-hooks")]
+    pub fault_compact: Option<tandem_store::store::CrashPoint>,
     /// Host-side load started once the guest is ready.
     pub load: Option<StartLoad>,
+}
+
+impl SaveConfig {
+    /// One checkpoint of `vm` into the store at `dir`, with the tandem codec and a full base
+    /// every 100 checkpoints.
+    pub fn new(dir: impl Into<PathBuf>, vm: VmSpec) -> Self {
+        SaveConfig {
+            dir: dir.into(),
+            vm,
+            interval: None,
+            adaptive: None,
+            count: None,
+            keep: None,
+            base_every: 100,
+            codec: Codec::Tandem,
+            #[cfg(feature = "fault-hooks")]
+            fault_compact: None,
+            load: None,
+        }
+    }
 }
 
 /// What a save run did.
@@ -342,7 +362,7 @@ impl<'a> StoreSink<'a> {
             return;
         }
         let (codec, codec_cfg) = (self.cfg.codec, Config::default());
-        if let Some(cp) = self.cfg.fault_compact {
+        if let Some(cp) = crate::faults::compact_crash(self.cfg) {
             let r = self
                 .saver
                 .store_mut()

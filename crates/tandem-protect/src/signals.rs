@@ -10,43 +10,12 @@ use std::sync::atomic::{AtomicBool, Ordering};
 static STOP: AtomicBool = AtomicBool::new(false);
 static SHUTDOWN: AtomicBool = AtomicBool::new(false);
 static SWITCHOVER: AtomicBool = AtomicBool::new(false);
-static KILL_IN_PAUSE: AtomicBool = AtomicBool::new(false);
-static STOP_AT_ACK: AtomicBool = AtomicBool::new(false);
-
-extern "C" fn on_fault_signal(sig: libc::c_int) {
-    if sig == libc::SIGWINCH {
-        STOP_AT_ACK.store(true, Ordering::SeqCst);
-    } else {
-        KILL_IN_PAUSE.store(true, Ordering::SeqCst);
-    }
-}
 
 extern "C" fn on_signal(sig: libc::c_int) {
     if sig == libc::SIGUSR1 {
         SHUTDOWN.store(true, Ordering::SeqCst);
     }
     STOP.store(true, Ordering::SeqCst);
-}
-
-/// Fault injection for tests (`tandem primary --fault-hooks`): SIGUSR2 makes the primary kill
-/// its QEMU inside the next checkpoint pause, while the guest is stopped; SIGWINCH makes it
-/// stop itself (SIGSTOP) right after it reads the next acknowledgement, before it releases
-/// that acknowledgement's output.
-pub fn install_fault_hooks() {
-    for sig in [libc::SIGUSR2, libc::SIGWINCH] {
-        // SAFETY: the handler only stores to atomics, which is async-signal-safe.
-        unsafe { libc::signal(sig, on_fault_signal as *const () as libc::sighandler_t) };
-    }
-}
-
-/// Whether a stop after the next acknowledgement was requested (and clears the request).
-pub fn take_stop_at_ack() -> bool {
-    STOP_AT_ACK.swap(false, Ordering::SeqCst)
-}
-
-/// Whether a kill inside the pause was requested (and clears the request).
-pub fn take_kill_in_pause() -> bool {
-    KILL_IN_PAUSE.swap(false, Ordering::SeqCst)
 }
 
 /// SIGINT, SIGTERM and SIGUSR1 ask the process to stop ([`stopping`]); SIGUSR1 also sets

@@ -218,9 +218,10 @@ impl Shared {
     }
 }
 
-/// Fault injection for tests: after sending half of this epoch's frame, stall forever.
+/// The sender's settings.
 pub struct SenderOpts {
     pub vm_id: u64,
+    /// Fault injection for tests: after sending half of this epoch's frame, stall forever.
     pub stall_epoch: Option<u64>,
 }
 
@@ -271,7 +272,7 @@ pub fn spawn_sender(
                     let t = Instant::now();
                     shared.acks().sent(f.seq, t);
                     if o.stall_epoch == Some(f.seq) {
-                        stall(&mut w, &f, &status);
+                        crate::faults::stall(&mut w, &f, &status);
                     }
                     let r = send_marked(&mut w, &f).map(|last| {
                         shared
@@ -306,20 +307,6 @@ pub fn spawn_sender(
             }
         }
     })
-}
-
-fn stall(w: &mut impl Write, f: &Frame, status: &Status) -> ! {
-    let mut bytes = Vec::new();
-    let _ = f.write_to(&mut bytes);
-    let _ = w.write_all(&bytes[..bytes.len() / 2]);
-    let _ = w.flush();
-    status.warn(format!(
-        "fault injection: stalled in the middle of epoch {}",
-        f.seq
-    ));
-    loop {
-        std::thread::sleep(Duration::from_secs(3600));
-    }
 }
 
 #[cfg(test)]

@@ -77,13 +77,9 @@ pub struct PrimaryConfig {
     pub metrics_jsonl: Option<PathBuf>,
     /// Serve Prometheus metrics on this address (GET /metrics).
     pub metrics_listen: Option<String>,
-    /// Fault injection for tests: send half of this epoch's frame, then stall until killed.
-    pub fault_stall_epoch: Option<u64>,
-    /// Fault injection for tests: SIGKILL this process group (the daemon and its QEMU, as a
-    /// host failure) when a handover reaches this step: `handover-shipped` (the last epoch
-    /// sent), `handover-released` (its output released), `handover-sent` (the handover frame
-    /// written).
-    pub fault_kill_at: Option<String>,
+    /// Faults the primary injects into itself (the lab's tests only).
+    #[cfg(feature = "fault-hooks")]
+    pub faults: crate::faults::Faults,
     /// Host-side load started once the guest is ready.
     pub load: Option<StartLoad>,
     /// Fence with the VM's ownership record in etcd (docs/FENCING.md); `None`: no fencing
@@ -121,8 +117,8 @@ impl PrimaryConfig {
             stall: None,
             metrics_jsonl: None,
             metrics_listen: None,
-            fault_stall_epoch: None,
-            fault_kill_at: None,
+            #[cfg(feature = "fault-hooks")]
+            faults: Default::default(),
             load: None,
             fence: None,
             control: None,

@@ -18,6 +18,7 @@ use super::link::{self, Out, SenderOpts, Shared};
 use super::sink::{LinkSink, Step};
 use super::watchdog::Watchdog;
 use super::{PrimaryConfig, PrimaryError};
+use crate::faults::{self, HandoverStep};
 use crate::metrics::Registry;
 use crate::signals::{shutdown_requested, stopping, switchover_requested};
 use crate::site::Site;
@@ -193,7 +194,7 @@ impl Daemon<'_> {
             self.registry.clone(),
             SenderOpts {
                 vm_id: self.proto.vm_id(),
-                stall_epoch: self.opts.fault_stall_epoch,
+                stall_epoch: faults::stall_epoch(self.opts),
             },
             self.status.clone(),
         );
@@ -216,20 +217,9 @@ impl Daemon<'_> {
         drop(tx);
         let _ = sender.join();
         if matches!(end, Ok(End::HandedOver { .. })) {
-            self.kill_point("handover-sent");
+            faults::kill_point(self.opts, HandoverStep::HandoverSent, &self.status);
         }
         end
-    }
-
-    /// Fault injection for tests: at `step`, SIGKILL this process group (the daemon and its
-    /// QEMU) if `--fault-kill-at` names it.
-    fn kill_point(&self, step: &str) {
-        if self.opts.fault_kill_at.as_deref() == Some(step) {
-            self.status
-                .warn(format!("fault injection: killing this host at {step}"));
-            // SAFETY: kill(2) of this process's own group (a test's host failure).
-            unsafe { libc::kill(0, libc::SIGKILL) };
-        }
     }
 
     /// Whether to believe a backup that says it runs the guest since `epoch`: with etcd, the
@@ -435,7 +425,7 @@ impl Daemon<'_> {
             .map_err(PrimaryError::FinalWrites)?;
         sink.st.ship(seq, &cp, &w)?;
         self.epoch = seq;
-        self.kill_point("handover-shipped");
+        faults::kill_point(self.opts, HandoverStep::HandoverShipped, &self.status);
         // The handover goes only once the last epoch's output is out: the backup resumes the
         // guest as soon as it reads it, and no frame of this copy may follow.
         let t = Instant::now();
@@ -446,7 +436,7 @@ impl Daemon<'_> {
             std::thread::sleep(Duration::from_millis(1));
         }
         let acked = shared.released.load(Ordering::SeqCst) >= seq;
-        self.kill_point("handover-released");
+        faults::kill_point(self.opts, HandoverStep::HandoverReleased, &self.status);
         if acked {
             // The sender writes it before it stops (the session joins it).
             let _ = tx.send(Out::Control(self.proto.handover(seq)));
@@ -501,11 +491,7 @@ impl Daemon<'_> {
                                 .heartbeat_us
                                 .store(hb.as_micros() as u64, Ordering::Relaxed);
                         }
-                        if crate::signals::take_stop_at_ack() {
-                            status.warn("fault injection: stopping this daemon between an acknowledgement and its release");
-                            // SAFETY: raise(3) with SIGSTOP stops this process until SIGCONT.
-                            unsafe { libc::raise(libc::SIGSTOP) };
-                        }
+                        faults::stop_at_ack(&status);
                         let deadline = release_deadline(&shared, seq, promise, &lat);
                         let allowed = || {
                             !shared.closing.load(Ordering::SeqCst)

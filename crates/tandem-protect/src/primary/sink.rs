@@ -14,8 +14,9 @@ use super::link::{Out, Shared};
 use super::session::Writes;
 use super::watchdog::Watchdog;
 use super::{PrimaryConfig, PrimaryError};
+use crate::faults::take_kill_in_pause;
 use crate::metrics::{EpochMetrics, Registry};
-use crate::signals::{leaving, take_kill_in_pause};
+use crate::signals::leaving;
 use crate::site::Site;
 use crate::Status;
 

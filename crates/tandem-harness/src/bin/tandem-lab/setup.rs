@@ -336,21 +336,14 @@ fn save_booted(dir: &Path, image_stamp: &str) -> anyhow::Result<()> {
             pb.set_message(format!("Debian booted checkpoint: {m}"));
         })
     };
-    let cfg = tandem_protect::saver::SaveConfig {
-        dir: booted.clone(),
-        vm: tandem_protect::vmspec::VmSpec {
+    let mut cfg = tandem_protect::saver::SaveConfig::new(
+        booted.clone(),
+        tandem_protect::vmspec::VmSpec {
             vm_config: Some(desc.clone()),
             ..Default::default()
         },
-        interval: None,
-        adaptive: None,
-        count: Some(1),
-        keep: None,
-        base_every: 100,
-        codec: tandem_codec::Codec::Tandem,
-        fault_compact: None,
-        load: None,
-    };
+    );
+    cfg.count = Some(1);
     let r = tandem_protect::saver::save(cfg, status);
     pb.finish_and_clear();
     let _ = std::fs::remove_file(&overlay);
