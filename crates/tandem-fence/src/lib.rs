@@ -10,12 +10,9 @@
 //! - [`owner`]: the transitions as idempotent compare-and-swaps in etcd; the owner's
 //!   read-back.
 //! - [`etcd`]: a small etcd v3 client over the JSON gateway.
-//! - [`cluster`]: starts a real etcd cluster of local members and a proxy that delays or drops
-//!   its replies (lab and tests).
 
 #![warn(missing_docs)]
 
-pub mod cluster;
 pub mod etcd;
 #[cfg(feature = "fuzz")]
 pub mod fuzz;

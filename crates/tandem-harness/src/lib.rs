@@ -11,6 +11,7 @@
 
 pub mod bench;
 pub mod demo;
+pub mod etcd_cluster;
 pub mod kv;
 pub mod lab;
 pub mod pgload;

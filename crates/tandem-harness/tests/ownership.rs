@@ -10,7 +10,7 @@ use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use common::{free_port, spawn, wait_line, Proc};
-use tandem_fence::cluster::{Cluster, Member, Proxy, ProxyMode};
+use tandem_harness::etcd_cluster::{Cluster, Member, Proxy, ProxyMode};
 
 fn cluster(dir: &std::path::Path) -> Cluster {
     let members = (1..=3)

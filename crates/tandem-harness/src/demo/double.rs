@@ -22,7 +22,7 @@ pub fn run(round: usize, o: &Opts<'_>, pb: &ProgressBar) -> anyhow::Result<Round
         bail!("the double fault needs --etcd (without fencing a restarted primary boots fresh)");
     }
     if let Some(e) = o.etcd {
-        e.set_proxy(tandem_fence::cluster::ProxyMode::Pass);
+        e.set_proxy(crate::etcd_cluster::ProxyMode::Pass);
         e.cluster().restart_all()?;
     }
     let rdir = o.dir.join(format!("round{round}"));

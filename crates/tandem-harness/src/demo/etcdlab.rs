@@ -8,7 +8,7 @@ use std::net::SocketAddr;
 use std::sync::{Mutex, MutexGuard};
 
 use anyhow::Context;
-use tandem_fence::cluster::{Cluster, ClusterTls, Member, Proxy, ProxyMode};
+use crate::etcd_cluster::{Cluster, ClusterTls, Member, Proxy, ProxyMode};
 use tandem_net::NetLab;
 
 /// The address the proxy listens on: the etcd bridge's own address.

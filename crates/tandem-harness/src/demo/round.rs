@@ -285,7 +285,7 @@ pub(crate) const MIB: f64 = (1 << 20) as f64;
 pub fn run(round: usize, o: &Opts<'_>, pb: &ProgressBar) -> anyhow::Result<RoundResult> {
     // Members an earlier round killed come back; the proxy passes replies again.
     if let Some(e) = o.etcd {
-        e.set_proxy(tandem_fence::cluster::ProxyMode::Pass);
+        e.set_proxy(crate::etcd_cluster::ProxyMode::Pass);
         e.cluster().restart_all()?;
     }
     let rdir = o.dir.join(format!("round{round}"));

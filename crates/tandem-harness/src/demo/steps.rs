@@ -12,7 +12,7 @@ use tandem_net::lab::BACKUP_IP;
 
 use super::fault::{self, Fault, Proxy};
 use super::round::{Epochs, Opts};
-use tandem_fence::cluster::ProxyMode;
+use crate::etcd_cluster::ProxyMode;
 
 /// The daemons of a round and how to restart the backup.
 pub struct Pair<'a> {

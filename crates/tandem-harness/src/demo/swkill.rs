@@ -36,7 +36,7 @@ pub fn run(
     let rdir = o.dir.join(format!("round{round}"));
     std::fs::create_dir_all(&rdir)?;
     if let Some(e) = o.etcd {
-        e.set_proxy(tandem_fence::cluster::ProxyMode::Pass);
+        e.set_proxy(crate::etcd_cluster::ProxyMode::Pass);
         e.cluster().restart_all()?;
     }
     let (a, b) = nodes(o, &rdir);

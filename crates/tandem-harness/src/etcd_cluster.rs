@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use crate::etcd::Client;
+use tandem_fence::etcd::Client;
 
 /// The cluster could not be started.
 #[derive(Debug, thiserror::Error)]
@@ -61,7 +61,7 @@ pub struct ClusterTls {
     /// The members' key.
     pub server_key: PathBuf,
     /// What a client needs (CA, client certificate and key).
-    pub client: crate::EtcdTls,
+    pub client: tandem_fence::EtcdTls,
 }
 
 impl ClusterTls {
@@ -94,7 +94,7 @@ impl ClusterTls {
         Ok(ClusterTls {
             server_cert: w("etcd-server.pem", sc)?,
             server_key: w("etcd-server.key", sk)?,
-            client: crate::EtcdTls {
+            client: tandem_fence::EtcdTls {
                 ca: w("etcd-ca.pem", ca_cert.pem())?,
                 cert: Some(w("etcd-client.pem", cc)?),
                 key: Some(w("etcd-client.key", ck)?),
@@ -153,7 +153,7 @@ impl Cluster {
     }
 
     /// What a client needs for the members' TLS (`None`: plain http).
-    pub fn client_tls(&self) -> Option<&crate::EtcdTls> {
+    pub fn client_tls(&self) -> Option<&tandem_fence::EtcdTls> {
         self.tls.as_ref().map(|t| &t.client)
     }
 

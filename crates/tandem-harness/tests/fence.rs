@@ -6,7 +6,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tandem_fence::cluster::{Cluster, Member, Proxy, ProxyMode};
+use tandem_harness::etcd_cluster::{Cluster, Member, Proxy, ProxyMode};
 use tandem_fence::{Fence, FenceConfig, FenceError, Refusal, State};
 
 fn free_port() -> u16 {
@@ -264,7 +264,7 @@ fn an_unreachable_cluster_is_named() {
 #[test]
 fn etcd_over_mutual_tls() {
     let dir = tempfile::tempdir().unwrap();
-    let tls = tandem_fence::cluster::ClusterTls::generate(&dir.path().join("keys"), &[]).unwrap();
+    let tls = tandem_harness::etcd_cluster::ClusterTls::generate(&dir.path().join("keys"), &[]).unwrap();
     let members = vec![Member {
         name: "e1".into(),
         ip: "127.0.0.1".into(),
