@@ -1,7 +1,7 @@
 //! `tandem lab up|down`: the network namespaces a replicated VM and its clients run in.
 
-use tandem_net::lab::{BACKUP_IP, GUEST_IP, PRIMARY_IP};
-use tandem_net::NetLab;
+use crate::netlab::NetLab;
+use crate::netlab::{BACKUP_IP, GUEST_IP, PRIMARY_IP};
 
 /// `tandem lab` subcommands.
 #[derive(clap::Subcommand)]

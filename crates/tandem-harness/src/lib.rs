@@ -14,6 +14,7 @@ pub mod demo;
 pub mod etcd_cluster;
 pub mod kv;
 pub mod lab;
+pub mod netlab;
 pub mod pgload;
 pub mod replay;
 

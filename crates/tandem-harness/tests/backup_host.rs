@@ -12,15 +12,18 @@ use std::time::Duration;
 use common::{free_port, guest_redis, number_after, spawn, wait_line};
 
 struct Vm {
-    lab: tandem_net::NetLab,
+    lab: tandem_harness::netlab::NetLab,
     addr: String,
     dir: tempfile::TempDir,
     report: std::path::PathBuf,
 }
 
 fn vm(id: u64) -> Vm {
-    let lab = tandem_net::NetLab::create(&format!("th{}{id}", std::process::id() % 10_000), 0)
-        .expect("network lab (this test needs root)");
+    let lab = tandem_harness::netlab::NetLab::create(
+        &format!("th{}{id}", std::process::id() % 10_000),
+        0,
+    )
+    .expect("network lab (this test needs root)");
     let dir = tempfile::tempdir_in("/dev/shm").unwrap();
     Vm {
         lab,

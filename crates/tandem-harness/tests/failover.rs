@@ -45,8 +45,9 @@ fn start_backup(
 #[test]
 fn primary_killed_backup_resumes_the_guest() {
     // Detection time is not what this test checks: a long timeout avoids spurious failover under load.
-    let lab = tandem_net::NetLab::create(&format!("tf{}", std::process::id() % 100_000), 0)
-        .expect("network lab (this test needs root)");
+    let lab =
+        tandem_harness::netlab::NetLab::create(&format!("tf{}", std::process::id() % 100_000), 0)
+            .expect("network lab (this test needs root)");
     let run = tempfile::tempdir().unwrap();
     let (bsock, psock) = (run.path().join("b.sock"), run.path().join("p.sock"));
     let (mut backup, brx, addr, dir) = start_backup(

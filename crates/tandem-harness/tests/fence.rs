@@ -6,8 +6,8 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tandem_harness::etcd_cluster::{Cluster, Member, Proxy, ProxyMode};
 use tandem_fence::{Fence, FenceConfig, FenceError, Refusal, State};
+use tandem_harness::etcd_cluster::{Cluster, Member, Proxy, ProxyMode};
 
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
@@ -264,7 +264,8 @@ fn an_unreachable_cluster_is_named() {
 #[test]
 fn etcd_over_mutual_tls() {
     let dir = tempfile::tempdir().unwrap();
-    let tls = tandem_harness::etcd_cluster::ClusterTls::generate(&dir.path().join("keys"), &[]).unwrap();
+    let tls =
+        tandem_harness::etcd_cluster::ClusterTls::generate(&dir.path().join("keys"), &[]).unwrap();
     let members = vec![Member {
         name: "e1".into(),
         ip: "127.0.0.1".into(),

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use common::{free_port, spawn, wait_line, Proc};
 
 struct Lab {
-    lab: tandem_net::NetLab,
+    lab: tandem_harness::netlab::NetLab,
     a: String,
     b: String,
     asock: std::path::PathBuf,
@@ -180,8 +180,9 @@ fn kill_host(p: &mut Proc, sock: &std::path::Path) {
 
 #[test]
 fn switchover_failback_and_reprotection_after_failover() {
-    let lab = tandem_net::NetLab::create(&format!("ts{}", std::process::id() % 100_000), 0)
-        .expect("network lab (this test needs root)");
+    let lab =
+        tandem_harness::netlab::NetLab::create(&format!("ts{}", std::process::id() % 100_000), 0)
+            .expect("network lab (this test needs root)");
     let run = tempfile::tempdir().unwrap();
     let l = Lab {
         a: format!("127.0.0.1:{}", free_port()),

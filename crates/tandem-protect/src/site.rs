@@ -31,9 +31,9 @@ impl Default for SiteConfig {
     fn default() -> Self {
         SiteConfig {
             tap_netns: None,
-            bridge: tandem_net::lab::BRIDGE.into(),
+            bridge: "br0".into(),
             tap: None,
-            guest_ip: tandem_net::lab::GUEST_CIDR.into(),
+            guest_ip: "10.77.0.2/24".into(),
             disk_mib: 64,
         }
     }

@@ -7,9 +7,9 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
+use crate::netlab::NetLab;
 use anyhow::Context;
 use serde::Serialize;
-use tandem_net::NetLab;
 
 use crate::demo::etcdlab::EtcdLab;
 use crate::demo::fault::Fault;
@@ -47,7 +47,7 @@ pub fn run(kills: usize, json: bool) -> anyhow::Result<()> {
     tandem_vm::stale::mark_owned(dir.path())?;
     let etcd = EtcdLab::start(&mut lab, dir.path(), false)?;
     let keys = dir.path().join("keys");
-    let sans = [tandem_net::lab::BACKUP_IP, tandem_net::lab::PRIMARY_IP].map(String::from);
+    let sans = [crate::netlab::BACKUP_IP, crate::netlab::PRIMARY_IP].map(String::from);
     tandem_protect::tls::generate(&keys, &sans, None)?;
     let cases = [
         Case {

@@ -19,10 +19,10 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
+use crate::netlab::NetLab;
 use anyhow::Context;
 use indicatif::ProgressBar;
 use serde::Serialize;
-use tandem_net::NetLab;
 
 use crate::demo::etcdlab::EtcdLab;
 use crate::demo::fault::Fault;
@@ -345,7 +345,7 @@ pub fn run(n: u64, seed: Option<u64>, mem: u64, no_etcd: bool, json: bool) -> an
         Some(EtcdLab::start(&mut lab, dir.path(), true)?)
     };
     let keys = dir.path().join("keys");
-    let sans = [tandem_net::lab::BACKUP_IP, tandem_net::lab::PRIMARY_IP].map(String::from);
+    let sans = [crate::netlab::BACKUP_IP, crate::netlab::PRIMARY_IP].map(String::from);
     tandem_protect::tls::generate(&keys, &sans, None)?;
     let mut seed = seed.unwrap_or_else(tandem_protect::unix_ms) | 1;
     eprintln!(

@@ -19,7 +19,7 @@ const MIB: f64 = (1 << 20) as f64;
 
 /// One guest's processes and files.
 struct Guest {
-    lab: tandem_net::NetLab,
+    lab: crate::netlab::NetLab,
     workload: String,
     addr: String,
     primary: Option<Child>,
@@ -134,7 +134,7 @@ fn one(workloads: &[String], consolidate: bool, seconds: u64, dir: &Path) -> any
     let exe = crate::product_exe()?;
     let mut guests = Vec::new();
     for (i, w) in workloads.iter().enumerate() {
-        let lab = tandem_net::NetLab::create(&format!("tbh{}{i}", std::process::id() % 1000), 0)
+        let lab = crate::netlab::NetLab::create(&format!("tbh{}{i}", std::process::id() % 1000), 0)
             .context("creating a network lab (needs root)")?;
         let port = std::net::TcpListener::bind("127.0.0.1:0")?
             .local_addr()?

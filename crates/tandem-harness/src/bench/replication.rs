@@ -7,8 +7,8 @@
 
 use std::time::Duration;
 
+use crate::netlab::NetLab;
 use anyhow::Context;
-use tandem_net::NetLab;
 
 use super::Args;
 use crate::demo::round::{self, Opts, RoundResult};
@@ -73,7 +73,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     let mut n = 0;
     let keys = dir.path().join("keys");
     if links.iter().any(|l| l == "tls") {
-        tandem_protect::tls::generate(&keys, &[tandem_net::lab::BACKUP_IP.to_string()], None)?;
+        tandem_protect::tls::generate(&keys, &[crate::netlab::BACKUP_IP.to_string()], None)?;
     }
     let axes: Vec<(&String, u64, &String, &Option<String>)> = schedules
         .iter()

@@ -11,10 +11,10 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
+use crate::netlab::{BACKUP_IP, GUEST_IP, PRIMARY_IP};
 use anyhow::{bail, Context};
 use indicatif::ProgressBar;
 use serde::Serialize;
-use tandem_net::lab::{BACKUP_IP, GUEST_IP, PRIMARY_IP};
 
 use super::client::{self, Writers};
 use super::daemon::Daemon;

@@ -13,11 +13,11 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use crate::netlab::NetLab;
+use crate::netlab::{BACKUP_IP, GUEST_IP};
 use anyhow::bail;
 use indicatif::ProgressBar;
 use serde::Serialize;
-use tandem_net::lab::{BACKUP_IP, GUEST_IP};
-use tandem_net::NetLab;
 use tandem_protect::stats::quantile;
 
 use super::capture::Capture;

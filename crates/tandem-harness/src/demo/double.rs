@@ -7,9 +7,9 @@
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
+use crate::netlab::{BACKUP_IP, GUEST_IP};
 use anyhow::bail;
 use indicatif::ProgressBar;
-use tandem_net::lab::{BACKUP_IP, GUEST_IP};
 
 use super::daemon::Daemon;
 use super::phases::Ctx;

@@ -7,9 +7,9 @@
 use std::net::SocketAddr;
 use std::sync::{Mutex, MutexGuard};
 
-use anyhow::Context;
 use crate::etcd_cluster::{Cluster, ClusterTls, Member, Proxy, ProxyMode};
-use tandem_net::NetLab;
+use crate::netlab::NetLab;
+use anyhow::Context;
 
 /// The address the proxy listens on: the etcd bridge's own address.
 const PROXY_IP: &str = "10.79.0.1";
@@ -32,7 +32,7 @@ impl EtcdLab {
         proxied: bool,
     ) -> anyhow::Result<EtcdLab> {
         let ns = lab.add_etcd().context("adding the etcd namespace")?;
-        let members = tandem_net::lab::ETCD_IPS
+        let members = crate::netlab::ETCD_IPS
             .iter()
             .enumerate()
             .map(|(i, ip)| Member {
@@ -46,12 +46,12 @@ impl EtcdLab {
         std::fs::create_dir_all(&d)?;
         // As a production cluster: https with the members' certificates (valid for the proxy's
         // address too), client certificates required (the daemons get --etcd-ca/...).
-        let mut ips = tandem_net::lab::ETCD_IPS.to_vec();
+        let mut ips = crate::netlab::ETCD_IPS.to_vec();
         ips.push(PROXY_IP);
         let tls = ClusterTls::generate(&d.join("keys"), &ips)?;
         let cluster = Cluster::start_with(members, &d, Some(&ns), Some(tls))?;
         let listen: SocketAddr = format!("{PROXY_IP}:{PROXY_PORT}").parse()?;
-        let up: SocketAddr = format!("{}:2379", tandem_net::lab::ETCD_IPS[0]).parse()?;
+        let up: SocketAddr = format!("{}:2379", crate::netlab::ETCD_IPS[0]).parse()?;
         // Started inside the namespace: its threads connect to the member from there.
         let proxy = if proxied {
             Some(

@@ -25,9 +25,9 @@ mod vmdesc;
 
 use std::time::Duration;
 
+use crate::netlab::NetLab;
 use anyhow::{bail, Context};
 use serde::Serialize;
-use tandem_net::NetLab;
 
 use round::{Opts, RoundResult};
 use tandem_protect::stats::quantile;
@@ -195,7 +195,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let tls_dir = if with_cycle || a.tls {
         let k = dir.path().join("keys");
         // Either node may serve as the backup (the HA cycle): both addresses.
-        let sans = [tandem_net::lab::BACKUP_IP, tandem_net::lab::PRIMARY_IP].map(String::from);
+        let sans = [crate::netlab::BACKUP_IP, crate::netlab::PRIMARY_IP].map(String::from);
         tandem_protect::tls::generate(&k, &sans, None)?;
         Some(k)
     } else {

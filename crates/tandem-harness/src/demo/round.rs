@@ -6,10 +6,10 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use crate::netlab::NetLab;
+use crate::netlab::{BACKUP_IP, GUEST_IP};
 use indicatif::ProgressBar;
 use serde::Serialize;
-use tandem_net::lab::{BACKUP_IP, GUEST_IP};
-use tandem_net::NetLab;
 
 use super::capture::Capture;
 use super::fault::{Fault, Proxy};

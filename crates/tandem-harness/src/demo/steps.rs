@@ -7,8 +7,8 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 
 use super::daemon::Daemon;
+use crate::netlab::BACKUP_IP;
 use indicatif::ProgressBar;
-use tandem_net::lab::BACKUP_IP;
 
 use super::fault::{self, Fault, Proxy};
 use super::round::{Epochs, Opts};
@@ -230,12 +230,12 @@ pub fn inject_faults(
                 fault::heal(&o.lab.primary);
             }
             Fault::Isolate(ms) => {
-                fault::partition(&o.lab.primary, &[BACKUP_IP, tandem_net::lab::ETCD_NET])?;
+                fault::partition(&o.lab.primary, &[BACKUP_IP, crate::netlab::ETCD_NET])?;
                 std::thread::sleep(Duration::from_millis(ms));
                 fault::heal(&o.lab.primary);
             }
             Fault::BackupEtcdCut(ms) => {
-                fault::partition(&o.lab.backup, &[tandem_net::lab::ETCD_NET])?;
+                fault::partition(&o.lab.backup, &[crate::netlab::ETCD_NET])?;
                 std::thread::sleep(Duration::from_millis(ms));
                 fault::heal(&o.lab.backup);
             }
@@ -270,7 +270,7 @@ pub fn inject_faults(
                 fault::signal(t.primary.pid(), libc::SIGCONT);
             }
             Fault::PrimaryEtcdCut(ms) => {
-                fault::partition(&o.lab.primary, &[tandem_net::lab::ETCD_NET])?;
+                fault::partition(&o.lab.primary, &[crate::netlab::ETCD_NET])?;
                 std::thread::sleep(Duration::from_millis(ms));
                 fault::heal(&o.lab.primary);
             }

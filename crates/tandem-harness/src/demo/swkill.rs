@@ -8,8 +8,8 @@ use std::net::SocketAddr;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
+use crate::netlab::GUEST_IP;
 use indicatif::ProgressBar;
-use tandem_net::lab::GUEST_IP;
 
 use super::capture::Capture;
 use super::client::{self, Writers};

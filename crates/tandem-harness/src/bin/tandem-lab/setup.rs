@@ -269,7 +269,7 @@ fn build_debian(force: bool) -> anyhow::Result<()> {
     let mut child = Command::new("sh")
         .arg(&script)
         .arg(&dir)
-        .arg(tandem_net::lab::GUEST_CIDR)
+        .arg(tandem_harness::netlab::GUEST_CIDR)
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()

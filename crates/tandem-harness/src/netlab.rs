@@ -10,7 +10,7 @@
 //!
 //! Dropping the lab deletes the namespaces and everything in them.
 
-use crate::tap::{ip, TapError};
+use tandem_net::tap::{ip, TapError};
 
 /// The clients' bridge's own (fixed) MAC address.
 pub const BRIDGE_MAC: &str = "02:74:64:00:00:01";
@@ -259,5 +259,15 @@ impl NetLab {
 impl Drop for NetLab {
     fn drop(&mut self) {
         self.delete();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_product_defaults_name_this_labs_bridge_and_guest_address() {
+        let site = tandem_protect::site::SiteConfig::default();
+        assert_eq!(site.bridge, super::BRIDGE);
+        assert_eq!(site.guest_ip, super::GUEST_CIDR);
     }
 }
