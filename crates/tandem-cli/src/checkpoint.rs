@@ -4,10 +4,10 @@
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
+use crate::signals;
 use anyhow::bail;
 use tandem_codec::Codec;
 use tandem_protect::saver::SaveConfig;
-use tandem_protect::signals;
 use tandem_store::Store;
 
 use tandem_args::VmArgs;
@@ -96,7 +96,6 @@ pub fn run(c: Cmd) -> anyhow::Result<()> {
 }
 
 fn save(a: SaveArgs) -> anyhow::Result<()> {
-    signals::install_stop_handler();
     let mut cfg = SaveConfig::new(a.dir, a.vm.spec());
     cfg.interval = a.interval.map(Duration::from_millis);
     cfg.adaptive = (a.schedule == crate::daemons::ScheduleArg::Adaptive)
@@ -106,7 +105,10 @@ fn save(a: SaveArgs) -> anyhow::Result<()> {
     cfg.base_every = a.base_every;
     cfg.codec = a.codec;
     a.faults.apply(&mut cfg);
-    let s = tandem_protect::saver::save(cfg, crate::daemons::stderr("checkpoint"))?;
+    let s = tandem_protect::saver::save(
+        cfg,
+        crate::daemons::stderr("checkpoint").with_stop(signals::stop()),
+    )?;
     if a.json {
         println!("{}", serde_json::to_string_pretty(&s)?);
     } else {
@@ -191,7 +193,7 @@ fn verify(dir: &std::path::Path, json: bool) -> anyhow::Result<()> {
 }
 
 fn restore(a: RestoreArgs) -> anyhow::Result<()> {
-    signals::install_stop_handler();
+    signals::install();
     let store = open(&a.dir)?;
     let (vm, summary) =
         tandem_protect::restorer::restore(&store, a.id, &a.vm.spec(), a.disk_out.as_deref())?;

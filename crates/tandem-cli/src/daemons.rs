@@ -8,7 +8,9 @@ use tandem_vm::schedule::AdaptiveConfig;
 use tandem_codec::Codec;
 use tandem_protect::backup::BackupConfig;
 use tandem_protect::primary::PrimaryConfig;
-use tandem_protect::{signals, Line, Status};
+use tandem_protect::{DaemonHandle, Event, Line, Status};
+
+use crate::signals;
 
 use tandem_args::{FenceArgs, SiteArgs, TlsArgs, VmArgs};
 
@@ -101,6 +103,10 @@ pub struct PrimaryArgs {
     /// The name the backup's certificate must carry (default: the host of --backup).
     #[arg(long)]
     pub tls_server_name: Option<String>,
+    /// Print every event (status lines, role and protection changes, epochs, failover) as
+    /// one JSON object per line on stdout, instead of the status lines.
+    #[arg(long)]
+    pub json_events: bool,
     #[command(flatten)]
     pub faults: tandem_args::FaultArgs,
     /// This node's own replication address (host:port): after a planned switchover
@@ -171,6 +177,10 @@ pub struct BackupArgs {
     /// With --peer: the name the next backup's certificate must carry (default: its host).
     #[arg(long, requires = "peer")]
     pub tls_server_name: Option<String>,
+    /// Print every event (status lines, epochs committed, failover) as one JSON object per
+    /// line on stdout, instead of the status lines.
+    #[arg(long)]
+    pub json_events: bool,
 }
 
 #[derive(clap::Args)]
@@ -249,12 +259,28 @@ pub fn status(a: StatusArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Status lines on the terminal: progress on stdout, warnings on stderr.
-pub fn stdio(who: &'static str) -> Status {
-    Status::new(who, |l| match l {
-        Line::Info(s) => println!("{s}"),
-        Line::Warn(s) => eprintln!("{s}"),
-    })
+/// Runs a daemon to its end: the process's stop signals go to it, its events to the terminal
+/// (status lines: progress on stdout, warnings on stderr; with `json`, every event as a JSON
+/// line on stdout).
+pub fn follow<T>(h: DaemonHandle<T>, json: bool) -> T {
+    signals::forward_to(h.stopper());
+    let print = |e: Event| match e {
+        e if json => println!("{}", e.to_json()),
+        Event::Info { text } => println!("{text}"),
+        Event::Warn { text } => eprintln!("{text}"),
+        _ => {}
+    };
+    loop {
+        match h.events().recv_timeout(Duration::from_millis(100)) {
+            Ok(e) => print(e),
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) if !h.is_finished() => {}
+            Err(_) => break,
+        }
+    }
+    while let Ok(e) = h.events().try_recv() {
+        print(e);
+    }
+    h.join()
 }
 
 /// Status lines all on stderr (for commands whose stdout is their result, e.g. `--json`).
@@ -274,7 +300,6 @@ pub enum ScheduleArg {
 }
 
 pub fn primary(a: PrimaryArgs) -> anyhow::Result<()> {
-    signals::install_stop_handler();
     let ms = Duration::from_millis;
     let mut cfg = PrimaryConfig::new(a.backup.clone(), a.vm.spec());
     cfg.site = a.site.config();
@@ -310,7 +335,7 @@ pub fn primary(a: PrimaryArgs) -> anyhow::Result<()> {
     };
     a.faults.apply(&mut cfg);
     let Some(listen) = a.listen else {
-        return Ok(tandem_protect::primary::run(cfg, stdio("primary"))?);
+        return Ok(follow(tandem_protect::primary::spawn(cfg), a.json_events)?);
     };
     let backup = BackupConfig {
         listen,
@@ -336,10 +361,9 @@ pub fn primary(a: PrimaryArgs) -> anyhow::Result<()> {
         primary: cfg,
         backup,
     };
-    Ok(tandem_protect::node::run(
-        tandem_protect::node::Start::Primary,
-        node,
-        stdio("primary"),
+    Ok(follow(
+        tandem_protect::node::spawn(tandem_protect::node::Start::Primary, node),
+        a.json_events,
     )?)
 }
 
@@ -421,11 +445,10 @@ pub fn backup_config(
 }
 
 pub fn backup(a: BackupArgs) -> anyhow::Result<()> {
-    signals::install_stop_handler();
     let ms = Duration::from_millis;
     let cfg = backup_config(&a, a.consolidation.config()?)?;
     let Some(peer) = a.peer else {
-        return Ok(tandem_protect::backup::run(cfg, stdio("backup"))?);
+        return Ok(follow(tandem_protect::backup::spawn(cfg), a.json_events)?);
     };
     let mut primary = PrimaryConfig::new(peer.clone(), a.vm.spec());
     primary.site = a.site.config();
@@ -446,10 +469,9 @@ pub fn backup(a: BackupArgs) -> anyhow::Result<()> {
         primary,
         backup: cfg,
     };
-    Ok(tandem_protect::node::run(
-        tandem_protect::node::Start::Backup,
-        node,
-        stdio("backup"),
+    Ok(follow(
+        tandem_protect::node::spawn(tandem_protect::node::Start::Backup, node),
+        a.json_events,
     )?)
 }
 

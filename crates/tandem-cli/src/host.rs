@@ -8,7 +8,7 @@ use std::collections::HashSet;
 
 use anyhow::{bail, Context};
 use clap::Parser;
-use tandem_protect::{Line, Status};
+use tandem_protect::Event;
 
 use crate::daemons::{backup_config, BackupArgs, ConsolidateArgs};
 
@@ -65,7 +65,6 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         }
         cfgs.push(backup_config(&b, pool.clone())?);
     }
-    tandem_protect::signals::install_stop_handler();
     println!(
         "backup host: {} replicas{}",
         cfgs.len(),
@@ -78,36 +77,45 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             String::new()
         }
     );
-    let threads: Vec<_> = cfgs
+    let mut running: Vec<_> = cfgs
         .into_iter()
-        .map(|cfg| {
-            let id = cfg.vm_id;
-            let status = Status::new("backup", move |l| match l {
-                Line::Info(s) => println!("vm {id}: {s}"),
-                Line::Warn(s) => eprintln!("vm {id}: {s}"),
-            });
-            let t = std::thread::Builder::new()
-                .name(format!("backup-vm{id}"))
-                .spawn(move || tandem_protect::backup::run(cfg, status));
-            (id, t)
-        })
+        .map(|cfg| (cfg.vm_id, tandem_protect::backup::spawn(cfg)))
         .collect();
+    for (_, h) in &running {
+        crate::signals::forward_to(h.stopper());
+    }
     let mut failed = Vec::new();
-    for (id, t) in threads {
-        let r = t
-            .with_context(|| format!("starting the thread of VM {id}"))?
-            .join();
-        match r {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => {
-                eprintln!("vm {id}: error: {:#}", anyhow::Error::from(e));
-                failed.push(id);
+    while !running.is_empty() {
+        let mut i = 0;
+        while i < running.len() {
+            let (id, h) = &running[i];
+            let finished = h.is_finished();
+            while let Ok(e) = h.events().try_recv() {
+                match e {
+                    Event::Info { text } => println!("vm {id}: {text}"),
+                    Event::Warn { text } => eprintln!("vm {id}: {text}"),
+                    _ => {}
+                }
             }
-            Err(_) => {
-                eprintln!("vm {id}: the replica's thread panicked");
-                failed.push(id);
+            if !finished {
+                i += 1;
+                continue;
+            }
+            let (id, h) = running.swap_remove(i);
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| h.join()));
+            match r {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => {
+                    eprintln!("vm {id}: error: {:#}", anyhow::Error::from(e));
+                    failed.push(id);
+                }
+                Err(_) => {
+                    eprintln!("vm {id}: the replica's thread panicked");
+                    failed.push(id);
+                }
             }
         }
+        std::thread::sleep(std::time::Duration::from_millis(50));
     }
     if !failed.is_empty() {
         bail!("the replicas of VM(s) {failed:?} ended with an error (above); the others stopped cleanly");

@@ -5,6 +5,7 @@ mod daemons;
 mod doctor;
 mod fence;
 mod host;
+mod signals;
 mod switchover;
 mod vm;
 mod watch;

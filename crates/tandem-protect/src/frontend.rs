@@ -8,7 +8,7 @@ use std::path::Path;
 use crate::control::{Control, Handler};
 use crate::metrics::Registry;
 use crate::service::{Beat, Service};
-use crate::Status;
+use crate::{Status, Stop};
 
 /// The registry, control socket, metrics endpoint and systemd link of one daemon.
 pub struct Frontend {
@@ -41,6 +41,7 @@ impl Frontend {
     /// socket that cannot be created a warning.
     pub fn start(c: FrontendConfig<'_>, status: &Status) -> std::io::Result<Frontend> {
         let registry = Registry::default();
+        registry.set_events(status.clone());
         registry.set_identity(c.role, c.vm_id, c.node);
         if let Some(addr) = c.metrics_listen {
             let bound = crate::metrics::serve(addr, registry.clone())?;
@@ -48,7 +49,7 @@ impl Frontend {
         }
         let handler = c
             .switchover
-            .map(|can| switchover_handler(registry.clone(), can));
+            .map(|can| switchover_handler(registry.clone(), can, status.stop().clone()));
         let control = Control::serve_or_warn_with(
             c.control,
             c.role,
@@ -76,7 +77,7 @@ impl Frontend {
 
 /// The primary's `switchover` command: accepted only while the guest is protected by a backup
 /// that can fail over, and only on a node that can then serve as that backup.
-pub fn switchover_handler(registry: Registry, can_become_backup: bool) -> Handler {
+pub fn switchover_handler(registry: Registry, can_become_backup: bool, stop: Stop) -> Handler {
     std::sync::Arc::new(move |cmd: &str| match cmd {
         "switchover" if !can_become_backup => serde_json::json!({
             "ok": false,
@@ -87,7 +88,7 @@ pub fn switchover_handler(registry: Registry, can_become_backup: bool) -> Handle
             "error": "the guest is not protected now (no backup that can fail over acknowledged the last epoch): nothing can take it over; see `tandem status`",
         }),
         "switchover" => {
-            crate::signals::request_switchover();
+            stop.request_switchover();
             serde_json::json!({"ok": true, "pid": std::process::id()})
         }
         other => serde_json::json!({"ok": false, "error": format!("unknown command {other:?}")}),

@@ -1,20 +1,25 @@
-//! tandem's daemons as a library: [`primary::run`] protects a VM by replicating it epoch by
-//! epoch to a backup, [`backup::run`] applies those epochs and fails over onto a standby QEMU,
+//! tandem's daemons as a library: [`primary::spawn`] protects a VM by replicating it epoch by
+//! epoch to a backup, [`backup::spawn`] applies those epochs and fails over onto a standby
+//! QEMU, [`node::spawn`] runs a node that changes role at switchovers and failovers,
 //! [`saver::save`] takes incremental checkpoints into a store, and [`recorder::record`]
-//! writes a memory trace. Each takes a plain config
-//! struct and reports what it does through a [`Status`]; the `tandem` binary parses flags
-//! into these structs and prints.
+//! writes a memory trace. Each takes a plain config struct. A spawned daemon runs in its own
+//! thread until its [`DaemonHandle`] asks it to stop, and says what it does as [`Event`]s on
+//! the handle; the blocking forms (`run`, `save`, ...) take a [`Status`] that carries the same
+//! events and the [`Stop`] requests. Nothing is process-wide: one process can run many
+//! daemons (the `tandem backup-host` command does). The `tandem` binary parses flags into
+//! these structs, forwards its signals to the handle and prints the events.
 //!
-//! Every daemon runs until [`signals::stopping`] (SIGTERM/SIGINT after
-//! [`signals::install_stop_handler`]); `duration` limits exist for benchmarks only.
+//! `duration` limits exist for benchmarks only.
 
 #![warn(missing_docs)]
 
 pub mod backup;
 pub mod conn;
 pub mod control;
+pub mod events;
 pub mod faults;
 pub mod frontend;
+pub mod handle;
 pub mod libvirt;
 pub mod metrics;
 pub mod node;
@@ -23,16 +28,19 @@ pub mod recorder;
 pub mod restorer;
 pub mod saver;
 pub mod service;
-pub mod signals;
 pub mod site;
 pub mod stats;
 mod status;
+pub mod stop;
 pub mod tls;
 pub mod vmfile;
 pub mod vmspec;
 pub mod watcher;
 
+pub use events::Event;
+pub use handle::DaemonHandle;
 pub use status::{Line, Status};
+pub use stop::Stop;
 pub use vmspec::{boot, Load, StartLoad, VmSpec};
 
 /// Wall-clock time in Unix milliseconds (for reports compared across processes).

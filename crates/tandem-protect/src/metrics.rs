@@ -180,6 +180,8 @@ struct State {
     release_deferred: u64,
     owner: Option<tandem_fence::Owner>,
     who: who::Who,
+    /// Where the state changes go as typed events (the daemon's status sink).
+    events: Option<crate::Status>,
 }
 
 impl Default for State {
@@ -209,6 +211,7 @@ impl Default for State {
             hold_dropped: 0,
             release_deferred: 0,
             owner: None,
+            events: None,
             who: who::Who {
                 role: "primary",
                 started_ms: crate::unix_ms(),
@@ -225,6 +228,21 @@ pub struct Registry(Arc<Mutex<State>>);
 impl Registry {
     fn lock(&self) -> MutexGuard<'_, State> {
         self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// State changes from now on also go to `status` as typed events.
+    pub fn set_events(&self, status: crate::Status) {
+        self.lock().events = Some(status);
+    }
+
+    /// Says `e`, if there is one, outside the lock.
+    fn emit(&self, e: Option<crate::Event>) {
+        if let Some(e) = e {
+            let sink = self.lock().events.clone();
+            if let Some(s) = sink {
+                s.event(e);
+            }
+        }
     }
 
     /// Records an epoch once it was sent.
@@ -246,11 +264,16 @@ impl Registry {
 
     /// Records an acknowledgement and its latency.
     pub fn acked(&self, epoch: u64, latency_us: u64, released_frames: u64) {
-        let mut s = self.lock();
-        s.who.last_ack_ms = crate::unix_ms();
-        s.acked = s.acked.max(epoch);
-        s.released = s.released.max(released_frames);
-        s.ack.observe(latency_us as f64 / 1e6);
+        let e = {
+            let mut s = self.lock();
+            s.who.last_ack_ms = crate::unix_ms();
+            let new = epoch > s.acked;
+            s.acked = s.acked.max(epoch);
+            s.released = s.released.max(released_frames);
+            s.ack.observe(latency_us as f64 / 1e6);
+            new.then_some(crate::Event::Acked { epoch })
+        };
+        self.emit(e);
     }
 
     /// A snapshot of the pause histogram (seconds), e.g. for p50/p99 on a progress line.
@@ -284,7 +307,17 @@ impl Registry {
 
     /// Whether the guest is protected: its output is held for a backup that can fail over.
     pub fn set_protected(&self, protected: bool) {
-        self.lock().protected = protected;
+        let e = {
+            let mut s = self.lock();
+            let changed = s.protected != protected;
+            s.protected = protected;
+            changed.then_some(if protected {
+                crate::Event::Protected
+            } else {
+                crate::Event::Unprotected
+            })
+        };
+        self.emit(e);
     }
 
     /// Whether the backup holds a complete committed copy it could fail over to (false during

@@ -59,7 +59,20 @@ enum Next {
     Mirror,
 }
 
-/// Runs the node until told to stop, changing role at each switchover and failover.
+/// Starts a node in its own thread, in the role `start`; it changes role at each switchover
+/// and failover until its handle asks it to stop.
+pub fn spawn(start: Start, cfg: NodeConfig) -> crate::DaemonHandle<Result<(), NodeError>> {
+    let who = match start {
+        Start::Primary => "primary",
+        Start::Backup => "backup",
+    };
+    crate::DaemonHandle::spawn(format!("node-vm{}", cfg.primary.vm_id), who, move |st| {
+        run(start, cfg, st)
+    })
+}
+
+/// Runs the node until `status`'s [`crate::Stop`] asks it to stop (the blocking form of
+/// [`spawn`]), changing role at each switchover and failover.
 pub fn run(start: Start, cfg: NodeConfig, status: Status) -> Result<(), NodeError> {
     let vm_id = cfg.primary.vm_id;
     let fe = Frontend::start(
@@ -100,6 +113,7 @@ pub fn run(start: Start, cfg: NodeConfig, status: Status) -> Result<(), NodeErro
                     _ => None,
                 };
                 let done = AtomicBool::new(false);
+                let stop = status.stop();
                 let ended = std::thread::scope(|sc| {
                     sc.spawn(|| {
                         let l = listener.lock().unwrap_or_else(|e| e.into_inner());
@@ -107,14 +121,14 @@ pub fn run(start: Start, cfg: NodeConfig, status: Status) -> Result<(), NodeErro
                             // From a switchover request on, the next primary is about to
                             // connect (to this node as its backup): leave its connection
                             // queued for the backup role.
-                            if crate::signals::switchover_requested() {
+                            if stop.switchover_requested() {
                                 std::thread::sleep(Duration::from_millis(10));
                                 continue;
                             }
                             l.turn_away(
                                 Duration::from_millis(20),
                                 fenced,
-                                &crate::signals::switchover_requested,
+                                &|| stop.switchover_requested(),
                                 &status,
                             );
                         }
@@ -128,7 +142,7 @@ pub fn run(start: Start, cfg: NodeConfig, status: Status) -> Result<(), NodeErro
                     }
                 });
                 // A refused request (no backup connected) was cleared already.
-                crate::signals::clear_switchover();
+                status.stop().clear_switchover();
                 let ended = ended?;
                 match ended {
                     Ended::Stopped => return Ok(()),

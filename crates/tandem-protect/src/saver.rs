@@ -16,7 +16,6 @@ use tandem_store::{Meta, Outcome, Saver, Store, StoreError};
 use tandem_vm::epoch::{run_pipeline, Checkpoint, Pending};
 use tandem_vm::{EpochSink, Vm, VmError, PAGE_SIZE};
 
-use crate::signals::stopping;
 use crate::stats::quantile;
 use crate::vmspec::{boot, BootError, StartLoad, VmSpec, VmSpecError};
 use crate::Status;
@@ -474,6 +473,6 @@ impl EpochSink for StoreSink<'_> {
                 self.saver.store().entries().len()
             ));
         }
-        self.taken < self.cfg.count.unwrap_or(u64::MAX) && !stopping()
+        self.taken < self.cfg.count.unwrap_or(u64::MAX) && !self.status.stop().stopping()
     }
 }

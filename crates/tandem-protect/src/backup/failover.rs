@@ -15,7 +15,6 @@ use super::gate;
 use super::keeper::Keeper;
 use super::standby::Standby;
 use super::{accept_within, io, BackupConfig, BackupError};
-use crate::signals::stopping;
 use crate::site::Site;
 use crate::{unix_ms, Status};
 
@@ -270,7 +269,7 @@ pub(super) fn run_resumed(
         fence,
         epoch,
     } = r;
-    while !stopping() {
+    while !status.stop().stopping() {
         if let Some(st) = vm.exit_status() {
             return Err(BackupError::Exited(st.to_string()));
         }

@@ -23,7 +23,6 @@ use tandem_replication::wire::{ack_frame, refused_frame};
 use tandem_replication::{Applied, Backup, FileDisk, Frame, WireError};
 use tandem_vm::{DirtyMode, MirrorFile, VmError};
 
-use crate::signals::stopping;
 use crate::site::{Role, Site, SiteConfig, SiteError};
 use crate::vmspec::{VmSpec, VmSpecError};
 use crate::{unix_ms, Status};
@@ -209,7 +208,7 @@ impl Link<'_> {
         self.standby.check();
         loop {
             self.beat.beat();
-            if stopping() {
+            if self.status.stop().stopping() {
                 return Ok(LinkEnd::Stop);
             }
             let next = match first.take() {
@@ -336,7 +335,7 @@ fn accept_within(
             status.info(format!("primary connected from {peer}{tls}"));
             return Some(v);
         }
-        if stopping() || deadline.is_some_and(|d| Instant::now() >= d) {
+        if status.stop().stopping() || deadline.is_some_and(|d| Instant::now() >= d) {
             return None;
         }
     }
@@ -404,8 +403,18 @@ impl Listener {
     }
 }
 
-/// Runs the backup until told to stop: applies and acknowledges epochs; fails over when the
-/// primary is lost while a consistent epoch exists, then runs the guest.
+/// Starts a backup in its own thread: it applies and acknowledges epochs, fails over when the
+/// primary is lost while a consistent epoch exists, then runs the guest; until its handle asks
+/// it to stop.
+pub fn spawn(cfg: BackupConfig) -> crate::DaemonHandle<Result<(), BackupError>> {
+    crate::DaemonHandle::spawn(format!("backup-vm{}", cfg.vm_id), "backup", move |st| {
+        run(cfg, st)
+    })
+}
+
+/// Runs the backup until `status`'s [`crate::Stop`] asks it to stop (the blocking form of
+/// [`spawn`]): applies and acknowledges epochs; fails over when the primary is lost while a
+/// consistent epoch exists, then runs the guest.
 pub fn run(cfg: BackupConfig, status: Status) -> Result<(), BackupError> {
     let fe = crate::frontend::Frontend::start(
         crate::frontend::FrontendConfig {
@@ -625,7 +634,7 @@ impl Link<'_> {
         loop {
             let accepted = accept_within(listener, wait, &self.status, &self.beat);
             let Some(stream) = accepted else {
-                if stopping() {
+                if self.status.stop().stopping() {
                     return Ok(None);
                 }
                 // The primary did not come back after a refused frame.

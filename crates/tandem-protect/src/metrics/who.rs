@@ -2,6 +2,7 @@
 //! socket, docs/OPERATIONS.md) and `tandem_role`.
 
 use super::Registry;
+use crate::Event;
 
 /// What `tandem status` and `tandem_role` say about a daemon (docs/OPERATIONS.md).
 #[derive(Clone, Default)]
@@ -28,30 +29,40 @@ pub(super) struct Who {
 impl Registry {
     /// Who this daemon is: `role` (`primary`, `backup`) and the VM it protects.
     pub fn set_identity(&self, role: &'static str, vm_id: u64, node: Option<String>) {
-        let mut s = self.lock();
-        (s.who.role, s.who.vm_id, s.who.node) = (role, vm_id, node);
+        {
+            let mut s = self.lock();
+            (s.who.role, s.who.vm_id, s.who.node) = (role, vm_id, node);
+        }
+        self.emit(Some(Event::Role { role }));
     }
 
     /// This node changes role (a switchover, or a backup that resumed the guest and protects
     /// it in turn): the link and protection flags of the old role are cleared.
     pub fn switch_role(&self, role: &'static str) {
-        let mut s = self.lock();
-        s.who.role = role;
-        s.who.state.clear();
-        s.who.peer = None;
-        s.who.unprotected = false;
-        s.link_up = false;
-        s.protected = false;
+        let was_protected = {
+            let mut s = self.lock();
+            s.who.role = role;
+            s.who.state.clear();
+            s.who.peer = None;
+            s.who.unprotected = false;
+            s.link_up = false;
+            std::mem::take(&mut s.protected)
+        };
+        self.emit(was_protected.then_some(Event::Unprotected));
+        self.emit(Some(Event::Role { role }));
     }
 
     /// A planned switchover left the guest with the backup from `epoch` (`acked`: the backup
     /// confirmed the last epoch).
     pub fn switched_over(&self, epoch: u64, acked: bool) {
-        let mut s = self.lock();
-        s.who.switchovers += 1;
-        s.who.last_switchover = Some(serde_json::json!({
-            "at_unix_ms": crate::unix_ms(), "epoch": epoch, "acked": acked,
-        }));
+        {
+            let mut s = self.lock();
+            s.who.switchovers += 1;
+            s.who.last_switchover = Some(serde_json::json!({
+                "at_unix_ms": crate::unix_ms(), "epoch": epoch, "acked": acked,
+            }));
+        }
+        self.emit(Some(Event::SwitchedOver { epoch, acked }));
     }
 
     /// Whether the primary's guest is protected now (a backup that can fail over acknowledged
@@ -73,14 +84,23 @@ impl Registry {
 
     /// The backup's committed epoch (what it could resume from).
     pub fn committed(&self, epoch: u64) {
-        let mut s = self.lock();
-        s.acked = epoch;
-        s.who.last_ack_ms = crate::unix_ms();
+        let new = {
+            let mut s = self.lock();
+            let new = epoch != s.acked;
+            s.acked = epoch;
+            s.who.last_ack_ms = crate::unix_ms();
+            new
+        };
+        self.emit(new.then_some(Event::Committed { epoch }));
     }
 
     /// The guest's output passes unprotected (recorded in etcd).
     pub fn set_unprotected(&self, unprotected: bool) {
-        self.lock().who.unprotected = unprotected;
+        let changed = {
+            let mut s = self.lock();
+            std::mem::replace(&mut s.who.unprotected, unprotected) != unprotected
+        };
+        self.emit(changed.then_some(Event::Unreplicated { on: unprotected }));
     }
 
     /// A backup with consolidated memory: where its replica's pages are now.
@@ -98,14 +118,22 @@ impl Registry {
         resume_ms: f64,
         materialise_ms: f64,
     ) {
-        let mut s = self.lock();
-        s.who.failovers += 1;
-        s.who.role = "backup";
-        s.who.state = format!("running the guest (failed over from epoch {epoch})");
-        s.who.last_failover = Some(serde_json::json!({
-            "at_unix_ms": crate::unix_ms(), "reason": reason, "epoch": epoch,
-            "takeover_ms": takeover_ms, "resume_ms": resume_ms,
-            "materialise_ms": materialise_ms,
+        {
+            let mut s = self.lock();
+            s.who.failovers += 1;
+            s.who.role = "backup";
+            s.who.state = format!("running the guest (failed over from epoch {epoch})");
+            s.who.last_failover = Some(serde_json::json!({
+                "at_unix_ms": crate::unix_ms(), "reason": reason, "epoch": epoch,
+                "takeover_ms": takeover_ms, "resume_ms": resume_ms,
+                "materialise_ms": materialise_ms,
+            }));
+        }
+        self.emit(Some(Event::FailedOver {
+            reason: reason.to_string(),
+            epoch,
+            takeover_ms,
+            resume_ms,
         }));
     }
 

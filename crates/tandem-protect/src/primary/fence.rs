@@ -13,7 +13,6 @@ use tandem_fence::{Fence, FenceConfig, FenceError, Owner, Refusal};
 use tandem_net::Policy;
 use tandem_replication::Fencing as WireFencing;
 
-use crate::signals::stopping;
 use crate::site::Site;
 use crate::Status;
 
@@ -52,7 +51,7 @@ impl Fencing {
         let owner = loop {
             match fence.boot() {
                 Ok(o) => break o,
-                Err(e) if e.unknown() && !stopping() => {
+                Err(e) if e.unknown() && !status.stop().stopping() => {
                     if said.is_none_or(|t| t.elapsed() >= BOOT_SAY) {
                         status.warn(format!(
                             "cannot claim VM {} in etcd yet ({}); retrying until etcd answers",

@@ -5,7 +5,6 @@ use tandem_vm::Vm;
 
 use super::session::End;
 use super::{fence, Ended, PrimaryError};
-use crate::signals::{shutdown_requested, stopping};
 use crate::site::Site;
 use crate::vmspec::Load;
 use crate::Status;
@@ -24,11 +23,15 @@ pub(super) fn finish(
         Some(End::FencedBy(by)) => {
             site.relays.discard_held();
             vm.kill();
+            status.event(crate::Event::Fenced { by: by.clone() });
             Err(PrimaryError::FencedBy(by))
         }
         Some(End::Fenced(n)) => {
             site.relays.discard_held();
             vm.kill();
+            status.event(crate::Event::Fenced {
+                by: format!("the backup runs the guest since epoch {n}"),
+            });
             Err(PrimaryError::Fenced(n))
         }
         Some(End::HandedOver { epoch, acked }) => {
@@ -45,7 +48,7 @@ pub(super) fn finish(
             }
             // The request stays set until the node serves as the backup (node.rs clears it):
             // until then no connection to this node's port is answered.
-            if crate::signals::switchover_requested() {
+            if status.stop().switchover_requested() {
                 return Ok(Ended::SwitchedOver { epoch, acked });
             }
             Ok(Ended::Stopped)
@@ -54,9 +57,12 @@ pub(super) fn finish(
             if let Some(l) = load {
                 l.stop().map_err(PrimaryError::Load)?;
             }
-            let what = if end.is_none() && stopping() && !shutdown_requested() {
+            let what = if end.is_none()
+                && status.stop().stopping()
+                && !status.stop().shutdown_requested()
+            {
                 "stopped while no backup was connected: nothing to hand the guest over to; guest shut down"
-            } else if stopping() {
+            } else if status.stop().stopping() {
                 "replication ended on request; guest shut down"
             } else {
                 "replication ended (duration reached); guest shut down"

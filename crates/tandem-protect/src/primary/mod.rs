@@ -27,7 +27,6 @@ use tandem_replication::Primary;
 use tandem_vm::{Vm, VmError};
 
 use crate::frontend::{Frontend, FrontendConfig};
-use crate::signals::stopping;
 use crate::site::{Role, Site, SiteConfig, SiteError};
 use crate::vmspec::{boot, BootError, Load, StartLoad, VmSpec, VmSpecError};
 use crate::Status;
@@ -206,7 +205,16 @@ pub struct Resumed {
     pub session: u64,
 }
 
-/// Boots the guest described by `cfg` and protects it until told to stop.
+/// Starts a primary in its own thread: it boots the guest described by `cfg` and protects it
+/// until its handle asks it to stop (then hands the guest over to the backup) or to shut down.
+pub fn spawn(cfg: PrimaryConfig) -> crate::DaemonHandle<Result<(), PrimaryError>> {
+    crate::DaemonHandle::spawn(format!("primary-vm{}", cfg.vm_id), "primary", move |st| {
+        run(cfg, st)
+    })
+}
+
+/// Boots the guest described by `cfg` and protects it until `status`'s [`crate::Stop`] asks
+/// it to stop (the blocking form of [`spawn`]).
 pub fn run(cfg: PrimaryConfig, status: Status) -> Result<(), PrimaryError> {
     let fe = Frontend::start(
         FrontendConfig {
@@ -504,7 +512,7 @@ fn sessions(d: &mut Daemon<'_>, vm: &mut Vm) -> Result<Option<End>, PrimaryError
             (backoff * 2).clamp(Duration::from_millis(200), Duration::from_secs(5))
         };
         let until = Instant::now() + backoff;
-        while Instant::now() < until && !stopping() {
+        while Instant::now() < until && !d.status.stop().stopping() {
             d.watchdog.beat();
             std::thread::sleep(Duration::from_millis(50));
         }
@@ -520,14 +528,14 @@ fn wait_for_backup(d: &mut Daemon<'_>, vm: &mut Vm) -> Result<Option<Conn>, Prim
     let since = d.no_backup_since;
     loop {
         d.watchdog.beat();
-        if stopping() || d.deadline.is_some_and(|t| Instant::now() >= t) {
+        if d.status.stop().stopping() || d.deadline.is_some_and(|t| Instant::now() >= t) {
             return Ok(None);
         }
         if let Some(st) = vm.exit_status() {
             return Err(PrimaryError::QemuExited(st.to_string()));
         }
-        if crate::signals::switchover_requested() {
-            crate::signals::clear_switchover();
+        if d.status.stop().switchover_requested() {
+            d.status.stop().clear_switchover();
             d.status
                 .warn("switchover refused: no backup is connected to take the guest over");
         }

@@ -20,7 +20,6 @@ use super::watchdog::Watchdog;
 use super::{PrimaryConfig, PrimaryError};
 use crate::faults::{self, HandoverStep};
 use crate::metrics::Registry;
-use crate::signals::{shutdown_requested, stopping, switchover_requested};
 use crate::site::Site;
 use crate::Status;
 
@@ -209,7 +208,10 @@ impl Daemon<'_> {
                 Ok(End::Fenced(shared.fenced_at.load(Ordering::SeqCst)))
             }
             Ok(()) if shared.is_lost() => Ok(End::Lost(shared.why())),
-            Ok(()) if (stopping() && !shutdown_requested()) || switchover_requested() => {
+            Ok(())
+                if (self.status.stop().stopping() && !self.status.stop().shutdown_requested())
+                    || self.status.stop().switchover_requested() =>
+            {
                 self.handover(vm, &tx, shared)
             }
             Ok(()) => Ok(self.goodbye(&tx, shared)),

@@ -16,7 +16,6 @@ use super::watchdog::Watchdog;
 use super::{PrimaryConfig, PrimaryError};
 use crate::faults::take_kill_in_pause;
 use crate::metrics::{EpochMetrics, Registry};
-use crate::signals::leaving;
 use crate::site::Site;
 use crate::Status;
 
@@ -114,7 +113,7 @@ impl EpochSink for LinkSink<'_> {
             self.last_print = Instant::now();
             self.st.print(cp.epoch);
         }
-        !shared.is_lost() && !leaving()
+        !shared.is_lost() && !self.st.status.stop().leaving()
     }
 }
 
