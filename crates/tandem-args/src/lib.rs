@@ -284,7 +284,7 @@ pub struct SaveFaultArgs {}
 
 impl SaveFaultArgs {
     /// Puts the fault into `cfg`.
-    pub fn apply(&self, _cfg: &mut tandem_protect::saver::SaveConfig) {
+    pub fn apply(&self, _cfg: &mut tandem_protect::checkpoint::SaveConfig) {
         #[cfg(feature = "fault-hooks")]
         {
             _cfg.fault_compact = self.fault_compact;

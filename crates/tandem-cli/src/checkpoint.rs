@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use crate::signals;
 use anyhow::bail;
 use tandem_codec::Codec;
-use tandem_protect::saver::SaveConfig;
+use tandem_protect::checkpoint::SaveConfig;
 use tandem_store::Store;
 
 use tandem_args::VmArgs;
@@ -105,7 +105,7 @@ fn save(a: SaveArgs) -> anyhow::Result<()> {
     cfg.base_every = a.base_every;
     cfg.codec = a.codec;
     a.faults.apply(&mut cfg);
-    let s = tandem_protect::saver::save(
+    let s = tandem_protect::checkpoint::save(
         cfg,
         crate::daemons::stderr("checkpoint").with_stop(signals::stop()),
     )?;

@@ -1,7 +1,7 @@
 //! Decoding of the baselines' composite bodies: FGBI's coded blocks and Gerofi's areas.
 
 use crate::code::{area, block};
-use crate::decoder::{bad, Ctx};
+use crate::decoder::{bad, DecodeCtx};
 use crate::format::PAGE;
 use crate::runs;
 use crate::DecodeError;
@@ -72,7 +72,7 @@ pub(crate) fn decode_blocks(
 }
 
 pub(crate) fn decode_areas(
-    ctx: &Ctx<'_>,
+    ctx: &DecodeCtx<'_>,
     i: usize,
     p: &[u8],
     done: &[u8],

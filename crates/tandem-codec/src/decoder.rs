@@ -54,12 +54,12 @@ pub(crate) fn bad(i: usize, what: impl Into<String>) -> DecodeError {
 }
 
 /// Where bases and references resolve: the pre-epoch mirror.
-pub(crate) struct Ctx<'a> {
+pub(crate) struct DecodeCtx<'a> {
     pub(crate) mirror: &'a [u8],
     pub(crate) pages: u64,
 }
 
-impl Ctx<'_> {
+impl DecodeCtx<'_> {
     fn push_base(&self, base: Base, i: usize, data: &mut Vec<u8>) -> Result<(), DecodeError> {
         match base {
             Base::Zero => data.resize(data.len() + PAGE, 0),
@@ -406,7 +406,7 @@ fn decode_with(
     plan.pfns.clear();
     plan.data.clear();
     plan.data.reserve(n * PAGE);
-    let ctx = Ctx { mirror, pages };
+    let ctx = DecodeCtx { mirror, pages };
     let mut at = 0usize;
     let mut tmp = vec![0u8; PAGE];
     for (i, c) in codes.iter().enumerate() {

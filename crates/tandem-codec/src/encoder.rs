@@ -7,7 +7,7 @@ use std::collections::HashMap;
 use crate::format::PAGE;
 use crate::simhash::{de_hashes, popcount_hash, DE_BLOCKS};
 use crate::state::{Buckets, FxMap, Lru, PageIndex, PrevStore};
-use crate::strategies::{self as st, Coded, Ctx, Pre, Refs};
+use crate::strategies::{self as st, Coded, EncodeCtx, Pre, Refs};
 use crate::EncodeError;
 
 /// What one `encode` call did.
@@ -499,7 +499,7 @@ impl Encoder {
     ) -> Vec<Option<(Coded, Refs)>> {
         let page = |i: usize| &data[i * PAGE..(i + 1) * PAGE];
         let strategy = self.codec.strategy();
-        let ctx = Ctx {
+        let ctx = EncodeCtx {
             anchors: self.anchors.as_ref(),
             prev: self.prev.as_ref(),
             page_index: self.page_index.as_ref(),

@@ -38,7 +38,7 @@ pub struct Refs {
 }
 
 /// Read-only encoding context for one epoch.
-pub struct Ctx<'a> {
+pub struct EncodeCtx<'a> {
     /// Content-defined anchors of content sent earlier (tandem).
     pub anchors: Option<&'a crate::anchors::Index>,
     pub prev: Option<&'a PrevStore>,
@@ -91,7 +91,7 @@ fn smaller(a: Option<Coded>, b: Option<Coded>) -> Option<Coded> {
 }
 
 /// QEMU XBZRLE: zero page, else delta against the cached previous version, else raw.
-pub fn xbzrle(c: &Ctx<'_>, pfn: u64, new: &[u8], pre: &Pre) -> Coded {
+pub fn xbzrle(c: &EncodeCtx<'_>, pfn: u64, new: &[u8], pre: &Pre) -> Coded {
     if pre.zero {
         return (Base::Zero, Body::Same, Payload::Own(Vec::new()));
     }
@@ -102,7 +102,7 @@ pub fn xbzrle(c: &Ctx<'_>, pfn: u64, new: &[u8], pre: &Pre) -> Coded {
 }
 
 /// FITDOC: 8-byte-word delta against the buffered previous version, else the whole page.
-pub fn fitdoc(c: &Ctx<'_>, pfn: u64, new: &[u8]) -> Coded {
+pub fn fitdoc(c: &EncodeCtx<'_>, pfn: u64, new: &[u8]) -> Coded {
     match c.prev.and_then(|p| p.get(pfn)) {
         Some(old) => runs_vs(Base::Mirror(pfn), old, new, 8, PAGE).unwrap_or_else(|| raw(new)),
         None => raw(new),
@@ -110,7 +110,7 @@ pub fn fitdoc(c: &Ctx<'_>, pfn: u64, new: &[u8]) -> Coded {
 }
 
 /// FGBI: only the 64-byte blocks whose hash changed, each shared / zero / sparse / WKdm / raw.
-pub fn fgbi(c: &Ctx<'_>, i: usize, pfn: u64, new: &[u8], pre: &Pre) -> Coded {
+pub fn fgbi(c: &EncodeCtx<'_>, i: usize, pfn: u64, new: &[u8], pre: &Pre) -> Coded {
     let mut out = Vec::new();
     let refs: &[(u8, u64)] = c.block_refs.get(i).map_or(&[], |v| v.as_slice());
     for b in (0..64).filter(|b| pre.mask & (1 << b) != 0) {
@@ -149,7 +149,7 @@ pub fn fgbi(c: &Ctx<'_>, i: usize, pfn: u64, new: &[u8], pre: &Pre) -> Coded {
 /// Gerofi et al.: per 512-byte area, the most similar area among the recently dirtied pages
 /// (content hash) and the page's own previous version (address), coded as runs of the
 /// difference; zero and unmatched areas as such.
-pub fn gerofi(c: &Ctx<'_>, pfn: u64, new: &[u8], pre: &Pre) -> Coded {
+pub fn gerofi(c: &EncodeCtx<'_>, pfn: u64, new: &[u8], pre: &Pre) -> Coded {
     const A: usize = 512;
     if pre.zero {
         return (Base::Zero, Body::Same, Payload::Own(Vec::new()));
@@ -230,13 +230,16 @@ fn literal(new: &[u8]) -> Coded {
 }
 
 /// Identical page among held references (hash hint, byte-verified).
-fn identical(c: &Ctx<'_>, new: &[u8], pre: &Pre) -> Option<Coded> {
+fn identical(c: &EncodeCtx<'_>, new: &[u8], pre: &Pre) -> Option<Coded> {
     let q = c.page_index?.get(pre.hash)?;
     (c.prev?.get(q)? == new).then(|| (Base::Mirror(q), Body::Same, Payload::Own(Vec::new())))
 }
 
 /// Held pages that HashSimilarityDetector(2,1) proposes for `new` (one per table).
-fn de_candidates<'a>(c: &'a Ctx<'_>, new: &[u8]) -> impl Iterator<Item = (u64, &'a [u8])> + 'a {
+fn de_candidates<'a>(
+    c: &'a EncodeCtx<'_>,
+    new: &[u8],
+) -> impl Iterator<Item = (u64, &'a [u8])> + 'a {
     let hashes = de_hashes(new);
     c.de.into_iter()
         .zip(c.prev)
@@ -250,7 +253,7 @@ fn de_candidates<'a>(c: &'a Ctx<'_>, new: &[u8]) -> impl Iterator<Item = (u64, &
 
 /// Difference Engine: share identical pages, patch against a similar page found by
 /// HashSimilarityDetector(2,1), else compress (LZ4 standing in for LZO, or WKdm).
-pub fn de(c: &Ctx<'_>, new: &[u8], pre: &Pre) -> Coded {
+pub fn de(c: &EncodeCtx<'_>, new: &[u8], pre: &Pre) -> Coded {
     if pre.zero {
         return (Base::Zero, Body::Same, Payload::Own(Vec::new()));
     }
@@ -293,7 +296,13 @@ fn blocks_only(pfn: u64, new: &[u8], mask: u64) -> Coded {
 /// version joins the record's reference prefix (prefix.rs), where the record's single zstd
 /// pass finds the new bytes in the old ones, shifted or not. The second value says whether the
 /// page's previous version is wanted in the prefix.
-pub fn tandem(c: &Ctx<'_>, pfn: u64, new: &[u8], pre: &Pre, budget: &Budget) -> (Coded, Refs) {
+pub fn tandem(
+    c: &EncodeCtx<'_>,
+    pfn: u64,
+    new: &[u8],
+    pre: &Pre,
+    budget: &Budget,
+) -> (Coded, Refs) {
     let none = Refs::default();
     if pre.zero {
         return ((Base::Zero, Body::Same, Payload::Own(Vec::new())), none);
@@ -457,7 +466,7 @@ impl Default for Budget {
 /// The previous default (`tandem-v1`, kept as a same-run reference): run patch against the
 /// held version (stop at 64 bytes), identical held page, changed blocks from 64-byte block
 /// hashes (tagged), patch against a similar held page (DE 2,1), LZ4 literal; no prefix.
-pub fn tandem_v1(c: &Ctx<'_>, pfn: u64, new: &[u8], pre: &Pre) -> Coded {
+pub fn tandem_v1(c: &EncodeCtx<'_>, pfn: u64, new: &[u8], pre: &Pre) -> Coded {
     const GOOD_ENOUGH: usize = 64;
     if pre.zero {
         return (Base::Zero, Body::Same, Payload::Own(Vec::new()));

@@ -16,7 +16,7 @@ pub mod kv;
 pub mod lab;
 pub mod netlab;
 pub mod pgload;
-pub mod replay;
+pub mod trace_guest;
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -6,7 +6,7 @@
 use std::time::Duration;
 
 use tandem_codec::{Codec, Config};
-use tandem_harness::replay::{device_state_of, ReplayGuest};
+use tandem_harness::trace_guest::{device_state_of, ReplayGuest};
 use tandem_replication::{Applied, Backup, EpochInput, Primary};
 use tandem_store::{Meta, Outcome, Saver, Store};
 use tandem_trace::{EpochRecord, TraceHeader, TraceReader, TraceWriter};

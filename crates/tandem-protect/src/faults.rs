@@ -87,7 +87,7 @@ pub(crate) fn stall_epoch(_cfg: &PrimaryConfig) -> Option<u64> {
 
 /// The compaction step at which the saver aborts.
 pub(crate) fn compact_crash(
-    _cfg: &crate::saver::SaveConfig,
+    _cfg: &crate::checkpoint::SaveConfig,
 ) -> Option<tandem_store::store::CrashPoint> {
     #[cfg(feature = "fault-hooks")]
     return _cfg.fault_compact;

@@ -1,7 +1,7 @@
 //! tandem's daemons as a library: [`primary::spawn`] protects a VM by replicating it epoch by
 //! epoch to a backup, [`backup::spawn`] applies those epochs and fails over onto a standby
 //! QEMU, [`node::spawn`] runs a node that changes role at switchovers and failovers,
-//! [`saver::save`] takes incremental checkpoints into a store, and [`recorder::record`]
+//! [`checkpoint::save`] takes incremental checkpoints into a store, and [`recorder::record`]
 //! writes a memory trace. Each takes a plain config struct. A spawned daemon runs in its own
 //! thread until its [`DaemonHandle`] asks it to stop, and says what it does as [`Event`]s on
 //! the handle; the blocking forms (`run`, `save`, ...) take a [`Status`] that carries the same
@@ -14,6 +14,7 @@
 #![warn(missing_docs)]
 
 pub mod backup;
+pub mod checkpoint;
 pub mod conn;
 pub mod control;
 pub mod events;
@@ -26,7 +27,6 @@ pub mod node;
 pub mod primary;
 pub mod recorder;
 pub mod restorer;
-pub mod saver;
 pub mod service;
 pub mod site;
 pub mod stats;

@@ -107,7 +107,7 @@ fn restore_disks(
             "the checkpoints include disks, this VM has no writable disk".into(),
         )
     })?;
-    crate::saver::disks::check_layout(layout, &mine).map_err(RestoreError::DiskMismatch)?;
+    crate::checkpoint::disks::check_layout(layout, &mine).map_err(RestoreError::DiskMismatch)?;
     let path = out.map(Path::to_path_buf).unwrap_or_else(|| {
         store
             .dir()

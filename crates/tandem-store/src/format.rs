@@ -262,7 +262,7 @@ pub fn encode_record_with_disk(
 
 /// A parsed segment record.
 #[derive(Debug)]
-pub struct Record<'a> {
+pub struct SegmentRecord<'a> {
     /// Base or delta.
     pub kind: RecordKind,
     /// Checkpoint id.
@@ -276,7 +276,7 @@ pub struct Record<'a> {
 }
 
 /// Parses and checks a segment record (whole buffer).
-pub fn decode_record(b: &[u8]) -> Result<Record<'_>, String> {
+pub fn decode_record(b: &[u8]) -> Result<SegmentRecord<'_>, String> {
     if b.len() < RECORD_HEADER || !has_magic(b, b"TSEG") {
         return Err("bad record magic".into());
     }
@@ -300,7 +300,7 @@ pub fn decode_record(b: &[u8]) -> Result<Record<'_>, String> {
     if crc != u32_at(b, 28) {
         return Err("record checksum mismatch".into());
     }
-    Ok(Record {
+    Ok(SegmentRecord {
         kind,
         id: u64_at(b, 8),
         memory: &b[RECORD_HEADER..RECORD_HEADER + mem_len],
@@ -311,7 +311,7 @@ pub fn decode_record(b: &[u8]) -> Result<Record<'_>, String> {
 
 /// Decompresses a record's disk writes (empty when it has none), bounded like
 /// [`device_state`].
-pub fn disk_writes(r: &Record<'_>) -> Result<Vec<u8>, String> {
+pub fn disk_writes(r: &SegmentRecord<'_>) -> Result<Vec<u8>, String> {
     let z = r.disk_zstd;
     if z.is_empty() {
         return Ok(Vec::new());
@@ -335,7 +335,7 @@ pub fn disk_writes(r: &Record<'_>) -> Result<Vec<u8>, String> {
 
 /// Decompresses a record's device state (at most [`MAX_DEVICE_STATE`] bytes, and no more
 /// than its compressed size can expand to: the buffer is sized by that, not by a guess).
-pub fn device_state(r: &Record<'_>) -> Result<Vec<u8>, String> {
+pub fn device_state(r: &SegmentRecord<'_>) -> Result<Vec<u8>, String> {
     let z = r.device_state_zstd;
     let most = (z.len() as u64)
         .saturating_mul(MAX_ZSTD_RATIO)

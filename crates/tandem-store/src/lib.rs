@@ -18,7 +18,7 @@ pub mod format;
 pub mod fuzz;
 pub mod lock;
 pub mod ramhash;
-mod replay;
+mod rebuild;
 pub mod saver;
 pub mod store;
 mod writefault;

@@ -25,7 +25,7 @@ pub struct EpochRecord {
 
 /// A decoded frame.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Frame {
+pub enum TraceFrame {
     /// A chunk of the initial RAM image: `data` holds consecutive pages from `first_pfn`.
     Base {
         /// First page number.

@@ -27,7 +27,7 @@ mod reader;
 mod replay;
 mod writer;
 
-pub use frame::{EpochRecord, Frame, Timing};
+pub use frame::{EpochRecord, Timing, TraceFrame};
 pub use reader::TraceReader;
 pub use replay::replay;
 pub use writer::TraceWriter;

@@ -3,7 +3,7 @@
 use std::io::Read;
 use tandem_types::framing::{crc32c, u16_at, u32_at, u64_at};
 
-use crate::frame::{Cursor, EpochRecord, Frame, KIND_BASE, KIND_END, KIND_EPOCH};
+use crate::frame::{Cursor, EpochRecord, TraceFrame, KIND_BASE, KIND_END, KIND_EPOCH};
 use crate::{
     TraceError, TraceHeader, FRAME_HEADER_LEN, HEADER_LEN, MAGIC, MAX_FRAME, MAX_MEM, MAX_META,
     VERSION,
@@ -122,7 +122,7 @@ impl<R: Read> TraceReader<R> {
     }
 
     /// The next frame, or `None` after a valid end frame.
-    pub fn next_frame(&mut self) -> Result<Option<Frame>, TraceError> {
+    pub fn next_frame(&mut self) -> Result<Option<TraceFrame>, TraceError> {
         let at = self.offset;
         let mut h = [0u8; FRAME_HEADER_LEN];
         let n = read_full(&mut self.r, &mut h)?;
@@ -215,13 +215,13 @@ impl<R: Read> TraceReader<R> {
                 }
                 let data = c.take(count as usize * ps, "base pages")?.to_vec();
                 c.finish("base chunk")?;
-                Frame::Base { first_pfn, data }
+                TraceFrame::Base { first_pfn, data }
             }
             KIND_EPOCH => {
                 let e = EpochRecord::decode(&mut c, ps, pages)?;
                 self.epochs += 1;
                 self.dirty_pages += e.pfns.len() as u64;
-                Frame::Epoch(e)
+                TraceFrame::Epoch(e)
             }
             _ => {
                 let epochs = c.u32("end epoch count")?;
@@ -234,7 +234,7 @@ impl<R: Read> TraceReader<R> {
                     )));
                 }
                 self.ended = true;
-                Frame::End {
+                TraceFrame::End {
                     epochs,
                     dirty_pages,
                 }

@@ -2,7 +2,7 @@
 
 use std::io::Read;
 
-use crate::{EpochRecord, Frame, TraceError, TraceHeader, TraceReader};
+use crate::{EpochRecord, TraceError, TraceFrame, TraceHeader, TraceReader};
 
 /// Replays the trace read from `input`: for each epoch calls `on_epoch(memory before the
 /// epoch, epoch)`, then applies the epoch. Returns the header and the final memory.
@@ -16,18 +16,18 @@ pub fn replay<R: Read, E: From<TraceError>>(
     let mut mem = vec![0u8; h.mem_bytes as usize];
     while let Some(frame) = r.next_frame()? {
         match frame {
-            Frame::Base { first_pfn, data } => {
+            TraceFrame::Base { first_pfn, data } => {
                 let o = first_pfn as usize * ps;
                 mem[o..o + data.len()].copy_from_slice(&data);
             }
-            Frame::Epoch(e) => {
+            TraceFrame::Epoch(e) => {
                 on_epoch(&mem, &e)?;
                 for (i, &pfn) in e.pfns.iter().enumerate() {
                     let o = pfn as usize * ps;
                     mem[o..o + ps].copy_from_slice(&e.data[i * ps..(i + 1) * ps]);
                 }
             }
-            Frame::End { .. } => {}
+            TraceFrame::End { .. } => {}
         }
     }
     Ok((h, mem))

@@ -1,7 +1,9 @@
 //! Round trips and corruption handling of the trace format.
 
 use proptest::prelude::*;
-use tandem_trace::{EpochRecord, Frame, Timing, TraceError, TraceHeader, TraceReader, TraceWriter};
+use tandem_trace::{
+    EpochRecord, Timing, TraceError, TraceFrame, TraceHeader, TraceReader, TraceWriter,
+};
 
 const PS: usize = 4096;
 
@@ -23,7 +25,7 @@ fn write(pages: u64, base: &[u8], epochs: &[EpochRecord]) -> Vec<u8> {
     w.finish().unwrap()
 }
 
-fn read_all(bytes: &[u8]) -> Result<Vec<Frame>, TraceError> {
+fn read_all(bytes: &[u8]) -> Result<Vec<TraceFrame>, TraceError> {
     let mut r = TraceReader::new(bytes)?;
     let mut out = Vec::new();
     while let Some(f) = r.next_frame()? {
@@ -67,12 +69,12 @@ proptest! {
         let mut got = Vec::new();
         for f in frames {
             match f {
-                Frame::Base { first_pfn, data } => {
+                TraceFrame::Base { first_pfn, data } => {
                     let o = first_pfn as usize * PS;
                     mem[o..o + data.len()].copy_from_slice(&data);
                 }
-                Frame::Epoch(e) => got.push(e),
-                Frame::End { epochs: n, .. } => prop_assert_eq!(n as usize, epochs.len()),
+                TraceFrame::Epoch(e) => got.push(e),
+                TraceFrame::End { epochs: n, .. } => prop_assert_eq!(n as usize, epochs.len()),
             }
         }
         prop_assert_eq!(mem, base);

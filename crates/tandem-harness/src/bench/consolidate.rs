@@ -14,7 +14,7 @@ use anyhow::{bail, Context};
 use serde::Serialize;
 use tandem_codec::{Codec, Encoder, Plan};
 use tandem_consolidate::{Pool, Replica, Usage, PAGE};
-use tandem_trace::{Frame, TraceReader};
+use tandem_trace::{TraceFrame, TraceReader};
 
 const MIB: f64 = (1 << 20) as f64;
 
@@ -142,7 +142,7 @@ fn step(vm: &mut Vm, pool: &mut Pool, clock: Duration) -> anyhow::Result<()> {
             return Ok(());
         };
         match frame {
-            Frame::Base { first_pfn, data } => {
+            TraceFrame::Base { first_pfn, data } => {
                 for (i, p) in data.chunks(PAGE).enumerate() {
                     if p.iter().any(|&b| b != 0) {
                         vm.allocated[first_pfn as usize + i] = true;
@@ -153,7 +153,7 @@ fn step(vm: &mut Vm, pool: &mut Pool, clock: Duration) -> anyhow::Result<()> {
                 vm.mirror[o..o + data.len()].copy_from_slice(&data); // the initial copy
                 vm.plain[o..o + data.len()].copy_from_slice(&data);
             }
-            Frame::Epoch(e) => {
+            TraceFrame::Epoch(e) => {
                 let cfg = tandem_codec::Config::default();
                 let enc = match &mut vm.enc {
                     Some(e) => e,
@@ -198,7 +198,7 @@ fn step(vm: &mut Vm, pool: &mut Pool, clock: Duration) -> anyhow::Result<()> {
                 vm.record_bytes += vm.rec.len() as u64;
                 return Ok(());
             }
-            Frame::End { .. } => {}
+            TraceFrame::End { .. } => {}
         }
     }
 }

@@ -12,7 +12,7 @@ use anyhow::bail;
 use indicatif::ProgressBar;
 
 use super::daemon::Daemon;
-use super::phases::Ctx;
+use super::phases::RoundCtx;
 use super::round::{Opts, RoundResult};
 use super::steps::{common, leftovers};
 
@@ -37,7 +37,7 @@ pub fn run(round: usize, o: &Opts<'_>, pb: &ProgressBar) -> anyhow::Result<Round
         o.timeout_ms.to_string(),
     ];
     common(o, &mut bargs);
-    let cx = Ctx::new(round, o, pb, &rdir);
+    let cx = RoundCtx::new(round, o, pb, &rdir);
     let mut pair = cx.start_backup(bargs)?;
     let backup_addr: SocketAddr = format!("{BACKUP_IP}:7000").parse()?;
     let (mut primary, _qemu) = cx.start_primary(backup_addr)?;
@@ -99,7 +99,7 @@ pub fn run(round: usize, o: &Opts<'_>, pb: &ProgressBar) -> anyhow::Result<Round
 }
 
 /// The primary's command line as the round started it.
-fn primary_args(cx: &Ctx<'_>) -> anyhow::Result<Vec<String>> {
+fn primary_args(cx: &RoundCtx<'_>) -> anyhow::Result<Vec<String>> {
     let backup_addr: SocketAddr = format!("{BACKUP_IP}:7000").parse()?;
     Ok(cx.primary_args(backup_addr))
 }

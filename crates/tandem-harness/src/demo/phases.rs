@@ -19,7 +19,7 @@ use super::steps::{common, leftovers, Pair};
 use tandem_protect::stats::quantile;
 
 /// What every phase of a round shares: the round, its options and its files.
-pub struct Ctx<'a> {
+pub struct RoundCtx<'a> {
     pub round: usize,
     pub o: &'a Opts<'a>,
     pub pb: &'a ProgressBar,
@@ -130,10 +130,10 @@ pub fn copy_stopped(qemu: u32) -> bool {
     qemu != 0 && !fault::alive(qemu)
 }
 
-impl<'a> Ctx<'a> {
+impl<'a> RoundCtx<'a> {
     /// The context of round `round` in `rdir`.
     pub fn new(round: usize, o: &'a Opts<'a>, pb: &'a ProgressBar, rdir: &'a Path) -> Self {
-        Ctx {
+        RoundCtx {
             round,
             o,
             pb,

@@ -13,7 +13,7 @@ use serde::Serialize;
 
 use super::capture::Capture;
 use super::fault::{Fault, Proxy};
-use super::phases::{copy_stopped, field, Clock, Ctx, Timeline};
+use super::phases::{copy_stopped, field, Clock, RoundCtx, Timeline};
 use super::steps::{await_report, common, fill, inject_faults, mount_small_tmpfs, Target};
 
 #[derive(Clone)]
@@ -330,7 +330,7 @@ fn run_mounted(
     rdir: &Path,
     bargs: Vec<String>,
 ) -> anyhow::Result<RoundResult> {
-    let cx = Ctx::new(round, o, pb, rdir);
+    let cx = RoundCtx::new(round, o, pb, rdir);
     let mut pair = cx.start_backup(bargs)?;
     let mut bpids = vec![pair.backup.pid()];
     let filled = if o.backup_tmpfs {

@@ -43,7 +43,7 @@ pub struct Vetted {
 }
 
 /// What the gate lets through.
-pub struct Gate {
+pub struct Admission {
     /// This backup's VM.
     pub vm_id: u64,
     /// Mutual TLS, if configured.
@@ -93,7 +93,7 @@ impl Slots {
 }
 
 /// Starts accepting on `listener`; vetted connections arrive on the returned channel.
-pub fn start(listener: TcpListener, gate: Gate, status: Status) -> Receiver<Vetted> {
+pub fn start(listener: TcpListener, gate: Admission, status: Status) -> Receiver<Vetted> {
     let (tx, rx) = sync_channel(4);
     let gate = Arc::new(gate);
     let said = Arc::new(Mutex::new(HashSet::new()));
@@ -183,7 +183,7 @@ fn once(
     }
 }
 
-fn vet(tcp: std::net::TcpStream, gate: &Gate) -> Result<Vetted, (&'static str, String)> {
+fn vet(tcp: std::net::TcpStream, gate: &Admission) -> Result<Vetted, (&'static str, String)> {
     let deadline = Instant::now() + VET_WITHIN;
     let mut conn = match &gate.tls {
         Some(c) => crate::tls::accept(tcp, c, VET_WITHIN).map_err(|e| match e {
@@ -266,7 +266,7 @@ impl Read for Bounded<'_> {
     }
 }
 
-fn check(f: Frame, gate: &Gate) -> Result<Frame, (&'static str, String)> {
+fn check(f: Frame, gate: &Admission) -> Result<Frame, (&'static str, String)> {
     if f.kind != Kind::Hello {
         return Err((
             "not a replication hello",
@@ -323,7 +323,7 @@ mod tests {
         let to = l.local_addr().unwrap();
         let rx = start(
             l,
-            Gate {
+            Admission {
                 vm_id: 7,
                 tls: None,
             },

@@ -363,7 +363,7 @@ fn in_memory_fs(dir: &std::path::Path) -> bool {
 pub fn listen(cfg: &BackupConfig, status: &Status) -> Result<Listener, BackupError> {
     let tcp_listener =
         TcpListener::bind(&cfg.listen).map_err(io(format!("listening on {}", cfg.listen)))?;
-    let gate = gate::Gate {
+    let gate = gate::Admission {
         vm_id: cfg.vm_id,
         tls: cfg.tls.clone(),
     };

@@ -40,7 +40,7 @@ const CONFIGURATION: u8 = 0x07;
 
 /// What a `migrate` device-state stream has around its device sections.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Frame {
+pub struct StreamFrame {
     /// Magic, version and the configuration section.
     head: Vec<u8>,
     /// The VM description after the end-of-stream byte (may be empty).
@@ -60,10 +60,10 @@ fn be32(s: &[u8], at: &mut usize) -> Result<u32, String> {
     Ok(u32::from_be_bytes([b[0], b[1], b[2], b[3]]))
 }
 
-impl Frame {
+impl StreamFrame {
     /// Learns the frame from a complete `migrate` stream of this QEMU (RAM-less, as
     /// [`super::capture`] writes it). Errors name what did not parse.
-    pub fn learn(stream: &[u8]) -> Result<Frame, String> {
+    pub fn learn(stream: &[u8]) -> Result<StreamFrame, String> {
         if stream.len() < 9 || stream[..4] != MAGIC || stream[4..8] != VERSION {
             return Err("no QEMU migration stream header (magic/version 3)".into());
         }
@@ -115,7 +115,7 @@ impl Frame {
             }
         }
         let head = stream[..at].to_vec();
-        Ok(Frame {
+        Ok(StreamFrame {
             head,
             tail: description(stream),
         })
@@ -179,7 +179,7 @@ fn description(stream: &[u8]) -> Vec<u8> {
 #[derive(Debug)]
 pub struct Capturer {
     fast: bool,
-    frame: Option<Frame>,
+    frame: Option<StreamFrame>,
     file: Option<(PathBuf, File)>,
     dir: PathBuf,
     /// Why the fast path is off (set once it fell back).
@@ -279,7 +279,7 @@ impl Capturer {
         }
         super::capture(qmp, out)?;
         if self.fast && self.frame.is_none() && self.fallback.is_none() {
-            match Frame::learn(out) {
+            match StreamFrame::learn(out) {
                 Ok(f) => self.frame = Some(f),
                 Err(e) => self.fall_back(e),
             }
@@ -332,7 +332,7 @@ pub fn fuzz_frame(data: &[u8]) -> bool {
     };
     let at = (rest.len() * split as usize / 255).min(rest.len());
     let (stream, saved) = rest.split_at(at);
-    if let Ok(f) = Frame::learn(stream) {
+    if let Ok(f) = StreamFrame::learn(stream) {
         let mut out = Vec::new();
         if f.wrap(saved, &mut out).is_ok() {
             assert!(out.len() >= saved.len() - 8 + f.head.len());
@@ -376,7 +376,7 @@ mod tests {
     #[test]
     fn frames_a_device_save_with_the_migrate_streams_configuration_and_description() {
         let m = migrate_stream(&["x-ignore-shared"]);
-        let f = Frame::learn(&m).unwrap();
+        let f = StreamFrame::learn(&m).unwrap();
         let saved = [
             &b"QEVM\0\0\0\x03"[..],
             &[SECTION_FULL, 0, 0, 0, 9, 1, b'y', 8, VM_EOF],
@@ -394,14 +394,14 @@ mod tests {
     #[test]
     fn refuses_what_it_does_not_understand() {
         assert!(
-            Frame::learn(b"QEVM\0\0\0\x03\x04").is_err(),
+            StreamFrame::learn(b"QEVM\0\0\0\x03\x04").is_err(),
             "no configuration"
         );
         let mut m = migrate_stream(&[]);
         let at = find(&m, b"configuration/");
         m[at] = b'k'; // "konfiguration/capabilities"
-        assert!(Frame::learn(&m).unwrap_err().contains("unknown"));
-        let f = Frame::learn(&migrate_stream(&[])).unwrap();
+        assert!(StreamFrame::learn(&m).unwrap_err().contains("unknown"));
+        let f = StreamFrame::learn(&migrate_stream(&[])).unwrap();
         let mut out = Vec::new();
         assert!(
             f.wrap(b"QEVM\0\0\0\x03\x04\x01", &mut out).is_err(),
@@ -409,7 +409,7 @@ mod tests {
         );
         assert!(f.wrap(b"nope", &mut out).is_err());
         for cut in 0..migrate_stream(&["a"]).len() - 40 {
-            let _ = Frame::learn(&migrate_stream(&["a"])[..cut]);
+            let _ = StreamFrame::learn(&migrate_stream(&["a"])[..cut]);
         }
     }
 }

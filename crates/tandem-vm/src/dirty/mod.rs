@@ -11,11 +11,11 @@
 //! them ([`crate::Vm::set_dirty_log`]).
 
 mod hash;
-mod replay;
+mod recorded;
 mod uffd;
 
 pub use hash::HashLog;
-pub use replay::ReplayLog;
+pub use recorded::ReplayLog;
 pub use uffd::{probe_pagemap_scan, UffdWpLog};
 
 /// Errors of a dirty-log harvest.

@@ -336,7 +336,7 @@ fn save_booted(dir: &Path, image_stamp: &str) -> anyhow::Result<()> {
             pb.set_message(format!("Debian booted checkpoint: {m}"));
         })
     };
-    let mut cfg = tandem_protect::saver::SaveConfig::new(
+    let mut cfg = tandem_protect::checkpoint::SaveConfig::new(
         booted.clone(),
         tandem_protect::vmspec::VmSpec {
             vm_config: Some(desc.clone()),
@@ -344,7 +344,7 @@ fn save_booted(dir: &Path, image_stamp: &str) -> anyhow::Result<()> {
         },
     );
     cfg.count = Some(1);
-    let r = tandem_protect::saver::save(cfg, status);
+    let r = tandem_protect::checkpoint::save(cfg, status);
     pb.finish_and_clear();
     let _ = std::fs::remove_file(&overlay);
     let _ = std::fs::remove_file(&desc);

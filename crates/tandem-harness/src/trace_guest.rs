@@ -6,7 +6,7 @@
 
 use std::io::Read;
 
-use tandem_trace::{EpochRecord, Frame, TraceReader};
+use tandem_trace::{EpochRecord, TraceFrame, TraceReader};
 
 use tandem_vm::epoch::Guest;
 use tandem_vm::{PauseTiming, VmError, PAGE_SIZE};
@@ -50,7 +50,7 @@ impl<R: Read> ReplayGuest<R> {
         self.next = None;
         loop {
             match self.reader.next_frame() {
-                Ok(Some(Frame::Base { first_pfn, data })) => {
+                Ok(Some(TraceFrame::Base { first_pfn, data })) => {
                     let o = (first_pfn as usize).saturating_mul(PAGE_SIZE);
                     let dst = o
                         .checked_add(data.len())
@@ -58,11 +58,11 @@ impl<R: Read> ReplayGuest<R> {
                         .ok_or_else(|| bad("base chunk outside guest memory"))?;
                     dst.copy_from_slice(&data);
                 }
-                Ok(Some(Frame::Epoch(e))) => {
+                Ok(Some(TraceFrame::Epoch(e))) => {
                     self.next = Some(e);
                     return Ok(());
                 }
-                Ok(Some(Frame::End { .. })) | Ok(None) => return Ok(()),
+                Ok(Some(TraceFrame::End { .. })) | Ok(None) => return Ok(()),
                 Err(e) => return Err(bad(e.to_string())),
             }
         }
