@@ -1,4 +1,4 @@
-//! `tandem watch`: boots a guest (redis driven by a host client by default), checkpoints it
+//! `tandem watch`: boots a guest, checkpoints it
 //! every epoch without replicating and shows live dirty-memory statistics, then a summary.
 
 use std::io::Write;
@@ -28,7 +28,6 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         vm: a.vm.spec(),
         epoch: Duration::from_millis(a.epoch_ms.max(1)),
         duration: Duration::from_secs(a.duration),
-        load: None,
     };
     eprintln!(
         "tandem watch: booting a {} MiB Linux guest under QEMU ({}) running `{}`...",
@@ -36,16 +35,13 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     );
     let s = watch(&cfg, &crate::daemons::stderr(""), &mut |l| {
         eprint!(
-            "\r[{:>4.0}s] epoch {:>4}  dirty {:>6.0} pages/epoch ({:>5.1} MiB/s)  pause p50 {:>5.1} ms p99 {:>5.1} ms{}   ",
+            "\r[{:>4.0}s] epoch {:>4}  dirty {:>6.0} pages/epoch ({:>5.1} MiB/s)  pause p50 {:>5.1} ms p99 {:>5.1} ms   ",
             l.elapsed.as_secs_f64(),
             l.epoch,
             l.dirty_pages_recent,
             l.dirty_mib_per_s,
             l.pause_ms_p50,
             l.pause_ms_p99,
-            l.client_ops_per_s
-                .map(|r| format!("  client {r:>6.0} ops/s"))
-                .unwrap_or_default()
         );
         let _ = std::io::stderr().flush();
     })?;
@@ -75,9 +71,6 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             "  device state       {:.0} KiB per checkpoint",
             s.device_state_kib
         );
-        if let Some(o) = s.client_ops_per_s {
-            println!("  kv client          {o:.0} ops/s against redis in the guest, checkpointed throughout");
-        }
     }
     Ok(())
 }

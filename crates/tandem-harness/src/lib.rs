@@ -16,14 +16,32 @@ pub mod kv;
 pub mod lab;
 pub mod netlab;
 pub mod pgload;
+pub mod recorder;
 pub mod trace_guest;
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use tandem_protect::vmspec::Booted;
-use tandem_protect::{Load, StartLoad};
-use tandem_vm::VmConfig;
+use tandem_vm::{Vm, VmConfig};
+
+/// Host-side load driving the guest's workload (redis for `kv`, pgbench for the Debian VM),
+/// held while the lab runs a guest and stopped before the guest shuts down.
+pub trait Load: Send {
+    /// Stops the load and returns the operations it completed; an error says what went
+    /// wrong with the workload.
+    fn stop(self: Box<Self>) -> Result<u64, String>;
+
+    /// Operations completed so far.
+    fn ops(&self) -> u64 {
+        0
+    }
+}
+
+/// Starts the host-side load for a guest that is ready (or none for this workload).
+pub type StartLoad = Arc<dyn Fn(&VmConfig) -> Result<Option<Box<dyn Load>>, String> + Send + Sync>;
+
+/// A booted lab guest: the VM, its boot-to-ready time and the host-side load, if any.
+pub type Booted = (Vm, Duration, Option<Box<dyn Load>>);
 
 /// The product binary (`tandem`) the lab drives as daemons: next to this executable (the
 /// `tandem-lab` binary), or one directory up (a test binary in `target/*/deps`).
@@ -80,5 +98,8 @@ impl Load for KvLoad {
 
 /// Boots, waits for the workload, starts the host-side kv load if any.
 pub fn boot(cfg: &VmConfig) -> anyhow::Result<Booted> {
-    Ok(tandem_protect::boot(cfg, Some(&kv_load()))?)
+    let (vm, ready) = tandem_protect::boot(cfg)?;
+    let load = kv_load()(cfg)
+        .map_err(|e| anyhow::anyhow!("starting the load on the guest's workload: {e}"))?;
+    Ok((vm, ready, load))
 }

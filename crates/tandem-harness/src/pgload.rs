@@ -6,7 +6,7 @@ use std::process::{Child, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tandem_protect::{Load, StartLoad};
+use crate::{Load, StartLoad};
 use tandem_vm::VmConfig;
 
 use crate::demo::{pgbench_init, PgAt};

@@ -17,7 +17,7 @@ use tandem_vm::epoch::{run_pipeline, Checkpoint, Pending};
 use tandem_vm::{EpochSink, Vm, VmError, PAGE_SIZE};
 
 use crate::stats::quantile;
-use crate::vmspec::{boot, BootError, StartLoad, VmSpec, VmSpecError};
+use crate::vmspec::{boot, BootError, VmSpec, VmSpecError};
 use crate::Status;
 use disks::{check_layout, CaptureError, DiskCapture};
 use report::SaveLog;
@@ -44,8 +44,6 @@ pub struct SaveConfig {
     /// Fault injection for the lab's tests: abort the process at this compaction step.
     #[cfg(feature = "fault-hooks")]
     pub fault_compact: Option<tandem_store::store::CrashPoint>,
-    /// Host-side load started once the guest is ready.
-    pub load: Option<StartLoad>,
 }
 
 impl SaveConfig {
@@ -63,7 +61,6 @@ impl SaveConfig {
             codec: Codec::Tandem,
             #[cfg(feature = "fault-hooks")]
             fault_compact: None,
-            load: None,
         }
     }
 }
@@ -138,9 +135,6 @@ pub enum SaveError {
     /// QEMU or QMP failed.
     #[error(transparent)]
     Vm(#[from] VmError),
-    /// The host-side load reported a failure.
-    #[error("the load on the guest's workload: {0}")]
-    Load(String),
 }
 
 /// Opens (continuing) or creates the store for a guest of `bytes` (with `disks`, its
@@ -232,7 +226,7 @@ pub fn save(cfg: SaveConfig, status: Status) -> Result<SaveSummary, SaveError> {
         None => None,
     };
     let mut store = open_store(&cfg, bytes, capture.as_ref().map(|c| c.layout()))?;
-    let (mut vm, ready, load) = boot(&vmc, cfg.load.as_ref())?;
+    let (mut vm, ready) = boot(&vmc)?;
     status.info(format!(
         "guest `{}` ready in {:.1} s; saving into {}",
         vmc.workload_name(),
@@ -295,9 +289,6 @@ pub fn save(cfg: SaveConfig, status: Status) -> Result<SaveSummary, SaveError> {
         if let Some(e) = sink.err.take() {
             return Err(e.into());
         }
-    }
-    if let Some(l) = load {
-        l.stop().map_err(SaveError::Load)?;
     }
     vm.quit();
     if let Some(keep) = cfg.keep {

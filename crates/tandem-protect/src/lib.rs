@@ -1,8 +1,7 @@
 //! tandem's daemons as a library: [`primary::spawn`] protects a VM by replicating it epoch by
 //! epoch to a backup, [`backup::spawn`] applies those epochs and fails over onto a standby
 //! QEMU, [`node::spawn`] runs a node that changes role at switchovers and failovers,
-//! [`checkpoint::save`] takes incremental checkpoints into a store, and [`recorder::record`]
-//! writes a memory trace. Each takes a plain config struct. A spawned daemon runs in its own
+//! [`checkpoint::save`] takes incremental checkpoints into a store. Each takes a plain config struct. A spawned daemon runs in its own
 //! thread until its [`DaemonHandle`] asks it to stop, and says what it does as [`Event`]s on
 //! the handle; the blocking forms (`run`, `save`, ...) take a [`Status`] that carries the same
 //! events and the [`Stop`] requests. Nothing is process-wide: one process can run many
@@ -25,7 +24,6 @@ pub mod libvirt;
 pub mod metrics;
 pub mod node;
 pub mod primary;
-pub mod recorder;
 pub mod restorer;
 pub mod service;
 pub mod site;
@@ -41,7 +39,7 @@ pub use events::Event;
 pub use handle::DaemonHandle;
 pub use status::{Line, Status};
 pub use stop::Stop;
-pub use vmspec::{boot, Load, StartLoad, VmSpec};
+pub use vmspec::{boot, VmSpec};
 
 /// Wall-clock time in Unix milliseconds (for reports compared across processes).
 pub fn unix_ms() -> u64 {

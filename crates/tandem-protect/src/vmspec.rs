@@ -69,9 +69,6 @@ pub enum BootError {
     /// The workload did not report ready.
     #[error("waiting for the guest workload")]
     Ready(#[source] VmError),
-    /// The host-side load could not start.
-    #[error("starting the load on the guest's workload: {0}")]
-    Load(String),
 }
 
 impl Default for VmSpec {
@@ -187,37 +184,11 @@ pub fn free_port() -> std::io::Result<u16> {
     Ok(l.local_addr()?.port())
 }
 
-/// Host-side load driving the guest's workload (the lab's redis client), held while a daemon
-/// runs and stopped before the guest shuts down.
-pub trait Load: Send {
-    /// Stops the load and returns the operations it completed; an error says what went
-    /// wrong with the workload.
-    fn stop(self: Box<Self>) -> Result<u64, String>;
-
-    /// Operations completed so far.
-    fn ops(&self) -> u64 {
-        0
-    }
-}
-
-/// Starts the host-side load for a guest that is ready (or none for this workload).
-pub type StartLoad =
-    std::sync::Arc<dyn Fn(&VmConfig) -> Result<Option<Box<dyn Load>>, String> + Send + Sync>;
-
-/// A booted guest: the VM, its boot-to-ready time and the host-side load, if any.
-pub type Booted = (Vm, Duration, Option<Box<dyn Load>>);
-
-/// Boots `cfg`, waits for the workload and starts the host-side load, if `load` gives one.
-/// Returns the VM, boot-to-ready time and the load.
-pub fn boot(cfg: &VmConfig, load: Option<&StartLoad>) -> Result<Booted, BootError> {
+/// Boots `cfg` and waits for it to be ready. Returns the VM and its boot-to-ready time.
+pub fn boot(cfg: &VmConfig) -> Result<(Vm, Duration), BootError> {
     let t = std::time::Instant::now();
     let mut vm = Vm::launch(cfg).map_err(BootError::Launch)?;
     vm.wait_ready(Duration::from_secs(180))
         .map_err(BootError::Ready)?;
-    let ready = t.elapsed();
-    let load = match load {
-        Some(f) => f(cfg).map_err(BootError::Load)?,
-        None => None,
-    };
-    Ok((vm, ready, load))
+    Ok((vm, t.elapsed()))
 }

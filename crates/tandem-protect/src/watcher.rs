@@ -8,7 +8,7 @@ use tandem_vm::epoch::{run_pipeline, Checkpoint, Fixed};
 use tandem_vm::{EpochSink, VmError, PAGE_SIZE};
 
 use crate::stats::{mean, quantile};
-use crate::vmspec::{boot, BootError, Load, StartLoad, VmSpec, VmSpecError};
+use crate::vmspec::{boot, BootError, VmSpec, VmSpecError};
 use crate::Status;
 
 /// What to watch.
@@ -19,8 +19,6 @@ pub struct WatchConfig {
     pub epoch: Duration,
     /// How long to watch.
     pub duration: Duration,
-    /// Host-side load started once the guest is ready.
-    pub load: Option<StartLoad>,
 }
 
 /// The statistics once a second.
@@ -38,8 +36,6 @@ pub struct Live {
     pub pause_ms_p50: f64,
     /// Pause 99th percentile so far, ms.
     pub pause_ms_p99: f64,
-    /// The host-side load's operations per second over the last second, if there is a load.
-    pub client_ops_per_s: Option<f64>,
 }
 
 /// What a watch saw.
@@ -71,8 +67,6 @@ pub struct WatchSummary {
     pub pause_ms_median_components: [f64; 5],
     /// Device state per checkpoint.
     pub device_state_kib: f64,
-    /// The host-side load's throughput, if there was one.
-    pub client_ops_per_s: Option<f64>,
 }
 
 /// The watch failed.
@@ -87,9 +81,6 @@ pub enum WatchError {
     /// QEMU or QMP failed.
     #[error(transparent)]
     Vm(#[from] VmError),
-    /// The host-side load reported a failure.
-    #[error("the load on the guest's workload: {0}")]
-    Load(String),
 }
 
 /// Boots the VM, checkpoints it every epoch for the duration; `live` gets the statistics
@@ -100,7 +91,7 @@ pub fn watch(
     live: &mut dyn FnMut(&Live),
 ) -> Result<WatchSummary, WatchError> {
     let vmc = cfg.vm.config("watch")?;
-    let (mut vm, ready, load) = boot(&vmc, cfg.load.as_ref())?;
+    let (mut vm, ready) = boot(&vmc)?;
     let log = vm.dirty_log_name().unwrap_or("none").to_string();
     status.info(format!(
         "guest ready after {:.1} s; dirty log: {log}; checkpoint every {} ms for {} s",
@@ -112,7 +103,6 @@ pub fn watch(
     vm.reset_dirty_log()?;
     let mut sink = WatchSink {
         epoch: cfg.epoch,
-        load: load.as_deref(),
         live,
         dirty: Vec::new(),
         pause: Vec::new(),
@@ -120,7 +110,6 @@ pub fn watch(
         dev: 0,
         start: Instant::now(),
         last_print: Instant::now(),
-        last_ops: 0,
     };
     let epochs = run_pipeline(&mut vm, &mut Fixed(cfg.epoch), cfg.duration, 1, &mut sink)?;
     let elapsed = sink.start.elapsed().as_secs_f64();
@@ -140,22 +129,14 @@ pub fn watch(
         pause_ms_p99: quantile(&sink.pause, 0.99),
         pause_ms_median_components: [0, 1, 2, 3, 4].map(|i| quantile(&sink.comps[i], 0.5)),
         device_state_kib: sink.dev as f64 / 1024.0,
-        client_ops_per_s: None,
     };
-    let ops = load
-        .map(|l| l.stop().map_err(WatchError::Load))
-        .transpose()?;
     vm.quit();
-    Ok(WatchSummary {
-        client_ops_per_s: ops.map(|o| o as f64 / elapsed),
-        ..s
-    })
+    Ok(s)
 }
 
 /// The statistics as the epoch pipeline's sink.
 struct WatchSink<'a> {
     epoch: Duration,
-    load: Option<&'a dyn Load>,
     live: &'a mut dyn FnMut(&Live),
     dirty: Vec<f64>,
     pause: Vec<f64>,
@@ -163,7 +144,6 @@ struct WatchSink<'a> {
     dev: usize,
     start: Instant,
     last_print: Instant,
-    last_ops: u64,
 }
 
 impl EpochSink for WatchSink<'_> {
@@ -175,11 +155,6 @@ impl EpochSink for WatchSink<'_> {
         }
         self.dev = cp.device_state.len();
         if self.last_print.elapsed() >= Duration::from_secs(1) {
-            let ops = self.load.map(|l| l.ops());
-            let rate = ops.map(|o| {
-                (o - self.last_ops.min(o)) as f64 / self.last_print.elapsed().as_secs_f64()
-            });
-            self.last_ops = ops.unwrap_or(0);
             self.last_print = Instant::now();
             let recent = mean(&self.dirty[self.dirty.len().saturating_sub(10)..]);
             (self.live)(&Live {
@@ -191,7 +166,6 @@ impl EpochSink for WatchSink<'_> {
                     / (1 << 20) as f64,
                 pause_ms_p50: quantile(&self.pause, 0.5),
                 pause_ms_p99: quantile(&self.pause, 0.99),
-                client_ops_per_s: rate,
             });
         }
         true

@@ -6,7 +6,6 @@ use tandem_vm::Vm;
 use super::session::End;
 use super::{fence, Ended, PrimaryError};
 use crate::site::Site;
-use crate::vmspec::Load;
 use crate::Status;
 
 /// What becomes of this copy of the guest once replication ended.
@@ -14,7 +13,6 @@ pub(super) fn finish(
     end: Option<End>,
     site: &Site,
     mut vm: Vm,
-    load: Option<Box<dyn Load>>,
     summary: &str,
     status: &Status,
     fencing: Option<&fence::Fencing>,
@@ -54,9 +52,6 @@ pub(super) fn finish(
             Ok(Ended::Stopped)
         }
         Some(End::Shutdown) | Some(End::Lost(_)) | None => {
-            if let Some(l) = load {
-                l.stop().map_err(PrimaryError::Load)?;
-            }
             let what = if end.is_none()
                 && status.stop().stopping()
                 && !status.stop().shutdown_requested()

@@ -28,7 +28,7 @@ use tandem_vm::{Vm, VmError};
 
 use crate::frontend::{Frontend, FrontendConfig};
 use crate::site::{Role, Site, SiteConfig, SiteError};
-use crate::vmspec::{boot, BootError, Load, StartLoad, VmSpec, VmSpecError};
+use crate::vmspec::{boot, BootError, VmSpec, VmSpecError};
 use crate::Status;
 use finish::finish;
 use session::{Daemon, End};
@@ -79,8 +79,6 @@ pub struct PrimaryConfig {
     /// Faults the primary injects into itself (the lab's tests only).
     #[cfg(feature = "fault-hooks")]
     pub faults: crate::faults::Faults,
-    /// Host-side load started once the guest is ready.
-    pub load: Option<StartLoad>,
     /// Fence with the VM's ownership record in etcd (docs/FENCING.md); `None`: no fencing
     /// (the backup cannot tell a partition from a dead host, and output stays held without a
     /// backup).
@@ -118,7 +116,6 @@ impl PrimaryConfig {
             metrics_listen: None,
             #[cfg(feature = "fault-hooks")]
             faults: Default::default(),
-            load: None,
             fence: None,
             control: None,
             tls: None,
@@ -168,9 +165,6 @@ pub enum PrimaryError {
     /// The ownership record names another node.
     #[error("etcd's ownership record says the VM is {0}: this copy was stopped and its held output discarded")]
     FencedBy(String),
-    /// The host-side load reported a failure.
-    #[error("the load on the guest's workload: {0}")]
-    Load(String),
 }
 
 /// How the primary ended without an error.
@@ -265,7 +259,7 @@ pub fn run_in(cfg: &PrimaryConfig, fe: &Frontend, status: Status) -> Result<Ende
         }
         e
     };
-    let (vm, ready, load) = boot(&vmc, cfg.load.as_ref()).map_err(|e| release(e.into()))?;
+    let (vm, ready) = boot(&vmc).map_err(|e| release(e.into()))?;
     status.info(format!(
         "guest ready in {:.1} s, QEMU pid {}, network {}, replicated disk {} MiB",
         ready.as_secs_f64(),
@@ -280,7 +274,6 @@ pub fn run_in(cfg: &PrimaryConfig, fe: &Frontend, status: Status) -> Result<Ende
     crate::echo_guest_progress(vm.serial_path(), status.clone());
     let guest = Guest {
         vm,
-        load,
         fencing,
         epoch: 0,
         passing: false,
@@ -315,7 +308,6 @@ pub fn run_resumed(
     ));
     let guest = Guest {
         vm,
-        load: None,
         passing: fencing.is_none(),
         fencing,
         epoch,
@@ -326,7 +318,6 @@ pub fn run_resumed(
 /// A running guest and what goes with it into [`protect`].
 struct Guest {
     vm: Vm,
-    load: Option<Box<dyn Load>>,
     fencing: Option<fence::Fencing>,
     /// The epoch numbers go on from here.
     epoch: u64,
@@ -345,7 +336,6 @@ fn protect(
 ) -> Result<Ended, PrimaryError> {
     let Guest {
         mut vm,
-        load,
         mut fencing,
         epoch,
         passing,
@@ -453,7 +443,7 @@ fn protect(
     let fencing = d.fencing.take();
     let registry = d.registry.clone();
     drop(d);
-    let ended = finish(end, site, vm, load, &summary, &status, fencing.as_ref())?;
+    let ended = finish(end, site, vm, &summary, &status, fencing.as_ref())?;
     if let Ended::SwitchedOver { epoch, acked } = ended {
         registry.switched_over(epoch, acked);
     }

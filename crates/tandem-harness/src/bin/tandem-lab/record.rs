@@ -8,7 +8,7 @@ use std::time::Duration;
 use anyhow::Context;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
-use tandem_protect::recorder::RecordConfig;
+use tandem_harness::recorder::RecordConfig;
 use tandem_protect::stats::quantile;
 use tandem_trace::{Timing, TraceHeader};
 
@@ -78,7 +78,7 @@ pub fn record(a: RecordArgs) -> anyhow::Result<()> {
 }
 
 /// `tandem record` with `load` on the guest once it is ready.
-fn record_with(a: RecordArgs, load: tandem_protect::StartLoad) -> anyhow::Result<()> {
+fn record_with(a: RecordArgs, load: tandem_harness::StartLoad) -> anyhow::Result<()> {
     let cfg = RecordConfig {
         vm: a.vm.spec(),
         epoch: Duration::from_millis(a.epoch_ms),
@@ -99,7 +99,7 @@ fn record_with(a: RecordArgs, load: tandem_protect::StartLoad) -> anyhow::Result
         ProgressStyle::with_template("{bar:30} {pos}/{len}s {msg}")
             .unwrap_or_else(|_| ProgressStyle::default_bar()),
     );
-    let r = tandem_protect::recorder::record(&cfg, &mut |cp| {
+    let r = tandem_harness::recorder::record(&cfg, &mut |cp| {
         pb.set_position(cp.at.as_secs().min(a.duration));
         pb.set_message(format!(
             "epoch {} dirty {} pages, pause {:.1} ms",

@@ -12,7 +12,9 @@ use tandem_trace::{EpochRecord, TraceError, TraceHeader, TraceWriter};
 use tandem_vm::epoch::{run_pipeline, Checkpoint, Fixed};
 use tandem_vm::{EpochSink, Guest, VmError, PAGE_SIZE};
 
-use crate::vmspec::{boot, BootError, StartLoad, VmSpec, VmSpecError};
+use tandem_protect::vmspec::{boot, BootError, VmSpec, VmSpecError};
+
+use crate::StartLoad;
 
 /// What to record.
 pub struct RecordConfig {
@@ -90,7 +92,11 @@ pub fn record(
         return Err(RecordError::Zero);
     }
     let vmc = cfg.vm.config("record")?;
-    let (mut vm, ready, load) = boot(&vmc, cfg.load.as_ref())?;
+    let (mut vm, ready) = boot(&vmc)?;
+    let load = match &cfg.load {
+        Some(start) => start(&vmc).map_err(RecordError::Load)?,
+        None => None,
+    };
     let header = TraceHeader {
         page_size: PAGE_SIZE as u32,
         mem_bytes: vmc.mem_mib << 20,
