@@ -305,13 +305,14 @@ pub fn primary(a: PrimaryArgs) -> anyhow::Result<()> {
     cfg.site = a.site.config();
     cfg.dir = a.dir;
     cfg.epoch = ms(a.epoch_ms.max(1));
-    cfg.adaptive = (a.schedule == ScheduleArg::Adaptive).then(|| AdaptiveConfig {
-        max_wait: ms(a.epoch_ms.max(1)),
-        min_run: ms(a.min_run_ms),
-        run_per_pause: a.run_per_pause.max(0.0),
-        converge: (a.converge_pct > 0.0).then_some(a.converge_pct / 100.0),
-        stop_budget: (a.stop_budget_ms > 0).then(|| ms(a.stop_budget_ms)),
-        ..AdaptiveConfig::default()
+    cfg.adaptive = (a.schedule == ScheduleArg::Adaptive).then(|| {
+        let mut s = AdaptiveConfig::default();
+        s.max_wait = ms(a.epoch_ms.max(1));
+        s.min_run = ms(a.min_run_ms);
+        s.run_per_pause = a.run_per_pause.max(0.0);
+        s.converge = (a.converge_pct > 0.0).then_some(a.converge_pct / 100.0);
+        s.stop_budget = (a.stop_budget_ms > 0).then(|| ms(a.stop_budget_ms));
+        s
     });
     cfg.fast_devstate = a.devstate == "xen-save";
     cfg.duration = a.duration.map(Duration::from_secs);

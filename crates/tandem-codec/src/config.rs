@@ -2,8 +2,10 @@
 
 use crate::strategies::Budget;
 
-/// The codecs: tandem's default and every baseline / paper technique alone.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+/// The codecs: tandem's default and every baseline / paper technique alone. In configuration
+/// files a codec is its command-line name ([`Codec::name`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(try_from = "String", into = "String")]
 pub enum Codec {
     /// Remus: every dirty page raw.
     Remus,
@@ -85,6 +87,19 @@ impl Codec {
     /// Whether the codec keeps every page's previous version regardless of `Config`.
     pub(crate) fn full(self) -> bool {
         matches!(self, Codec::GerofiFull | Codec::DeFull)
+    }
+}
+
+impl TryFrom<String> for Codec {
+    type Error = String;
+    fn try_from(s: String) -> Result<Self, String> {
+        s.parse()
+    }
+}
+
+impl From<Codec> for String {
+    fn from(c: Codec) -> String {
+        c.name().to_string()
     }
 }
 

@@ -42,7 +42,8 @@ pub enum EtcdError {
 
 /// TLS to etcd (`https://` endpoints): the CA that signed the members' certificates and, for
 /// clusters with `--client-cert-auth`, this client's certificate and key (PEM files).
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct EtcdTls {
     /// CA certificate(s).
     pub ca: std::path::PathBuf,

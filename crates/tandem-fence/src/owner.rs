@@ -20,23 +20,42 @@ use std::time::Duration;
 use crate::etcd::{Client, Compare, EtcdError, Op};
 use crate::record::{owned_by, plan, Record, Refusal, Transition};
 
-/// How a node takes part in fencing.
-#[derive(Debug, Clone)]
+/// How a node takes part in fencing. In configuration files: `endpoints`, `vm_id` and `node`
+/// are required; durations are written as `"300ms"`.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+#[non_exhaustive]
 pub struct FenceConfig {
     /// etcd client URLs (`http://host:2379`).
     pub endpoints: Vec<String>,
     /// Key prefix (default `/tandem`).
+    #[serde(default = "default_prefix")]
     pub prefix: String,
     /// The protected VM.
     pub vm_id: u64,
     /// This node's name in the record (for operators and logs).
     pub node: String,
-    /// Timeout of one request to one endpoint.
+    /// Timeout of one request to one endpoint (default 300 ms).
+    #[serde(default = "default_request_timeout", with = "humantime_serde")]
     pub request_timeout: Duration,
     /// TLS to etcd (`https://` endpoints).
+    #[serde(default)]
     pub tls: Option<crate::etcd::EtcdTls>,
-    /// How often the owner reads the record back.
+    /// How often the owner reads the record back (default 500 ms).
+    #[serde(default = "default_watch_every", with = "humantime_serde")]
     pub watch_every: Duration,
+}
+
+fn default_prefix() -> String {
+    "/tandem".into()
+}
+
+fn default_request_timeout() -> Duration {
+    Duration::from_millis(300)
+}
+
+fn default_watch_every() -> Duration {
+    Duration::from_millis(500)
 }
 
 impl FenceConfig {
@@ -44,12 +63,12 @@ impl FenceConfig {
     pub fn new(endpoints: Vec<String>, vm_id: u64, node: impl Into<String>) -> Self {
         FenceConfig {
             endpoints,
-            prefix: "/tandem".into(),
+            prefix: default_prefix(),
             vm_id,
             node: node.into(),
-            request_timeout: Duration::from_millis(300),
+            request_timeout: default_request_timeout(),
             tls: None,
-            watch_every: Duration::from_millis(500),
+            watch_every: default_watch_every(),
         }
     }
 

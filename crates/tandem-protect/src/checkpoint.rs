@@ -280,9 +280,9 @@ pub fn save(cfg: SaveConfig, status: Status) -> Result<SaveSummary, SaveError> {
     sink.dev_len = dev.len() as u64;
     if let Some(every) = cfg.interval.filter(|_| cfg.count != Some(1)) {
         let every = every.max(Duration::from_millis(1));
-        let adaptive = cfg.adaptive.map(|a| tandem_vm::schedule::AdaptiveConfig {
-            max_wait: every,
-            ..a
+        let adaptive = cfg.adaptive.map(|mut a| {
+            a.max_wait = every;
+            a
         });
         let mut schedule = tandem_vm::schedule::build(every, adaptive);
         run_pipeline(&mut vm, schedule.as_mut(), Duration::MAX, 1, &mut sink)?;

@@ -79,13 +79,18 @@ impl Schedule for Fixed {
     }
 }
 
-/// The adaptive schedule's knobs (defaults from seed 002 where it gives them).
-#[derive(Debug, Clone, Copy, PartialEq)]
+/// The adaptive schedule's knobs (defaults from seed 002 where it gives them). In
+/// configuration files durations are written as `"500ms"`, `"2s"`.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(default, deny_unknown_fields)]
+#[non_exhaustive]
 pub struct AdaptiveConfig {
     /// Longest epoch when nothing waits (the paper's WAIT_MAX_THRESHOLD, 2 s there; shorter
     /// here because the pause copies the whole dirty set: default 500 ms).
+    #[serde(with = "humantime_serde")]
     pub max_wait: Duration,
     /// Shortest run between two pauses (default 2 ms).
+    #[serde(with = "humantime_serde")]
     pub min_run: Duration,
     /// The guest's share of time under output: an early checkpoint waits until the guest ran
     /// at least `run_per_pause` × the last pause (default 1.0: at least half the time).
@@ -101,20 +106,24 @@ pub struct AdaptiveConfig {
     /// (default): off, the longest wait stands in for it.
     pub converge: Option<f64>,
     /// How often the dirty count is sampled for `converge` (default 10 ms).
+    #[serde(with = "humantime_serde")]
     pub sample: Duration,
     /// Seed 002's vm_stop_threshold, as time: while output waits for the previous
     /// checkpoint's acknowledgement, suspend the guest once its dirty set is as large as the
     /// sink ships in this long ([`Pending::ship_pages_per_s`] × budget), so the held output's
     /// next checkpoint does not keep growing. `None`: off.
+    #[serde(with = "humantime_serde")]
     pub stop_budget: Option<Duration>,
     /// How often the dirty count is sampled while the stop threshold may apply (default
     /// 2 ms).
+    #[serde(with = "humantime_serde")]
     pub stop_sample: Duration,
     /// The stop threshold never falls below this many pages (default 256: below it the
     /// fixed cost of a pause dominates the shipping time).
     pub stop_floor: u64,
     /// Shortest epoch that convergence may end (default 20 ms): below it the fixed cost of a
     /// pause outweighs what an earlier checkpoint saves.
+    #[serde(with = "humantime_serde")]
     pub converge_min_run: Duration,
 }
 

@@ -23,12 +23,14 @@ mod preload;
 pub use preload::preload_path;
 use preload::wait_registration;
 
-/// How the dirty log is obtained.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// How the dirty log is obtained (in configuration files: `auto`, `uffd`, `hash`, `none`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum DirtyMode {
     /// userfaultfd async write-protect if the kernel has it, else the hash fallback (warned).
     Auto,
     /// userfaultfd async write-protect + `PAGEMAP_SCAN`; fails if unsupported.
+    #[serde(alias = "uffd-wp")]
     Uffd,
     /// xxh3 of every page.
     Hash,

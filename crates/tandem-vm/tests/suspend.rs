@@ -64,10 +64,9 @@ fn early_suspend_stops_the_guest_and_loses_no_write() {
         suspended: Vec::new(),
         epochs: 0,
     };
-    let mut schedule = Adaptive::new(AdaptiveConfig {
-        max_wait: Duration::from_millis(200),
-        ..AdaptiveConfig::default()
-    });
+    let mut cfg = AdaptiveConfig::default();
+    cfg.max_wait = Duration::from_millis(200);
+    let mut schedule = Adaptive::new(cfg);
     let first: Epoch = 1;
     run_pipeline(
         &mut vm,
