@@ -60,16 +60,14 @@ impl VmArgs {
 
     /// The library's VM description.
     pub fn spec(&self) -> VmSpec {
-        VmSpec {
-            workload: self.workload.clone(),
-            mem: self.mem,
-            vcpus: self.vcpus,
-            dirty_log: self.dirty_log,
-            qemu: self.qemu.clone(),
-            accel: self.accel.clone(),
-            image: self.image.clone(),
-            vm_config: self.vm_config.clone(),
-        }
+        let mut s = VmSpec::for_workload(&self.workload, self.mem);
+        s.vcpus = self.vcpus;
+        s.dirty_log = self.dirty_log;
+        s.qemu = self.qemu.clone();
+        s.accel = self.accel.clone();
+        s.image = self.image.clone();
+        s.vm_config = self.vm_config.clone();
+        s
     }
 }
 
@@ -98,13 +96,13 @@ pub struct SiteArgs {
 impl SiteArgs {
     /// The library's site configuration.
     pub fn config(&self) -> SiteConfig {
-        SiteConfig {
-            tap_netns: self.tap_netns.clone(),
-            bridge: self.bridge.clone(),
-            tap: self.tap.clone(),
-            guest_ip: self.guest_ip.clone(),
-            disk_mib: self.disk_mib,
-        }
+        let mut s = SiteConfig::default();
+        s.tap_netns = self.tap_netns.clone();
+        s.bridge = self.bridge.clone();
+        s.tap = self.tap.clone();
+        s.guest_ip = self.guest_ip.clone();
+        s.disk_mib = self.disk_mib;
+        s
     }
 }
 

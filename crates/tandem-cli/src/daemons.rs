@@ -7,7 +7,7 @@ use tandem_vm::schedule::AdaptiveConfig;
 
 use tandem_codec::Codec;
 use tandem_protect::backup::BackupConfig;
-use tandem_protect::primary::PrimaryConfig;
+use tandem_protect::primary::{ClientTls, PrimaryConfig};
 use tandem_protect::{DaemonHandle, Event, Line, Status};
 
 use crate::signals;
@@ -327,41 +327,24 @@ pub fn primary(a: PrimaryArgs) -> anyhow::Result<()> {
     cfg.metrics_listen = a.metrics_listen;
     cfg.fence = a.fence.config(a.vm_id, "primary");
     cfg.control = a.control;
-    cfg.tls = match a.tls.files("primary")? {
-        Some(f) => Some((
-            tandem_protect::tls::client_config(&f)?,
-            tandem_protect::tls::server_name(&a.backup, a.tls_server_name.as_deref())?,
-        )),
-        None => None,
-    };
+    cfg.tls = a.tls.files("primary")?.map(|files| ClientTls {
+        files,
+        server_name: a.tls_server_name.clone(),
+    });
     a.faults.apply(&mut cfg);
     let Some(listen) = a.listen else {
         return Ok(follow(tandem_protect::primary::spawn(cfg), a.json_events)?);
     };
-    let backup = BackupConfig {
-        listen,
-        dir: a
-            .backup_dir
-            .unwrap_or_else(|| PathBuf::from(format!("/dev/shm/tandem-vm{}", a.vm_id))),
-        vm: a.vm.spec(),
-        site: a.site.config(),
-        timeout: ms(a.timeout_ms.max(1)),
-        stall: None,
-        report: None,
-        fence: cfg.fence.clone(),
-        vm_id: a.vm_id,
-        metrics_listen: None,
-        control: None,
-        tls: match a.tls.files("primary")? {
-            Some(f) => Some(tandem_protect::tls::server_config(&f)?),
-            None => None,
-        },
-        consolidate: None,
-    };
-    let node = tandem_protect::node::NodeConfig {
-        primary: cfg,
-        backup,
-    };
+    let dir = a
+        .backup_dir
+        .unwrap_or_else(|| PathBuf::from(format!("/dev/shm/tandem-vm{}", a.vm_id)));
+    let mut backup = BackupConfig::new(listen, dir, a.vm.spec());
+    backup.site = a.site.config();
+    backup.timeout = ms(a.timeout_ms.max(1));
+    backup.fence = cfg.fence.clone();
+    backup.vm_id = a.vm_id;
+    backup.tls = a.tls.files("primary")?;
+    let node = tandem_protect::node::NodeConfig::new(cfg, backup);
     Ok(follow(
         tandem_protect::node::spawn(tandem_protect::node::Start::Primary, node),
         a.json_events,
@@ -411,11 +394,10 @@ impl ConsolidateArgs {
         if !(clock_s.is_finite() && clock_s > 0.0) {
             anyhow::bail!("--clock-s must be a positive number of seconds, not {clock_s}");
         }
-        Ok(Some(tandem_protect::backup::Consolidate {
-            pool: Default::default(),
-            revolution: Duration::from_secs_f64(clock_s),
-            lazy: self.restore == RestoreArg::Lazy,
-        }))
+        let mut c = tandem_protect::backup::Consolidate::default();
+        c.revolution = Duration::from_secs_f64(clock_s);
+        c.lazy = self.restore == RestoreArg::Lazy;
+        Ok(Some(c))
     }
 }
 
@@ -425,24 +407,18 @@ pub fn backup_config(
     consolidate: Option<tandem_protect::backup::Consolidate>,
 ) -> anyhow::Result<BackupConfig> {
     let ms = Duration::from_millis;
-    Ok(BackupConfig {
-        listen: a.listen.clone(),
-        dir: a.dir.clone(),
-        vm: a.vm.spec(),
-        site: a.site.config(),
-        timeout: ms(a.timeout_ms.max(1)),
-        stall: a.stall_ms.map(ms),
-        report: a.report.clone(),
-        fence: a.fence.config(a.vm_id, "backup"),
-        vm_id: a.vm_id,
-        metrics_listen: a.metrics_listen.clone(),
-        control: a.control.clone(),
-        tls: match a.tls.files("backup")? {
-            Some(f) => Some(tandem_protect::tls::server_config(&f)?),
-            None => None,
-        },
-        consolidate,
-    })
+    let mut b = BackupConfig::new(a.listen.clone(), a.dir.clone(), a.vm.spec());
+    b.site = a.site.config();
+    b.timeout = ms(a.timeout_ms.max(1));
+    b.stall = a.stall_ms.map(ms);
+    b.report = a.report.clone();
+    b.fence = a.fence.config(a.vm_id, "backup");
+    b.vm_id = a.vm_id;
+    b.metrics_listen = a.metrics_listen.clone();
+    b.control = a.control.clone();
+    b.tls = a.tls.files("backup")?;
+    b.consolidate = consolidate;
+    Ok(b)
 }
 
 pub fn backup(a: BackupArgs) -> anyhow::Result<()> {
@@ -459,17 +435,11 @@ pub fn backup(a: BackupArgs) -> anyhow::Result<()> {
     primary.fence = cfg.fence.clone();
     primary.control = cfg.control.clone();
     primary.metrics_listen = cfg.metrics_listen.clone();
-    primary.tls = match a.tls.files("backup")? {
-        Some(f) => Some((
-            tandem_protect::tls::client_config(&f)?,
-            tandem_protect::tls::server_name(&peer, a.tls_server_name.as_deref())?,
-        )),
-        None => None,
-    };
-    let node = tandem_protect::node::NodeConfig {
-        primary,
-        backup: cfg,
-    };
+    primary.tls = a.tls.files("backup")?.map(|files| ClientTls {
+        files,
+        server_name: a.tls_server_name.clone(),
+    });
+    let node = tandem_protect::node::NodeConfig::new(primary, cfg);
     Ok(follow(
         tandem_protect::node::spawn(tandem_protect::node::Start::Backup, node),
         a.json_events,

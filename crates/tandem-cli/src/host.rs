@@ -10,31 +10,83 @@ use anyhow::{bail, Context};
 use clap::Parser;
 use tandem_protect::Event;
 
+use tandem_protect::backup::BackupConfig;
+
 use crate::daemons::{backup_config, BackupArgs, ConsolidateArgs};
 
 #[derive(clap::Args)]
 pub struct Args {
+    /// The replicas as a TOML file: one `[[replica]]` table per protected VM (a backup's
+    /// configuration: vm_id, listen, dir, timeout, [replica.vm], [replica.fence], ...) and
+    /// an optional `[consolidate]` table for the pool they share (docs/OPERATIONS.md).
+    #[arg(
+        long,
+        conflicts_with = "replicas",
+        required_unless_present = "replicas"
+    )]
+    pub config: Option<std::path::PathBuf>,
     /// One protected VM: its `tandem backup` flags as one shell-quoted string (repeat for each
     /// VM), e.g. --replica "--vm-id 2 --listen 10.0.0.2:7002 --dir /dev/shm/tandem-vm2
     /// --workload kv".
-    #[arg(long = "replica", required = true, allow_hyphen_values = true)]
+    #[arg(long = "replica", allow_hyphen_values = true)]
     pub replicas: Vec<String>,
     #[command(flatten)]
     pub consolidation: ConsolidateArgs,
 }
 
-/// A `--replica` string parsed as `tandem backup` flags.
-#[derive(Parser)]
-#[command(name = "--replica", no_binary_name = true)]
-struct Replica {
-    #[command(flatten)]
-    b: BackupArgs,
+/// `backup-host --config`: the replicas and their pool.
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct HostFile {
+    /// One pool of consolidated pages for every replica.
+    consolidate: Option<tandem_protect::backup::Consolidate>,
+    /// The backups.
+    replica: Vec<BackupConfig>,
 }
 
-pub fn run(a: Args) -> anyhow::Result<()> {
+/// The replicas a TOML file describes, each consolidating into the file's one pool.
+fn from_file(path: &std::path::Path, flags: &ConsolidateArgs) -> anyhow::Result<Vec<BackupConfig>> {
+    if flags.given() {
+        bail!("with --config, the pool is the file's [consolidate] table, not --consolidate/--clock-s/--restore");
+    }
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("reading the replicas file {}", path.display()))?;
+    let f: HostFile =
+        toml::from_str(&text).with_context(|| format!("the replicas file {}", path.display()))?;
+    if f.replica.is_empty() {
+        bail!(
+            "{} has no [[replica]] table: nothing to protect",
+            path.display()
+        );
+    }
+    let mut cfgs = Vec::new();
+    for (i, mut b) in f.replica.into_iter().enumerate() {
+        let n = i + 1;
+        if b.consolidate.is_some() {
+            bail!("[[replica]] {n}: consolidation is the file's one [consolidate] table (the replicas share its pool)");
+        }
+        if b.listen.is_empty() || b.dir.as_os_str().is_empty() {
+            bail!("[[replica]] {n}: listen and dir are required");
+        }
+        if let Some(fc) = &b.fence {
+            if fc.vm_id != b.vm_id {
+                bail!(
+                    "[[replica]] {n}: its fence names VM {} but the replica is VM {}",
+                    fc.vm_id,
+                    b.vm_id
+                );
+            }
+        }
+        b.consolidate = f.consolidate.clone();
+        cfgs.push(b);
+    }
+    Ok(cfgs)
+}
+
+/// The replicas `--replica` strings give, each parsed as `tandem backup` flags.
+fn from_flags(a: &Args) -> anyhow::Result<Vec<BackupConfig>> {
     let pool = a.consolidation.config()?;
     let mut cfgs = Vec::new();
-    let (mut ids, mut listens, mut dirs) = (HashSet::new(), HashSet::new(), HashSet::new());
     for (i, r) in a.replicas.iter().enumerate() {
         let n = i + 1;
         let words = shlex::split(r)
@@ -48,33 +100,58 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         if b.consolidation.given() {
             bail!("--replica {n}: give --consolidate, --clock-s and --restore to backup-host itself: the replicas share one pool");
         }
+        cfgs.push(backup_config(&b, pool.clone())?);
+    }
+    Ok(cfgs)
+}
+
+/// Every replica has its own VM id, listen address and directory.
+fn distinct(cfgs: &[BackupConfig]) -> anyhow::Result<()> {
+    let (mut ids, mut listens, mut dirs) = (HashSet::new(), HashSet::new(), HashSet::new());
+    for (i, b) in cfgs.iter().enumerate() {
+        let n = i + 1;
         if !ids.insert(b.vm_id) {
             bail!(
-                "--replica {n}: VM id {} is given twice (each replica needs its own --vm-id)",
+                "replica {n}: VM id {} is given twice (each replica needs its own)",
                 b.vm_id
             );
         }
         if !listens.insert(b.listen.clone()) {
-            bail!("--replica {n}: listen address {} is given twice", b.listen);
+            bail!("replica {n}: listen address {} is given twice", b.listen);
         }
         if !dirs.insert(b.dir.clone()) {
             bail!(
-                "--replica {n}: directory {} is given twice (each replica needs its own --dir)",
+                "replica {n}: directory {} is given twice (each replica needs its own)",
                 b.dir.display()
             );
         }
-        cfgs.push(backup_config(&b, pool.clone())?);
     }
+    Ok(())
+}
+
+/// A `--replica` string parsed as `tandem backup` flags.
+#[derive(Parser)]
+#[command(name = "--replica", no_binary_name = true)]
+struct Replica {
+    #[command(flatten)]
+    b: BackupArgs,
+}
+
+pub fn run(a: Args) -> anyhow::Result<()> {
+    let cfgs = match &a.config {
+        Some(path) => from_file(path, &a.consolidation)?,
+        None => from_flags(&a)?,
+    };
+    distinct(&cfgs)?;
     println!(
         "backup host: {} replicas{}",
         cfgs.len(),
-        if pool.is_some() {
-            format!(
+        match cfgs.first().and_then(|c| c.consolidate.as_ref()) {
+            Some(c) => format!(
                 ", consolidated in one pool (NRU clock {} s)",
-                a.consolidation.clock_s
-            )
-        } else {
-            String::new()
+                c.revolution.as_secs_f64()
+            ),
+            None => String::new(),
         }
     );
     let mut running: Vec<_> = cfgs

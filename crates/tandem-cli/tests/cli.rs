@@ -147,3 +147,35 @@ fn vm_descriptions_import_show_and_refuse() {
     assert!(!o.status.success());
     assert!(text(&o).contains("/nonexistent.qcow2"), "{}", text(&o));
 }
+
+#[test]
+fn backup_host_files_are_checked_before_anything_starts() {
+    let d = tempfile::tempdir().unwrap();
+    let run = |name: &str, body: &str| {
+        let p = d.path().join(name);
+        std::fs::write(&p, body).unwrap();
+        let o = tandem(&["backup-host", "--config", p.to_str().unwrap()]);
+        assert!(!o.status.success(), "{name} was accepted");
+        text(&o)
+    };
+    let one = "[[replica]]\nvm_id = 2\nlisten = \"127.0.0.1:1\"\ndir = \"/dev/shm/tandem-t2\"\n";
+    let t = run("twice.toml", &format!("{one}{one}"));
+    assert!(t.contains("VM id 2 is given twice"), "{t}");
+    let t = run(
+        "nodir.toml",
+        "[[replica]]\nvm_id = 3\nlisten = \"127.0.0.1:1\"\n",
+    );
+    assert!(t.contains("listen and dir are required"), "{t}");
+    let t = run("typo.toml", &format!("{one}timeout_ms = 5\n"));
+    assert!(t.contains("timeout_ms"), "{t}");
+    let t = run(
+        "pool.toml",
+        &format!("{one}[replica.consolidate]\nlazy = false\n"),
+    );
+    assert!(t.contains("[consolidate] table"), "{t}");
+    let t = run("empty.toml", "");
+    assert!(t.contains("replica"), "{t}");
+    let o = tandem(&["backup-host"]);
+    assert!(!o.status.success());
+    assert!(text(&o).contains("--config"), "{}", text(&o));
+}

@@ -1,5 +1,6 @@
-//! `tandem backup-host`: one backup process protects two kv guests (each on its own clients'
-//! bridge in its own network namespace) with their mirrors consolidated into one pool. The
+//! `tandem backup-host --config FILE`: one backup process protects two kv guests (each on its
+//! own clients' bridge in its own network namespace) with their mirrors consolidated into one
+//! pool. The
 //! first primary host dies: only its VM fails over, from consolidated memory, and redis
 //! answers there with every acknowledged write; the second stays protected by the same
 //! process, and fails over in turn when its host dies.
@@ -33,13 +34,15 @@ fn vm(id: u64) -> Vm {
     }
 }
 
+/// VM `id`'s `[[replica]]` table in backup-host's TOML file.
 fn replica(id: u64, v: &Vm) -> String {
     format!(
-        "--vm-id {id} --listen {} --dir {} --workload kv --tap-netns {} --disk-mib 32 --timeout-ms 2000 --report {}",
+        "[[replica]]\nvm_id = {id}\nlisten = \"{}\"\ndir = \"{}\"\ntimeout = \"2s\"\nreport = \"{}\"\n\
+         [replica.vm]\nworkload = \"kv\"\n[replica.site]\ntap_netns = \"{}\"\ndisk_mib = 32\n",
         v.addr,
         v.dir.path().join("backup").display(),
+        v.report.display(),
         v.lab.clients,
-        v.report.display()
     )
 }
 
@@ -105,17 +108,15 @@ fn report(v: &Vm) -> serde_json::Value {
 #[test]
 fn one_backup_host_fails_over_each_vm_on_its_own_from_consolidated_memory() {
     let (v1, v2) = (vm(1), vm(2));
-    let (r1, r2) = (replica(1, &v1), replica(2, &v2));
-    let (host, hrx) = spawn(&[
-        "backup-host",
-        "--consolidate",
-        "--clock-s",
-        "1",
-        "--replica",
-        &r1,
-        "--replica",
-        &r2,
-    ]);
+    // The operator's form: one TOML file with both replicas and the pool they share.
+    let file = v1.dir.path().join("host.toml");
+    let toml = format!(
+        "[consolidate]\nrevolution = \"1s\"\n\n{}\n{}",
+        replica(1, &v1),
+        replica(2, &v2)
+    );
+    std::fs::write(&file, toml).unwrap();
+    let (host, hrx) = spawn(&["backup-host", "--config", file.to_str().unwrap()]);
     let mut host = host;
     // Both replicas listen (in either order).
     wait_line(&hrx, "listening on", Duration::from_secs(60));

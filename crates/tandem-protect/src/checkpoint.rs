@@ -22,13 +22,18 @@ use crate::Status;
 use disks::{check_layout, CaptureError, DiskCapture};
 use report::SaveLog;
 
-/// What the saver does.
+/// What the saver does. Plain data: in a configuration file `dir` is required; durations are
+/// written as `"1s"`.
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+#[serde(default, deny_unknown_fields)]
+#[non_exhaustive]
 pub struct SaveConfig {
     /// Store directory (created if missing; an existing store is continued with a new base).
     pub dir: PathBuf,
     /// The VM.
     pub vm: VmSpec,
     /// Take a checkpoint every interval (without it: one checkpoint, then stop).
+    #[serde(with = "humantime_serde")]
     pub interval: Option<Duration>,
     /// Schedule adaptively instead (docs/SCHEDULING.md): for the store, a checkpoint also
     /// comes early when the disks' writes reach the limit; `interval` is then the longest.
@@ -43,7 +48,14 @@ pub struct SaveConfig {
     pub codec: Codec,
     /// Fault injection for the lab's tests: abort the process at this compaction step.
     #[cfg(feature = "fault-hooks")]
+    #[serde(skip)]
     pub fault_compact: Option<tandem_store::store::CrashPoint>,
+}
+
+impl Default for SaveConfig {
+    fn default() -> Self {
+        SaveConfig::new("", VmSpec::default())
+    }
 }
 
 impl SaveConfig {

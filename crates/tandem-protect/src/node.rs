@@ -23,11 +23,21 @@ use crate::primary::{self, Ended, PrimaryConfig, PrimaryError, Resumed};
 use crate::Status;
 
 /// Both roles of one node.
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+#[non_exhaustive]
 pub struct NodeConfig {
     /// The primary role (its `backup` is the peer's listen address).
     pub primary: PrimaryConfig,
     /// The backup role (its `listen` is this node's address; `dir` a tmpfs).
     pub backup: BackupConfig,
+}
+
+impl NodeConfig {
+    /// A node with these two roles.
+    pub fn new(primary: PrimaryConfig, backup: BackupConfig) -> Self {
+        NodeConfig { primary, backup }
+    }
 }
 
 /// The role a node starts in.

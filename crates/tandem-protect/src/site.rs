@@ -11,7 +11,9 @@ use tandem_net::{Policy, Relay, RelayStats};
 use tandem_vm::{Boot, MirrorHealth, MirrorSlice, NicNet, VmConfig};
 
 /// How a side attaches its guest's network and data disk.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+#[serde(default, deny_unknown_fields)]
+#[non_exhaustive]
 pub struct SiteConfig {
     /// Network namespace holding the clients' bridge. The guest's NIC then goes through
     /// tandem's relay and a tap on that bridge, and its output is held until acknowledged

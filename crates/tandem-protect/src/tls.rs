@@ -17,7 +17,8 @@ use rustls::{ClientConfig, RootCertStore, ServerConfig};
 use crate::conn::Conn;
 
 /// The PEM files of one side.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct TlsFiles {
     /// CA certificate(s) the peer's certificate must chain to.
     pub ca: PathBuf,

@@ -9,7 +9,9 @@ use tandem_vm::{DirtyMode, GuestImage, Vm, VmConfig, VmError};
 use crate::vmfile::{VmFile, VmFileError};
 
 /// What the daemons need to start a guest.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+#[serde(default, deny_unknown_fields)]
+#[non_exhaustive]
 pub struct VmSpec {
     /// Guest workload: idle, memtouch, compile, sqlite, kv or disk.
     pub workload: String,
@@ -89,6 +91,14 @@ impl VmSpec {
             accel: "tcg".into(),
             image: None,
             vm_config: None,
+        }
+    }
+
+    /// The VM a description file describes (docs/VM_DESCRIPTION.md).
+    pub fn described(path: impl Into<PathBuf>) -> Self {
+        VmSpec {
+            vm_config: Some(path.into()),
+            ..VmSpec::default()
         }
     }
 

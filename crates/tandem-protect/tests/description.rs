@@ -21,10 +21,7 @@ fn described(dir: &Path, body: &str) -> VmSpec {
     q.resize(1 << 16, 0);
     std::fs::write(dir.join("web.qcow2"), q).unwrap();
     std::fs::write(dir.join("vm.toml"), body).unwrap();
-    VmSpec {
-        vm_config: Some(dir.join("vm.toml")),
-        ..VmSpec::default()
-    }
+    VmSpec::described(dir.join("vm.toml"))
 }
 
 /// A network namespace for a bridged NIC to name (removed again on drop).
@@ -103,10 +100,7 @@ netns = "NETNS"
     // Shown and read back, it is the same VM.
     let shown = VmFile::from_config(&c).to_toml();
     std::fs::write(d.path().join("again.toml"), &shown).unwrap();
-    let again = VmSpec {
-        vm_config: Some(d.path().join("again.toml")),
-        ..VmSpec::default()
-    };
+    let again = VmSpec::described(d.path().join("again.toml"));
     let c2 = again.config("t").unwrap();
     assert_eq!(
         (c2.disks, c2.nics, c2.boot),

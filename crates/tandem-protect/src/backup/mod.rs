@@ -31,7 +31,11 @@ use failover::{failover, run_resumed, send, Loss};
 use keeper::Keeper;
 use standby::Standby;
 
-/// What the backup daemon runs.
+/// What the backup daemon runs. Plain data: in a configuration file `listen` and `dir` are
+/// required, the rest optional; durations are written as `"500ms"`.
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+#[serde(default, deny_unknown_fields)]
+#[non_exhaustive]
 pub struct BackupConfig {
     /// Address to listen on (host:port).
     pub listen: String,
@@ -42,10 +46,12 @@ pub struct BackupConfig {
     /// This side's relay and data disk.
     pub site: SiteConfig,
     /// Fail over when the primary has been silent this long.
+    #[serde(with = "humantime_serde")]
     pub timeout: Duration,
     /// Fail over when the primary's epochs have not advanced for this long although it still
     /// sends heartbeats (a primary stuck in QEMU); also how long a primary whose frame was
     /// refused has to reconnect. Default: 3 × `timeout`.
+    #[serde(with = "humantime_serde")]
     pub stall: Option<Duration>,
     /// Write a JSON report of the failover here.
     pub report: Option<PathBuf>,
@@ -59,22 +65,53 @@ pub struct BackupConfig {
     /// The control socket `tandem status` asks (default: in /run/tandem).
     pub control: Option<PathBuf>,
     /// Mutual TLS on the replication link (only primaries with a certificate of its CA).
-    pub tls: Option<std::sync::Arc<rustls::ServerConfig>>,
+    pub tls: Option<crate::tls::TlsFiles>,
     /// Keep the mirror's cold pages consolidated (shared, patched, compressed; seed 001).
     pub consolidate: Option<Consolidate>,
 }
 
 /// How a backup consolidates its mirror (docs/CONSOLIDATION.md).
-#[derive(Clone)]
+#[derive(Clone, serde::Serialize, serde::Deserialize)]
+#[serde(default, deny_unknown_fields)]
+#[non_exhaustive]
 pub struct Consolidate {
-    /// The pool of page contents, shared by every replica this process keeps.
+    /// The pool of page contents, shared by every replica this process keeps (not part of a
+    /// configuration file: each backup gets its own, `backup-host` one for all its replicas).
+    #[serde(skip)]
     pub pool: std::sync::Arc<std::sync::Mutex<tandem_consolidate::Pool>>,
     /// Time for the NRU clock to go once round the mirror (seed 001: scans at least 4 s
     /// apart).
+    #[serde(with = "humantime_serde")]
     pub revolution: Duration,
     /// At failover, resume the guest at once and serve its pages on demand (userfaultfd in
     /// the standby), instead of restoring every consolidated page first.
     pub lazy: bool,
+}
+
+impl std::fmt::Debug for Consolidate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Consolidate")
+            .field("revolution", &self.revolution)
+            .field("lazy", &self.lazy)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Default for Consolidate {
+    /// Seed 001's clock (a revolution in 4 s) and lazy restore, in a pool of its own.
+    fn default() -> Self {
+        Consolidate {
+            pool: Default::default(),
+            revolution: Duration::from_secs(4),
+            lazy: true,
+        }
+    }
+}
+
+impl Default for BackupConfig {
+    fn default() -> Self {
+        BackupConfig::new("", "", VmSpec::default())
+    }
 }
 
 impl BackupConfig {
@@ -110,6 +147,12 @@ pub enum BackupError {
     /// A file or socket of the backup could not be set up.
     #[error("{0}")]
     Io(String, #[source] std::io::Error),
+    /// The listen address or the directory is missing.
+    #[error("a backup needs a listen address (host:port) and a directory for its mirror")]
+    Incomplete,
+    /// The TLS files are unusable.
+    #[error("TLS for primaries")]
+    Tls(#[from] crate::tls::TlsError),
     /// The RAM mirror could not be created.
     #[error("creating the RAM mirror")]
     Mirror(#[source] tandem_vm::ram::RamError),
@@ -363,9 +406,16 @@ fn in_memory_fs(dir: &std::path::Path) -> bool {
 pub fn listen(cfg: &BackupConfig, status: &Status) -> Result<Listener, BackupError> {
     let tcp_listener =
         TcpListener::bind(&cfg.listen).map_err(io(format!("listening on {}", cfg.listen)))?;
+    if cfg.listen.is_empty() || cfg.dir.as_os_str().is_empty() {
+        return Err(BackupError::Incomplete);
+    }
     let gate = gate::Admission {
         vm_id: cfg.vm_id,
-        tls: cfg.tls.clone(),
+        tls: cfg
+            .tls
+            .as_ref()
+            .map(crate::tls::server_config)
+            .transpose()?,
     };
     Ok(Listener(gate::start(tcp_listener, gate, status.clone())))
 }

@@ -34,7 +34,11 @@ use finish::finish;
 use session::{Daemon, End};
 use watchdog::Watchdog;
 
-/// What the primary daemon runs.
+/// What the primary daemon runs. Plain data: in a configuration file every field is
+/// optional but `backup` and durations are written as `"100ms"`.
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+#[serde(default, deny_unknown_fields)]
+#[non_exhaustive]
 pub struct PrimaryConfig {
     /// Backup address (host:port).
     pub backup: String,
@@ -45,6 +49,7 @@ pub struct PrimaryConfig {
     /// Directory for the data disk and sockets (default: a temporary directory).
     pub dir: Option<PathBuf>,
     /// Epoch length (with `adaptive`, its longest wait is the epoch length instead).
+    #[serde(with = "humantime_serde")]
     pub epoch: Duration,
     /// Schedule checkpoints adaptively (seed 002, docs/SCHEDULING.md) instead of every `epoch`.
     pub adaptive: Option<tandem_vm::schedule::AdaptiveConfig>,
@@ -52,6 +57,7 @@ pub struct PrimaryConfig {
     /// (default; docs/VM_LAB.md, "The fast path"); false: always through `migrate`.
     pub fast_devstate: bool,
     /// For benchmarks: end protection and shut the guest down after this long.
+    #[serde(with = "humantime_serde")]
     pub duration: Option<Duration>,
     /// Memory codec.
     pub codec: Codec,
@@ -65,12 +71,15 @@ pub struct PrimaryConfig {
     /// Identifier of the protected VM (the backup refuses frames of any other).
     pub vm_id: u64,
     /// Send a heartbeat when nothing else was sent for this long.
+    #[serde(with = "humantime_serde")]
     pub heartbeat: Duration,
     /// The backup is lost when an epoch stays unacknowledged this long (also the socket's
     /// TCP_USER_TIMEOUT); output stays held and the primary reconnects.
+    #[serde(with = "humantime_serde")]
     pub ack_timeout: Duration,
     /// Kill QEMU when the main loop makes no progress for this long (default: the larger of
     /// 3 s and 20 epochs).
+    #[serde(with = "humantime_serde")]
     pub stall: Option<Duration>,
     /// Append one JSON line per acknowledged epoch to this file.
     pub metrics_jsonl: Option<PathBuf>,
@@ -78,6 +87,7 @@ pub struct PrimaryConfig {
     pub metrics_listen: Option<String>,
     /// Faults the primary injects into itself (the lab's tests only).
     #[cfg(feature = "fault-hooks")]
+    #[serde(skip)]
     pub faults: crate::faults::Faults,
     /// Fence with the VM's ownership record in etcd (docs/FENCING.md); `None`: no fencing
     /// (the backup cannot tell a partition from a dead host, and output stays held without a
@@ -85,12 +95,26 @@ pub struct PrimaryConfig {
     pub fence: Option<tandem_fence::FenceConfig>,
     /// The control socket `tandem status` asks (default: in /run/tandem).
     pub control: Option<PathBuf>,
-    /// Mutual TLS on the replication link: the configuration and the name the backup's
-    /// certificate must carry.
-    pub tls: Option<(
-        Arc<rustls::ClientConfig>,
-        rustls::pki_types::ServerName<'static>,
-    )>,
+    /// Mutual TLS on the replication link (the files are read at each connection, so renewed
+    /// certificates take effect at the next one).
+    pub tls: Option<ClientTls>,
+}
+
+/// The primary's side of mutual TLS.
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClientTls {
+    /// The CA, certificate and key files.
+    #[serde(flatten)]
+    pub files: crate::tls::TlsFiles,
+    /// The name the backup's certificate must carry (default: the host of `backup`).
+    pub server_name: Option<String>,
+}
+
+impl Default for PrimaryConfig {
+    fn default() -> Self {
+        PrimaryConfig::new("", VmSpec::default())
+    }
 }
 
 impl PrimaryConfig {
@@ -165,6 +189,12 @@ pub enum PrimaryError {
     /// The ownership record names another node.
     #[error("etcd's ownership record says the VM is {0}: this copy was stopped and its held output discarded")]
     FencedBy(String),
+    /// No backup address was given.
+    #[error("no backup address: give the backup's host:port")]
+    NoBackup,
+    /// The TLS files are unusable.
+    #[error("TLS to the backup")]
+    Tls(#[from] crate::tls::TlsError),
 }
 
 /// How the primary ended without an error.
@@ -227,6 +257,12 @@ pub fn run(cfg: PrimaryConfig, status: Status) -> Result<(), PrimaryError> {
 
 /// Boots the guest and protects it, reporting through `fe`.
 pub fn run_in(cfg: &PrimaryConfig, fe: &Frontend, status: Status) -> Result<Ended, PrimaryError> {
+    if cfg.backup.is_empty() {
+        return Err(PrimaryError::NoBackup);
+    }
+    if let Some(t) = &cfg.tls {
+        client_tls(t, &cfg.backup)?;
+    }
     let mut vmc = cfg.vm.config("primary")?;
     let tmp;
     let dir = match &cfg.dir {
@@ -576,8 +612,11 @@ fn wait_for_backup(d: &mut Daemon<'_>, vm: &mut Vm) -> Result<Option<Conn>, Prim
         let conn = link::connect_once(addr, Duration::from_secs(1))
             .map_err(|e| crate::chain(&e))
             .and_then(|tcp| match &d.opts.tls {
-                Some((c, name)) => {
-                    crate::tls::connect(tcp, c, name.clone(), Duration::from_secs(5))
+                Some(t) => {
+                    client_tls(t, addr)
+                        .and_then(|(c, name)| {
+                            crate::tls::connect(tcp, &c, name, Duration::from_secs(5))
+                        })
                         .map_err(|e| crate::chain(&e))
                         .and_then(|conn| {
                             let vm = d.opts.vm_id;
@@ -607,4 +646,22 @@ fn wait_for_backup(d: &mut Daemon<'_>, vm: &mut Vm) -> Result<Option<Conn>, Prim
             }
         }
     }
+}
+
+/// The rustls configuration and server name of `t` for the backup at `addr` (read from the
+/// files now).
+fn client_tls(
+    t: &ClientTls,
+    addr: &str,
+) -> Result<
+    (
+        Arc<rustls::ClientConfig>,
+        rustls::pki_types::ServerName<'static>,
+    ),
+    crate::tls::TlsError,
+> {
+    Ok((
+        crate::tls::client_config(&t.files)?,
+        crate::tls::server_name(addr, t.server_name.as_deref())?,
+    ))
 }

@@ -338,10 +338,7 @@ fn save_booted(dir: &Path, image_stamp: &str) -> anyhow::Result<()> {
     };
     let mut cfg = tandem_protect::checkpoint::SaveConfig::new(
         booted.clone(),
-        tandem_protect::vmspec::VmSpec {
-            vm_config: Some(desc.clone()),
-            ..Default::default()
-        },
+        tandem_protect::vmspec::VmSpec::described(desc.clone()),
     );
     cfg.count = Some(1);
     let r = tandem_protect::checkpoint::save(cfg, status);
