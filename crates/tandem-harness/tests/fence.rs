@@ -8,14 +8,7 @@ use std::time::{Duration, Instant};
 
 use tandem_fence::{Fence, FenceConfig, FenceError, Refusal, State};
 use tandem_harness::etcd_cluster::{Cluster, Member, Proxy, ProxyMode};
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
+use tandem_test_support::free_port;
 
 fn cluster(dir: &std::path::Path) -> Cluster {
     let members = (1..=3)

@@ -1,16 +1,13 @@
 //! The `kv` guest (2 vCPUs) under stock QEMU: checkpoint, kill, restore in a fresh QEMU; redis's data
 //! and the console counter continue from the checkpoint. Needs the guest image
-//! (`tandem setup`).
+//! (`./tandem setup`).
 
 use std::time::Duration;
 
 use tandem_harness::kv::{wait_for_server, KvClient};
+use tandem_test_support::free_port;
 use tandem_vm::devstate::Method;
 use tandem_vm::{DirtyMode, Vm, VmConfig};
-
-fn free_port() -> u16 {
-    tandem_protect::vmspec::free_port().unwrap()
-}
 
 fn boot(workload: &str, dirty: DirtyMode) -> Vm {
     let mut cfg = VmConfig::new(&format!("test-{workload}"), workload);

@@ -49,10 +49,11 @@ pub fn unix_ms() -> u64 {
         .unwrap_or(0)
 }
 
-/// Echoes the guest's workload progress lines (`sqlite txns=N`, `compile objs=N`,
-/// `disk mbps=X`) from its
-/// serial console as `guest: ...` status lines, for benchmarks and operators.
-pub fn echo_guest_progress(serial: std::path::PathBuf, status: Status) {
+/// Echoes from the guest's serial console what its kernel says about its clocks and stalls
+/// (a clock that jumped after a resume, timers that do not fire: `guest kernel: ...` warnings)
+/// and the lab guest's workload progress lines (`sqlite txns=N`, `compile objs=N`,
+/// `disk mbps=X`: `guest: ...`).
+pub(crate) fn echo_guest_progress(serial: std::path::PathBuf, status: Status) {
     std::thread::spawn(move || {
         let mut console = tandem_vm::console::Console::new(&serial);
         let mut done = 0;

@@ -188,8 +188,8 @@ impl VmSpec {
     }
 }
 
-/// A free local TCP port (bound and released).
-pub fn free_port() -> std::io::Result<u16> {
+/// A free local TCP port (bound and released), for the lab guest's forwarded redis port.
+fn free_port() -> std::io::Result<u16> {
     let l = std::net::TcpListener::bind("127.0.0.1:0")?;
     Ok(l.local_addr()?.port())
 }

@@ -4,15 +4,8 @@
 use std::collections::HashSet;
 use std::time::Duration;
 
+use tandem_test_support::free_port;
 use tandem_vm::{DirtyMode, Vm, VmConfig, PAGE_SIZE};
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
 
 fn boot(workload: &str, dirty: DirtyMode) -> Vm {
     let mut cfg = VmConfig::new(&format!("test-{workload}"), workload);

@@ -147,14 +147,8 @@ pub fn guest_redis(ns: &str, reply: Duration) -> tandem_harness::kv::KvClient {
     }
 }
 
-/// A TCP port on 127.0.0.1 that was free a moment ago.
-pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
+#[allow(unused_imports)] // each test binary uses its own part
+pub use tandem_test_support::free_port;
 
 /// `tandem status --json` with `args` (e.g. `--socket P`), the run directory `run` if given.
 pub fn status_json(
