@@ -52,13 +52,17 @@ pub fn unix_ms() -> u64 {
 /// Echoes from the guest's serial console what its kernel says about its clocks and stalls
 /// (a clock that jumped after a resume, timers that do not fire: `guest kernel: ...` warnings)
 /// and the lab guest's workload progress lines (`sqlite txns=N`, `compile objs=N`,
-/// `disk mbps=X`: `guest: ...`).
+/// `disk mbps=X`: `guest: ...`). The thread ends with the VM.
 pub(crate) fn echo_guest_progress(serial: std::path::PathBuf, status: Status) {
     std::thread::spawn(move || {
         let mut console = tandem_vm::console::Console::new(&serial);
         let mut done = 0;
         loop {
             std::thread::sleep(std::time::Duration::from_millis(250));
+            // The VM's runtime directory goes with the VM: then so does this thread.
+            if !serial.exists() {
+                return;
+            }
             let Ok(text) = console.poll() else { continue };
             let complete = text.rfind('\n').map_or(0, |i| i + 1);
             for line in text[done.min(complete)..complete].lines() {
