@@ -16,11 +16,11 @@ use tandem_store::{Meta, Outcome, Saver, Store, StoreError};
 use tandem_vm::epoch::{run_pipeline, Checkpoint, Pending};
 use tandem_vm::{EpochSink, Vm, VmError, PAGE_SIZE};
 
-use crate::stats::quantile;
 use crate::vmspec::{boot, BootError, VmSpec, VmSpecError};
 use crate::Status;
 use disks::{check_layout, CaptureError, DiskCapture};
 use report::SaveLog;
+use tandem_types::stats::quantile;
 
 /// What the saver does. Plain data: in a configuration file `dir` is required; durations are
 /// written as `"1s"`.

@@ -7,9 +7,9 @@ use serde::Serialize;
 use tandem_vm::epoch::{run_pipeline, Checkpoint, Fixed};
 use tandem_vm::{EpochSink, VmError, PAGE_SIZE};
 
-use crate::stats::{mean, quantile};
 use crate::vmspec::{boot, BootError, VmSpec, VmSpecError};
 use crate::Status;
+use tandem_types::stats::{mean, quantile};
 
 /// What to watch.
 pub struct WatchConfig {

@@ -8,6 +8,7 @@
 use serde::{Deserialize, Serialize};
 
 pub mod framing;
+pub mod stats;
 
 /// Size of a guest page in bytes (x86-64 base pages; dirty logs, codecs and formats work in
 /// these units).

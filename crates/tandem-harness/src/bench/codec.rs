@@ -9,7 +9,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 use tandem_codec::{decode, Codec, Config, Encoder, Plan};
 
-use tandem_protect::stats::{mean, quantile};
+use tandem_types::stats::{mean, quantile};
 
 #[derive(Serialize, Clone)]
 pub struct CodecRow {

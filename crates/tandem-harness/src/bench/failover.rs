@@ -14,7 +14,7 @@ use serde::Serialize;
 use crate::demo::etcdlab::EtcdLab;
 use crate::demo::fault::Fault;
 use crate::demo::round::{self, Opts, RoundResult};
-use tandem_protect::stats::quantile;
+use tandem_types::stats::quantile;
 
 #[derive(Serialize)]
 struct Row {

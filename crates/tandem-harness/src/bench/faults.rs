@@ -233,7 +233,7 @@ fn by_fault(rounds: &[RoundResult]) -> BTreeMap<String, Kind> {
         }
     }
     for k in by_fault.values_mut() {
-        k.fault_to_running_ms_p50 = tandem_protect::stats::quantile(&k.times, 0.5);
+        k.fault_to_running_ms_p50 = tandem_types::stats::quantile(&k.times, 0.5);
     }
     by_fault
 }
@@ -281,7 +281,7 @@ impl Report {
             resyncs: sum(&|r| r.resyncs),
             leftovers: rounds.iter().flat_map(|r| r.leftovers.clone()).collect(),
             errors,
-            kill_to_running_ms_p50: tandem_protect::stats::quantile(&kill, 0.5),
+            kill_to_running_ms_p50: tandem_types::stats::quantile(&kill, 0.5),
             rounds_detail: rounds,
         }
     }

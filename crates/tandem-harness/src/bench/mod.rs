@@ -20,7 +20,7 @@ use tandem_vm::epoch::{run_epochs, Fixed};
 use tandem_vm::{DirtyLog, HashLog, Vm};
 
 use crate::boot;
-use tandem_protect::stats::{mean, quantile};
+use tandem_types::stats::{mean, quantile};
 
 /// `tandem bench` flags.
 #[derive(clap::Args)]

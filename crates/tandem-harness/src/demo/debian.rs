@@ -18,7 +18,7 @@ use crate::netlab::{BACKUP_IP, GUEST_IP};
 use anyhow::bail;
 use indicatif::ProgressBar;
 use serde::Serialize;
-use tandem_protect::stats::quantile;
+use tandem_types::stats::quantile;
 
 use super::capture::Capture;
 use super::daemon::{qemu_pid, Daemon};

@@ -30,7 +30,7 @@ use anyhow::{bail, Context};
 use serde::Serialize;
 
 use round::{Opts, RoundResult};
-use tandem_protect::stats::quantile;
+use tandem_types::stats::quantile;
 
 /// `tandem demo` flags.
 #[derive(clap::Args)]

@@ -16,7 +16,7 @@ use super::daemon::{qemu_pid, rate, Daemon};
 use super::fault;
 use super::round::{Epochs, Opts, RoundResult, MIB};
 use super::steps::{common, leftovers, Pair};
-use tandem_protect::stats::quantile;
+use tandem_types::stats::quantile;
 
 /// What every phase of a round shares: the round, its options and its files.
 pub struct RoundCtx<'a> {

@@ -403,7 +403,7 @@ fn in_memory_fs(dir: &std::path::Path) -> bool {
 }
 
 /// Binds the listen port and starts vetting connections on it.
-pub fn listen(cfg: &BackupConfig, status: &Status) -> Result<Listener, BackupError> {
+pub(crate) fn listen(cfg: &BackupConfig, status: &Status) -> Result<Listener, BackupError> {
     let tcp_listener =
         TcpListener::bind(&cfg.listen).map_err(io(format!("listening on {}", cfg.listen)))?;
     if cfg.listen.is_empty() || cfg.dir.as_os_str().is_empty() {
@@ -421,7 +421,7 @@ pub fn listen(cfg: &BackupConfig, status: &Status) -> Result<Listener, BackupErr
 }
 
 /// The backup's listen port: vetted connections of primaries for its VM.
-pub struct Listener(Receiver<gate::Vetted>);
+pub(crate) struct Listener(Receiver<gate::Vetted>);
 
 impl Listener {
     /// Answers every primary that connects within `wait`: `Some((vm, epoch, session))` tells
@@ -485,7 +485,7 @@ pub fn run(cfg: BackupConfig, status: Status) -> Result<(), BackupError> {
 /// Serves as the backup on `listener`, reporting through `fe`. Without `reprotect` it runs
 /// the guest after a failover until told to stop (`None`); with it, it returns the resumed
 /// guest for this node to protect in turn (its standby was started with a dirty log).
-pub fn serve(
+pub(crate) fn serve(
     cfg: &BackupConfig,
     fe: &crate::frontend::Frontend,
     listener: &Listener,

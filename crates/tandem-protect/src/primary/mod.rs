@@ -199,7 +199,7 @@ pub enum PrimaryError {
 
 /// How the primary ended without an error.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Ended {
+pub(crate) enum Ended {
     /// Replication ended (a handover on SIGTERM, a shutdown, the duration): the daemon exits.
     Stopped,
     /// A planned switchover (`tandem switchover`): the backup resumes the guest from `epoch`
@@ -214,7 +214,7 @@ pub enum Ended {
 
 /// A guest that already runs on this node: the backup role resumed it (failover or
 /// switchover) and this node protects it in turn.
-pub struct Resumed {
+pub(crate) struct Resumed {
     /// The resumed QEMU (started as the standby, with its dirty log armed).
     pub vm: Vm,
     /// The backup's relay, disk copy and captures.
@@ -256,7 +256,11 @@ pub fn run(cfg: PrimaryConfig, status: Status) -> Result<(), PrimaryError> {
 }
 
 /// Boots the guest and protects it, reporting through `fe`.
-pub fn run_in(cfg: &PrimaryConfig, fe: &Frontend, status: Status) -> Result<Ended, PrimaryError> {
+pub(crate) fn run_in(
+    cfg: &PrimaryConfig,
+    fe: &Frontend,
+    status: Status,
+) -> Result<Ended, PrimaryError> {
     if cfg.backup.is_empty() {
         return Err(PrimaryError::NoBackup);
     }
@@ -320,7 +324,7 @@ pub fn run_in(cfg: &PrimaryConfig, fe: &Frontend, status: Status) -> Result<Ende
 /// Protects a guest the backup role resumed on this node: its disks are captured again, its
 /// output (passing since the resume) is recorded in etcd as unprotected, and the next backup
 /// that connects gets a full copy while the guest runs.
-pub fn run_resumed(
+pub(crate) fn run_resumed(
     cfg: &PrimaryConfig,
     fe: &Frontend,
     r: Resumed,

@@ -9,8 +9,8 @@ use anyhow::Context;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 use tandem_harness::recorder::RecordConfig;
-use tandem_protect::stats::quantile;
 use tandem_trace::{Timing, TraceHeader};
+use tandem_types::stats::quantile;
 
 use tandem_args::VmArgs;
 use tandem_harness::kv_load;
