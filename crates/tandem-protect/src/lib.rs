@@ -51,15 +51,16 @@ pub fn unix_ms() -> u64 {
 /// Echoes from the guest's serial console what its kernel says about its clocks and stalls
 /// (a clock that jumped after a resume, timers that do not fire: `guest kernel: ...` warnings)
 /// and the lab guest's workload progress lines (`sqlite txns=N`, `compile objs=N`,
-/// `disk mbps=X`: `guest: ...`). The thread ends with the VM.
-pub(crate) fn echo_guest_progress(serial: std::path::PathBuf, status: Status) {
+/// `disk mbps=X`: `guest: ...`), and what it says when it breaks (a panic, an oops, the
+/// OOM killer). The thread ends with the VM's QEMU (`pid`).
+pub(crate) fn echo_guest_progress(serial: std::path::PathBuf, pid: u32, status: Status) {
     std::thread::spawn(move || {
         let mut console = tandem_vm::console::Console::new(&serial);
         let mut done = 0;
+        let alive = std::path::PathBuf::from(format!("/proc/{pid}"));
         loop {
             std::thread::sleep(std::time::Duration::from_millis(250));
-            // The VM's runtime directory goes with the VM: then so does this thread.
-            if !serial.exists() {
+            if !alive.exists() {
                 return;
             }
             let Ok(text) = console.poll() else { continue };
@@ -73,12 +74,19 @@ pub(crate) fn echo_guest_progress(serial: std::path::PathBuf, status: Status) {
                     "rcu: INFO",
                     "soft lockup",
                     "hung_task",
+                    "Kernel panic",
+                    "BUG:",
+                    "Oops",
+                    "general protection fault",
+                    "Out of memory",
+                    "segfault",
                 ]
                 .iter()
                 .any(|k| line.contains(k))
                 {
                     // What the guest kernel says about its clocks and stalls matters after a
-                    // resume (a clock that jumped, timers that do not fire).
+                    // resume (a clock that jumped, timers that do not fire), and so does a
+                    // guest that breaks.
                     status.warn(format!("guest kernel: {}", line.trim()));
                 }
             }

@@ -63,6 +63,10 @@ pub struct VmConfig {
     /// userfaultfd missing faults, so that a failover can resume the guest before its RAM is
     /// complete and serve the pages it touches ([`crate::Vm::lazy_ram`]).
     pub lazy_ram: bool,
+    /// Where the guest's serial console goes (default: the VM's runtime directory, removed
+    /// with the VM). Daemons put it in their working directory, so that what a guest said
+    /// before it died or hung is still there afterwards.
+    pub console: Option<PathBuf>,
 }
 
 impl VmConfig {
@@ -128,6 +132,7 @@ impl VmConfig {
             fast_devstate: true,
             legacy_virtio: false,
             lazy_ram: false,
+            console: None,
         }
     }
 

@@ -192,7 +192,13 @@ impl Vm {
         let incoming = !matches!(ram, RamSource::Fresh);
         let mode = dirty_mode(config.dirty);
         let qmp_path = runtime.path().join("qmp.sock");
-        let serial = runtime.path().join("serial.log");
+        let serial = config
+            .console
+            .clone()
+            .unwrap_or_else(|| runtime.path().join("serial.log"));
+        // A console file kept from an earlier guest must not be read as this one's (its
+        // ready marker above all).
+        let _ = fs::remove_file(&serial);
         let status = runtime.path().join("uffd.status");
         let log = fs::File::create(runtime.path().join("qemu.log"))?;
         let mut cmd = Command::new(&config.qemu);
@@ -373,7 +379,10 @@ impl Vm {
 
     /// Path of the guest's serial console log.
     pub fn serial_path(&self) -> PathBuf {
-        self.runtime.path().join("serial.log")
+        self.config
+            .console
+            .clone()
+            .unwrap_or_else(|| self.runtime.path().join("serial.log"))
     }
 
     /// Path QEMU was given for the shared RAM file. A fresh or copied file is unlinked once

@@ -503,6 +503,8 @@ pub(crate) fn serve(
         vmc.lazy_ram = cfg.consolidate.as_ref().is_some_and(|c| c.lazy);
     }
     std::fs::create_dir_all(&cfg.dir).map_err(io(format!("creating {}", cfg.dir.display())))?;
+    // The standby's console, which is the guest's after a failover.
+    vmc.console = Some(cfg.dir.join("guest-console.log"));
     let site = Site::prepare(&cfg.site, &cfg.dir, Role::Backup, &mut vmc)?;
     let mirror_path = cfg.dir.join("mirror.ram");
     if !in_memory_fs(&cfg.dir) {

@@ -284,6 +284,7 @@ pub(crate) fn run_in(
             tmp.path().to_path_buf()
         }
     };
+    vmc.console = Some(dir.join("guest-console.log"));
     let site = Site::prepare(&cfg.site, &dir, Role::Primary, &mut vmc)?;
     // The ownership record before the guest runs: no second copy may ever boot next to
     // another.
@@ -311,7 +312,7 @@ pub(crate) fn run_in(
         },
         site.disk.as_ref().map_or(0, |d| d.size() >> 20)
     ));
-    crate::echo_guest_progress(vm.serial_path(), status.clone());
+    crate::echo_guest_progress(vm.serial_path(), vm.pid(), status.clone());
     let guest = Guest {
         vm,
         fencing,
