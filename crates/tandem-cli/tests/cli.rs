@@ -61,7 +61,7 @@ fn doctor_fails_clearly_without_prerequisites() {
         .unwrap();
     assert_eq!(o.status.code(), Some(1));
     assert!(
-        text(&o).contains("guest image") && text(&o).contains("run `tandem setup`"),
+        text(&o).contains("guest image") && text(&o).contains("run `./tandem setup`"),
         "{}",
         text(&o)
     );
@@ -178,4 +178,19 @@ fn backup_host_files_are_checked_before_anything_starts() {
     let o = tandem(&["backup-host"]);
     assert!(!o.status.success());
     assert!(text(&o).contains("--config"), "{}", text(&o));
+}
+
+#[test]
+fn bad_arguments_are_usage_errors() {
+    let o = tandem(&[
+        "primary",
+        "--backup",
+        "127.0.0.1:1",
+        "--encoder-threads",
+        "0",
+    ]);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert!(text(&o).contains("--encoder-threads"), "{}", text(&o));
+    let o = tandem(&["backup", "--listen", "not-an-address"]);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
 }
