@@ -15,9 +15,11 @@ use tandem_vm::DirtyMode;
 /// The VM a command starts.
 #[derive(clap::Args, Clone, Debug)]
 pub struct VmArgs {
-    /// Guest workload: idle, memtouch, compile, sqlite, kv or disk.
-    #[arg(long, default_value = "kv")]
-    pub workload: String,
+    /// VM description file (TOML, docs/VM_DESCRIPTION.md): how the VM boots, its disks and
+    /// NICs; its keys (mem, vcpus, ...) override the flags. `tandem vm import` writes one
+    /// from a libvirt domain.
+    #[arg(long)]
+    pub vm_config: Option<PathBuf>,
     /// Guest RAM in MiB.
     #[arg(long, default_value_t = 256)]
     pub mem: u64,
@@ -33,45 +35,36 @@ pub struct VmArgs {
     /// Accelerator: tcg (works everywhere) or kvm.
     #[arg(long, default_value = "tcg")]
     pub accel: String,
-    /// Guest image directory (default: the cache that `tandem setup` fills).
-    #[arg(long)]
-    pub image: Option<PathBuf>,
-    /// VM description file (TOML, docs/VM_DESCRIPTION.md): the lab guest's keys (workload,
-    /// mem, vcpus, ...) override the flags; [boot], [[disk]] and [[nic]] describe your own VM.
-    #[arg(long)]
-    pub vm_config: Option<PathBuf>,
 }
 
 impl VmArgs {
-    /// The defaults for `workload` at `mem` MiB (what the flags default to).
-    pub fn for_workload(workload: &str, mem: u64) -> Self {
-        let s = VmSpec::for_workload(workload, mem);
+    /// The VM described in `vm_config`, with the flags' defaults at `mem` MiB.
+    pub fn described(vm_config: PathBuf, mem: u64) -> Self {
+        let s = VmSpec::default();
         VmArgs {
-            workload: s.workload,
-            mem: s.mem,
+            vm_config: Some(vm_config),
+            mem,
             vcpus: s.vcpus,
             dirty_log: s.dirty_log,
             qemu: s.qemu,
             accel: s.accel,
-            image: s.image,
-            vm_config: s.vm_config,
         }
     }
 
     /// The library's VM description.
     pub fn spec(&self) -> VmSpec {
-        let mut s = VmSpec::for_workload(&self.workload, self.mem);
+        let mut s = VmSpec::default();
+        s.mem = self.mem;
         s.vcpus = self.vcpus;
         s.dirty_log = self.dirty_log;
         s.qemu = self.qemu.clone();
         s.accel = self.accel.clone();
-        s.image = self.image.clone();
         s.vm_config = self.vm_config.clone();
         s
     }
 }
 
-/// Where the guest's NIC and data disk go.
+/// Where the guest's NIC goes.
 #[derive(clap::Args, Clone, Debug)]
 pub struct SiteArgs {
     /// Network namespace holding the clients' bridge. The guest's NIC then goes through
@@ -85,12 +78,10 @@ pub struct SiteArgs {
     /// Tap device name (default: tdp0 on the primary, tdb0 on the backup).
     #[arg(long)]
     pub tap: Option<String>,
-    /// Guest address on the bridge (CIDR).
+    /// Guest address on the bridge (CIDR), for a guest that takes it on its kernel command
+    /// line (the description's `[boot] address_arg`).
     #[arg(long, default_value = "10.77.0.2/24")]
     pub guest_ip: String,
-    /// Data disk served by tandem's NBD server, in MiB (0 = none). Both sides must agree.
-    #[arg(long, default_value_t = 64)]
-    pub disk_mib: u64,
 }
 
 impl SiteArgs {
@@ -101,7 +92,6 @@ impl SiteArgs {
         s.bridge = self.bridge.clone();
         s.tap = self.tap.clone();
         s.guest_ip = self.guest_ip.clone();
-        s.disk_mib = self.disk_mib;
         s
     }
 }

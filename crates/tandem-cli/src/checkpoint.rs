@@ -197,14 +197,13 @@ fn restore(a: RestoreArgs) -> anyhow::Result<()> {
     let store = open(&a.dir)?;
     let (vm, summary) =
         tandem_protect::restorer::restore(&store, a.id, &a.vm.spec(), a.disk_out.as_deref())?;
-    let tick = summary.guest_tick_after_resume;
     if a.json {
         println!("{}", serde_json::to_string_pretty(&summary)?);
     } else {
         println!(
-            "restored checkpoint {} in {:.0} ms (rebuilt through {} record(s) in {:.0} ms, RAM checksum verified; QEMU start {:.0} ms; device state + cont {:.0} ms); the guest runs{}",
+            "restored checkpoint {} in {:.0} ms (rebuilt through {} record(s) in {:.0} ms, RAM checksum verified; QEMU start {:.0} ms; device state + cont {:.0} ms); QEMU says the guest is {}",
             a.id, summary.total_ms, summary.chain_records, summary.rebuild_ms, summary.qemu_start_ms, summary.resume_ms,
-            tick.map(|t| format!(" (console tick {t})")).unwrap_or_default()
+            summary.status_after_resume
         );
         if let Some(d) = &summary.disk_image {
             println!(

@@ -27,7 +27,7 @@ pub struct Args {
     pub config: Option<std::path::PathBuf>,
     /// One protected VM: its `tandem backup` flags as one shell-quoted string (repeat for each
     /// VM), e.g. --replica "--vm-id 2 --listen 10.0.0.2:7002 --dir /dev/shm/tandem-vm2
-    /// --workload kv".
+    /// --vm-config /etc/tandem/vm2.toml".
     #[arg(long = "replica", allow_hyphen_values = true)]
     pub replicas: Vec<String>,
     #[command(flatten)]

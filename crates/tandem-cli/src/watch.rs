@@ -30,8 +30,11 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         duration: Duration::from_secs(a.duration),
     };
     eprintln!(
-        "tandem watch: booting a {} MiB Linux guest under QEMU ({}) running `{}`...",
-        a.vm.mem, a.vm.accel, a.vm.workload
+        "tandem watch: booting the VM of {} under QEMU ({})...",
+        a.vm.vm_config
+            .as_deref()
+            .map_or_else(|| "(none)".into(), |p| p.display().to_string()),
+        a.vm.accel
     );
     let s = watch(&cfg, &crate::daemons::stderr(""), &mut |l| {
         eprint!(
@@ -51,7 +54,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     } else {
         let c = s.pause_ms_median_components;
         println!(
-            "summary: {} epochs of {} ms on a {} MiB, {}-vCPU `{}` guest (dirty log {})",
+            "summary: {} epochs of {} ms on a {} MiB, {}-vCPU guest `{}` (dirty log {})",
             s.epochs, a.epoch_ms, s.mem_mib, s.vcpus, s.workload, s.dirty_log
         );
         println!(

@@ -69,11 +69,56 @@ pub fn product_exe() -> anyhow::Result<std::path::PathBuf> {
     )
 }
 
+/// The lab guest running `workload` in `mem` MiB, for code that drives `tandem_vm::Vm`
+/// directly; the `kv` guest's redis is forwarded from a free local port ([`kv_port`]).
+pub fn lab_config(name: &str, workload: &str, mem: u64) -> anyhow::Result<VmConfig> {
+    tandem_labguest::check_workload(workload)?;
+    let image = tandem_labguest::GuestImage::default();
+    image.check()?;
+    let mut c = if workload == "kv" {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")?
+            .local_addr()?
+            .port();
+        tandem_labguest::config_forwarding(name, workload, &image, port, 6379)
+    } else {
+        tandem_labguest::config(name, workload, &image)
+    };
+    c.mem_mib = mem;
+    Ok(c)
+}
+
+/// The local port forwarded to the guest's redis (6379), if any.
+pub fn kv_port(cfg: &VmConfig) -> Option<u16> {
+    cfg.nics.iter().find_map(|n| match &n.net {
+        tandem_vm::NicNet::User { forwards } => forwards.iter().find_map(|f| {
+            let (host, guest) = f.split_once('-')?;
+            (guest == ":6379").then(|| host.rsplit(':').next()?.parse().ok())?
+        }),
+        _ => None,
+    })
+}
+
+/// Writes the lab guest's description for `workload` (with a scratch data disk of
+/// `scratch_disk_mib` MiB for the daemons to serve; 0: none) into `dir`, for the product's
+/// `--vm-config`.
+pub fn lab_description(
+    dir: &std::path::Path,
+    workload: &str,
+    scratch_disk_mib: u64,
+) -> anyhow::Result<std::path::PathBuf> {
+    Ok(tandem_labguest::write_description(
+        dir,
+        workload,
+        &tandem_labguest::GuestImage::default(),
+        scratch_disk_mib,
+    )?)
+}
+
 /// The lab's host-side load: a redis client writing keys while the `kv` guest runs with
 /// user networking (its port forwarded); no load for other workloads.
 pub fn kv_load() -> StartLoad {
     Arc::new(|cfg: &VmConfig| {
-        let Some(port) = cfg.kv_port else {
+        let Some(port) = kv_port(cfg) else {
             return Ok(None);
         };
         kv::wait_for_server(port, Duration::from_secs(60))

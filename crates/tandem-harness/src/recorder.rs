@@ -10,16 +10,16 @@ use std::time::Duration;
 
 use tandem_trace::{EpochRecord, TraceError, TraceHeader, TraceWriter};
 use tandem_vm::epoch::{run_pipeline, Checkpoint, Fixed};
-use tandem_vm::{EpochSink, Guest, VmError, PAGE_SIZE};
+use tandem_vm::{EpochSink, Guest, VmConfig, VmError, PAGE_SIZE};
 
-use tandem_protect::vmspec::{boot, BootError, VmSpec, VmSpecError};
+use tandem_protect::vmspec::{boot, BootError};
 
 use crate::StartLoad;
 
 /// What to record.
 pub struct RecordConfig {
     /// The VM.
-    pub vm: VmSpec,
+    pub vm: VmConfig,
     /// Epoch length.
     pub epoch: Duration,
     /// How long to record.
@@ -55,9 +55,6 @@ pub enum RecordError {
     /// Zero epoch length or duration.
     #[error("the epoch length and the duration must be positive")]
     Zero,
-    /// The VM description is unusable.
-    #[error(transparent)]
-    Spec(#[from] VmSpecError),
     /// The guest did not come up.
     #[error(transparent)]
     Boot(#[from] BootError),
@@ -91,7 +88,7 @@ pub fn record(
     if cfg.epoch.is_zero() || cfg.duration.is_zero() {
         return Err(RecordError::Zero);
     }
-    let vmc = cfg.vm.config("record")?;
+    let vmc = cfg.vm.clone();
     let (mut vm, ready) = boot(&vmc)?;
     let load = match &cfg.load {
         Some(start) => start(&vmc).map_err(RecordError::Load)?,
@@ -102,7 +99,7 @@ pub fn record(
         mem_bytes: vmc.mem_mib << 20,
         epoch_ms: cfg.epoch.as_millis().min(u32::MAX as u128) as u32,
         meta: serde_json::json!({
-            "workload": vmc.workload_name(),
+            "workload": vmc.label(),
             "dirty_log": vm.dirty_log_name(),
             "accel": vmc.accel,
             "qemu": format!("{}.{}.{}", vm.qmp.version.0, vm.qmp.version.1, vm.qmp.version.2),
@@ -160,7 +157,7 @@ pub fn record(
     std::fs::rename(&tmp, &cfg.output).map_err(file_err(format!("renaming {}", tmp.display())))?;
     vm.quit();
     Ok(Recorded {
-        workload: vmc.workload_name().to_string(),
+        workload: vmc.label().to_string(),
         epochs,
         dirty_pages,
         pauses_ms,

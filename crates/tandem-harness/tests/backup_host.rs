@@ -17,6 +17,7 @@ struct Vm {
     addr: String,
     dir: tempfile::TempDir,
     report: std::path::PathBuf,
+    desc: String,
 }
 
 fn vm(id: u64) -> Vm {
@@ -30,6 +31,7 @@ fn vm(id: u64) -> Vm {
         lab,
         addr: format!("127.0.0.1:{}", free_port()),
         report: dir.path().join("failover.json"),
+        desc: common::lab_vm("kv", 32),
         dir,
     }
 }
@@ -38,10 +40,11 @@ fn vm(id: u64) -> Vm {
 fn replica(id: u64, v: &Vm) -> String {
     format!(
         "[[replica]]\nvm_id = {id}\nlisten = \"{}\"\ndir = \"{}\"\ntimeout = \"2s\"\nreport = \"{}\"\n\
-         [replica.vm]\nworkload = \"kv\"\n[replica.site]\ntap_netns = \"{}\"\ndisk_mib = 32\n",
+         [replica.vm]\nvm_config = \"{}\"\n[replica.site]\ntap_netns = \"{}\"\n",
         v.addr,
         v.dir.path().join("backup").display(),
         v.report.display(),
+        v.desc,
         v.lab.clients,
     )
 }
@@ -55,12 +58,10 @@ fn primary(id: u64, v: &Vm) -> (common::Proc, Receiver<String>, u32) {
         &id,
         "--backup",
         &v.addr,
-        "--workload",
-        "kv",
+        "--vm-config",
+        &v.desc,
         "--tap-netns",
         &v.lab.clients,
-        "--disk-mib",
-        "32",
     ]);
     let qemu = number_after(
         &wait_line(&rx, "QEMU pid", Duration::from_secs(180)),

@@ -15,7 +15,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 fn debian_dir() -> PathBuf {
-    let d = tandem_vm::image::debian_dir();
+    let d = tandem_labguest::debian_dir();
     assert!(
         d.join("booted/index").is_file(),
         "the Debian test VM and its booted checkpoint are missing: run `tandem setup --debian` (./tandem test does)"

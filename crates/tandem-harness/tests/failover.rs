@@ -10,10 +10,10 @@ use std::time::Duration;
 
 use common::{number_after, spawn, wait_line};
 
-/// Starts `tandem backup` for `workload` on a free port with its mirror in a fresh /dev/shm
+/// Starts `tandem backup` for the VM described in `vm` on a free port with its mirror in a fresh /dev/shm
 /// directory, and waits until it listens. Returns the child, its output, address and directory.
 fn start_backup(
-    workload: &str,
+    vm: &str,
     timeout_ms: u64,
     extra: &[&str],
 ) -> (common::Proc, Receiver<String>, String, tempfile::TempDir) {
@@ -31,8 +31,8 @@ fn start_backup(
         &addr,
         "--dir",
         dir.path().to_str().unwrap(),
-        "--workload",
-        workload,
+        "--vm-config",
+        vm,
         "--timeout-ms",
         &timeout,
     ];
@@ -50,14 +50,13 @@ fn primary_killed_backup_resumes_the_guest() {
             .expect("network lab (this test needs root)");
     let run = tempfile::tempdir().unwrap();
     let (bsock, psock) = (run.path().join("b.sock"), run.path().join("p.sock"));
+    let vm = common::lab_vm("kv", 32);
     let (mut backup, brx, addr, dir) = start_backup(
-        "kv",
+        &vm,
         2000,
         &[
             "--tap-netns",
             &lab.clients,
-            "--disk-mib",
-            "32",
             "--control",
             bsock.to_str().unwrap(),
         ],
@@ -74,12 +73,10 @@ fn primary_killed_backup_resumes_the_guest() {
         "127.0.0.1:0",
         "--backup",
         &addr,
-        "--workload",
-        "kv",
+        "--vm-config",
+        &vm,
         "--tap-netns",
         &lab.clients,
-        "--disk-mib",
-        "32",
         "--control",
         psock.to_str().unwrap(),
     ]);

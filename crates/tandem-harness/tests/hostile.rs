@@ -92,9 +92,10 @@ fn hostile(tls: bool) {
     }
     let listen = format!("127.0.0.1:{}", free_port());
     let bdir = dir.path().join("b");
+    let vm = common::lab_vm("idle", 64);
     let mut bargs: Vec<&str> = vec!["backup", "--listen", &listen, "--dir"];
     bargs.push(bdir.to_str().unwrap());
-    bargs.extend(["--workload", "idle", "--vm-id", "7", "--timeout-ms", "3000"]);
+    bargs.extend(["--vm-config", &vm, "--vm-id", "7", "--timeout-ms", "3000"]);
     bargs.extend(tls_args.iter().map(String::as_str));
     let (mut backup, brx) = spawn(&bargs);
     wait_line(&brx, "listening on", Duration::from_secs(60));
@@ -163,7 +164,7 @@ fn hostile(tls: bool) {
     // The real primary connects while the lorises hold their connections.
     let proxy = Proxy::start(listen.clone());
     let mut pargs: Vec<&str> = vec!["primary", "--backup", &proxy.addr];
-    pargs.extend(["--workload", "idle", "--vm-id", "7"]);
+    pargs.extend(["--vm-config", &vm, "--vm-id", "7"]);
     pargs.extend(tls_args.iter().map(String::as_str));
     if tls {
         pargs.extend(["--tls-server-name", "127.0.0.1"]);

@@ -33,14 +33,15 @@ fn backup(
     vm: &str,
 ) -> (Proc, std::sync::mpsc::Receiver<String>) {
     let bdir = dir.join("b");
+    let desc = common::lab_vm("idle", 64);
     let mut args = vec![
         "backup",
         "--listen",
         listen,
         "--dir",
         bdir.to_str().unwrap(),
-        "--workload",
-        "idle",
+        "--vm-config",
+        &desc,
         "--timeout-ms",
         "500",
         "--vm-id",
@@ -59,12 +60,13 @@ fn primary(
     etcd: Option<&str>,
     vm: &str,
 ) -> (Proc, std::sync::mpsc::Receiver<String>) {
+    let desc = common::lab_vm("idle", 64);
     let mut args = vec![
         "primary",
         "--backup",
         listen,
-        "--workload",
-        "idle",
+        "--vm-config",
+        &desc,
         "--vm-id",
         vm,
     ];
@@ -178,13 +180,14 @@ fn a_takeover_survives_a_lost_reply_and_the_old_primary_never_boots_again() {
     // Finding 2: the old primary, restarted (a unit's Restart=), must not boot the
     // pre-failover image next to the guest the backup runs: refused, exit status 3.
     let t = Instant::now();
+    let desc = common::lab_vm("idle", 64);
     let out = std::process::Command::new(tandem_harness::product_exe().unwrap())
         .args([
             "primary",
             "--backup",
             &listen,
-            "--workload",
-            "idle",
+            "--vm-config",
+            &desc,
             "--vm-id",
             "5",
             "--etcd",

@@ -10,8 +10,9 @@ use std::time::Duration;
 use common::free_port;
 use tandem_codec::{Codec, Config};
 use tandem_harness::kv::wait_for_server;
+use tandem_harness::{kv_port, lab_config};
 use tandem_replication::{Applied, Backup, EpochInput, Frame, Primary};
-use tandem_vm::{DirtyMode, Guest, MirrorFile, Vm, VmConfig};
+use tandem_vm::{DirtyMode, Guest, MirrorFile, NicNet, Vm};
 
 /// Ships a frame through the wire format (as the link would) into the backup.
 fn ship(bk: &mut Backup<MirrorFile>, f: Frame) -> Applied {
@@ -24,12 +25,11 @@ fn ship(bk: &mut Backup<MirrorFile>, f: Frame) -> Applied {
 #[test]
 fn mirror_matches_primary_and_standby_takes_over() {
     const VM_ID: u64 = 42;
-    let mut cfg = VmConfig::new("repl-primary", "kv");
+    let mut cfg = lab_config("repl-primary", "kv", 256).unwrap();
     cfg.dirty = DirtyMode::Uffd;
-    cfg.kv_port = Some(free_port());
     let mut primary = Vm::launch(&cfg).unwrap();
     primary.wait_ready(Duration::from_secs(120)).unwrap();
-    let mut client = wait_for_server(cfg.kv_port.unwrap(), Duration::from_secs(60)).unwrap();
+    let mut client = wait_for_server(kv_port(&cfg).unwrap(), Duration::from_secs(60)).unwrap();
 
     let dir = tempfile::tempdir_in("/dev/shm").unwrap();
     let mirror_path = dir.path().join("mirror.ram");
@@ -41,7 +41,9 @@ fn mirror_matches_primary_and_standby_takes_over() {
     let mut standby_cfg = cfg.clone();
     standby_cfg.name = "repl-standby".into();
     standby_cfg.dirty = DirtyMode::None;
-    standby_cfg.kv_port = Some(free_port());
+    standby_cfg.nics[0].net = NicNet::User {
+        forwards: vec![format!("tcp:127.0.0.1:{}-:6379", free_port())],
+    };
     let mut standby = Vm::standby(&standby_cfg, &mirror_path).unwrap();
 
     // Initial copy, taken while stopped, with the dirty log reset in the same pause; frames
@@ -89,7 +91,7 @@ fn mirror_matches_primary_and_standby_takes_over() {
         "mirror differs from the primary at epoch {epochs}"
     );
     primary.console.poll().unwrap();
-    let tick = primary.console.last_tick().unwrap();
+    let tick = tandem_labguest::last_tick(&primary.console).unwrap();
 
     // Host failure: the primary's QEMU dies; the standby resumes from the committed epoch.
     primary.kill();
@@ -97,7 +99,7 @@ fn mirror_matches_primary_and_standby_takes_over() {
     let state = backup.device_state().to_vec();
     drop(backup);
     standby.resume(&state).unwrap();
-    let first = standby.console.wait_tick(Duration::from_secs(30)).unwrap();
+    let first = tandem_labguest::wait_tick(&mut standby.console, Duration::from_secs(30)).unwrap();
     assert!(
         first >= tick,
         "standby restarted the guest: tick {first} after checkpoint tick {tick}"
@@ -106,7 +108,7 @@ fn mirror_matches_primary_and_standby_takes_over() {
         !standby.console.text().contains("Linux version"),
         "guest rebooted"
     );
-    let mut c = wait_for_server(standby_cfg.kv_port.unwrap(), Duration::from_secs(60)).unwrap();
+    let mut c = wait_for_server(kv_port(&standby_cfg).unwrap(), Duration::from_secs(60)).unwrap();
     assert_eq!(
         c.get(b"committed").unwrap().as_deref(),
         Some(&b"before-failover"[..])

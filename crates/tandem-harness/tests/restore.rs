@@ -5,18 +5,16 @@
 use std::time::Duration;
 
 use tandem_harness::kv::{wait_for_server, KvClient};
+use tandem_harness::{kv_port, lab_config};
 use tandem_test_support::free_port;
 use tandem_vm::devstate::Method;
-use tandem_vm::{DirtyMode, Vm, VmConfig};
+use tandem_vm::{DirtyMode, NicNet, Vm};
 
 fn boot(workload: &str, dirty: DirtyMode) -> Vm {
-    let mut cfg = VmConfig::new(&format!("test-{workload}"), workload);
+    let mut cfg = lab_config(&format!("test-{workload}"), workload, 256).unwrap();
     cfg.dirty = dirty;
     // Two vCPUs: the checkpoint carries both CPUs' state and the restored guest runs on both.
     cfg.vcpus = 2;
-    if workload == "kv" {
-        cfg.kv_port = Some(free_port());
-    }
     let mut vm = Vm::launch(&cfg).unwrap_or_else(|e| panic!("launch {workload}: {e}"));
     vm.wait_ready(Duration::from_secs(120))
         .unwrap_or_else(|e| panic!("{workload} not ready: {e}"));
@@ -40,7 +38,7 @@ fn restore_continues_from_a_fast_device_state() {
 
 fn checkpoint_kill_restore(captures: usize, method: Method) {
     let mut vm = boot("kv", DirtyMode::None);
-    let port = vm.config().kv_port.unwrap();
+    let port = kv_port(vm.config()).unwrap();
     let mut c = wait_for_server(port, Duration::from_secs(60)).unwrap();
     let mut state = Vec::new();
     for _ in 1..captures {
@@ -63,7 +61,8 @@ fn checkpoint_kill_restore(captures: usize, method: Method) {
     let image = tempfile::NamedTempFile::new_in("/dev/shm").unwrap();
     vm.save_ram(image.path()).unwrap();
     vm.console.poll().unwrap();
-    let tick_at_checkpoint = vm.console.last_tick().expect("guest printed no tick");
+    let tick_at_checkpoint =
+        tandem_labguest::last_tick(&vm.console).expect("guest printed no tick");
     vm.cont().unwrap();
     c.set(b"after", b"checkpoint").unwrap();
     std::thread::sleep(Duration::from_secs(2));
@@ -72,11 +71,13 @@ fn checkpoint_kill_restore(captures: usize, method: Method) {
     let mut cfg = vm.config().clone();
     drop(vm);
 
-    cfg.kv_port = Some(free_port());
+    cfg.nics[0].net = NicNet::User {
+        forwards: vec![format!("tcp:127.0.0.1:{}-:6379", free_port())],
+    };
     let mut restored = Vm::restore(&cfg, image.path(), &state).unwrap();
     assert_eq!(restored.qmp.status().unwrap(), "paused");
     restored.cont().unwrap();
-    let first = restored.console.wait_tick(Duration::from_secs(30)).unwrap();
+    let first = tandem_labguest::wait_tick(&mut restored.console, Duration::from_secs(30)).unwrap();
     assert!(
         first == tick_at_checkpoint + 1 || first == tick_at_checkpoint,
         "console counter restarted: checkpoint at tick {tick_at_checkpoint}, restored guest printed tick {first}"
@@ -85,7 +86,7 @@ fn checkpoint_kill_restore(captures: usize, method: Method) {
         !restored.console.text().contains("Linux version"),
         "guest rebooted"
     );
-    let mut c = wait_for_server(cfg.kv_port.unwrap(), Duration::from_secs(60)).unwrap();
+    let mut c = wait_for_server(kv_port(&cfg).unwrap(), Duration::from_secs(60)).unwrap();
     assert_eq!(
         c.get(b"before").unwrap().as_deref(),
         Some(&b"checkpoint"[..])

@@ -22,19 +22,18 @@ struct Lab {
     adir: tempfile::TempDir,
     bdir: tempfile::TempDir,
     _run: tempfile::TempDir,
+    vm: String,
 }
 
 impl Lab {
     fn common(&self, tap: &str) -> Vec<String> {
         [
-            "--workload",
-            "kv",
+            "--vm-config",
+            &self.vm,
             "--tap-netns",
             &self.lab.clients,
             "--tap",
             tap,
-            "--disk-mib",
-            "32",
         ]
         .map(String::from)
         .to_vec()
@@ -192,6 +191,7 @@ fn switchover_failback_and_reprotection_after_failover() {
         adir: tempfile::tempdir_in("/dev/shm").unwrap(),
         bdir: tempfile::tempdir_in("/dev/shm").unwrap(),
         _run: run,
+        vm: common::lab_vm("kv", 32),
         lab,
     };
     let (mut nb, brx) = l.backup(false);

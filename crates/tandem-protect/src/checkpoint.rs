@@ -241,7 +241,7 @@ pub fn save(cfg: SaveConfig, status: Status) -> Result<SaveSummary, SaveError> {
     let (mut vm, ready) = boot(&vmc)?;
     status.info(format!(
         "guest `{}` ready in {:.1} s; saving into {}",
-        vmc.workload_name(),
+        vmc.label(),
         ready.as_secs_f64(),
         cfg.dir.display()
     ));

@@ -50,10 +50,15 @@ pub fn unix_ms() -> u64 {
 
 /// Echoes from the guest's serial console what its kernel says about its clocks and stalls
 /// (a clock that jumped after a resume, timers that do not fire: `guest kernel: ...` warnings)
-/// and the lab guest's workload progress lines (`sqlite txns=N`, `compile objs=N`,
-/// `disk mbps=X`: `guest: ...`), and what it says when it breaks (a panic, an oops, the
-/// OOM killer). The thread ends with the VM's QEMU (`pid`).
-pub(crate) fn echo_guest_progress(serial: std::path::PathBuf, pid: u32, status: Status) {
+/// and what it says when it breaks (a panic, an oops, the OOM killer), and the lines that
+/// contain one of the description's `echo` strings (`guest: ...`). The thread ends with the
+/// VM's QEMU (`pid`).
+pub(crate) fn echo_guest_console(
+    serial: std::path::PathBuf,
+    pid: u32,
+    echo: Vec<String>,
+    status: Status,
+) {
     std::thread::spawn(move || {
         let mut console = tandem_vm::console::Console::new(&serial);
         let mut done = 0;
@@ -66,7 +71,7 @@ pub(crate) fn echo_guest_progress(serial: std::path::PathBuf, pid: u32, status: 
             let Ok(text) = console.poll() else { continue };
             let complete = text.rfind('\n').map_or(0, |i| i + 1);
             for line in text[done.min(complete)..complete].lines() {
-                if line.contains(" txns=") || line.contains(" objs=") || line.contains(" mbps=") {
+                if echo.iter().any(|e| line.contains(e.as_str())) {
                     status.info(format!("guest: {}", line.trim()));
                 } else if [
                     "clocksource",

@@ -29,8 +29,8 @@ pub struct RestoreSummary {
     pub total_ms: f64,
     /// The rebuilt RAM matched the checkpoint's checksum.
     pub ram_checksum_verified: bool,
-    /// The guest's console tick seen after the resume, if any.
-    pub guest_tick_after_resume: Option<u64>,
+    /// QEMU's run state after the resume (`running`), as QMP `query-status` says.
+    pub status_after_resume: String,
     /// The file holding the restored disks (raw, each disk a slice of it), if any.
     pub disk_image: Option<String>,
     /// Rebuilding the disks.
@@ -165,7 +165,10 @@ pub fn restore(
     vm.resume(&dev).map_err(RestoreError::Resume)?;
     let resumed = r.elapsed();
     let total = td.elapsed();
-    let tick = vm.console.wait_tick(Duration::from_secs(20)).ok();
+    let status = vm
+        .qmp
+        .status()
+        .map_err(|e| RestoreError::Resume(e.into()))?;
     let ms = |d: Duration| d.as_secs_f64() * 1000.0;
     let summary = RestoreSummary {
         id,
@@ -175,7 +178,7 @@ pub fn restore(
         resume_ms: ms(resumed),
         total_ms: ms(total),
         ram_checksum_verified: true,
-        guest_tick_after_resume: tick,
+        status_after_resume: status,
         disk_image: disk_image.map(|p| p.display().to_string()),
         disk_rebuild_ms: ms(disk_rebuild),
     };

@@ -1,5 +1,5 @@
 //! What a primary or backup attaches to its QEMU besides RAM: the network relay (a tap on the
-//! clients' bridge) and the data disk (tandem's NBD server on a unix socket).
+//! clients' bridge) and the scratch data disk (tandem's NBD server on a unix socket).
 
 use std::os::fd::OwnedFd;
 use std::os::unix::net::UnixListener;
@@ -23,10 +23,9 @@ pub struct SiteConfig {
     pub bridge: String,
     /// Tap device name (default: tdp0 on the primary, tdb0 on the backup).
     pub tap: Option<String>,
-    /// Guest address on the bridge (CIDR).
+    /// Guest address on the bridge (CIDR), for a guest that takes it on its kernel command
+    /// line (the description's `[boot] address_arg`).
     pub guest_ip: String,
-    /// Data disk served by tandem's NBD server, in MiB (0 = none). Both sides must agree.
-    pub disk_mib: u64,
 }
 
 impl Default for SiteConfig {
@@ -36,7 +35,6 @@ impl Default for SiteConfig {
             bridge: "br0".into(),
             tap: None,
             guest_ip: "10.77.0.2/24".into(),
-            disk_mib: 64,
         }
     }
 }
@@ -76,7 +74,7 @@ pub enum SiteError {
     #[error("data disk of {0} MiB is too large")]
     DiskSize(u64),
     /// mkfs.ext4 could not run.
-    #[error("running mkfs.ext4 (install e2fsprogs with `./tandem setup`)")]
+    #[error("running mkfs.ext4 (install Debian's e2fsprogs package)")]
     MkfsSpawn(#[source] std::io::Error),
     /// mkfs.ext4 failed.
     #[error("mkfs.ext4 failed: {0}")]
@@ -93,11 +91,11 @@ pub enum SiteError {
 pub struct Site {
     /// The network relays, one per bridged NIC (empty with user networking only).
     pub relays: Relays,
-    /// The data disk (unless `disk_mib` is 0).
+    /// The data disk (when the VM asks for a scratch disk).
     pub disk: Option<Arc<Image>>,
     /// Where the data disk file was created (its name may be removed already).
     pub disk_path: Option<PathBuf>,
-    /// Writable disks of your own VM, as slices of the replica/copy (empty for the lab guest).
+    /// Writable disks of your own VM, as slices of the replica/copy (empty for a VM without writable disks).
     pub mirrors: Vec<MirrorSlice>,
     /// The backup's copy of the writable disks, kept open for the standby.
     _copy: Option<std::fs::File>,
@@ -136,17 +134,17 @@ impl Site {
             return Self::with_capture(relays, dir, role, cfg);
         }
         let nbd_stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
-        // tandem's NBD data disk belongs to the lab guest.
-        let (disk, disk_path) = if a.disk_mib == 0 || cfg.workload.is_none() {
+        let mib = cfg.scratch_disk_mib;
+        let (disk, disk_path) = if mib == 0 {
             (None, None)
         } else {
-            if a.disk_mib > 1 << 20 {
-                return Err(SiteError::DiskSize(a.disk_mib));
+            if mib > 1 << 20 {
+                return Err(SiteError::DiskSize(mib));
             }
             let path = dir.join("disk.img");
             let io = |e| SiteError::Io(format!("creating {}", path.display()), e);
             let f = std::fs::File::create(&path).map_err(io)?;
-            f.set_len(a.disk_mib << 20).map_err(io)?;
+            f.set_len(mib << 20).map_err(io)?;
             drop(f);
             let image = match role {
                 Role::Primary => {
@@ -366,7 +364,7 @@ pub struct Relays(Vec<Arc<Relay>>);
 
 impl Relays {
     /// Turns every bridged NIC of `cfg` into a tap on its bridge with a relay between it and
-    /// QEMU's stream netdev (`--tap-netns` first puts the lab guest's NIC on `a.bridge`).
+    /// QEMU's stream netdev (`--tap-netns` first puts user-networking NICs on `a.bridge`).
     fn attach(
         a: &SiteConfig,
         dir: &Path,
@@ -382,13 +380,10 @@ impl Relays {
                     };
                 }
             }
-            // The lab guest (or a VM booting its kernel) takes its address on the command line.
-            if let Boot::Kernel { cmdline, .. } = &mut cfg.boot {
-                if cmdline.contains("tandem.workload=") {
-                    cmdline.push_str(&format!(" tandem.ip={}", a.guest_ip));
-                }
+            // A guest booting its kernel may take its address on the command line.
+            if let (Boot::Kernel { cmdline, .. }, Some(key)) = (&mut cfg.boot, &cfg.address_arg) {
+                cmdline.push_str(&format!(" {key}={}", a.guest_ip));
             }
-            cfg.kv_port = None;
         }
         let (prefix, policy) = match role {
             Role::Primary => ("tdp", Policy::Hold),

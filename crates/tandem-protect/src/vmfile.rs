@@ -1,7 +1,6 @@
-//! The TOML VM description (docs/VM_DESCRIPTION.md). Two shapes: the lab guest (`workload`
-//! set: kernel, initramfs, apps disk and NIC come from `./tandem setup`'s image) or your own VM
-//! (`[boot]`, `[[disk]]`, `[[nic]]`). Keys shared by both: `mem`, `vcpus`, `machine`,
-//! `extra_args`, `ready`, `dirty_log`, `qemu`, `accel`.
+//! The TOML VM description (docs/VM_DESCRIPTION.md): how the VM boots (`[boot]`), its disks
+//! (`[[disk]]`) and NICs (`[[nic]]`), and `mem`, `vcpus`, `machine`, `extra_args`, `ready`,
+//! `dirty_log`, `qemu`, `accel`, `label`, `legacy_virtio`, `scratch_disk_mib`.
 
 use std::path::{Path, PathBuf};
 
@@ -12,9 +11,9 @@ use tandem_vm::{Boot, DiskBus, DiskDesc, DiskFormat, NicDesc, NicNet, VmConfig};
 #[derive(Debug, Default, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct VmFile {
-    /// The lab guest's workload (the lab guest when set).
+    /// What the guest runs, in a word, for reports.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub workload: Option<String>,
+    pub label: Option<String>,
     /// Guest RAM in MiB.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub mem: Option<u64>,
@@ -27,6 +26,9 @@ pub struct VmFile {
     /// Console text that means the guest is ready.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub ready: Option<String>,
+    /// Console lines containing one of these are echoed by the daemons.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub echo: Vec<String>,
     /// Dirty log (auto, uffd, hash).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub dirty_log: Option<String>,
@@ -36,9 +38,12 @@ pub struct VmFile {
     /// Accelerator.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub accel: Option<String>,
-    /// The lab guest's image directory.
+    /// Legacy-only virtio-pci (smaller device state; the guest needs transitional drivers).
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub image: Option<PathBuf>,
+    pub legacy_virtio: Option<bool>,
+    /// A scratch data disk of this many MiB that tandem creates, formats and serves.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub scratch_disk_mib: Option<u64>,
     /// How it boots.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub boot: Option<BootFile>,
@@ -69,6 +74,9 @@ pub struct BootFile {
     /// Its command line.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub cmdline: Option<String>,
+    /// The command-line key through which the guest takes its address on a bridge.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub address_arg: Option<String>,
 }
 
 /// `[[disk]]`.
@@ -117,9 +125,9 @@ pub struct NicFile {
 /// The description says something that cannot be.
 #[derive(Debug, thiserror::Error)]
 pub enum VmFileError {
-    /// Lab guest keys mixed with your-own-VM keys.
-    #[error("`workload` makes this the lab guest, which brings its own boot, disks and NIC: remove `workload` to describe your own VM, or remove [boot], [[disk]] and [[nic]]")]
-    LabMixed,
+    /// Nothing to boot from.
+    #[error("no [boot] and no [[disk]]: describe how the VM boots (a kernel in [boot], or its boot disk as the first [[disk]])")]
+    NothingToBoot,
     /// A value out of its set.
     #[error("{0}")]
     Invalid(String),
@@ -129,9 +137,9 @@ pub enum VmFileError {
 }
 
 impl VmFile {
-    /// Whether this describes your own VM rather than the lab guest.
-    pub fn is_custom(&self) -> bool {
-        self.workload.is_none() && (self.boot.is_some() || !self.disk.is_empty())
+    /// Whether this describes something to boot (a kernel or a disk).
+    pub fn is_bootable(&self) -> bool {
+        self.boot.is_some() || !self.disk.is_empty()
     }
 
     /// Reads the file; `toml::de::Error` names the line.
@@ -139,21 +147,19 @@ impl VmFile {
         toml::from_str(text)
     }
 
-    /// Your own VM's boot, disks and NICs into `c` (relative paths against `base`).
-    pub fn apply_custom(&self, c: &mut VmConfig, base: &Path) -> Result<(), VmFileError> {
-        if self.workload.is_some()
-            && (self.boot.is_some() || !self.disk.is_empty() || !self.nic.is_empty())
-        {
-            return Err(VmFileError::LabMixed);
+    /// The VM's boot, disks, NICs and the keys tandem acts on into `c` (relative paths
+    /// against `base`).
+    pub fn apply(&self, c: &mut VmConfig, base: &Path) -> Result<(), VmFileError> {
+        if !self.is_bootable() {
+            return Err(VmFileError::NothingToBoot);
         }
-        if !self.is_custom() {
-            if !self.nic.is_empty() {
-                return Err(VmFileError::Invalid(
-                    "[[nic]] without [boot] or [[disk]]: describe the VM's disks (or its kernel) too".into(),
-                ));
-            }
-            return Ok(());
+        c.label = self.label.clone();
+        c.echo = self.echo.clone();
+        if let Some(l) = self.legacy_virtio {
+            c.legacy_virtio = l;
         }
+        c.scratch_disk_mib = self.scratch_disk_mib.unwrap_or(0);
+        c.address_arg = None;
         let abs = |p: &Path| {
             if p.is_absolute() {
                 p.to_path_buf()
@@ -167,11 +173,15 @@ impl VmFile {
                 initrd,
                 cmdline,
                 firmware: None,
-            }) => Boot::Kernel {
-                kernel: abs(k),
-                initrd: initrd.as_deref().map(abs),
-                cmdline: cmdline.clone().unwrap_or_default(),
-            },
+                address_arg,
+            }) => {
+                c.address_arg = address_arg.clone();
+                Boot::Kernel {
+                    kernel: abs(k),
+                    initrd: initrd.as_deref().map(abs),
+                    cmdline: cmdline.clone().unwrap_or_default(),
+                }
+            }
             Some(BootFile {
                 kernel: Some(_),
                 firmware: Some(_),
@@ -181,9 +191,9 @@ impl VmFile {
                     "[boot]: give either `firmware` or `kernel`, not both".into(),
                 ))
             }
-            Some(b) if b.initrd.is_some() || b.cmdline.is_some() => {
+            Some(b) if b.initrd.is_some() || b.cmdline.is_some() || b.address_arg.is_some() => {
                 return Err(VmFileError::Invalid(
-                    "[boot]: `initrd` and `cmdline` need a `kernel` (direct kernel boot)".into(),
+                    "[boot]: `initrd`, `cmdline` and `address_arg` need a `kernel` (direct kernel boot)".into(),
                 ))
             }
             Some(b) => match b.firmware.as_deref() {
@@ -206,6 +216,11 @@ impl VmFile {
             .iter()
             .map(NicFile::desc)
             .collect::<Result<_, _>>()?;
+        if c.scratch_disk_mib > 0 && c.writable_disk().is_some() {
+            return Err(VmFileError::Invalid(
+                "`scratch_disk_mib` with a writable [[disk]]: tandem captures one or the other; make the scratch disk one of your [[disk]]s".into(),
+            ));
+        }
         Ok(())
     }
 }
@@ -282,8 +297,7 @@ impl NicFile {
 }
 
 impl VmFile {
-    /// The description of `c`, as a file that describes the same VM (`tandem vm show`): the
-    /// lab guest comes out as the plain VM it is.
+    /// The description of `c`, as a file that describes the same VM (`tandem vm show`).
     pub fn from_config(c: &VmConfig) -> VmFile {
         let boot = match &c.boot {
             Boot::Firmware => BootFile {
@@ -299,6 +313,7 @@ impl VmFile {
                 kernel: Some(kernel.clone()),
                 initrd: initrd.clone(),
                 cmdline: Some(cmdline.clone()),
+                address_arg: c.address_arg.clone(),
             },
         };
         let disk = c
@@ -350,6 +365,10 @@ impl VmFile {
             disk,
             nic,
             extra_args: c.extra_args.clone(),
+            label: c.label.clone(),
+            echo: c.echo.clone(),
+            legacy_virtio: c.legacy_virtio.then_some(true),
+            scratch_disk_mib: (c.scratch_disk_mib > 0).then_some(c.scratch_disk_mib),
             ..VmFile::default()
         }
     }

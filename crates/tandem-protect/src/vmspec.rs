@@ -1,10 +1,10 @@
-//! The VM a daemon starts: the guest, its memory, dirty log, QEMU binary and accelerator,
-//! optionally read from a TOML description whose keys override the fields.
+//! The VM a daemon starts: its TOML description (docs/VM_DESCRIPTION.md), and the memory, dirty
+//! log, QEMU binary and accelerator, which the description's keys override.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use tandem_vm::{DirtyMode, GuestImage, Vm, VmConfig, VmError};
+use tandem_vm::{DirtyMode, Vm, VmConfig, VmError};
 
 use crate::vmfile::{VmFile, VmFileError};
 
@@ -13,8 +13,6 @@ use crate::vmfile::{VmFile, VmFileError};
 #[serde(default, deny_unknown_fields)]
 #[non_exhaustive]
 pub struct VmSpec {
-    /// Guest workload: idle, memtouch, compile, sqlite, kv or disk.
-    pub workload: String,
     /// Guest RAM in MiB.
     pub mem: u64,
     /// Virtual CPUs.
@@ -25,11 +23,8 @@ pub struct VmSpec {
     pub qemu: PathBuf,
     /// Accelerator (tcg or kvm).
     pub accel: String,
-    /// Guest image directory (default: the cache that `./tandem setup` fills).
-    pub image: Option<PathBuf>,
-    /// VM description file (docs/VM_DESCRIPTION.md); its keys override the fields above,
-    /// and its `[boot]`, `[[disk]]` and `[[nic]]` describe your own VM instead of the lab
-    /// guest.
+    /// VM description file (docs/VM_DESCRIPTION.md): how the VM boots, its disks and NICs;
+    /// its keys override the fields above.
     pub vm_config: Option<PathBuf>,
 }
 
@@ -51,15 +46,12 @@ pub enum VmSpecError {
     /// An unknown dirty-log mode.
     #[error("VM description {0}: {1}")]
     DirtyLog(PathBuf, String),
-    /// An unknown workload or a missing guest image.
-    #[error(transparent)]
-    Image(#[from] tandem_vm::image::ImageError),
+    /// No description given.
+    #[error("no VM to run: describe it in a TOML file (docs/VM_DESCRIPTION.md; `tandem vm import` writes one from a libvirt domain) and give --vm-config FILE")]
+    NoDescription,
     /// Guest memory out of range.
     #[error("guest memory {0} MiB is out of range (16..=65536)")]
     Mem(u64),
-    /// No local port for the guest's forwarded service.
-    #[error("no free local TCP port")]
-    Port(#[source] std::io::Error),
 }
 
 /// The guest did not come up.
@@ -68,32 +60,25 @@ pub enum BootError {
     /// QEMU did not start.
     #[error("starting the guest")]
     Launch(#[source] VmError),
-    /// The workload did not report ready.
-    #[error("waiting for the guest workload")]
+    /// The guest did not say it is ready.
+    #[error("waiting for the guest to be ready")]
     Ready(#[source] VmError),
 }
 
 impl Default for VmSpec {
     fn default() -> Self {
-        VmSpec::for_workload("kv", 256)
-    }
-}
-
-impl VmSpec {
-    /// The defaults for `workload` at `mem` MiB.
-    pub fn for_workload(workload: &str, mem: u64) -> Self {
         VmSpec {
-            workload: workload.into(),
-            mem,
+            mem: 256,
             vcpus: 1,
             dirty_log: DirtyMode::Auto,
             qemu: "qemu-system-x86_64".into(),
             accel: "tcg".into(),
-            image: None,
             vm_config: None,
         }
     }
+}
 
+impl VmSpec {
     /// The VM a description file describes (docs/VM_DESCRIPTION.md).
     pub fn described(path: impl Into<PathBuf>) -> Self {
         VmSpec {
@@ -120,9 +105,6 @@ impl VmSpec {
             return Ok(a);
         };
         let p = self.vm_config.clone().unwrap_or_default();
-        if let Some(v) = f.workload {
-            a.workload = v;
-        }
         if let Some(v) = f.mem {
             a.mem = v;
         }
@@ -138,60 +120,38 @@ impl VmSpec {
         if let Some(v) = f.accel {
             a.accel = v;
         }
-        if f.image.is_some() {
-            a.image = f.image;
-        }
         Ok(a)
     }
 
-    /// The QEMU-level configuration of this VM, named `name` (its runtime directory): the
-    /// lab guest, or the VM the description file describes. Checked before anything starts.
+    /// The QEMU-level configuration of this VM, named `name` (its runtime directory). Checked
+    /// before anything starts.
     pub fn config(&self, name: &str) -> Result<VmConfig, VmSpecError> {
         let r = self.resolved()?;
         if !(16..=65536).contains(&r.mem) {
             return Err(VmSpecError::Mem(r.mem));
         }
-        let file = self.file()?;
-        let custom = file.as_ref().is_some_and(|(f, _)| f.is_custom());
-        let mut c = if custom {
-            VmConfig::custom(name)
-        } else {
-            tandem_vm::image::check_workload(&r.workload)?;
-            let image = r
-                .image
-                .clone()
-                .map_or_else(GuestImage::default_location, |dir| GuestImage { dir });
-            VmConfig::lab(name, &r.workload, image)
+        let Some((f, base)) = self.file()? else {
+            return Err(VmSpecError::NoDescription);
         };
+        let p = self.vm_config.clone().unwrap_or_default();
+        let mut c = VmConfig::custom(name);
         c.mem_mib = r.mem;
         c.vcpus = r.vcpus;
         c.dirty = r.dirty_log;
         c.qemu = r.qemu.clone();
         c.accel = r.accel.clone();
-        if let Some((f, base)) = &file {
-            let p = self.vm_config.clone().unwrap_or_default();
-            f.apply_custom(&mut c, base)
-                .map_err(|e| VmSpecError::File(p.clone(), e))?;
-            if let Some(m) = &f.machine {
-                c.machine = m.clone();
-            }
-            if f.ready.is_some() {
-                c.ready = f.ready.clone();
-            }
-            c.extra_args = f.extra_args.clone();
+        f.apply(&mut c, &base)
+            .map_err(|e| VmSpecError::File(p.clone(), e))?;
+        if let Some(m) = &f.machine {
+            c.machine = m.clone();
         }
+        if f.ready.is_some() {
+            c.ready = f.ready.clone();
+        }
+        c.extra_args = f.extra_args.clone();
         c.check()?;
-        if c.workload.as_deref() == Some("kv") {
-            c.kv_port = Some(free_port().map_err(VmSpecError::Port)?);
-        }
         Ok(c)
     }
-}
-
-/// A free local TCP port (bound and released), for the lab guest's forwarded redis port.
-fn free_port() -> std::io::Result<u16> {
-    let l = std::net::TcpListener::bind("127.0.0.1:0")?;
-    Ok(l.local_addr()?.port())
 }
 
 /// Boots `cfg` and waits for it to be ready. Returns the VM and its boot-to-ready time.

@@ -41,7 +41,7 @@ pub struct Live {
 /// What a watch saw.
 #[derive(Debug, Serialize)]
 pub struct WatchSummary {
-    /// The guest's workload.
+    /// What the guest runs (the description's `label`, `custom` without one).
     pub workload: String,
     /// Guest RAM.
     pub mem_mib: u64,
@@ -49,7 +49,7 @@ pub struct WatchSummary {
     pub vcpus: u32,
     /// The dirty log used.
     pub dirty_log: String,
-    /// Boot to workload ready.
+    /// Boot to ready.
     pub boot_to_ready_ms: u64,
     /// Epochs taken.
     pub epochs: u64,
@@ -114,7 +114,7 @@ pub fn watch(
     let epochs = run_pipeline(&mut vm, &mut Fixed(cfg.epoch), cfg.duration, 1, &mut sink)?;
     let elapsed = sink.start.elapsed().as_secs_f64();
     let s = WatchSummary {
-        workload: vmc.workload_name().to_string(),
+        workload: vmc.label().to_string(),
         mem_mib: vmc.mem_mib,
         vcpus: vmc.vcpus,
         dirty_log: log,

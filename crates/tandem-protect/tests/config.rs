@@ -21,7 +21,9 @@ fn round_trip<T: serde::Serialize + serde::de::DeserializeOwned>(c: &T) {
 
 #[test]
 fn every_config_reads_back_what_it_wrote() {
-    let mut p = PrimaryConfig::new("10.0.0.2:7001", VmSpec::for_workload("sqlite", 512));
+    let mut vm = VmSpec::described("/etc/tandem/db.toml");
+    vm.mem = 512;
+    let mut p = PrimaryConfig::new("10.0.0.2:7001", vm);
     p.adaptive = Some(Default::default());
     p.stall = Some(Duration::from_millis(2500));
     p.fence = Some(tandem_fence::FenceConfig::new(

@@ -82,7 +82,8 @@ netns = "NETNS"
     let c = s.config("t").unwrap();
     assert_eq!((c.mem_mib, c.vcpus, c.machine.as_str()), (512, 1, "pc"));
     assert_eq!(c.boot, Boot::Firmware);
-    assert_eq!(c.workload, None);
+    assert_eq!(c.label(), "custom");
+    assert_eq!(c.scratch_disk_mib, 0);
     assert_eq!(c.ready.as_deref(), Some("login:"));
     assert_eq!(c.disks[0].format, DiskFormat::Qcow2, "detected");
     assert_eq!(c.disks[0].bus, DiskBus::VirtioScsi);
@@ -173,7 +174,13 @@ fn descriptions_that_cannot_be_honoured_are_refused_clearly() {
             "NIC model",
         ),
         (format!("{disk}[boot]\nfirmware = \"ovmf\"\n"), "UEFI"),
-        (format!("workload = \"kv\"\n{disk}"), "lab guest"),
+        (format!("workload = \"kv\"\n{disk}"), "workload"),
+        ("mem = 256\n".to_string(), "no [boot] and no [[disk]]"),
+        (
+            "scratch_disk_mib = 64\n[[disk]]\npath = \"root.raw\"\nformat = \"raw\"\n".to_string(),
+            "scratch_disk_mib",
+        ),
+        (format!("{disk}[boot]\naddress_arg = \"ip\"\n"), "need a `kernel`"),
         (format!("colour = \"blue\"\n{disk}"), "colour"),
         (format!("extra_args = [\"-drive\", \"file=x.img\"]\n{disk}"), "[[disk]]"),
         (format!("extra_args = [\"-netdev\", \"tap,id=t\"]\n{disk}"), "[[nic]]"),
@@ -191,11 +198,50 @@ fn descriptions_that_cannot_be_honoured_are_refused_clearly() {
 }
 
 #[test]
-fn the_lab_guest_is_a_description_too() {
-    let mut s = VmSpec::for_workload("sqlite", 256);
-    s.image = Some("/nonexistent".into());
-    let e = tandem_protect::chain(&s.config("t").unwrap_err());
-    assert!(e.contains("tandem setup"), "{e}");
+fn a_kernel_boot_with_what_tandem_acts_on() {
+    let d = tempfile::tempdir().unwrap();
+    std::fs::write(d.path().join("vmlinuz"), b"k").unwrap();
+    let s = described(
+        d.path(),
+        r#"
+label = "kv"
+ready = "TANDEM-READY"
+echo = [" txns="]
+legacy_virtio = true
+scratch_disk_mib = 64
+[boot]
+kernel = "vmlinuz"
+cmdline = "console=ttyS0 app=kv"
+address_arg = "app.ip"
+[[disk]]
+path = "root.raw"
+readonly = true
+[[nic]]
+mac = "52:54:00:12:34:56"
+"#,
+    );
+    let c = s.config("t").unwrap();
+    assert_eq!(c.label(), "kv");
+    assert_eq!(c.echo, [" txns="]);
+    assert!(c.legacy_virtio);
+    assert_eq!(c.scratch_disk_mib, 64);
+    assert_eq!(c.address_arg.as_deref(), Some("app.ip"));
+    assert!(
+        matches!(&c.boot, Boot::Kernel { kernel, cmdline, .. } if kernel == &d.path().join("vmlinuz") && cmdline == "console=ttyS0 app=kv")
+    );
+    // Shown and read back, it is the same VM.
+    let shown = VmFile::from_config(&c).to_toml();
+    std::fs::write(d.path().join("vm.toml"), &shown).unwrap();
+    let again = VmSpec::described(d.path().join("vm.toml"))
+        .config("t")
+        .unwrap();
+    assert_eq!(format!("{c:?}"), format!("{again:?}"), "{shown}");
+}
+
+#[test]
+fn no_description_no_vm() {
+    let e = tandem_protect::chain(&VmSpec::default().config("t").unwrap_err());
+    assert!(e.contains("--vm-config"), "{e}");
 }
 
 #[test]

@@ -99,17 +99,18 @@ fn a_primary_and_a_backup_in_one_process_fail_over_through_their_handles() {
         .prefix("tandem-embed-")
         .tempdir_in("/dev/shm")
         .unwrap();
-    let vm = VmSpec::for_workload("memtouch", 192);
+    let image = tandem_labguest::GuestImage::default();
+    let desc = tandem_labguest::write_description(dir.path(), "memtouch", &image, 0).unwrap();
+    let mut vm = VmSpec::described(desc);
+    vm.mem = 192;
 
     let mut bc = BackupConfig::new(format!("127.0.0.1:{backup_port}"), dir.path(), vm.clone());
     bc.vm_id = 41;
-    bc.site.disk_mib = 0;
     let b = backup::spawn(bc);
     let link = Link::start(link_port, backup_port);
 
     let mut pc = PrimaryConfig::new(format!("127.0.0.1:{link_port}"), vm);
     pc.vm_id = 41;
-    pc.site.disk_mib = 0;
     pc.ack_timeout = Duration::from_secs(2);
     let p = primary::spawn(pc);
 

@@ -1,16 +1,10 @@
 //! What to run: the VM as described ([`crate::desc`]) plus how tandem runs it (dirty log, QEMU
-//! binary, accelerator). The lab guest built by `./tandem setup` is one such VM
-//! ([`VmConfig::lab`]): direct kernel boot of its kernel and initramfs, its read-only apps disk
-//! and one NIC.
+//! binary, accelerator).
 
 use std::path::PathBuf;
 
-use crate::desc::{self, Boot, DiskBus, DiskDesc, DiskFormat, NicDesc, NicNet};
-use crate::image::{check_workload, GuestImage};
+use crate::desc::{self, Boot, DiskDesc, NicDesc};
 use crate::vm::{DirtyMode, VmError};
-
-/// The lab guest's MAC address.
-pub const LAB_MAC: &str = "52:54:00:12:34:56";
 
 /// What to run.
 #[derive(Debug, Clone)]
@@ -33,22 +27,27 @@ pub struct VmConfig {
     pub extra_args: Vec<String>,
     /// Console text that means the guest is ready (`None`: ready once QEMU runs it).
     pub ready: Option<String>,
-    /// The lab guest's workload (see [`crate::image::WORKLOADS`]); `None` for other VMs.
-    pub workload: Option<String>,
-    /// The lab guest's image (checked with a `./tandem setup` hint before the boot files).
-    pub image: Option<GuestImage>,
+    /// Console lines containing one of these are echoed by the daemons (`guest: ...`), e.g.
+    /// an application's progress lines.
+    pub echo: Vec<String>,
+    /// What the guest runs, in a word, for reports (status, checkpoint metadata); `None`:
+    /// `custom`.
+    pub label: Option<String>,
+    /// With direct kernel boot: the command-line key through which the guest takes its
+    /// address on a bridge (`KEY=ADDR/PREFIX` is appended when its NIC is bridged).
+    pub address_arg: Option<String>,
+    /// A scratch data disk of this many MiB (0: none) that tandem creates, formats (ext4) and
+    /// serves over NBD ([`VmConfig::data_disk`]); its writes are replicated with the epochs.
+    pub scratch_disk_mib: u64,
     /// Dirty-log mode.
     pub dirty: DirtyMode,
     /// QEMU binary.
     pub qemu: PathBuf,
     /// Accelerator (`tcg` here; `kvm` on a real host).
     pub accel: String,
-    /// Host port forwarded to the guest's TCP 6379 on the first user-networking NIC (the lab's
-    /// `kv` workload), if any.
-    pub kv_port: Option<u16>,
     /// Threads for the hash fallback.
     pub hash_threads: usize,
-    /// A writable data disk served over NBD on this unix socket (the lab guest's `/data`).
+    /// The scratch data disk's NBD unix socket (set by the daemon that serves it).
     pub data_disk: Option<PathBuf>,
     /// Capture device state with `xen-save-devices-state` after the first `migrate`
     /// ([`crate::devstate::fast`]); false: always `migrate`.
@@ -57,7 +56,7 @@ pub struct VmConfig {
     /// a modern virtio-pci device saves a 1 024-entry queue-state array with every device
     /// state, ~45 KB of QEMU's slowest serialisation per device; the lab guest (Linux,
     /// transitional drivers) runs legacy and its device state shrinks from ~170 KB to ~35 KB
-    /// (docs/VM_LAB.md, "The fast path").
+    /// (docs/VM_LAB.md, "The fast path"). The description's `legacy_virtio`.
     pub legacy_virtio: bool,
     /// A standby only (with no dirty log): have the preloaded library register guest RAM for
     /// userfaultfd missing faults, so that a failover can resume the guest before its RAM is
@@ -70,43 +69,6 @@ pub struct VmConfig {
 }
 
 impl VmConfig {
-    /// The lab guest running `workload`, from the image in the default cache: 256 MiB, one
-    /// vCPU, TCG, automatic dirty log.
-    pub fn new(name: &str, workload: &str) -> Self {
-        Self::lab(name, workload, GuestImage::default_location())
-    }
-
-    /// The lab guest running `workload` from `image`.
-    pub fn lab(name: &str, workload: &str, image: GuestImage) -> Self {
-        let mut c = Self::custom(name);
-        c.legacy_virtio = true;
-        c.boot = Boot::Kernel {
-            kernel: image.kernel(),
-            initrd: Some(image.initrd()),
-            cmdline: format!("console=ttyS0 quiet panic=-1 tandem.workload={workload}"),
-        };
-        c.disks = vec![DiskDesc {
-            path: image.apps(),
-            format: DiskFormat::Raw,
-            bus: DiskBus::VirtioBlk,
-            cache: None,
-            aio: None,
-            readonly: true,
-            slice: None,
-        }];
-        c.nics = vec![NicDesc {
-            mac: LAB_MAC.into(),
-            model: "virtio-net-pci".into(),
-            net: NicNet::User {
-                forwards: Vec::new(),
-            },
-        }];
-        c.ready = Some("TANDEM-READY".into());
-        c.workload = Some(workload.into());
-        c.image = Some(image);
-        c
-    }
-
     /// A VM with nothing attached yet (firmware boot, 256 MiB, one vCPU, q35).
     pub fn custom(name: &str) -> Self {
         VmConfig {
@@ -119,12 +81,13 @@ impl VmConfig {
             nics: Vec::new(),
             extra_args: Vec::new(),
             ready: None,
-            workload: None,
-            image: None,
+            echo: Vec::new(),
+            label: None,
+            address_arg: None,
+            scratch_disk_mib: 0,
             dirty: DirtyMode::Auto,
             qemu: PathBuf::from("qemu-system-x86_64"),
             accel: "tcg".into(),
-            kv_port: None,
             hash_threads: std::thread::available_parallelism()
                 .map(|n| n.get())
                 .unwrap_or(2),
@@ -136,9 +99,9 @@ impl VmConfig {
         }
     }
 
-    /// The workload's name for reports (`custom` for a VM that is not the lab guest).
-    pub fn workload_name(&self) -> &str {
-        self.workload.as_deref().unwrap_or("custom")
+    /// What the guest runs, for reports (`custom` without a label).
+    pub fn label(&self) -> &str {
+        self.label.as_deref().unwrap_or("custom")
     }
 
     /// The first disk the guest can write, if any (tandem does not capture those yet: see
@@ -149,11 +112,8 @@ impl VmConfig {
 
     /// Checks everything that can be checked before QEMU starts.
     pub fn check(&self) -> Result<(), VmError> {
-        if let Some(w) = &self.workload {
-            check_workload(w)?;
-        }
-        if let Some(i) = &self.image {
-            i.check()?;
+        if self.scratch_disk_mib > 1 << 20 {
+            return Err(VmError::ScratchDisk(self.scratch_disk_mib));
         }
         let host = std::thread::available_parallelism()
             .map(|n| n.get() as u32)

@@ -101,30 +101,4 @@ impl Console {
             std::thread::sleep(Duration::from_millis(20));
         }
     }
-
-    /// Waits for the guest's next `tandem-tick N` line and returns N (after a restore: the
-    /// counter it continues from).
-    pub fn wait_tick(&mut self, timeout: Duration) -> Result<u64, ConsoleError> {
-        let line = self.wait_for("tandem-tick", 0, timeout)?;
-        line.split_whitespace()
-            .nth(1)
-            .and_then(|n| n.parse().ok())
-            .ok_or(ConsoleError::Timeout {
-                needle: "a tandem-tick counter".into(),
-                timeout,
-                tail: line,
-            })
-    }
-
-    /// The highest `tandem-tick N` counter printed so far.
-    pub fn last_tick(&self) -> Option<u64> {
-        self.text.lines().rev().find_map(|l| {
-            l.trim()
-                .strip_prefix("tandem-tick ")?
-                .split_whitespace()
-                .next()?
-                .parse()
-                .ok()
-        })
-    }
 }

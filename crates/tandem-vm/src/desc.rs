@@ -124,7 +124,7 @@ pub fn virtual_size(path: &Path, format: DiskFormat) -> Result<u64, DescError> {
         .arg(path)
         .output()
         .map_err(|source| DescError::File {
-            what: "qemu-img (install qemu-utils with `./tandem setup`) for disk",
+            what: "qemu-img (install Debian's qemu-utils package) for disk",
             path: path.into(),
             source,
         })?;
@@ -147,7 +147,7 @@ pub fn create_overlay(base: &Path, overlay: &Path) -> Result<(), DescError> {
         .arg(overlay)
         .output()
         .map_err(|source| DescError::File {
-            what: "qemu-img (install qemu-utils with `./tandem setup`) for overlay",
+            what: "qemu-img (install Debian's qemu-utils package) for overlay",
             path: overlay.into(),
             source,
         })?;

@@ -115,18 +115,14 @@ fn disks(config: &VmConfig, a: &mut Vec<String>) {
     }
 }
 
-/// `-netdev` + `-device` per NIC. The lab's kv port is forwarded on the first user NIC.
+/// `-netdev` + `-device` per NIC.
 fn nics(config: &VmConfig, a: &mut Vec<String>) {
-    let mut kv = config.kv_port;
     for (i, n) in config.nics.iter().enumerate() {
         let netdev = match &n.net {
             NicNet::User { forwards } => {
                 let mut s = format!("user,id=n{i}");
                 for f in forwards {
                     s.push_str(&format!(",hostfwd={f}"));
-                }
-                if let Some(p) = kv.take() {
-                    s.push_str(&format!(",hostfwd=tcp:127.0.0.1:{p}-10.0.2.15:6379"));
                 }
                 s
             }
@@ -208,15 +204,37 @@ mod tests {
     }
 
     #[test]
-    fn the_lab_guest_is_one_description() {
-        let mut c = VmConfig::new("lab", "kv");
-        c.kv_port = Some(6000);
+    fn a_kernel_boot_with_legacy_virtio() {
+        use crate::desc::{DiskBus, DiskDesc, DiskFormat, NicDesc};
+        let mut c = VmConfig::custom("k");
+        c.legacy_virtio = true;
+        c.boot = Boot::Kernel {
+            kernel: "/img/vmlinuz".into(),
+            initrd: Some("/img/initrd".into()),
+            cmdline: "console=ttyS0 app=kv".into(),
+        };
+        c.disks = vec![DiskDesc {
+            path: "/img/apps.img".into(),
+            format: DiskFormat::Raw,
+            bus: DiskBus::VirtioBlk,
+            cache: None,
+            aio: None,
+            readonly: true,
+            slice: None,
+        }];
+        c.nics = vec![NicDesc {
+            mac: "52:54:00:12:34:56".into(),
+            model: "virtio-net-pci".into(),
+            net: NicNet::User {
+                forwards: vec!["tcp:127.0.0.1:6000-:6379".into()],
+            },
+        }];
         let a = qemu_args(&c, "/r".as_ref(), "/q".as_ref(), "/s".as_ref(), true).join(" ");
         for want in [
             "-smp 1",
-            "tandem.workload=kv",
+            "-kernel /img/vmlinuz -initrd /img/initrd -append console=ttyS0 app=kv",
             "apps.img,format=raw,if=none,id=disk0,readonly=on",
-            "user,id=n0,hostfwd=tcp:127.0.0.1:6000-10.0.2.15:6379",
+            "user,id=n0,hostfwd=tcp:127.0.0.1:6000-:6379",
             "virtio-net-pci,netdev=n0,mac=52:54:00:12:34:56",
             "-incoming defer",
             "-global virtio-pci.disable-modern=on",

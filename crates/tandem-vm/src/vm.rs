@@ -12,7 +12,6 @@ use crate::console::{Console, ConsoleError};
 use crate::desc::DescError;
 use crate::devstate::{self, DeviceStateError};
 use crate::dirty::{probe_pagemap_scan, DirtyLog, DirtyLogError, HashLog, UffdWpLog};
-use crate::image::ImageError;
 use crate::qemu_args::qemu_args;
 use crate::qmp::{Qmp, QmpError};
 use crate::ram::{GuestRam, RamError};
@@ -56,14 +55,14 @@ impl std::str::FromStr for DirtyMode {
 /// Errors launching or driving a VM.
 #[derive(Debug, thiserror::Error)]
 pub enum VmError {
-    /// Guest image or workload problem.
-    #[error(transparent)]
-    Image(#[from] ImageError),
+    /// The scratch data disk is too large.
+    #[error("scratch disk of {0} MiB: at most 1 TiB (1048576 MiB)")]
+    ScratchDisk(u64),
     /// The VM description cannot be honoured.
     #[error(transparent)]
     Desc(#[from] DescError),
     /// QEMU could not be started.
-    #[error("cannot start {0} (install it with `./tandem setup`, package qemu-system-x86)")]
+    #[error("cannot start {0}: install Debian's qemu-system-x86 package, or name the binary with --qemu")]
     Spawn(String, #[source] std::io::Error),
     /// QEMU exited.
     #[error("QEMU exited ({status}); its log:\n{log}")]
@@ -407,7 +406,8 @@ impl Vm {
         self.dirty.as_ref().map(|d| d.name())
     }
 
-    /// Waits for the description's ready marker on the console (the lab guest's `TANDEM-READY`); returns at once for a VM without one.
+    /// Waits for the description's `ready` text on the console; returns at once for a VM
+    /// without one.
     pub fn wait_ready(&mut self, timeout: Duration) -> Result<Duration, VmError> {
         let t = Instant::now();
         if let Some(marker) = self.config.ready.clone() {

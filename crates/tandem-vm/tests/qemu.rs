@@ -1,18 +1,22 @@
-//! Integration tests against stock QEMU and the guest image built by `tandem setup`.
-//! They need the image (`tandem setup`) and `libtandem_preload.so` (`cargo build --workspace`).
+//! Integration tests against stock QEMU and the lab guest built by `./tandem setup`.
+//! They need the image (`./tandem setup`) and `libtandem_preload.so` (`cargo build --workspace`).
 
 use std::collections::HashSet;
 use std::time::Duration;
 
+use tandem_labguest::GuestImage;
 use tandem_test_support::free_port;
-use tandem_vm::{DirtyMode, Vm, VmConfig, PAGE_SIZE};
+use tandem_vm::{DirtyMode, Vm, PAGE_SIZE};
 
 fn boot(workload: &str, dirty: DirtyMode) -> Vm {
-    let mut cfg = VmConfig::new(&format!("test-{workload}"), workload);
+    let name = format!("test-{workload}");
+    let image = GuestImage::default();
+    let mut cfg = if workload == "kv" {
+        tandem_labguest::config_forwarding(&name, workload, &image, free_port(), 6379)
+    } else {
+        tandem_labguest::config(&name, workload, &image)
+    };
     cfg.dirty = dirty;
-    if workload == "kv" {
-        cfg.kv_port = Some(free_port());
-    }
     let mut vm = Vm::launch(&cfg).unwrap_or_else(|e| panic!("launch {workload}: {e}"));
     vm.wait_ready(Duration::from_secs(120))
         .unwrap_or_else(|e| panic!("{workload} not ready: {e}"));

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use tandem_vm::epoch::{run_pipeline, Checkpoint, Pending};
 use tandem_vm::schedule::{Adaptive, AdaptiveConfig};
-use tandem_vm::{DirtyMode, Epoch, EpochSink, Vm, VmConfig, PAGE_SIZE};
+use tandem_vm::{DirtyMode, Epoch, EpochSink, Vm, PAGE_SIZE};
 
 /// Output waits on an unacknowledged checkpoint for `blocked` after each checkpoint, then the
 /// "acknowledgement" arrives; the mirror takes every checkpoint's pages.
@@ -46,7 +46,8 @@ impl EpochSink for Sink {
 
 #[test]
 fn early_suspend_stops_the_guest_and_loses_no_write() {
-    let mut cfg = VmConfig::new("test-suspend", "memtouch");
+    let image = tandem_labguest::GuestImage::default();
+    let mut cfg = tandem_labguest::config("test-suspend", "memtouch", &image);
     cfg.dirty = DirtyMode::Uffd;
     let mut vm = Vm::launch(&cfg).unwrap_or_else(|e| panic!("launch: {e}"));
     vm.wait_ready(Duration::from_secs(120))

@@ -151,14 +151,18 @@ fn one(workloads: &[String], consolidate: bool, seconds: u64, dir: &Path) -> any
     if consolidate {
         args.push("--consolidate".into());
     }
+    let mut descs = Vec::new();
+    for g in &guests {
+        descs.push(crate::lab_description(dir, &g.workload, 32)?);
+    }
     for (i, g) in guests.iter().enumerate() {
         args.push("--replica".into());
         args.push(format!(
-            "--vm-id {} --listen {} --dir {} --workload {} --tap-netns {} --disk-mib 32 --timeout-ms 2000 --report {} --control {}",
+            "--vm-id {} --listen {} --dir {} --vm-config {} --tap-netns {} --timeout-ms 2000 --report {} --control {}",
             i + 1,
             g.addr,
             dir.join(format!("b{i}")).display(),
-            g.workload,
+            descs[i].display(),
             g.lab.clients,
             dir.join(format!("failover{i}.json")).display(),
             dir.join(format!("b{i}.sock")).display(),
@@ -184,14 +188,9 @@ fn one(workloads: &[String], consolidate: bool, seconds: u64, dir: &Path) -> any
                 "--backup",
                 &g.addr,
             ])
-            .args([
-                "--workload",
-                &g.workload,
-                "--tap-netns",
-                &g.lab.clients,
-                "--disk-mib",
-                "32",
-            ])
+            .arg("--vm-config")
+            .arg(&descs[i])
+            .args(["--tap-netns", &g.lab.clients])
             .arg("--control")
             .arg(dir.join(format!("p{i}.sock")))
             .stdout(Stdio::piped())

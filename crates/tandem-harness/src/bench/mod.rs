@@ -405,8 +405,7 @@ struct Lab {
 impl Lab {
     /// Boots workload `w`, measures it at every epoch length of `a` and shuts it down.
     fn workload(&mut self, w: &String, virtio: &str, a: &Args) -> anyhow::Result<()> {
-        let args = tandem_protect::VmSpec::for_workload(w, a.mem);
-        let mut cfg = args.config("bench")?;
+        let mut cfg = crate::lab_config("bench", w, a.mem)?;
         cfg.legacy_virtio = virtio == "legacy";
         eprintln!("bench: booting {w} ({virtio} virtio)...");
         let (mut vm, ready, load) = boot(&cfg)?;

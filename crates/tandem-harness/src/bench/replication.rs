@@ -22,7 +22,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         a.workloads.clone()
     };
     for w in &workloads {
-        tandem_vm::image::check_workload(w)?;
+        tandem_labguest::check_workload(w)?;
     }
     let epochs = if a.epochs_ms.is_empty() {
         vec![25, 100]

@@ -57,7 +57,7 @@ fn f(v: &serde_json::Value, k: &str) -> f64 {
 }
 
 fn qemu_full_save(w: &str, mem: u64, dir: &Path) -> anyhow::Result<(u64, f64)> {
-    let cfg = tandem_protect::VmSpec::for_workload(w, mem).config("fullsave")?;
+    let cfg = crate::lab_config("fullsave", w, mem)?;
     let (mut vm, _, load) = boot(&cfg)?;
     std::thread::sleep(Duration::from_secs(3));
     let t = Instant::now();
@@ -91,6 +91,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
                 .prefix("tandem-storebench-")
                 .tempdir_in("/var/tmp")?;
             let store = tmp.path().join("store");
+            let desc = crate::lab_description(tmp.path(), w, 0)?;
             let s = |x: &dyn ToString| x.to_string();
             pb.set_message(format!("{mem} MiB {w}: saving {} checkpoints", a.count));
             let save = json(&[
@@ -98,8 +99,8 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
                 s(&"save"),
                 s(&"--dir"),
                 store.display().to_string(),
-                s(&"--workload"),
-                w.clone(),
+                s(&"--vm-config"),
+                desc.display().to_string(),
                 s(&"--mem"),
                 s(&mem),
                 s(&"--interval"),
@@ -117,8 +118,8 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
                     store.display().to_string(),
                     s(&"--id"),
                     s(&id),
-                    s(&"--workload"),
-                    w.clone(),
+                    s(&"--vm-config"),
+                    desc.display().to_string(),
                     s(&"--mem"),
                     s(&mem),
                     s(&"--run-seconds"),

@@ -172,7 +172,7 @@ impl Node {
             self.sock.display().to_string(),
         ]);
         args.extend(extra.iter().cloned());
-        common(o, &mut args);
+        common(o, &mut args)?;
         let _ = std::fs::remove_file(&self.sock);
         let mut d = Daemon::spawn(self.name, &self.ns, &o.exe, &args, log)?;
         let pat = if role == "primary" {

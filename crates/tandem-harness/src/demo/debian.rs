@@ -120,7 +120,7 @@ fn describe(o: &DebianOpts<'_>, rdir: &Path) -> anyhow::Result<PathBuf> {
          [[nic]]\nmac = \"{mac}\"\n",
         image = o.vm.image.display(),
         disk = overlay.display(),
-        mac = tandem_vm::LAB_MAC,
+        mac = tandem_labguest::MAC,
     );
     let path = rdir.join("vm.toml");
     std::fs::write(&path, desc)?;
@@ -129,7 +129,7 @@ fn describe(o: &DebianOpts<'_>, rdir: &Path) -> anyhow::Result<PathBuf> {
 
 fn daemon_args(o: &DebianOpts<'_>, desc: &Path, v: &mut Vec<String>) {
     v.extend(["--vm-config".into(), desc.display().to_string()]);
-    v.extend(["--disk-mib", "0", "--tap-netns", &o.lab.clients].map(String::from));
+    v.extend(["--tap-netns", &o.lab.clients].map(String::from));
 }
 
 /// One round: boot, protect, commit, kill, fail over, check.

@@ -36,7 +36,7 @@ pub fn run(round: usize, o: &Opts<'_>, pb: &ProgressBar) -> anyhow::Result<Round
         "--timeout-ms".into(),
         o.timeout_ms.to_string(),
     ];
-    common(o, &mut bargs);
+    common(o, &mut bargs)?;
     let cx = RoundCtx::new(round, o, pb, &rdir);
     let mut pair = cx.start_backup(bargs)?;
     let backup_addr: SocketAddr = format!("{BACKUP_IP}:7000").parse()?;
@@ -101,5 +101,5 @@ pub fn run(round: usize, o: &Opts<'_>, pb: &ProgressBar) -> anyhow::Result<Round
 /// The primary's command line as the round started it.
 fn primary_args(cx: &RoundCtx<'_>) -> anyhow::Result<Vec<String>> {
     let backup_addr: SocketAddr = format!("{BACKUP_IP}:7000").parse()?;
-    Ok(cx.primary_args(backup_addr))
+    cx.primary_args(backup_addr)
 }

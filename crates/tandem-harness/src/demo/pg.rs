@@ -394,7 +394,7 @@ impl DebianVm {
     /// The cached VM (in tandem's cache directory, `$TANDEM_CACHE` if set), or what to run
     /// to build it.
     pub fn cached() -> anyhow::Result<DebianVm> {
-        let dir = tandem_vm::image::debian_dir();
+        let dir = tandem_labguest::debian_dir();
         let vm = DebianVm {
             image: dir.join("debian.qcow2"),
             key: dir.join("id_ed25519"),

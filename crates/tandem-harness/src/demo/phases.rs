@@ -172,7 +172,7 @@ impl<'a> RoundCtx<'a> {
     /// it with its QEMU's pid (0 if unknown).
     pub fn start_primary(&self, backup: SocketAddr) -> anyhow::Result<(Daemon, u32)> {
         let (round, o, rdir) = (self.round, self.o, self.rdir);
-        let pargs = self.primary_args(backup);
+        let pargs = self.primary_args(backup)?;
         self.pb.set_message(format!(
             "round {round}: booting the primary guest (redis) and copying it to the backup"
         ));
@@ -189,7 +189,7 @@ impl<'a> RoundCtx<'a> {
     }
 
     /// The primary's command line, replicating to `backup`.
-    pub fn primary_args(&self, backup: SocketAddr) -> Vec<String> {
+    pub fn primary_args(&self, backup: SocketAddr) -> anyhow::Result<Vec<String>> {
         let (o, rdir) = (self.o, self.rdir);
         let mut pargs: Vec<String> = vec![
             "primary".into(),
@@ -220,8 +220,8 @@ impl<'a> RoundCtx<'a> {
         if let Some(d) = &o.devstate {
             pargs.extend(["--devstate".into(), d.clone()]);
         }
-        common(o, &mut pargs);
-        pargs
+        common(o, &mut pargs)?;
+        Ok(pargs)
     }
 
     /// Starts the writers against the guest at `addr` (kv only, after noting redis' identity).

@@ -302,7 +302,7 @@ pub fn run(round: usize, o: &Opts<'_>, pb: &ProgressBar) -> anyhow::Result<Round
         "--report".into(),
         report.display().to_string(),
     ];
-    common(o, &mut bargs);
+    common(o, &mut bargs)?;
     if let Some((clock, restore)) = &o.consolidate {
         bargs.extend([
             "--consolidate".into(),

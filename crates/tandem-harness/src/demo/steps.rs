@@ -36,8 +36,10 @@ impl Pair<'_> {
     }
 }
 
-pub fn common(o: &Opts<'_>, v: &mut Vec<String>) {
-    v.extend(["--workload", &o.workload, "--tap-netns", &o.lab.clients].map(String::from));
+/// The flags both daemons of a round share. The guest is the description `--vm-config`
+/// names, else the lab guest running the round's workload with a 64 MiB scratch data disk.
+pub fn common(o: &Opts<'_>, v: &mut Vec<String>) -> anyhow::Result<()> {
+    v.extend(["--tap-netns", &o.lab.clients].map(String::from));
     if let Some(d) = &o.tls_dir {
         v.extend(["--tls-dir".to_string(), d.display().to_string()]);
     }
@@ -58,11 +60,13 @@ pub fn common(o: &Opts<'_>, v: &mut Vec<String>) {
             o.vm_id.to_string(),
         ]);
     }
-    if let Some(d) = &o.vm_config {
-        v.extend(["--vm-config".to_string(), d.display().to_string()]);
-        v.extend(["--disk-mib", "0"].map(String::from));
-    }
+    let desc = match &o.vm_config {
+        Some(d) => d.clone(),
+        None => crate::lab_description(&o.dir, &o.workload, 64)?,
+    };
+    v.extend(["--vm-config".to_string(), desc.display().to_string()]);
     v.extend(["--mem".to_string(), o.mem.to_string()]);
+    Ok(())
 }
 
 /// A tmpfs for the backup's directory, just big enough for the mirror, the disk copy and a

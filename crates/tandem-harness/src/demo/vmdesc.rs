@@ -5,11 +5,11 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context};
-use tandem_vm::GuestImage;
+use tandem_labguest::GuestImage;
 
 /// Writes `dir/data.raw` (a fresh 64 MiB ext4) and `dir/vm.toml`; returns the description.
 pub fn described_vm(dir: &Path, mem: u64) -> anyhow::Result<PathBuf> {
-    let image = GuestImage::default_location();
+    let image = GuestImage::default();
     image.check()?;
     let data = dir.join("data.raw");
     let f = std::fs::File::create(&data).with_context(|| format!("creating {}", data.display()))?;
@@ -27,12 +27,15 @@ pub fn described_vm(dir: &Path, mem: u64) -> anyhow::Result<PathBuf> {
     let desc = format!(
         r#"# The lab guest as your own VM: its data disk is a raw file captured by blockdev-mirror.
 mem = {mem}
-ready = "TANDEM-READY"
+label = "kv"
+ready = "{ready}"
+echo = {echo:?}
 
 [boot]
 kernel = "{kernel}"
 initrd = "{initrd}"
 cmdline = "console=ttyS0 quiet panic=-1 tandem.workload=kv"
+address_arg = "{address_arg}"
 
 [[disk]]
 path = "{apps}"
@@ -50,7 +53,10 @@ mac = "{mac}"
         initrd = image.initrd().display(),
         apps = image.apps().display(),
         data = data.display(),
-        mac = tandem_vm::LAB_MAC,
+        mac = tandem_labguest::MAC,
+        ready = tandem_labguest::READY,
+        echo = tandem_labguest::ECHO,
+        address_arg = tandem_labguest::ADDRESS_ARG,
     );
     let path = dir.join("vm.toml");
     std::fs::write(&path, desc)?;

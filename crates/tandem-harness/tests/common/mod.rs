@@ -168,3 +168,17 @@ pub fn status_json(
     );
     serde_json::from_slice(&out.stdout).unwrap()
 }
+
+/// The lab guest running `workload` as a VM description for the product's `--vm-config`, with
+/// a scratch data disk of `scratch_disk_mib` MiB (0: none), in a directory of its own.
+pub fn lab_vm(workload: &str, scratch_disk_mib: u64) -> String {
+    let dir = tempfile::Builder::new()
+        .prefix("tandem-test-vm-")
+        .tempdir()
+        .unwrap()
+        .keep();
+    tandem_harness::lab_description(&dir, workload, scratch_disk_mib)
+        .unwrap()
+        .display()
+        .to_string()
+}

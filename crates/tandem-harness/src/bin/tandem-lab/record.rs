@@ -14,11 +14,61 @@ use tandem_types::stats::quantile;
 
 use tandem_args::VmArgs;
 use tandem_harness::kv_load;
+use tandem_vm::VmConfig;
+
+/// The VM a lab command starts: the lab guest running `--workload`, or the VM of
+/// `--vm-config`.
+#[derive(clap::Args, Clone, Debug)]
+pub struct LabVmArgs {
+    /// The lab guest's workload: idle, memtouch, compile, sqlite, kv or disk (ignored with
+    /// --vm-config).
+    #[arg(long, default_value = "kv")]
+    pub workload: String,
+    /// The lab guest's image directory (default: the cache that `./tandem setup` fills).
+    #[arg(long)]
+    pub image: Option<PathBuf>,
+    #[command(flatten)]
+    pub vm: VmArgs,
+}
+
+impl LabVmArgs {
+    /// The lab guest running `workload` in `mem` MiB, the other flags at their defaults.
+    fn lab(workload: &str, mem: u64) -> Self {
+        let mut vm = VmArgs::described(PathBuf::new(), mem);
+        vm.vm_config = None;
+        LabVmArgs {
+            workload: workload.into(),
+            image: None,
+            vm,
+        }
+    }
+
+    /// The VM's configuration (named `name`).
+    fn config(&self, name: &str) -> anyhow::Result<VmConfig> {
+        if self.vm.vm_config.is_some() {
+            return Ok(self.vm.spec().config(name)?);
+        }
+        tandem_labguest::check_workload(&self.workload)?;
+        let image = tandem_labguest::GuestImage::at(self.image.as_deref());
+        image.check()?;
+        let mut c = match (&self.image, self.workload.as_str()) {
+            (None, w) => tandem_harness::lab_config(name, w, self.vm.mem)?,
+            (Some(_), w) => tandem_labguest::config(name, w, &image),
+        };
+        c.mem_mib = self.vm.mem;
+        c.vcpus = self.vm.vcpus;
+        c.dirty = self.vm.dirty_log;
+        c.qemu = self.vm.qemu.clone();
+        c.accel = self.vm.accel.clone();
+        c.check()?;
+        Ok(c)
+    }
+}
 
 #[derive(clap::Args)]
 pub struct RecordArgs {
     #[command(flatten)]
-    pub vm: VmArgs,
+    pub vm: LabVmArgs,
     /// Epoch length in milliseconds.
     #[arg(long, default_value_t = 100)]
     pub epoch_ms: u64,
@@ -68,7 +118,7 @@ pub enum TraceCmd {
 
 /// Standard location of a recorded trace in the cache.
 pub fn trace_path(workload: &str, mem: u64, epoch_ms: u64) -> PathBuf {
-    tandem_vm::image::cache_dir()
+    tandem_labguest::cache_dir()
         .join("traces")
         .join(format!("{workload}-{mem}m-{epoch_ms}ms.trace"))
 }
@@ -80,18 +130,18 @@ pub fn record(a: RecordArgs) -> anyhow::Result<()> {
 /// `tandem record` with `load` on the guest once it is ready.
 fn record_with(a: RecordArgs, load: tandem_harness::StartLoad) -> anyhow::Result<()> {
     let cfg = RecordConfig {
-        vm: a.vm.spec(),
+        vm: a.vm.config("record")?,
         epoch: Duration::from_millis(a.epoch_ms),
         duration: Duration::from_secs(a.duration),
         output: a.output.clone(),
         level: a.level,
         load: Some(load),
     };
-    match &a.vm.vm_config {
-        Some(p) => eprintln!("booting the VM of {} ({})...", p.display(), a.vm.accel),
+    match &a.vm.vm.vm_config {
+        Some(p) => eprintln!("booting the VM of {} ({})...", p.display(), a.vm.vm.accel),
         None => eprintln!(
             "booting {} guest ({} MiB, {})...",
-            a.vm.workload, a.vm.mem, a.vm.accel
+            a.vm.workload, a.vm.vm.mem, a.vm.vm.accel
         ),
     }
     let pb = ProgressBar::new(a.duration);
@@ -132,13 +182,13 @@ pub fn traces(a: TracesArgs) -> anyhow::Result<()> {
             pgbench_trace(&a)?;
             continue;
         }
-        tandem_vm::image::check_workload(w)?;
+        tandem_labguest::check_workload(w)?;
         let out = trace_path(w, a.mem, a.epoch_ms);
         if out.exists() && !a.force {
             println!("{w}: {} exists (use --force to re-record)", out.display());
             continue;
         }
-        let vm = VmArgs::for_workload(w, a.mem);
+        let vm = LabVmArgs::lab(w, a.mem);
         record(RecordArgs {
             vm,
             epoch_ms: a.epoch_ms,
@@ -166,10 +216,8 @@ fn pgbench_trace(a: &TracesArgs) -> anyhow::Result<()> {
         );
         return Ok(());
     }
-    let vm = VmArgs {
-        vm_config: Some(desc),
-        ..VmArgs::for_workload("idle", mem)
-    };
+    let mut vm = LabVmArgs::lab("idle", mem);
+    vm.vm.vm_config = Some(desc);
     let load = tandem_harness::pgload::pgbench_load(4, 4, a.duration);
     record_with(
         RecordArgs {

@@ -220,14 +220,14 @@ fn stamp(lua: &Path) -> String {
 
 pub fn run(args: Args) -> anyhow::Result<()> {
     install_packages(args.no_install)?;
-    let cache = tandem_vm::image::cache_dir();
+    let cache = tandem_labguest::cache_dir();
     std::fs::create_dir_all(&cache)
         .with_context(|| format!("creating cache {}", cache.display()))?;
     let pb = spinner("fetching Lua sources (crates.io: lua-src) for the compile workload");
     let lua = lua_sources(&cache)?;
     pb.finish_and_clear();
     println!("[2/3] compile workload sources: {}", lua.display());
-    let image = tandem_vm::GuestImage::default_location();
+    let image = tandem_labguest::GuestImage::default();
     let want = stamp(&lua);
     let stamp_path = image.dir.join("stamp");
     if !args.force
@@ -246,7 +246,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
 
 /// The Debian test VM: debian.qcow2, root's SSH key and a description (vm.toml).
 fn build_debian(force: bool) -> anyhow::Result<()> {
-    let dir = tandem_vm::image::debian_dir();
+    let dir = tandem_labguest::debian_dir();
     let want = format!(
         "{:016x}",
         xxhash_rust::xxh3::xxh3_64(DEBIAN_BUILDER.as_bytes())
@@ -370,7 +370,11 @@ mac = "52:54:00:12:34:56"
 forward = ["tcp:127.0.0.1:2222-:22", "tcp:127.0.0.1:5432-:5432"]
 "#;
 
-fn build_lab_image(image: &tandem_vm::GuestImage, lua: &Path, want: &str) -> anyhow::Result<()> {
+fn build_lab_image(
+    image: &tandem_labguest::GuestImage,
+    lua: &Path,
+    want: &str,
+) -> anyhow::Result<()> {
     let work = tempfile::Builder::new()
         .prefix("tandem-guest-src-")
         .tempdir()?;
