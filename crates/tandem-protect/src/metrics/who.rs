@@ -37,10 +37,12 @@ impl Registry {
     }
 
     /// This node changes role (a switchover, or a backup that resumed the guest and protects
-    /// it in turn): the link and protection flags of the old role are cleared.
+    /// it in turn): the link, protection flags and ownership of the old role are cleared (a
+    /// node that handed the guest over must not report the next owner's record as its fence).
     pub fn switch_role(&self, role: &'static str) {
         let was_protected = {
             let mut s = self.lock();
+            s.owner = None;
             s.who.role = role;
             s.who.state.clear();
             s.who.peer = None;
