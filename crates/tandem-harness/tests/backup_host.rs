@@ -10,7 +10,7 @@ mod common;
 use std::sync::mpsc::Receiver;
 use std::time::Duration;
 
-use common::{free_port, guest_redis, number_after, spawn, wait_line};
+use common::{free_port, guest_redis, spawn, wait_event, wait_line};
 
 struct Vm {
     lab: tandem_harness::netlab::NetLab,
@@ -62,24 +62,17 @@ fn primary(id: u64, v: &Vm) -> (common::Proc, Receiver<String>, u32) {
         &v.desc,
         "--tap-netns",
         &v.lab.clients,
+        "--json-events",
     ]);
-    let qemu = number_after(
-        &wait_line(&rx, "QEMU pid", Duration::from_secs(180)),
-        "QEMU pid ",
-    );
-    (p, rx, qemu as u32)
+    let ready = wait_event(&rx, "guest_running", Duration::from_secs(180), |_| true);
+    (p, rx, ready["qemu_pid"].as_u64().unwrap() as u32)
 }
 
 fn acked_at_least(rx: &Receiver<String>, n: u64) -> u64 {
-    loop {
-        let a = number_after(
-            &wait_line(rx, " acked ", Duration::from_secs(120)),
-            " acked ",
-        );
-        if a >= n {
-            return a;
-        }
-    }
+    let e = wait_event(rx, "acked", Duration::from_secs(120), |v| {
+        v["epoch"].as_u64() >= Some(n)
+    });
+    e["epoch"].as_u64().unwrap()
 }
 
 fn kill_host(p: &mut common::Proc, qemu: u32) {

@@ -8,7 +8,7 @@ mod common;
 use std::sync::mpsc::Receiver;
 use std::time::Duration;
 
-use common::{number_after, spawn, wait_line};
+use common::{spawn, wait_event, wait_line};
 
 /// Starts `tandem backup` for the VM described in `vm` on a free port with its mirror in a fresh /dev/shm
 /// directory, and waits until it listens. Returns the child, its output, address and directory.
@@ -35,10 +35,11 @@ fn start_backup(
         vm,
         "--timeout-ms",
         &timeout,
+        "--json-events",
     ];
     args.extend_from_slice(extra);
     let (backup, brx) = spawn(&args);
-    wait_line(&brx, "listening on", Duration::from_secs(60));
+    wait_event(&brx, "listening", Duration::from_secs(60), |_| true);
     (backup, brx, addr, dir)
 }
 
@@ -79,11 +80,16 @@ fn primary_killed_backup_resumes_the_guest() {
         &lab.clients,
         "--control",
         psock.to_str().unwrap(),
+        "--json-events",
     ]);
     // The metrics endpoint is served from the start, before the guest boots.
     let metrics = wait_line(&prx, "metrics on http://", Duration::from_secs(30));
-    let ready = wait_line(&prx, "QEMU pid", Duration::from_secs(180));
-    let qemu = number_after(&ready, "QEMU pid ");
+    let metrics = serde_json::from_str::<serde_json::Value>(&metrics)
+        .ok()
+        .and_then(|v| v["text"].as_str().map(String::from))
+        .unwrap_or(metrics);
+    let ready = wait_event(&prx, "guest_running", Duration::from_secs(180), |_| true);
+    let qemu = ready["qemu_pid"].as_u64().unwrap();
     let metrics_addr = metrics
         .split("http://")
         .nth(1)
@@ -96,12 +102,9 @@ fn primary_killed_backup_resumes_the_guest() {
     let mut kv = connect();
     kv.set(b"before-failover", b"acked").unwrap();
     // Let some epochs commit.
-    loop {
-        let l = wait_line(&prx, "acked", Duration::from_secs(60));
-        if number_after(&l, "acked ") >= 10 {
-            break;
-        }
-    }
+    wait_event(&prx, "acked", Duration::from_secs(60), |v| {
+        v["epoch"].as_u64() >= Some(10)
+    });
     // Metrics: Prometheus text on the endpoint, one JSON line per acknowledged epoch.
     let mut c = std::net::TcpStream::connect(&metrics_addr).unwrap();
     std::io::Write::write_all(&mut c, b"GET /metrics HTTP/1.0\r\n\r\n").unwrap();
@@ -165,8 +168,8 @@ fn primary_killed_backup_resumes_the_guest() {
     // SAFETY: plain kill(2) of a process id we read from the primary's output.
     unsafe { libc::kill(qemu as i32, libc::SIGKILL) };
     primary.wait().unwrap();
-    let line = wait_line(&brx, "failover:", Duration::from_secs(30));
-    let epoch = number_after(&line, "from epoch ");
+    let failed = wait_event(&brx, "failed_over", Duration::from_secs(30), |_| true);
+    let epoch = failed["epoch"].as_u64().unwrap();
     assert!(epoch >= 10, "resumed from epoch {epoch}");
     // The same TCP connection carries on against the resumed guest.
     assert_eq!(

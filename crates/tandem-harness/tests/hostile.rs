@@ -13,7 +13,7 @@ use std::sync::mpsc::Receiver;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use common::{free_port, number_after, spawn, wait_line};
+use common::{free_port, spawn, wait_event};
 use tandem_replication::{Frame, Hello, Kind};
 
 /// A TCP proxy to `to` that records the first 64 KiB its clients send.
@@ -63,13 +63,10 @@ impl Proxy {
 
 /// Waits until the primary reports an acknowledged epoch of at least `n`.
 fn acked_at_least(prx: &Receiver<String>, n: u64) -> u64 {
-    loop {
-        let l = wait_line(prx, " acked ", Duration::from_secs(120));
-        let a = number_after(&l, " acked ");
-        if a >= n {
-            return a;
-        }
-    }
+    let e = wait_event(prx, "acked", Duration::from_secs(120), |v| {
+        v["epoch"].as_u64() >= Some(n)
+    });
+    e["epoch"].as_u64().unwrap()
 }
 
 fn hostile(tls: bool) {
@@ -96,9 +93,10 @@ fn hostile(tls: bool) {
     let mut bargs: Vec<&str> = vec!["backup", "--listen", &listen, "--dir"];
     bargs.push(bdir.to_str().unwrap());
     bargs.extend(["--vm-config", &vm, "--vm-id", "7", "--timeout-ms", "3000"]);
+    bargs.push("--json-events");
     bargs.extend(tls_args.iter().map(String::as_str));
     let (mut backup, brx) = spawn(&bargs);
-    wait_line(&brx, "listening on", Duration::from_secs(60));
+    wait_event(&brx, "listening", Duration::from_secs(60), |_| true);
     // Slow lorises: connections that hold on and never finish a handshake or hello; they are
     // open before the real primary comes and while it connects, and stay silent until the
     // backup cuts them (after `VET_WITHIN`, 5 s), however fast the rest of the test runs.
@@ -164,7 +162,7 @@ fn hostile(tls: bool) {
     // The real primary connects while the lorises hold their connections.
     let proxy = Proxy::start(listen.clone());
     let mut pargs: Vec<&str> = vec!["primary", "--backup", &proxy.addr];
-    pargs.extend(["--vm-config", &vm, "--vm-id", "7"]);
+    pargs.extend(["--vm-config", &vm, "--vm-id", "7", "--json-events"]);
     pargs.extend(tls_args.iter().map(String::as_str));
     if tls {
         pargs.extend(["--tls-server-name", "127.0.0.1"]);
@@ -202,7 +200,10 @@ fn hostile(tls: bool) {
     std::thread::sleep(Duration::from_millis(300));
     let lines: Vec<String> = brx.try_iter().collect();
     assert!(st.success(), "backup exited with {st}: {lines:#?}");
-    assert!(!lines.iter().any(|l| l.contains("failover:")), "{lines:#?}");
+    assert!(
+        !lines.iter().any(|l| common::is_event(l, "failed_over")),
+        "{lines:#?}"
+    );
     let refusals: Vec<&String> = lines
         .iter()
         .filter(|l| l.contains("refused a connection"))

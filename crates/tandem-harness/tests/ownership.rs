@@ -9,7 +9,7 @@ mod common;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use common::{free_port, spawn, wait_line, Proc};
+use common::{free_port, spawn, wait_event, wait_line, Proc};
 use tandem_harness::etcd_cluster::{Cluster, Member, Proxy, ProxyMode};
 
 fn cluster(dir: &std::path::Path) -> Cluster {
@@ -46,12 +46,13 @@ fn backup(
         "500",
         "--vm-id",
         vm,
+        "--json-events",
     ];
     if let Some(e) = etcd {
         args.extend(["--etcd", e]);
     }
     let (p, rx) = spawn(&args);
-    wait_line(&rx, "listening on", Duration::from_secs(60));
+    wait_event(&rx, "listening", Duration::from_secs(60), |_| true);
     (p, rx)
 }
 
@@ -69,6 +70,7 @@ fn primary(
         &desc,
         "--vm-id",
         vm,
+        "--json-events",
     ];
     if let Some(e) = etcd {
         args.extend(["--etcd", e]);
@@ -157,8 +159,8 @@ fn a_takeover_survives_a_lost_reply_and_the_old_primary_never_boots_again() {
     let listen = format!("127.0.0.1:{}", free_port());
     let (mut b, brx) = backup(dir.path(), &listen, Some(&beps), "5");
     let (mut p, prx) = primary(&listen, Some(&eps), "5");
-    wait_line(&prx, "owns VM 5 in etcd", Duration::from_secs(60));
-    wait_line(&prx, " acked ", Duration::from_secs(120));
+    wait_event(&prx, "owner", Duration::from_secs(60), |_| true);
+    wait_event(&prx, "acked", Duration::from_secs(120), |_| true);
 
     // Finding 3: the takeover's transaction commits but its reply is lost; the old campaign
     // gave its lease back and the VM stayed down for good. Now the record read back names
@@ -253,9 +255,9 @@ fn a_takeover_survives_a_lost_reply_and_the_old_primary_never_boots_again() {
     assert_eq!(st.code(), Some(3));
     // Now a fresh boot may claim the VM (generation 3), and a shutdown releases it again.
     let (mut p, prx) = primary(&listen, Some(&eps), "5");
-    let line = wait_line(&prx, "owns VM 5 in etcd", Duration::from_secs(60));
-    assert!(line.contains("generation 3"), "{line}");
-    wait_line(&prx, "guest ready", Duration::from_secs(60));
+    let owner = wait_event(&prx, "owner", Duration::from_secs(60), |_| true);
+    assert_eq!(owner["generation"], 3, "{owner}");
+    wait_event(&prx, "guest_running", Duration::from_secs(60), |_| true);
     // SAFETY: SIGUSR1 to our own child (end protection, shut the guest down).
     unsafe { libc::kill(p.id() as i32, libc::SIGUSR1) };
     assert!(p.wait().unwrap().success());

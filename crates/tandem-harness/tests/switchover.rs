@@ -11,7 +11,7 @@ use std::process::Command;
 use std::sync::mpsc::Receiver;
 use std::time::{Duration, Instant};
 
-use common::{free_port, spawn, wait_line, Proc};
+use common::{free_port, spawn, wait_event, Proc};
 
 struct Lab {
     lab: tandem_harness::netlab::NetLab,
@@ -34,6 +34,7 @@ impl Lab {
             &self.lab.clients,
             "--tap",
             tap,
+            "--json-events",
         ]
         .map(String::from)
         .to_vec()
@@ -195,7 +196,7 @@ fn switchover_failback_and_reprotection_after_failover() {
         lab,
     };
     let (mut nb, brx) = l.backup(false);
-    wait_line(&brx, "listening on", Duration::from_secs(60));
+    wait_event(&brx, "listening", Duration::from_secs(60), |_| true);
     let (mut na, arx) = l.primary_a();
     wait_protected(&l.bsock, 3);
     let mut c = kv(&l.lab.clients);
@@ -221,7 +222,7 @@ fn switchover_failback_and_reprotection_after_failover() {
 
     // A dies as a host does: B resumes the guest, and protects it on A restarted as a backup.
     kill_host(&mut na, &l.asock);
-    wait_line(&brx, "failover:", Duration::from_secs(30));
+    wait_event(&brx, "failed_over", Duration::from_secs(30), |_| true);
     write_and_check(&mut c, &mut keys, "k-after-failover");
     drop(arx);
     let (mut na, arx) = l.backup(true);
@@ -232,7 +233,7 @@ fn switchover_failback_and_reprotection_after_failover() {
 
     // B dies too: A resumes the guest from its new replica, nothing acknowledged is lost.
     kill_host(&mut nb, &l.bsock);
-    wait_line(&arx, "failover:", Duration::from_secs(30));
+    wait_event(&arx, "failed_over", Duration::from_secs(30), |_| true);
     write_and_check(&mut c, &mut keys, "k-on-a-after-second-failover");
     assert_eq!(
         run_id(&mut c),

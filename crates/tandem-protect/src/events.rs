@@ -73,6 +73,25 @@ pub enum Event {
         /// Who runs it, in words.
         by: String,
     },
+    /// The backup listens for its primary; its standby QEMU is ready.
+    Listening {
+        /// The address it listens on.
+        addr: String,
+        /// The standby QEMU's pid (0 if unknown).
+        standby_pid: u32,
+    },
+    /// The primary's guest booted and is ready.
+    GuestRunning {
+        /// QEMU's pid.
+        qemu_pid: u32,
+        /// Boot to ready, in ms.
+        boot_ms: u64,
+    },
+    /// This daemon owns the VM in etcd at `generation` (a fresh boot's claim).
+    Owner {
+        /// The record's generation.
+        generation: u64,
+    },
 }
 
 impl Event {

@@ -182,3 +182,33 @@ pub fn lab_vm(workload: &str, scratch_disk_mib: u64) -> String {
         .display()
         .to_string()
 }
+
+/// Waits for the next event named `kind` (`listening`, `guest_running`, `acked`,
+/// `failed_over`, ...) that `accept` takes, from a daemon run with `--json-events`; returns it.
+pub fn wait_event(
+    rx: &Receiver<String>,
+    kind: &str,
+    timeout: Duration,
+    accept: impl Fn(&serde_json::Value) -> bool,
+) -> serde_json::Value {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match rx.recv_timeout(left) {
+            Ok(l) => {
+                let Ok(v) = serde_json::from_str::<serde_json::Value>(&l) else {
+                    continue;
+                };
+                if v["event"] == kind && accept(&v) {
+                    return v;
+                }
+            }
+            Err(_) => panic!("no {kind:?} event within {timeout:?}"),
+        }
+    }
+}
+
+/// Whether `line` is the daemon's event named `kind`.
+pub fn is_event(line: &str, kind: &str) -> bool {
+    serde_json::from_str::<serde_json::Value>(line).is_ok_and(|v| v["event"] == kind)
+}

@@ -558,6 +558,10 @@ pub(crate) fn serve(
     registry.switch_role("backup");
     registry.set_state("standby: waiting for a primary");
     let beat = fe.beat.clone();
+    status.event(crate::Event::Listening {
+        addr: cfg.listen.clone(),
+        standby_pid: standby.pid().unwrap_or(0),
+    });
     status.info(format!(
         "listening on {}, standby QEMU pid {} ready on {}",
         cfg.listen,

@@ -66,6 +66,9 @@ impl Fencing {
             }
         };
         let cfg = fence.config();
+        status.event(crate::Event::Owner {
+            generation: owner.generation(),
+        });
         status.info(format!(
             "owns VM {} in etcd ({} at {}; generation {})",
             cfg.vm_id,

@@ -301,6 +301,10 @@ pub(crate) fn run_in(
         e
     };
     let (vm, ready) = boot(&vmc).map_err(|e| release(e.into()))?;
+    status.event(crate::Event::GuestRunning {
+        qemu_pid: vm.pid(),
+        boot_ms: ready.as_millis() as u64,
+    });
     status.info(format!(
         "guest ready in {:.1} s, QEMU pid {}, network {}, replicated disk {} MiB",
         ready.as_secs_f64(),
