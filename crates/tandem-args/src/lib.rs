@@ -5,6 +5,8 @@
 
 #![warn(missing_docs)]
 
+pub mod logging;
+
 use std::path::PathBuf;
 use std::time::Duration;
 

@@ -70,11 +70,10 @@ fn main() {
         // SAFETY: called in main before any other thread exists; SIG_DFL is valid.
         unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
     }
-    let filter = std::env::var("RUST_LOG").unwrap_or_else(|_| cli.log.clone());
-    tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
-        .with_writer(std::io::stderr)
-        .init();
+    // Private by default: guest RAM, disk copies, checkpoints, keys and sockets are created
+    // for tandem's user alone (directories 0700, files 0600).
+    rustix::process::umask(rustix::fs::Mode::from_raw_mode(0o077));
+    tandem_args::logging::init(&cli.log);
     // Whatever killed tandem processes left behind (QEMU runtime directories, working
     // directories, RAM files) goes first.
     if !matches!(
@@ -97,7 +96,7 @@ fn main() {
         Cmd::Fence(c) => fence::run(c),
     };
     if let Err(e) = result {
-        eprintln!("error: {e:#}");
+        tandem_args::logging::report_error(&format_args!("{e:#}"));
         std::process::exit(exit_code(&e));
     }
 }

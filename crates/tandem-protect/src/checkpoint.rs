@@ -117,6 +117,9 @@ pub enum SaveError {
     /// The guest did not come up.
     #[error(transparent)]
     Boot(#[from] BootError),
+    /// The store's directory is not private to tandem's user.
+    #[error(transparent)]
+    PrivateDir(#[from] tandem_vm::PrivateDirError),
     /// The writable disks could not be captured.
     #[error(transparent)]
     Capture(#[from] CaptureError),
@@ -231,8 +234,7 @@ fn live_copy(vm: &mut Vm, disks: Option<&DiskCapture>) -> Result<First, VmError>
 pub fn save(cfg: SaveConfig, status: Status) -> Result<SaveSummary, SaveError> {
     let mut vmc = cfg.vm.config("save")?;
     let bytes = vmc.mem_mib << 20;
-    std::fs::create_dir_all(&cfg.dir)
-        .map_err(|e| StoreError::Io(cfg.dir.display().to_string(), e))?;
+    tandem_vm::private_dir(&cfg.dir)?;
     let capture = match vmc.writable_disk() {
         Some(_) => Some(DiskCapture::prepare(&cfg.dir, &mut vmc)?),
         None => None,

@@ -76,6 +76,8 @@ impl Control {
     ) -> Result<Control, ControlError> {
         let bind = |e| ControlError::Bind(path.to_path_buf(), e);
         if let Some(d) = path.parent() {
+            // Made 0700 by the process's umask (077); the socket itself is 0600: only
+            // tandem's user can connect (and so stop or hand over the guest).
             std::fs::create_dir_all(d).map_err(bind)?;
         }
         let _ = std::fs::remove_file(path);

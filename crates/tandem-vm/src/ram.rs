@@ -5,6 +5,7 @@
 //! out guest bytes says so in its contract.
 
 use std::fs::OpenOptions;
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
 use memmap2::{MmapOptions, MmapRaw};
@@ -47,7 +48,10 @@ pub struct GuestRam {
 }
 
 impl GuestRam {
-    /// Creates (or truncates) the RAM file at `path` with `len` bytes and maps it shared.
+    /// Creates the RAM file at `path` with `len` bytes, mode 0600, and maps it shared. A file
+    /// already there (left by an earlier run) is replaced: the new one is created exclusively
+    /// (`O_EXCL`, no symbolic link followed), so guest memory never lands in a file someone
+    /// else created or can read.
     pub fn create(path: &Path, len: u64) -> Result<Self, RamError> {
         if len == 0 || !len.is_multiple_of(PAGE_SIZE as u64) {
             return Err(RamError::BadSize(len));
@@ -56,11 +60,15 @@ impl GuestRam {
             path: path.display().to_string(),
             source,
         };
+        match std::fs::remove_file(path) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(map_err(e)),
+            _ => {}
+        }
         let f = OpenOptions::new()
             .read(true)
             .write(true)
-            .create(true)
-            .truncate(true)
+            .create_new(true)
+            .mode(0o600)
             .open(path)
             .map_err(map_err)?;
         f.set_len(len).map_err(map_err)?;

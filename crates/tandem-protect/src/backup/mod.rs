@@ -147,6 +147,9 @@ pub enum BackupError {
     /// A file or socket of the backup could not be set up.
     #[error("{0}")]
     Io(String, #[source] std::io::Error),
+    /// The directory is not private to tandem's user.
+    #[error(transparent)]
+    PrivateDir(tandem_vm::PrivateDirError),
     /// The listen address or the directory is missing.
     #[error("a backup needs a listen address (host:port) and a directory for its mirror")]
     Incomplete,
@@ -502,7 +505,7 @@ pub(crate) fn serve(
         // standby that logs dirty pages (to protect the guest in turn) cannot have as well.
         vmc.lazy_ram = cfg.consolidate.as_ref().is_some_and(|c| c.lazy);
     }
-    std::fs::create_dir_all(&cfg.dir).map_err(io(format!("creating {}", cfg.dir.display())))?;
+    tandem_vm::private_dir(&cfg.dir).map_err(BackupError::PrivateDir)?;
     // The standby's console, which is the guest's after a failover.
     vmc.console = Some(cfg.dir.join("guest-console.log"));
     let site = Site::prepare(&cfg.site, &cfg.dir, Role::Backup, &mut vmc)?;

@@ -153,6 +153,9 @@ pub enum PrimaryError {
     /// The working directory could not be created.
     #[error("creating the working directory {0}")]
     Dir(PathBuf, #[source] std::io::Error),
+    /// The working directory is not private to tandem's user.
+    #[error(transparent)]
+    PrivateDir(tandem_vm::PrivateDirError),
     /// The VM description is unusable.
     #[error(transparent)]
     Spec(#[from] VmSpecError),
@@ -271,7 +274,7 @@ pub(crate) fn run_in(
     let tmp;
     let dir = match &cfg.dir {
         Some(d) => {
-            std::fs::create_dir_all(d).map_err(|e| PrimaryError::Dir(d.clone(), e))?;
+            tandem_vm::private_dir(d).map_err(PrimaryError::PrivateDir)?;
             d.clone()
         }
         None => {

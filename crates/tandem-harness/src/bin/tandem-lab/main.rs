@@ -48,11 +48,7 @@ fn main() {
         // SAFETY: called in main before any other thread exists; SIG_DFL is valid.
         unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
     }
-    let filter = std::env::var("RUST_LOG").unwrap_or_else(|_| cli.log.clone());
-    tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
-        .with_writer(std::io::stderr)
-        .init();
+    tandem_args::logging::init(&cli.log);
     if !matches!(cli.cmd, Cmd::Trace(_) | Cmd::Setup(_)) {
         tandem_vm::clean_stale();
     }
@@ -66,7 +62,7 @@ fn main() {
         Cmd::Lab(c) => tandem_harness::lab::run(c),
     };
     if let Err(e) = result {
-        eprintln!("error: {e:#}");
+        tandem_args::logging::report_error(&format_args!("{e:#}"));
         std::process::exit(1);
     }
 }
