@@ -110,10 +110,35 @@ fn primary_killed_backup_resumes_the_guest() {
     std::io::Write::write_all(&mut c, b"GET /metrics HTTP/1.0\r\n\r\n").unwrap();
     let mut text = String::new();
     std::io::Read::read_to_string(&mut c, &mut text).unwrap();
+    let sample = |prefix: &str, suffix: &str| {
+        text.lines()
+            .any(|l| l.starts_with(prefix) && l.contains(suffix))
+    };
+    // Every sample names the VM and the node (the host name without --node).
     assert!(
-        text.contains("tandem_pause_seconds_bucket{le=\"+Inf\"}")
-            && text.contains("tandem_acked_epoch"),
+        sample(
+            "tandem_pause_seconds_bucket{vm=\"0\",node=\"",
+            ",le=\"+Inf\"}"
+        ) && sample("tandem_acked_epoch{vm=\"0\",node=\"", "} ")
+            && sample("process_resident_memory_bytes{vm=\"0\"", "} "),
         "{text}"
+    );
+    // Prometheus' own linter accepts the live endpoint's page.
+    let body = text.split_once("\r\n\r\n").expect("HTTP response").1;
+    let mut promtool = std::process::Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("promtool (Debian package prometheus): run `tandem-lab setup`");
+    std::io::Write::write_all(&mut promtool.stdin.take().unwrap(), body.as_bytes()).unwrap();
+    let lint = promtool.wait_with_output().unwrap();
+    assert!(
+        lint.status.success(),
+        "promtool check metrics: {}{}\n{body}",
+        String::from_utf8_lossy(&lint.stdout),
+        String::from_utf8_lossy(&lint.stderr)
     );
     let lines = std::fs::read_to_string(&jsonl).unwrap();
     let first: serde_json::Value =
@@ -139,7 +164,10 @@ fn primary_killed_backup_resumes_the_guest() {
             "{k} missing in {first}"
         );
     }
-    assert!(text.contains("tandem_role{role=\"primary\"} 1"), "{text}");
+    assert!(
+        sample("tandem_role{vm=\"0\",", ",role=\"primary\"} 1"),
+        "{text}"
+    );
     // `tandem status`: every daemon's control socket in the run directory.
     let st = status(run.path());
     assert_eq!(st.len(), 2, "{st:#?}");
@@ -157,7 +185,7 @@ fn primary_killed_backup_resumes_the_guest() {
         .expect("primary reports its zstd level");
     assert!((-7..=19).contains(&level), "{p:#}");
     assert!(b["zstd_level"].is_null(), "{b:#}");
-    assert!(text.contains("\ntandem_zstd_level "), "{text}");
+    assert!(sample("tandem_zstd_level{", "} "), "{text}");
     assert!(
         b["state"].as_str().unwrap().starts_with("protecting"),
         "{b:#}"

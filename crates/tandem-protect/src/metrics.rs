@@ -408,6 +408,10 @@ impl Registry {
                 "1 while the guest is protected (output held for a backup that can fail over)."),
             ("tandem_backup_can_failover", g, b(s.backup_can_failover),
                 "1 while the backup holds a complete committed copy it could fail over to."),
+            ("tandem_runs_guest", g, b(s.who.role == "primary" || s.who.failovers > 0),
+                "1 while this daemon runs the guest (a primary, or a backup that failed over)."),
+            ("tandem_unreplicated", g, b(s.who.unprotected),
+                "1 while the guest runs without a replica and its output passes (recorded in etcd)."),
             ("tandem_reconnects_total", c, s.reconnects.to_string(), "Reconnections to the backup."),
             ("tandem_resyncs_total", c, s.resyncs.to_string(), "Full re-syncs of the backup."),
         ];
@@ -488,7 +492,9 @@ impl Registry {
             help,
             &comps,
         );
-        o
+        process::render(&mut o, s.who.role);
+        let base = process::identity_labels(s.who.vm_id, s.who.node.as_deref());
+        process::with_labels(&o, &base)
     }
 }
 
@@ -624,6 +630,7 @@ fn handle(mut c: TcpStream, reg: &Registry) {
     }
 }
 
+mod process;
 mod who;
 
 #[cfg(test)]

@@ -22,7 +22,7 @@ pub use desc::{Boot, DiskBus, DiskDesc, DiskFormat, NicDesc, NicNet};
 pub use dirty::{DirtyLog, HashLog, ReplayLog, UffdWpLog};
 pub use epoch::{Epoch, EpochSink, Guest};
 pub use mirror::{MirrorHealth, MirrorSlice};
-pub use ram::{GuestRam, MirrorFile, PAGE_SIZE};
 pub use private::{private_dir, PrivateDirError};
+pub use ram::{GuestRam, MirrorFile, PAGE_SIZE};
 pub use stale::clean_stale;
 pub use vm::{DirtyMode, LazyRam, PauseTiming, Vm, VmConfig, VmError};

@@ -46,6 +46,13 @@ fn histogram_buckets_and_quantile_estimates() {
     assert_eq!(h.buckets().next(), Some((0.001, 1)));
 }
 
+/// The exposition without the `vm` and `node` labels every sample carries.
+fn unlabelled(text: &str) -> String {
+    let base = process::identity_labels(0, None);
+    text.replace(&format!("{{{base},"), "{")
+        .replace(&format!("{{{base}}}"), "")
+}
+
 fn registry() -> Registry {
     let r = Registry::default();
     r.sent(&EpochMetrics {
@@ -81,7 +88,7 @@ fn renders_prometheus_text_with_histograms_and_daemon_state() {
     r.inc_reconnects();
     r.inc_resyncs();
     r.set_dropped_frames(9);
-    let text = r.render();
+    let text = unlabelled(&r.render());
     for want in [
         "tandem_epochs_total 1\n",
         "tandem_acked_epoch 1\n",
@@ -123,7 +130,10 @@ fn renders_prometheus_text_with_histograms_and_daemon_state() {
             continue;
         }
         let (name, value) = line.rsplit_once(' ').unwrap();
-        assert!(name.starts_with("tandem_"), "{line}");
+        assert!(
+            name.starts_with("tandem_") || name.starts_with("process_"),
+            "{line}"
+        );
         let v: f64 = value.parse().unwrap();
         if name.contains("_bucket{") {
             assert!(v >= last_bucket, "buckets are cumulative: {line}");
@@ -144,7 +154,7 @@ fn scrape(addr: SocketAddr) -> String {
 fn is_scrape(resp: &str) -> bool {
     resp.starts_with("HTTP/1.0 200 OK\r\n")
         && resp.contains("\r\nContent-Type: text/plain; version=0.0.4\r\n")
-        && resp.contains("\ntandem_acked_epoch 1\n")
+        && unlabelled(resp).contains("\ntandem_acked_epoch 1\n")
 }
 
 #[test]
@@ -224,4 +234,139 @@ fn nine_silent_clients_do_not_stop_the_endpoint() {
         assert!(is_scrape(&scrape(addr)));
     }
     drop(silent);
+}
+
+/// A daemon's registry with every family it can render (but the ownership ones, which need a
+/// fenced daemon: [`OWNER_ONLY`]).
+fn daemon_registry() -> Registry {
+    let r = registry();
+    r.set_identity("backup", 7, Some("host-a".into()));
+    r.set_memory(Some(tandem_consolidate::Usage {
+        pages: 4,
+        plain: 1,
+        zero: 1,
+        shared: 1,
+        patched: 1,
+        ..Default::default()
+    }));
+    r
+}
+
+/// Families rendered only by a daemon that runs with fencing.
+const OWNER_ONLY: &[&str] = &["tandem_owner_generation", "tandem_fenced"];
+
+fn family_names(text: &str) -> std::collections::BTreeSet<String> {
+    text.lines()
+        .filter_map(|l| l.strip_prefix("# TYPE "))
+        .map(|l| l.split(' ').next().unwrap().to_string())
+        .collect()
+}
+
+#[test]
+fn every_sample_names_its_vm_and_node_and_the_process() {
+    let text = daemon_registry().render();
+    for line in text.lines().filter(|l| !l.starts_with('#')) {
+        assert!(
+            line.contains("{vm=\"7\",node=\"host-a\""),
+            "unlabelled sample: {line}"
+        );
+    }
+    for want in [
+        "tandem_info{vm=\"7\",node=\"host-a\",version=\"",
+        "tandem_epochs_total{vm=\"7\",node=\"host-a\"} 1\n",
+        "tandem_pause_seconds_bucket{vm=\"7\",node=\"host-a\",le=\"+Inf\"} 1\n",
+        "tandem_replica_pages{vm=\"7\",node=\"host-a\",kind=\"zero\"} 1\n",
+        "process_resident_memory_bytes{vm=\"7\",node=\"host-a\"} ",
+        "process_cpu_seconds_total{vm=\"7\",node=\"host-a\"} ",
+    ] {
+        assert!(text.contains(want), "{want:?} missing in\n{text}");
+    }
+}
+
+/// `promtool check metrics` (Prometheus' own linter, Debian's `prometheus` package, which
+/// `tandem-lab setup` installs) accepts the exposition.
+#[test]
+fn promtool_accepts_the_exposition() {
+    let text = daemon_registry().render();
+    let mut child = std::process::Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("promtool (Debian package prometheus) is missing: run `tandem-lab setup`");
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(text.as_bytes())
+        .unwrap();
+    let o = child.wait_with_output().unwrap();
+    assert!(
+        o.status.success(),
+        "promtool: {}{}\n{text}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+}
+
+/// The dashboard and the alert rules in dist/ name only metrics a daemon exports.
+#[test]
+fn dashboard_and_rules_name_only_exported_metrics() {
+    let mut exported = family_names(&daemon_registry().render());
+    exported.extend(OWNER_ONLY.iter().map(|s| s.to_string()));
+    let dist = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../dist");
+    for file in ["grafana/tandem.json", "prometheus/tandem.rules.yml"] {
+        let text = std::fs::read_to_string(dist.join(file)).unwrap();
+        let mut used = std::collections::BTreeSet::new();
+        let bytes = text.as_bytes();
+        for (i, _) in text
+            .match_indices("tandem_")
+            .chain(text.match_indices("process_"))
+        {
+            if i > 0 && (bytes[i - 1].is_ascii_alphanumeric() || bytes[i - 1] == b'_') {
+                continue;
+            }
+            let end = text[i..]
+                .find(|c: char| !(c.is_ascii_lowercase() || c == '_'))
+                .map_or(text.len(), |e| i + e);
+            used.insert(text[i..end].to_string());
+        }
+        assert!(used.len() > 5, "{file}: {used:?}");
+        for name in used {
+            let family = ["_bucket", "_sum", "_count"]
+                .iter()
+                .find_map(|s| name.strip_suffix(s))
+                .filter(|f| exported.contains(*f))
+                .unwrap_or(&name);
+            assert!(
+                exported.contains(family),
+                "{file} names {name}, which no daemon exports ({exported:?})"
+            );
+        }
+    }
+}
+
+/// The alert rules load (`promtool check rules`) and fire as their unit tests say
+/// (`promtool test rules`, dist/prometheus/tandem.rules.test.yml).
+#[test]
+fn alert_rules_load_and_pass_their_unit_tests() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../dist/prometheus");
+    for args in [
+        ["check", "rules", "tandem.rules.yml"],
+        ["test", "rules", "tandem.rules.test.yml"],
+    ] {
+        let o = std::process::Command::new("promtool")
+            .args(args)
+            .current_dir(&dir)
+            .output()
+            .expect("promtool (Debian package prometheus) is missing: run `tandem-lab setup`");
+        assert!(
+            o.status.success(),
+            "promtool {}: {}{}",
+            args.join(" "),
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr)
+        );
+    }
 }

@@ -37,6 +37,8 @@ pub const PACKAGES: &[&str] = &[
     "fdisk",
     "openssh-client",
     "postgresql-client",
+    // promtool: the metrics endpoint, alert rules and their unit tests (dist/prometheus).
+    "prometheus",
 ];
 
 const DEBIAN_BUILDER: &str = include_str!("../../../../../guest/debian/build-debian.sh");
