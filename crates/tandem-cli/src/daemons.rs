@@ -264,11 +264,15 @@ pub fn status(a: StatusArgs) -> anyhow::Result<()> {
 /// line on stdout).
 pub fn follow<T>(h: DaemonHandle<T>, json: bool) -> T {
     signals::forward_to(h.stopper());
-    let print = |e: Event| match e {
-        e if json => println!("{}", e.to_json()),
-        Event::Info { text } => println!("{text}"),
-        Event::Warn { text } => eprintln!("{text}"),
-        _ => {}
+    // SIGPIPE is ignored in daemons: a closed stdout must not end (or panic) them.
+    let print = |e: Event| {
+        use std::io::Write as _;
+        let _ = match e {
+            e if json => writeln!(std::io::stdout(), "{}", e.to_json()),
+            Event::Info { text } => writeln!(std::io::stdout(), "{text}"),
+            Event::Warn { text } => writeln!(std::io::stderr(), "{text}"),
+            _ => Ok(()),
+        };
     };
     loop {
         match h.events().recv_timeout(Duration::from_millis(100)) {

@@ -97,6 +97,9 @@ fn from_flags(a: &Args) -> anyhow::Result<Vec<BackupConfig>> {
         if b.peer.is_some() {
             bail!("--replica {n}: --peer (a node that protects the guest again after a failover) is not available in backup-host; run that VM's backup as its own `tandem backup`");
         }
+        if b.json_events {
+            bail!("--replica {n}: --json-events is not available per replica in backup-host (its replicas' events are printed as text lines prefixed with the VM); run that VM's backup as its own `tandem backup` for JSON events");
+        }
         if b.consolidation.given() {
             bail!("--replica {n}: give --consolidate, --clock-s and --restore to backup-host itself: the replicas share one pool");
         }

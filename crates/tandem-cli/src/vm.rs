@@ -17,8 +17,8 @@ pub enum Cmd {
         /// Write the description here (default: stdout).
         #[arg(short = 'o', long)]
         output: Option<PathBuf>,
-        /// Print {"description": ..., "unmapped": [...]} as JSON instead.
-        #[arg(long)]
+        /// Print {"description": ..., "unmapped": [...]} as JSON instead (on stdout).
+        #[arg(long, conflicts_with = "output")]
         json: bool,
     },
     /// Print the VM the flags (and --vm-config) describe, as a description file.

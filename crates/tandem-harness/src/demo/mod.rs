@@ -159,6 +159,17 @@ fn next(seed: &mut u64) -> u64 {
 
 /// Runs the demo.
 pub fn run(a: Args) -> anyhow::Result<()> {
+    let json = a.json;
+    let r = run_demo(a);
+    if let (true, Err(e)) = (json, &r) {
+        // A script reading --json gets a document whatever happened.
+        let v = serde_json::json!({"ok": false, "error": format!("{e:#}")});
+        println!("{v}");
+    }
+    r
+}
+
+fn run_demo(a: Args) -> anyhow::Result<()> {
     match a.vm.as_str() {
         "lab" => {}
         "debian" => return run_debian(a),

@@ -318,6 +318,7 @@ pub fn run(round: usize, o: &Opts<'_>, pb: &ProgressBar) -> anyhow::Result<Round
     if o.backup_tmpfs {
         let _ = std::process::Command::new("umount")
             .arg(rdir.join("backup"))
+            .stdout(std::process::Stdio::null())
             .status();
     }
     r

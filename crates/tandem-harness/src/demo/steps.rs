@@ -83,6 +83,7 @@ pub fn mount_small_tmpfs(dir: &Path, mem_mib: u64) -> anyhow::Result<()> {
             "tandem-fault",
             &dir.display().to_string(),
         ])
+        .stdout(std::process::Stdio::null())
         .status()?;
     if !st.success() {
         bail!("mount -t tmpfs on {} failed", dir.display());
