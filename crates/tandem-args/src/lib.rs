@@ -16,6 +16,7 @@ use tandem_vm::DirtyMode;
 
 /// The VM a command starts.
 #[derive(clap::Args, Clone, Debug)]
+#[command(next_help_heading = "Virtual machine")]
 pub struct VmArgs {
     /// VM description file (TOML, docs/VM_DESCRIPTION.md): how the VM boots, its disks and
     /// NICs; its keys (mem, vcpus, ...) override the flags. `tandem vm import` writes one
@@ -68,6 +69,7 @@ impl VmArgs {
 
 /// Where the guest's NIC goes.
 #[derive(clap::Args, Clone, Debug)]
+#[command(next_help_heading = "Guest network")]
 pub struct SiteArgs {
     /// Network namespace holding the clients' bridge. The guest's NIC then goes through
     /// tandem's relay and a tap on that bridge, and its output is held until acknowledged
@@ -82,7 +84,8 @@ pub struct SiteArgs {
     pub tap: Option<String>,
     /// Guest address on the bridge (CIDR), for a guest that takes it on its kernel command
     /// line (the description's `[boot] address_arg`).
-    #[arg(long, default_value = "10.77.0.2/24")]
+    /// (Hidden: the lab's guests take it; a production guest configures its own address.)
+    #[arg(long, default_value = "10.77.0.2/24", hide = true)]
     pub guest_ip: String,
 }
 
@@ -100,6 +103,7 @@ impl SiteArgs {
 
 /// Fencing flags, the same on both daemons.
 #[derive(clap::Args, Clone, Default)]
+#[command(next_help_heading = "Fencing (etcd)")]
 pub struct FenceArgs {
     /// Fence with the VM's ownership record in this etcd cluster (client URLs,
     /// comma-separated, e.g. http://10.79.0.11:2379,http://10.79.0.12:2379): the backup takes
@@ -153,6 +157,7 @@ impl FenceArgs {
 
 /// Mutual TLS on the replication link, the same on both daemons.
 #[derive(clap::Args, Clone, Default)]
+#[command(next_help_heading = "Replication link security")]
 pub struct TlsArgs {
     /// Encrypt and mutually authenticate the replication link with the files in this
     /// directory: ca.pem, and primary.pem + primary.key or backup.pem + backup.key (what

@@ -17,118 +17,129 @@ use tandem_args::{FenceArgs, SiteArgs, TlsArgs, VmArgs};
 #[derive(clap::Args)]
 pub struct PrimaryArgs {
     /// Backup address (host:port).
-    #[arg(long)]
+    #[arg(long, help_heading = "Replication")]
     pub backup: String,
     #[command(flatten)]
     pub vm: VmArgs,
     #[command(flatten)]
     pub site: SiteArgs,
     /// Directory for the data disk and sockets (default: a temporary directory).
-    #[arg(long)]
+    #[arg(long, help_heading = "Service and monitoring")]
     pub dir: Option<PathBuf>,
     /// Epoch length in milliseconds (with `--schedule adaptive`: the longest epoch).
-    #[arg(long, default_value_t = 100)]
+    #[arg(long, default_value_t = 100, help_heading = "Checkpoint schedule")]
     pub epoch_ms: u64,
     /// When to checkpoint: `fixed` (every --epoch-ms) or `adaptive` (seed 002: as soon as
     /// network output waits and the previous checkpoint is acknowledged, when the disk writes
     /// reach 32 MiB, else after --epoch-ms; docs/SCHEDULING.md).
-    #[arg(long, default_value = "fixed")]
+    #[arg(long, default_value = "fixed", help_heading = "Checkpoint schedule")]
     pub schedule: ScheduleArg,
     /// With `--schedule adaptive`: the shortest run between two pauses, in ms (the guest also
     /// runs at least as long as the last pause took).
-    #[arg(long, default_value_t = 2)]
+    #[arg(long, default_value_t = 2, help_heading = "Checkpoint schedule")]
     pub min_run_ms: u64,
     /// With `--schedule adaptive`: while output keeps coming, the guest runs at least this
     /// many times as long as the last pause (1.0: half of the time is the guest's).
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, help_heading = "Checkpoint schedule")]
     pub run_per_pause: f64,
     /// With `--schedule adaptive`: dirty-page-set convergence (seed 002) — end the epoch once
     /// the dirty count grew by less than this percentage over 10 ms (the paper: 5); 0: off.
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, help_heading = "Checkpoint schedule")]
     pub converge_pct: f64,
     /// With `--schedule adaptive`: seed 002's stop threshold as time — while output waits for
     /// an acknowledgement, suspend the guest once its dirty set is as large as the link ships
     /// (encode to acknowledgement, measured) in this many ms; 0: off.
-    #[arg(long, default_value_t = 20)]
+    #[arg(long, default_value_t = 20, help_heading = "Checkpoint schedule")]
     pub stop_budget_ms: u64,
     /// How device state is captured after the first checkpoint: `xen-save` (QMP
     /// `xen-save-devices-state`, framed as a migration stream; falls back to `migrate` by
     /// itself if QEMU refuses it) or `migrate` (always a full migration to a pipe).
-    #[arg(long, default_value = "xen-save", value_parser = ["xen-save", "migrate"])]
+    #[arg(long, default_value = "xen-save", value_parser = ["xen-save", "migrate"], help_heading = "Replication")]
     pub devstate: String,
     /// For benchmarks: end protection and shut the guest down after this many seconds
     /// (default: run until stopped).
-    #[arg(long)]
+    #[arg(long, help_heading = "Service and monitoring")]
     pub duration: Option<u64>,
     /// Memory codec.
-    #[arg(long, default_value = "tandem")]
+    #[arg(long, default_value = "tandem", help_heading = "Replication")]
     pub codec: Codec,
     /// zstd level of the memory records: `auto` (chosen per epoch, -5 to 3, lower when the
     /// encoder is slower than the link and higher when the link is the bottleneck; each
     /// epoch's level is in the metrics lines) or a fixed level.
-    #[arg(long, default_value = "auto", value_parser = parse_level)]
+    #[arg(long, default_value = "auto", value_parser = parse_level, help_heading = "Replication")]
     pub zstd_level: Level,
     /// Threads of the memory encoder. More pay on large epochs when the host has cores to
     /// spare beside QEMU: the per-page work splits from 1 024 dirty pages on (the compressed
     /// store's tier from 64).
-    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=64))]
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=64), help_heading = "Replication")]
     pub encoder_threads: u16,
     /// Identifier of the protected VM (the backup refuses frames of any other).
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, help_heading = "Replication")]
     pub vm_id: u64,
     /// Send a heartbeat when nothing else was sent for this long.
-    #[arg(long, default_value_t = 100)]
+    #[arg(long, default_value_t = 100, help_heading = "Replication")]
     pub heartbeat_ms: u64,
     /// The backup is lost when an epoch stays unacknowledged this long (also the socket's
     /// TCP_USER_TIMEOUT); output stays held and the primary reconnects.
-    #[arg(long, default_value_t = 2000)]
+    #[arg(long, default_value_t = 2000, help_heading = "Replication")]
     pub ack_timeout_ms: u64,
     /// Kill QEMU when the main loop makes no progress for this long (a hung QEMU), so that
     /// the backup takes over. Default: the larger of 3 s and 20 epochs.
-    #[arg(long)]
+    #[arg(long, help_heading = "Replication")]
     pub stall_ms: Option<u64>,
     /// Append one JSON line per acknowledged epoch to this file.
-    #[arg(long)]
+    #[arg(long, help_heading = "Service and monitoring")]
     pub metrics_jsonl: Option<PathBuf>,
     /// Serve Prometheus metrics on this address (GET /metrics).
-    #[arg(long)]
+    #[arg(long, help_heading = "Service and monitoring")]
     pub metrics_listen: Option<String>,
     #[command(flatten)]
     pub fence: FenceArgs,
     /// The control socket `tandem status` asks (default: /run/tandem/primary-vmID-PID.sock).
-    #[arg(long)]
+    #[arg(long, help_heading = "Service and monitoring")]
     pub control: Option<PathBuf>,
     #[command(flatten)]
     pub tls: TlsArgs,
     /// The name the backup's certificate must carry (default: the host of --backup).
-    #[arg(long)]
+    #[arg(long, help_heading = "Replication")]
     pub tls_server_name: Option<String>,
     /// Print every event (status lines, role and protection changes, epochs, failover) as
     /// one JSON object per line on stdout, instead of the status lines.
-    #[arg(long)]
+    #[arg(long, help_heading = "Service and monitoring")]
     pub json_events: bool,
     #[command(flatten)]
     pub faults: tandem_args::FaultArgs,
     /// This node's own replication address (host:port): after a planned switchover
     /// (`tandem switchover`) it serves as the backup of the guest there, and while it runs
     /// the guest it turns away old copies that connect. Without it a switchover is refused.
-    #[arg(long)]
+    #[arg(
+        long,
+        help_heading = "Switchover (this node serves as the backup afterwards)"
+    )]
     pub listen: Option<String>,
     /// With --listen: the backup role's directory for the mirror and disk copy (a tmpfs).
-    #[arg(long, requires = "listen")]
+    #[arg(
+        long,
+        requires = "listen",
+        help_heading = "Switchover (this node serves as the backup afterwards)"
+    )]
     pub backup_dir: Option<PathBuf>,
     /// With --listen: the backup role fails over when the primary has been silent this long.
-    #[arg(long, default_value_t = 500)]
+    #[arg(
+        long,
+        default_value_t = 500,
+        help_heading = "Switchover (this node serves as the backup afterwards)"
+    )]
     pub timeout_ms: u64,
 }
 
 #[derive(clap::Args)]
 pub struct BackupArgs {
     /// Address to listen on (host:port).
-    #[arg(long)]
+    #[arg(long, help_heading = "Replication")]
     pub listen: String,
     /// Directory for the mirror file, disk copy and sockets (use a tmpfs such as /dev/shm).
-    #[arg(long)]
+    #[arg(long, help_heading = "Service and monitoring")]
     pub dir: PathBuf,
     /// The VM as the primary runs it (the standby uses the same command line).
     #[command(flatten)]
@@ -137,28 +148,28 @@ pub struct BackupArgs {
     pub site: SiteArgs,
     /// Fail over when the primary has been silent this long (down to 100 ms: the primary's
     /// heartbeat shortens itself to a quarter of it).
-    #[arg(long, default_value_t = 500)]
+    #[arg(long, default_value_t = 500, help_heading = "Replication")]
     pub timeout_ms: u64,
     /// Fail over when the primary's epochs have not advanced for this long although it still
     /// sends heartbeats (a primary stuck in QEMU); also how long a primary whose frame was
     /// refused has to reconnect. Default: 3 × --timeout-ms.
-    #[arg(long)]
+    #[arg(long, help_heading = "Replication")]
     pub stall_ms: Option<u64>,
     /// Write a JSON report of the failover here.
-    #[arg(long)]
+    #[arg(long, help_heading = "Service and monitoring")]
     pub report: Option<PathBuf>,
     #[command(flatten)]
     pub consolidation: ConsolidateArgs,
     /// The protected VM's identifier (its ownership record in etcd, with --etcd).
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, help_heading = "Replication")]
     pub vm_id: u64,
     #[command(flatten)]
     pub fence: FenceArgs,
     /// Serve Prometheus metrics on this address (GET /metrics).
-    #[arg(long)]
+    #[arg(long, help_heading = "Service and monitoring")]
     pub metrics_listen: Option<String>,
     /// The control socket `tandem status` asks (default: /run/tandem/backup-vmID-PID.sock).
-    #[arg(long)]
+    #[arg(long, help_heading = "Service and monitoring")]
     pub control: Option<PathBuf>,
     #[command(flatten)]
     pub tls: TlsArgs,
@@ -166,20 +177,35 @@ pub struct BackupArgs {
     /// to a backup at this address (host:port; typically the old primary's host, restarted
     /// as `tandem backup`, or one that took part in a switchover). Without it the resumed
     /// guest runs unprotected until stopped.
-    #[arg(long)]
+    #[arg(
+        long,
+        help_heading = "Re-protection (after this node resumed the guest)"
+    )]
     pub peer: Option<String>,
     /// With --peer: epoch length in milliseconds once this node protects the guest.
-    #[arg(long, default_value_t = 100)]
+    #[arg(
+        long,
+        default_value_t = 100,
+        help_heading = "Re-protection (after this node resumed the guest)"
+    )]
     pub epoch_ms: u64,
     /// With --peer: the next backup is lost when an epoch stays unacknowledged this long.
-    #[arg(long, default_value_t = 2000)]
+    #[arg(
+        long,
+        default_value_t = 2000,
+        help_heading = "Re-protection (after this node resumed the guest)"
+    )]
     pub ack_timeout_ms: u64,
     /// With --peer: the name the next backup's certificate must carry (default: its host).
-    #[arg(long, requires = "peer")]
+    #[arg(
+        long,
+        requires = "peer",
+        help_heading = "Re-protection (after this node resumed the guest)"
+    )]
     pub tls_server_name: Option<String>,
     /// Print every event (status lines, epochs committed, failover) as one JSON object per
     /// line on stdout, instead of the status lines.
-    #[arg(long)]
+    #[arg(long, help_heading = "Service and monitoring")]
     pub json_events: bool,
 }
 

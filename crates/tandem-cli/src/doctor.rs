@@ -123,8 +123,8 @@ fn preload() -> Result<String, (Status, String, String)> {
         .map(|p| p.display().to_string())
         .ok_or((
             Status::Fail,
-            "libtandem_preload.so not found next to the tandem binary".into(),
-            "build the whole workspace: cargo build --release --workspace".into(),
+            "libtandem_preload.so not found (next to the tandem binary, in ../lib/tandem or /usr/lib/tandem)".into(),
+            "install the tandem package (it puts it in /usr/lib/tandem), or build the whole workspace: cargo build --release --workspace".into(),
         ))
 }
 

@@ -1,5 +1,6 @@
 //! `tandem`: the command-line front end. Thin glue over the library crates.
 
+mod assets;
 mod checkpoint;
 mod daemons;
 mod doctor;
@@ -55,6 +56,11 @@ enum Cmd {
     /// VM descriptions: import from libvirt, show, check.
     #[command(subcommand)]
     Vm(vm::Cmd),
+    /// Print a shell completion script (the package installs them).
+    Completions(assets::CompletionArgs),
+    /// Write man pages (tandem(1), tandem-primary(1), ...) into a directory.
+    #[command(hide = true)]
+    Manpages(assets::ManArgs),
 }
 
 fn main() {
@@ -65,7 +71,13 @@ fn main() {
     // EPIPE instead).
     if matches!(
         cli.cmd,
-        Cmd::Vm(_) | Cmd::Status(_) | Cmd::Keys(_) | Cmd::Switchover(_) | Cmd::Fence(_)
+        Cmd::Vm(_)
+            | Cmd::Status(_)
+            | Cmd::Keys(_)
+            | Cmd::Switchover(_)
+            | Cmd::Fence(_)
+            | Cmd::Completions(_)
+            | Cmd::Manpages(_)
     ) {
         // SAFETY: called in main before any other thread exists; SIG_DFL is valid.
         unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
@@ -78,7 +90,13 @@ fn main() {
     // directories, RAM files) goes first.
     if !matches!(
         cli.cmd,
-        Cmd::Vm(_) | Cmd::Status(_) | Cmd::Keys(_) | Cmd::Switchover(_) | Cmd::Fence(_)
+        Cmd::Vm(_)
+            | Cmd::Status(_)
+            | Cmd::Keys(_)
+            | Cmd::Switchover(_)
+            | Cmd::Fence(_)
+            | Cmd::Completions(_)
+            | Cmd::Manpages(_)
     ) {
         tandem_vm::clean_stale();
     }
@@ -94,6 +112,8 @@ fn main() {
         Cmd::Keys(a) => daemons::keys(a),
         Cmd::Switchover(a) => switchover::run(a),
         Cmd::Fence(c) => fence::run(c),
+        Cmd::Completions(a) => assets::completions(a),
+        Cmd::Manpages(a) => assets::manpages(a),
     };
     if let Err(e) = result {
         tandem_args::logging::report_error(&format_args!("{e:#}"));

@@ -108,7 +108,7 @@ fn unit_templates_pass_systemd_analyze_verify() {
     for name in ["tandem-primary@.service", "tandem-backup@.service"] {
         // An instance of the template, with an executable that exists here.
         let text = std::fs::read_to_string(src.join(name)).unwrap().replace(
-            "/usr/local/bin/tandem",
+            "/usr/bin/tandem",
             &tandem_harness::product_exe().unwrap().display().to_string(),
         );
         let unit = dir.path().join(name.replace("@.", "@vm1."));

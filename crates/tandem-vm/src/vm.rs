@@ -227,7 +227,7 @@ impl Vm {
         }
         if mode == DirtyMode::Uffd || lazy {
             let so = preload_path().ok_or_else(|| {
-                VmError::Registration("libtandem_preload.so not found next to the tandem binary; build the whole workspace (cargo build --workspace) or set TANDEM_PRELOAD".into())
+                VmError::Registration("libtandem_preload.so not found (next to the tandem binary, in ../lib/tandem or /usr/lib/tandem): install the tandem package, build the whole workspace (cargo build --workspace) or set TANDEM_PRELOAD".into())
             })?;
             cmd.env("LD_PRELOAD", so)
                 .env("TANDEM_RAM_PATH", &ram_path)

@@ -8,17 +8,25 @@ use std::time::{Duration, Instant};
 
 use super::VmError;
 
-/// Where `libtandem_preload.so` is: `$TANDEM_PRELOAD`, else next to the running executable or
-/// one directory up (tests run from `target/*/deps`).
+/// Where a package installs `libtandem_preload.so` (dist/deb/build.sh).
+pub const INSTALLED_PRELOAD: &str = "/usr/lib/tandem/libtandem_preload.so";
+
+/// Where `libtandem_preload.so` is: `$TANDEM_PRELOAD`; else next to the running executable or
+/// one directory up (a build tree: tests run from `target/*/deps`); else in `../lib/tandem`
+/// beside the executable's directory (`/usr/local/bin` → `/usr/local/lib/tandem`); else
+/// [`INSTALLED_PRELOAD`].
 pub fn preload_path() -> Option<PathBuf> {
     if let Some(p) = std::env::var_os("TANDEM_PRELOAD") {
         return Some(PathBuf::from(p));
     }
     let exe = std::env::current_exe().ok()?;
     let dir = exe.parent()?;
+    let up = dir.parent()?;
     [
         dir.join("libtandem_preload.so"),
-        dir.parent()?.join("libtandem_preload.so"),
+        up.join("libtandem_preload.so"),
+        up.join("lib/tandem/libtandem_preload.so"),
+        PathBuf::from(INSTALLED_PRELOAD),
     ]
     .into_iter()
     .find(|p| p.is_file())

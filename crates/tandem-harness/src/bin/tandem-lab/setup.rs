@@ -33,6 +33,7 @@ pub const PACKAGES: &[&str] = &[
     "zstd",
     // The Debian test VM (`tandem setup --debian`) and its clients.
     "debootstrap",
+    "dpkg-dev", // dpkg-shlibdeps: the Debian package's dependencies (dist/deb/build.sh)
     "grub-pc-bin",
     "fdisk",
     "openssh-client",
