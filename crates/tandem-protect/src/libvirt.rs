@@ -106,10 +106,19 @@ impl Importer {
                 "tandem backs guest RAM with its own shared file (the backing libvirt needs to run the VM under tandem is described in docs/VM_DESCRIPTION.md)",
             ),
             "commandline" => {
-                for a in n.children().filter(|c| c.tag_name().name() == "arg") {
-                    if let Some(v) = a.attribute("value") {
-                        self.file.extra_args.push(v.into());
-                    }
+                let args: Vec<String> = n
+                    .children()
+                    .filter(|c| c.tag_name().name() == "arg")
+                    .filter_map(|a| a.attribute("value").map(String::from))
+                    .collect();
+                // The allow-list decides (tandem_vm::extra_args): arguments that could carry
+                // guest I/O past capture or output commit are named, not carried over.
+                match tandem_vm::desc::check_extra_args(&args) {
+                    Ok(()) => self.file.extra_args.extend(args),
+                    Err(e) => self.skip(
+                        format!("qemu:commandline {}", args.join(" ")),
+                        format!("{e}; none of these arguments was carried over"),
+                    ),
                 }
             }
             "features" => {

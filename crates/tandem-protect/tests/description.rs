@@ -335,3 +335,41 @@ fn libvirt_direct_kernel_boot_and_refusals() {
         assert!(!e.to_string().is_empty());
     }
 }
+
+#[test]
+fn libvirt_commandline_goes_through_the_allow_list() {
+    let domain = |args: &str| {
+        format!(
+            "<domain type='kvm' xmlns:qemu='http://libvirt.org/schemas/domain/qemu/1.0'>\
+             <memory unit='MiB'>512</memory>\
+             <os><type>hvm</type><kernel>/var/lib/tiny/vmlinuz</kernel></os>\
+             <qemu:commandline>{args}</qemu:commandline></domain>"
+        )
+    };
+    let arg = |v: &str| format!("<qemu:arg value='{v}'/>");
+    let ok = domain(&[arg("-cpu"), arg("host"), arg("-no-hpet")].concat());
+    let (f, unmapped) = import(&ok).unwrap();
+    assert_eq!(f.extra_args, ["-cpu", "host", "-no-hpet"]);
+    assert!(unmapped.is_empty(), "{unmapped:?}");
+    // A virtio-serial channel to a host socket would carry guest output past output commit.
+    let bad = domain(
+        &[
+            arg("-chardev"),
+            arg("socket,id=agent,path=/run/agent.sock"),
+            arg("-device"),
+            arg("virtio-serial-pci"),
+        ]
+        .concat(),
+    );
+    let (f, unmapped) = import(&bad).unwrap();
+    assert!(f.extra_args.is_empty(), "{:?}", f.extra_args);
+    let u = unmapped
+        .iter()
+        .find(|u| u.element.starts_with("qemu:commandline"))
+        .expect("the refused arguments are named");
+    assert!(
+        u.why.contains("-chardev") && u.why.contains("allow-list"),
+        "{}",
+        u.why
+    );
+}

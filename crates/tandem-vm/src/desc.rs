@@ -6,6 +6,8 @@
 
 use std::path::{Path, PathBuf};
 
+pub use crate::extra_args::check_extra_args;
+
 /// How the guest boots.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Boot {
@@ -168,68 +170,6 @@ pub const CACHE_MODES: &[&str] = &["writeback", "none", "writethrough", "directs
 /// QEMU aio modes.
 pub const AIO_MODES: &[&str] = &["threads", "native", "io_uring"];
 
-/// QEMU options tandem sets itself, with what to use instead.
-const OWNED: &[(&str, &str)] = &[
-    ("-m", "tandem sizes guest RAM itself: use `mem`"),
-    (
-        "-machine",
-        "tandem sets the machine and its memory backend: use `machine`",
-    ),
-    (
-        "-M",
-        "tandem sets the machine and its memory backend: use `machine`",
-    ),
-    ("-mem-path", "guest RAM is tandem's shared memory backend"),
-    (
-        "-mem-prealloc",
-        "guest RAM is tandem's shared memory backend",
-    ),
-    ("-numa", "guest RAM is one shared memory backend"),
-    ("-smp", "use `vcpus`"),
-    (
-        "-incoming",
-        "tandem starts standbys and restores with -incoming itself",
-    ),
-    (
-        "-S",
-        "tandem starts QEMU paused and runs it when its dirty log is armed",
-    ),
-    ("-daemonize", "tandem supervises QEMU as its child"),
-    ("-qmp", "tandem owns QEMU's QMP socket"),
-    ("-qmp-pretty", "tandem owns QEMU's QMP socket"),
-    ("-monitor", "tandem owns QEMU's monitors"),
-    ("-mon", "tandem owns QEMU's monitors"),
-    (
-        "-serial",
-        "tandem owns the first serial port (the console it reads)",
-    ),
-    ("-accel", "use `accel`"),
-    ("-enable-kvm", "use `accel = \"kvm\"`"),
-    (
-        "-snapshot",
-        "writes would never reach the disk tandem replicates",
-    ),
-    ("-loadvm", "tandem restores checkpoints itself"),
-    ("-kernel", "use [boot] kernel"),
-    ("-initrd", "use [boot] initrd"),
-    ("-append", "use [boot] cmdline"),
-    ("-name", "tandem names its QEMU processes"),
-    ("-nodefaults", "tandem sets it"),
-    ("-drive", DEVICES),
-    ("-blockdev", DEVICES),
-    ("-hda", DEVICES),
-    ("-hdb", DEVICES),
-    ("-hdc", DEVICES),
-    ("-hdd", DEVICES),
-    ("-cdrom", DEVICES),
-    ("-netdev", DEVICES),
-    ("-nic", DEVICES),
-    ("-net", DEVICES),
-];
-
-/// Why disks and NICs must not come in through extra arguments.
-const DEVICES: &str = "describe disks and NICs with [[disk]] and [[nic]]: tandem must capture every disk's writes and hold every NIC's output";
-
 /// The description cannot be honoured.
 #[derive(Debug, thiserror::Error)]
 pub enum DescError {
@@ -240,6 +180,14 @@ pub enum DescError {
         arg: String,
         /// Why tandem refuses it and what to use instead.
         why: &'static str,
+    },
+    /// An extra argument that is not on the allow-list.
+    #[error("extra QEMU argument {arg}: {why}")]
+    NotAllowed {
+        /// The argument.
+        arg: String,
+        /// Why it is refused.
+        why: String,
     },
     /// A memory backend in the extra arguments.
     #[error("extra QEMU argument {0}: guest RAM is tandem's shared memory backend; remove it")]
@@ -271,28 +219,6 @@ pub enum DescError {
 
 fn invalid(msg: impl Into<String>) -> DescError {
     DescError::Invalid(msg.into())
-}
-
-/// Refuses extra QEMU arguments that collide with what tandem owns.
-pub fn check_extra_args(args: &[String]) -> Result<(), DescError> {
-    for a in args {
-        let opt = a.split_once('=').map_or(a.as_str(), |(o, _)| o);
-        let opt = if opt.starts_with("--") {
-            &opt[1..]
-        } else {
-            opt
-        };
-        if let Some((_, why)) = OWNED.iter().find(|(o, _)| *o == opt) {
-            return Err(DescError::Owned {
-                arg: a.clone(),
-                why,
-            });
-        }
-        if a.contains("memory-backend") {
-            return Err(DescError::MemoryBackend(a.clone()));
-        }
-    }
-    Ok(())
 }
 
 /// A MAC address tandem can give a NIC: six hex octets, unicast.
@@ -488,26 +414,6 @@ fn check_disk(d: &DiskDesc) -> Result<(), DescError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn owned_arguments_are_refused_with_what_to_use() {
-        for a in [
-            "-m",
-            "-incoming",
-            "-S",
-            "-daemonize",
-            "-qmp",
-            "--qmp",
-            "-snapshot",
-        ] {
-            let e = check_extra_args(&[a.to_string()]).unwrap_err();
-            assert!(e.to_string().contains(a.trim_start_matches('-')), "{e}");
-        }
-        let e = check_extra_args(&["-object".into(), "memory-backend-ram,id=m,size=1G".into()])
-            .unwrap_err();
-        assert!(e.to_string().contains("memory backend"), "{e}");
-        check_extra_args(&["-rtc".into(), "base=utc".into()]).unwrap();
-    }
 
     #[test]
     fn macs() {

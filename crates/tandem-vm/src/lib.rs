@@ -9,6 +9,7 @@ pub mod desc;
 pub mod devstate;
 pub mod dirty;
 pub mod epoch;
+pub mod extra_args;
 pub mod mirror;
 pub mod private;
 pub mod qemu_args;
