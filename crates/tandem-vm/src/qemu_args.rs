@@ -57,7 +57,9 @@ pub fn qemu_args(
     nics(config, &mut a);
     a.extend([
         "-chardev".into(),
-        format!("file,id=ser0,path={}", serial.display()),
+        // append=on: QEMU opens it O_APPEND, so a rotation that truncates it
+        // (tandem-protect's console follower) leaves no hole.
+        format!("file,id=ser0,path={},append=on", serial.display()),
         "-serial".into(),
         "chardev:ser0".into(),
         "-qmp".into(),

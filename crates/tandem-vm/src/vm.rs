@@ -138,6 +138,8 @@ pub struct Vm {
     pub(crate) suspended: bool,
     /// Guest RAM registered for missing faults ([`VmConfig::lazy_ram`]).
     lazy: Option<LazyRam>,
+    /// Dropped with the VM: helpers that follow it ([`Vm::lifetime`]) end then.
+    life: Arc<()>,
 }
 
 /// A standby's guest RAM registered for userfaultfd missing faults.
@@ -286,6 +288,7 @@ impl Vm {
             last_devstate: None,
             suspended: false,
             lazy: None,
+            life: Arc::new(()),
         };
         devstate::prepare(&mut vm.qmp)?;
         if lazy {
@@ -374,6 +377,12 @@ impl Vm {
     /// Guest RAM mapping.
     pub fn ram(&self) -> &Arc<GuestRam> {
         &self.ram
+    }
+
+    /// A token that stops upgrading once this VM is dropped: a thread that follows the VM
+    /// (its console, say) ends with it, whatever happens to QEMU's pid.
+    pub fn lifetime(&self) -> std::sync::Weak<()> {
+        Arc::downgrade(&self.life)
     }
 
     /// Path of the guest's serial console log.

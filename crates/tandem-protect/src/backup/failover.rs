@@ -119,12 +119,7 @@ pub(super) fn failover(
     vm.resume(&state)
         .map_err(|e| BackupError::Standby("resuming the standby", e))?;
     let resume = detected.elapsed();
-    crate::echo_guest_console(
-        vm.serial_path(),
-        vm.pid(),
-        vm.config().echo.clone(),
-        status.clone(),
-    );
+    crate::echo_guest_console(&vm, status.clone());
     let running_at_ms = unix_ms();
     // Move the guest's MAC to this side of the bridge at once (QEMU also announces after an
     // incoming migration; this makes it explicit).

@@ -319,12 +319,7 @@ pub(crate) fn run_in(
         },
         site.disk.as_ref().map_or(0, |d| d.size() >> 20)
     ));
-    crate::echo_guest_console(
-        vm.serial_path(),
-        vm.pid(),
-        vm.config().echo.clone(),
-        status.clone(),
-    );
+    crate::echo_guest_console(&vm, status.clone());
     let guest = Guest {
         vm,
         fencing,
