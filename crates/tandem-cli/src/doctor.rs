@@ -17,11 +17,13 @@ pub struct Args {
     /// QEMU binary to check.
     #[arg(long, default_value = "qemu-system-x86_64")]
     pub qemu: std::path::PathBuf,
+    #[command(flatten)]
+    pub site: crate::doctor_site::SiteChecks,
 }
 
 #[derive(Serialize, Clone, Copy, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
-enum Status {
+pub(crate) enum Status {
     Ok,
     Warn,
     Fail,
@@ -218,12 +220,30 @@ fn selftest(qemu: &std::path::Path) -> Result<String, (Status, String, String)> 
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
+    use crate::doctor_site as site;
+    let s = &args.site;
+    let described = s.vm_config.as_ref().map(|p| site::vm(p, &s.state_dir));
+    let mem = described.as_ref().and_then(|d| d.1).unwrap_or(256);
     let mut checks = vec![
         check("kernel", kernel()),
+        check("kvm", site::kvm()),
         check("qemu", qemu(&args.qemu)),
-        check("dev-shm", shm(256)),
+        check("dev-shm", shm(mem)),
         check("preload-library", preload()),
     ];
+    if let Some((desc, _, room)) = described {
+        checks.push(check("vm-description", desc));
+        checks.push(check("disk-replica-room", room));
+    }
+    if let Some(b) = &s.bridge {
+        checks.push(check("bridge", site::bridge(b, s.tap_netns.as_deref())));
+    }
+    if let Some(p) = &s.peer {
+        checks.push(check("peer", site::peer(p)));
+    }
+    if !s.fence.etcd.is_empty() {
+        checks.push(check("etcd", site::etcd(&s.fence, s.vm_id)));
+    }
     let blocking = checks.iter().any(|c| c.status == Status::Fail);
     if !args.no_selftest {
         checks.push(if blocking {
@@ -250,9 +270,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                 Status::Warn => "WARN",
                 Status::Fail => "FAIL",
             };
-            println!("[{tag}] {:<16} {}", c.name, c.detail);
+            println!("[{tag}] {:<18} {}", c.name, c.detail);
             if let Some(f) = &c.fix {
-                println!("       {:<16} fix: {f}", "");
+                println!("       {:<18} fix: {f}", "");
             }
         }
         println!(

@@ -4,6 +4,7 @@ mod assets;
 mod checkpoint;
 mod daemons;
 mod doctor;
+mod doctor_site;
 mod fence;
 mod host;
 mod signals;
@@ -29,7 +30,9 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
-    /// Check kernel, QEMU, /dev/shm and the guest image; run a boot/log/checkpoint/restore self-test.
+    /// Check kernel, KVM, QEMU, /dev/shm and the preload library, run a
+    /// boot/log/checkpoint/restore self-test; with flags, also a VM description and room for
+    /// its disk replica, the bridge, the peer and etcd.
     Doctor(doctor::Args),
     /// Boot a guest, checkpoint it every epoch (no replication) and show live statistics.
     Watch(watch::Args),

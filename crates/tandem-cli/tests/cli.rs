@@ -215,3 +215,46 @@ fn bad_arguments_are_usage_errors() {
     let o = tandem(&["backup", "--listen", "not-an-address"]);
     assert_eq!(o.status.code(), Some(2), "{}", text(&o));
 }
+
+#[test]
+fn doctor_checks_what_production_needs_when_asked() {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let peer = listener.local_addr().unwrap().to_string();
+    let closed = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().to_string()
+    };
+    let run = |peer: &str| {
+        let o = tandem(&[
+            "doctor",
+            "--json",
+            "--no-selftest",
+            "--bridge",
+            "tandem-nonexistent",
+            "--peer",
+            peer,
+        ]);
+        let v: serde_json::Value =
+            serde_json::from_slice(&o.stdout).unwrap_or_else(|_| panic!("{}", text(&o)));
+        (o.status.success(), v)
+    };
+    let status = |v: &serde_json::Value, name: &str| {
+        v["checks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["name"] == name)
+            .unwrap_or_else(|| panic!("no {name} check in {v:#}"))["status"]
+            .as_str()
+            .unwrap()
+            .to_string()
+    };
+    let (ok, v) = run(&peer);
+    assert!(!ok, "a missing bridge fails: {v:#}");
+    assert_eq!(status(&v, "bridge"), "fail");
+    assert_eq!(status(&v, "peer"), "ok");
+    assert!(["ok", "warn"].contains(&status(&v, "kvm").as_str()));
+    let (_, v) = run(&closed);
+    assert_eq!(status(&v, "peer"), "fail", "{v:#}");
+    drop(listener);
+}
