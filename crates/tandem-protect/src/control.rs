@@ -236,6 +236,17 @@ pub fn describe(v: &serde_json::Value) -> String {
     if let Some(l) = f("zstd_level").as_i64() {
         line += &format!(", zstd level {l}");
     }
+    if let Some(p) = f("progress").as_object() {
+        line += &format!(
+            "; {} {}% of {} MiB",
+            p["what"].as_str().unwrap_or("copy"),
+            p["percent"],
+            p["total_bytes"].as_u64().unwrap_or(0) >> 20
+        );
+        if let Some(eta) = p["eta_s"].as_f64() {
+            line += &format!(", about {eta:.0} s left");
+        }
+    }
     line += &format!("; link {}", f("link").as_str().unwrap_or("?"));
     if let Some(p) = f("peer").as_str() {
         line += &format!(" to {p}");

@@ -24,6 +24,7 @@ pub mod libvirt;
 mod metrics;
 pub mod node;
 pub mod primary;
+mod progress;
 pub mod restorer;
 mod service;
 pub mod site;

@@ -307,11 +307,20 @@ impl Site {
     /// into the replica, each finished with its full pass before this returns. A no-op
     /// without writable disks.
     pub fn start_capture(&self, vm: &mut tandem_vm::Vm) -> Result<(), tandem_vm::VmError> {
+        self.start_capture_with(vm, &mut |_, _| {})
+    }
+
+    /// [`Site::start_capture`], calling `progress(done, total)` during the full pass.
+    pub fn start_capture_with(
+        &self,
+        vm: &mut tandem_vm::Vm,
+        progress: &mut dyn FnMut(u64, u64),
+    ) -> Result<(), tandem_vm::VmError> {
         let Some(sock) = self.nbd_sock.as_ref().filter(|_| !self.mirrors.is_empty()) else {
             return Ok(());
         };
         vm.share_mirror_health(self.mirror_health.clone());
-        vm.start_mirrors(sock, &self.mirrors, self.capture_timeout())
+        vm.start_mirrors(sock, &self.mirrors, self.capture_timeout(), progress)
     }
 
     /// Disk bytes written since the last take of the write log (0 without a disk).

@@ -46,12 +46,15 @@ fn job(i: usize) -> String {
 
 impl Vm {
     /// Starts mirroring `slices` into the NBD export on `socket` and waits until every job
-    /// finished its full pass (`timeout` for all). Jobs of an earlier call are cancelled first.
+    /// finished its full pass (`timeout` for all), calling `progress(done, total)` (bytes of
+    /// all jobs, as QEMU reports them) while it waits. Jobs of an earlier call are cancelled
+    /// first.
     pub fn start_mirrors(
         &mut self,
         socket: &Path,
         slices: &[MirrorSlice],
         timeout: Duration,
+        progress: &mut dyn FnMut(u64, u64),
     ) -> Result<(), VmError> {
         self.cancel_mirrors();
         for s in slices {
@@ -84,6 +87,7 @@ impl Vm {
         loop {
             let jobs = self.qmp.execute("query-block-jobs", None)?;
             let mut ready = 0;
+            let (mut done, mut total) = (0, 0);
             for j in jobs.as_array().into_iter().flatten() {
                 let ours = j["device"]
                     .as_str()
@@ -91,6 +95,8 @@ impl Vm {
                 if !ours {
                     continue;
                 }
+                done += j["offset"].as_u64().unwrap_or(0);
+                total += j["len"].as_u64().unwrap_or(0);
                 if j["status"] == "concluded" || j["status"] == "aborting" {
                     return Err(VmError::Mirror(format!(
                         "disk mirror {} ended during its first pass: {}",
@@ -102,6 +108,7 @@ impl Vm {
                     ready += 1;
                 }
             }
+            progress(done, total);
             if ready == self.mirrors.len() {
                 break;
             }

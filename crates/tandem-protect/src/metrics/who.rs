@@ -23,6 +23,8 @@ pub(super) struct Who {
     pub(super) last_switchover: Option<serde_json::Value>,
     /// A backup with consolidated memory: where its replica's pages are.
     pub(super) memory: Option<tandem_consolidate::Usage>,
+    /// A long copy under way ([`crate::progress::Progress`]).
+    pub(super) progress: Option<serde_json::Value>,
 }
 
 /// Identity, state and the status document.
@@ -105,6 +107,11 @@ impl Registry {
         self.emit(changed.then_some(Event::Unreplicated { on: unprotected }));
     }
 
+    /// A long copy under way (`None`: none).
+    pub fn set_progress(&self, progress: Option<serde_json::Value>) {
+        self.lock().who.progress = progress;
+    }
+
     /// A backup with consolidated memory: where its replica's pages are now.
     pub fn set_memory(&self, usage: Option<tandem_consolidate::Usage>) {
         self.lock().who.memory = usage;
@@ -183,6 +190,7 @@ impl Registry {
             "switchovers": w.switchovers,
             "last_switchover": w.last_switchover,
             "uptime_s": now.saturating_sub(w.started_ms) / 1000,
+            "progress": w.progress,
             "memory": w.memory.map(|u| serde_json::json!({
                 "pages": u.pages, "plain": u.plain + u.pooled_raw, "zero": u.zero,
                 "shared": u.shared, "patched": u.patched, "compressed": u.compressed,

@@ -394,7 +394,21 @@ fn protect(
         // A full pass over every disk: progress for systemd's watchdog, not a hang.
         fe.beat
             .allow(site.capture_timeout() + Duration::from_secs(30));
-        match site.start_capture(&mut vm) {
+        let mut progress = None;
+        let captured = site.start_capture_with(&mut vm, &mut |done, total| {
+            progress
+                .get_or_insert_with(|| {
+                    crate::progress::Progress::new(
+                        "first disk mirror",
+                        total,
+                        &status,
+                        &fe.registry,
+                    )
+                })
+                .update(done)
+        });
+        drop(progress);
+        match captured {
             Ok(()) => status.info(format!(
                 "capturing {} writable disk(s) ({} MiB) through QEMU's block layer (blockdev-mirror, write-blocking): first pass done in {:.1} s",
                 site.mirrors.len(),
@@ -602,7 +616,20 @@ fn wait_for_backup(d: &mut Daemon<'_>, vm: &mut Vm) -> Result<Option<Conn>, Prim
             ));
             d.watchdog
                 .allow(d.site.capture_timeout() + Duration::from_secs(30));
-            let r = d.site.start_capture(vm);
+            let mut progress = None;
+            let r = d.site.start_capture_with(vm, &mut |done, total| {
+                progress
+                    .get_or_insert_with(|| {
+                        crate::progress::Progress::new(
+                            "disk re-mirror",
+                            total,
+                            &d.status,
+                            &d.registry,
+                        )
+                    })
+                    .update(done)
+            });
+            drop(progress);
             d.watchdog.beat();
             d.recapture &= r.is_err();
             if let Err(e) = r {

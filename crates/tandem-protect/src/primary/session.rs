@@ -20,6 +20,7 @@ use super::watchdog::Watchdog;
 use super::{PrimaryConfig, PrimaryError};
 use crate::faults::{self, HandoverStep};
 use crate::metrics::Registry;
+use crate::progress::Progress;
 use crate::site::Site;
 use crate::Status;
 
@@ -294,6 +295,13 @@ impl Daemon<'_> {
         link::send(w, &hello)?;
         self.watchdog.beat();
         let mut sent = 0usize;
+        let ram_bytes = ram.len() as u64;
+        let mut progress = Progress::new(
+            "initial copy",
+            ram_bytes + disk_bytes,
+            &self.status,
+            &self.registry,
+        );
         for f in self.proto.base_frames(&ram, 1024) {
             sent += f.payload.len() - 8;
             link::send(w, &f)?;
@@ -301,12 +309,17 @@ impl Daemon<'_> {
             if shared.is_lost() {
                 return Err(CopyError::Link(shared.why()));
             }
+            // A base frame is a run of non-zero pages: its first page, then the pages.
+            let first = f.payload[..8].try_into().map_or(0, u64::from_le_bytes);
+            progress.update(first * tandem_vm::PAGE_SIZE as u64 + (f.payload.len() - 8) as u64);
         }
         let mem_mib = ram.len() >> 20;
         drop(ram);
+        progress.update(ram_bytes);
         if let Some(d) = &site.disk {
-            self.copy_disk(d, w, shared)?;
+            self.copy_disk(d, w, shared, &mut |off| progress.update(ram_bytes + off))?;
         }
+        drop(progress);
         self.status.info(format!(
             "initial copy sent at epoch {}: {} of {} MiB non-zero, data disk {} MiB",
             self.epoch,
@@ -325,6 +338,7 @@ impl Daemon<'_> {
         d: &tandem_disk::Image,
         w: &mut impl Write,
         shared: &Shared,
+        progress: &mut dyn FnMut(u64),
     ) -> Result<(), CopyError> {
         let mut buf = vec![0u8; 1 << 16];
         let mut off = 0u64;
@@ -341,6 +355,7 @@ impl Daemon<'_> {
                 return Err(CopyError::Link(shared.why()));
             }
             off += n as u64;
+            progress(off);
         }
         Ok(())
     }
