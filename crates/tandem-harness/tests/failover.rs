@@ -114,13 +114,14 @@ fn primary_killed_backup_resumes_the_guest() {
         text.lines()
             .any(|l| l.starts_with(prefix) && l.contains(suffix))
     };
-    // Every sample names the VM and the node (the host name without --node).
+    // Every sample names the VM (--vm-id, 1 by default) and the node (the host name without
+    // --node).
     assert!(
         sample(
-            "tandem_pause_seconds_bucket{vm=\"0\",node=\"",
+            "tandem_pause_seconds_bucket{vm=\"1\",node=\"",
             ",le=\"+Inf\"}"
-        ) && sample("tandem_acked_epoch{vm=\"0\",node=\"", "} ")
-            && sample("process_resident_memory_bytes{vm=\"0\"", "} "),
+        ) && sample("tandem_acked_epoch{vm=\"1\",node=\"", "} ")
+            && sample("process_resident_memory_bytes{vm=\"1\"", "} "),
         "{text}"
     );
     // Prometheus' own linter accepts the live endpoint's page.
@@ -165,7 +166,7 @@ fn primary_killed_backup_resumes_the_guest() {
         );
     }
     assert!(
-        sample("tandem_role{vm=\"0\",", ",role=\"primary\"} 1"),
+        sample("tandem_role{vm=\"1\",", ",role=\"primary\"} 1"),
         "{text}"
     );
     // `tandem status`: every daemon's control socket in the run directory.
