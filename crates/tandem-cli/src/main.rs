@@ -7,6 +7,7 @@ mod doctor;
 mod doctor_site;
 mod fence;
 mod host;
+mod list;
 mod signals;
 mod switchover;
 mod vm;
@@ -47,6 +48,9 @@ enum Cmd {
     Keys(daemons::KeysArgs),
     /// What the daemons on this host are doing (role, committed epoch, lag, ownership, link).
     Status(daemons::StatusArgs),
+    /// Every VM of the cluster from etcd: where it runs, its backup, protected or not, its
+    /// committed epoch and lag (what each node's daemon last reported).
+    List(list::Args),
     /// The VMs' ownership records in etcd, and the operator's override.
     #[command(subcommand)]
     Fence(fence::Cmd),
@@ -76,6 +80,7 @@ fn main() {
         cli.cmd,
         Cmd::Vm(_)
             | Cmd::Status(_)
+            | Cmd::List(_)
             | Cmd::Keys(_)
             | Cmd::Switchover(_)
             | Cmd::Fence(_)
@@ -95,6 +100,7 @@ fn main() {
         cli.cmd,
         Cmd::Vm(_)
             | Cmd::Status(_)
+            | Cmd::List(_)
             | Cmd::Keys(_)
             | Cmd::Switchover(_)
             | Cmd::Fence(_)
@@ -115,6 +121,7 @@ fn main() {
         Cmd::Keys(a) => daemons::keys(a),
         Cmd::Switchover(a) => switchover::run(a),
         Cmd::Fence(c) => fence::run(c),
+        Cmd::List(a) => list::run(a),
         Cmd::Completions(a) => assets::completions(a),
         Cmd::Manpages(a) => assets::manpages(a),
     };

@@ -76,6 +76,11 @@ impl FenceConfig {
     pub fn key(&self) -> String {
         format!("{}/vm/{}/owner", self.prefix, self.vm_id)
     }
+
+    /// This node's status report (`tandem list`): `PREFIX/vm/ID/node/NODE`.
+    pub fn report_key(&self) -> String {
+        format!("{}/vm/{}/node/{}", self.prefix, self.vm_id, self.node)
+    }
 }
 
 /// Fencing failed.
@@ -219,6 +224,14 @@ impl Fence {
                 }),
             },
         }
+    }
+
+    /// Writes this node's status report (unconditionally: nothing depends on it; the record
+    /// alone decides who runs the guest).
+    pub fn report(&self, doc: &[u8]) -> Result<(), FenceError> {
+        let put = crate::etcd::Op::Put(self.cfg.report_key(), doc.to_vec(), 0);
+        self.client.txn(&[], &[put], &[])?;
+        Ok(())
     }
 
     /// Reads the record.

@@ -85,6 +85,32 @@ fn tandem(args: &[&str]) -> std::process::Output {
         .unwrap()
 }
 
+/// VM 5 as `tandem list --json` shows it, once `until` holds (within 20 s).
+fn list_until(eps: &str, until: impl Fn(&serde_json::Value) -> bool) -> serde_json::Value {
+    let t = Instant::now();
+    loop {
+        let out = tandem(&["list", "--etcd", eps, "--json"]);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        let vm = v
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|d| d["vm_id"] == 5)
+            .cloned()
+            .unwrap_or_default();
+        if until(&vm) {
+            return vm;
+        }
+        assert!(t.elapsed() < Duration::from_secs(20), "tandem list: {v:#}");
+        std::thread::sleep(Duration::from_millis(500));
+    }
+}
+
 fn sigterm(p: &mut Proc) {
     // SAFETY: SIGTERM to our own child.
     unsafe { libc::kill(p.id() as i32, libc::SIGTERM) };
@@ -161,6 +187,16 @@ fn a_takeover_survives_a_lost_reply_and_the_old_primary_never_boots_again() {
     let (mut p, prx) = primary(&listen, Some(&eps), "5");
     wait_event(&prx, "owner", Duration::from_secs(60), |_| true);
     wait_event(&prx, "acked", Duration::from_secs(120), |_| true);
+    // `tandem list`: the cluster's VMs from etcd, from the daemons' reports.
+    let vm5 = list_until(&eps, |v| v["protected"] == true);
+    let runs_on = vm5["runs_on"].as_str().unwrap().to_string();
+    assert!(runs_on.starts_with("primary@"), "{vm5:#}");
+    assert!(
+        vm5["backup"].as_str().unwrap().starts_with("backup@"),
+        "{vm5:#}"
+    );
+    assert!(vm5["committed_epoch"].as_u64() >= Some(1), "{vm5:#}");
+    assert_eq!(vm5["nodes"][&runs_on]["stale"], false, "{vm5:#}");
 
     // Finding 3: the takeover's transaction commits but its reply is lost; the old campaign
     // gave its lease back and the VM stayed down for good. Now the record read back names
@@ -178,6 +214,21 @@ fn a_takeover_survives_a_lost_reply_and_the_old_primary_never_boots_again() {
         ProxyMode::Pass,
         "the takeover's reply was dropped"
     );
+    let vm5 = list_until(&eps, |v| {
+        v["runs_on"]
+            .as_str()
+            .is_some_and(|n| n.starts_with("backup@"))
+            && v["nodes"][v["runs_on"].as_str().unwrap()]["stale"] == false
+    });
+    assert_eq!(vm5["protected"], false, "{vm5:#}");
+    // The dead primary's report goes stale.
+    let vm5 = list_until(&eps, |v| {
+        v["nodes"].as_object().is_some_and(|n| {
+            n.iter()
+                .any(|(k, r)| k.starts_with("primary@") && r["stale"] == true)
+        })
+    });
+    assert!(vm5["backup"].is_null(), "{vm5:#}");
 
     // Finding 2: the old primary, restarted (a unit's Restart=), must not boot the
     // pre-failover image next to the guest the backup runs: refused, exit status 3.

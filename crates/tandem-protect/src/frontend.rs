@@ -18,6 +18,8 @@ pub struct Frontend {
     pub beat: Beat,
     _control: Option<Control>,
     service: Service,
+    /// Dropped with the frontend: the etcd reporter ends.
+    _reporting: std::sync::Arc<()>,
 }
 
 /// Where and how a daemon serves its frontend.
@@ -26,8 +28,8 @@ pub struct FrontendConfig<'a> {
     pub role: &'static str,
     /// The protected VM.
     pub vm_id: u64,
-    /// This node's name in etcd, if fenced.
-    pub node: Option<String>,
+    /// The VM's fencing (this node's name in etcd, and where it reports for `tandem list`).
+    pub fence: Option<tandem_fence::FenceConfig>,
     /// The control socket (default in the run directory).
     pub control: Option<&'a Path>,
     /// Serve Prometheus metrics on this address.
@@ -42,7 +44,12 @@ impl Frontend {
     pub fn start(c: FrontendConfig<'_>, status: &Status) -> std::io::Result<Frontend> {
         let registry = Registry::default();
         registry.set_events(status.clone());
-        registry.set_identity(c.role, c.vm_id, c.node);
+        let node = c.fence.as_ref().map(|f| f.node.clone());
+        registry.set_identity(c.role, c.vm_id, node);
+        let reporting = std::sync::Arc::new(());
+        if let Some(f) = c.fence {
+            crate::report::spawn(f, registry.clone(), std::sync::Arc::downgrade(&reporting));
+        }
         if let Some(addr) = c.metrics_listen {
             let bound = crate::metrics::serve(addr, registry.clone())?;
             status.info(format!("metrics on http://{bound}/metrics"));
@@ -66,6 +73,7 @@ impl Frontend {
             beat,
             _control: control,
             service,
+            _reporting: reporting,
         })
     }
 

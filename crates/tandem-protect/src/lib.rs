@@ -25,6 +25,7 @@ mod metrics;
 pub mod node;
 pub mod primary;
 mod progress;
+pub mod report;
 pub mod restorer;
 mod service;
 pub mod site;

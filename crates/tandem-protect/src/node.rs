@@ -92,7 +92,7 @@ pub fn run(start: Start, cfg: NodeConfig, status: Status) -> Result<(), NodeErro
                 Start::Backup => "backup",
             },
             vm_id,
-            node: cfg.primary.fence.as_ref().map(|f| f.node.clone()),
+            fence: cfg.primary.fence.clone(),
             control: cfg.primary.control.as_deref(),
             metrics_listen: cfg.primary.metrics_listen.as_deref(),
             switchover: Some(true),

@@ -473,7 +473,7 @@ pub fn run(cfg: BackupConfig, status: Status) -> Result<(), BackupError> {
         crate::frontend::FrontendConfig {
             role: "backup",
             vm_id: cfg.vm_id,
-            node: cfg.fence.as_ref().map(|f| f.node.clone()),
+            fence: cfg.fence.clone(),
             control: cfg.control.as_deref(),
             metrics_listen: cfg.metrics_listen.as_deref(),
             switchover: None,

@@ -247,7 +247,7 @@ pub fn run(cfg: PrimaryConfig, status: Status) -> Result<(), PrimaryError> {
         FrontendConfig {
             role: "primary",
             vm_id: cfg.vm_id,
-            node: cfg.fence.as_ref().map(|f| f.node.clone()),
+            fence: cfg.fence.clone(),
             control: cfg.control.as_deref(),
             metrics_listen: cfg.metrics_listen.as_deref(),
             switchover: Some(false),
