@@ -18,7 +18,7 @@ pub enum PrivateDirError {
     #[error("{0} is not a directory (or is a symbolic link): remove it or choose another --dir")]
     NotDir(PathBuf),
     /// It is a shared directory such as /tmp (sticky bit set).
-    #[error("{0} is a shared directory (sticky bit): give tandem a directory of its own, e.g. /var/lib/tandem/VM")]
+    #[error("{0} is a shared directory (sticky bit, like /tmp or a tmpfs mounted without mode=0700): give tandem a directory of its own (a subdirectory, or mount the tmpfs with -o mode=0700)")]
     Shared(PathBuf),
     /// It belongs to another user.
     #[error(

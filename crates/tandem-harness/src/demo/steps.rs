@@ -73,7 +73,7 @@ pub fn common(o: &Opts<'_>, v: &mut Vec<String>) -> anyhow::Result<()> {
 /// little more; filled up after the backup allocated its files.
 pub fn mount_small_tmpfs(dir: &Path, mem_mib: u64) -> anyhow::Result<()> {
     std::fs::create_dir_all(dir)?;
-    let size = format!("size={}m", mem_mib + 64 + 16);
+    let size = format!("size={}m,mode=0700", mem_mib + 64 + 16);
     let st = std::process::Command::new("mount")
         .args([
             "-t",
