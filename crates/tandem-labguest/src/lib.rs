@@ -149,6 +149,8 @@ pub fn config(name: &str, workload: &str, image: &GuestImage) -> VmConfig {
     }];
     c.ready = Some(READY.into());
     c.echo = ECHO.iter().map(|e| e.to_string()).collect();
+    // Its busybox init has no ACPI handler: a shutdown quits at once.
+    c.shutdown_timeout = std::time::Duration::ZERO;
     c.label = Some(workload.into());
     c.address_arg = Some(ADDRESS_ARG.into());
     c
@@ -180,6 +182,7 @@ pub fn description(workload: &str, image: &GuestImage, scratch_disk_mib: u64) ->
          label = {workload:?}\n\
          ready = {READY:?}\n\
          echo = {ECHO:?}\n\
+         shutdown_timeout_s = 0\n\
          legacy_virtio = true\n\
          scratch_disk_mib = {scratch_disk_mib}\n\
          \n\

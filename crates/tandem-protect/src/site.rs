@@ -323,6 +323,13 @@ impl Site {
         vm.start_mirrors(sock, &self.mirrors, self.capture_timeout(), progress)
     }
 
+    /// Whether the guest's writable disks are this node's volatile copy (a backup's, kept open
+    /// and unlinked in its tmpfs directory): a guest resumed here and shut down leaves no disk
+    /// a fresh boot could use.
+    pub fn disks_are_volatile(&self) -> bool {
+        self._copy.is_some()
+    }
+
     /// Disk bytes written since the last take of the write log (0 without a disk).
     pub fn disk_log_bytes(&self) -> u64 {
         self.disk.as_ref().map_or(0, |d| {

@@ -29,6 +29,10 @@ pub struct VmFile {
     /// Console lines containing one of these are echoed by the daemons.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub echo: Vec<String>,
+    /// Seconds a shutdown waits for the guest to power off after the ACPI power button
+    /// before QEMU quits (0: quit at once).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub shutdown_timeout_s: Option<u64>,
     /// Dirty log (auto, uffd, hash).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub dirty_log: Option<String>,
@@ -155,6 +159,9 @@ impl VmFile {
         }
         c.label = self.label.clone();
         c.echo = self.echo.clone();
+        if let Some(s) = self.shutdown_timeout_s {
+            c.shutdown_timeout = std::time::Duration::from_secs(s);
+        }
         if let Some(l) = self.legacy_virtio {
             c.legacy_virtio = l;
         }
@@ -367,6 +374,7 @@ impl VmFile {
             extra_args: c.extra_args.clone(),
             label: c.label.clone(),
             echo: c.echo.clone(),
+            shutdown_timeout_s: Some(c.shutdown_timeout.as_secs()),
             legacy_virtio: c.legacy_virtio.then_some(true),
             scratch_disk_mib: (c.scratch_disk_mib > 0).then_some(c.scratch_disk_mib),
             ..VmFile::default()

@@ -30,6 +30,9 @@ pub struct VmConfig {
     /// Console lines containing one of these are echoed by the daemons (`guest: ...`), e.g.
     /// an application's progress lines.
     pub echo: Vec<String>,
+    /// A shutdown presses the ACPI power button and waits this long for the guest to power
+    /// off before QEMU quits ([`crate::Vm::shut_down`]); zero: quit at once.
+    pub shutdown_timeout: std::time::Duration,
     /// What the guest runs, in a word, for reports (status, checkpoint metadata); `None`:
     /// `custom`.
     pub label: Option<String>,
@@ -82,6 +85,7 @@ impl VmConfig {
             extra_args: Vec::new(),
             ready: None,
             echo: Vec::new(),
+            shutdown_timeout: std::time::Duration::from_secs(30),
             label: None,
             address_arg: None,
             scratch_disk_mib: 0,

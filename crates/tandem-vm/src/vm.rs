@@ -504,6 +504,28 @@ impl Vm {
         let _ = self.child.wait();
     }
 
+    /// Shuts the guest down cleanly: the ACPI power button, then up to the description's
+    /// shutdown timeout for the guest to power off (its file systems flushed), then QEMU quits.
+    /// Returns whether the guest powered off by itself.
+    pub fn shut_down(mut self) -> bool {
+        let wait = self.config.shutdown_timeout;
+        if !wait.is_zero() && self.qmp.execute("system_powerdown", None).is_ok() {
+            let deadline = Instant::now() + wait;
+            while Instant::now() < deadline {
+                if let Ok(Some(_)) = self.child.try_wait() {
+                    return true;
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            tracing::warn!(
+                "the guest did not power off within {} s of the ACPI power button; QEMU quits",
+                wait.as_secs()
+            );
+        }
+        self.quit();
+        false
+    }
+
     /// Asks QEMU to quit and waits for it.
     pub fn quit(mut self) {
         let _ = self.qmp.execute("quit", None);

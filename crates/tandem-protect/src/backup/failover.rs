@@ -285,7 +285,9 @@ pub(super) fn run_resumed(
             tell_fenced(v, vm_id, epoch, session, status);
         }
     }
-    vm.quit();
+    // The only copy: shut down cleanly (ACPI) rather than pulled from under the guest. Its
+    // record keeps naming this node (its disks were this process's copy).
+    vm.shut_down();
     Ok(())
 }
 

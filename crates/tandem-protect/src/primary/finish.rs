@@ -63,9 +63,18 @@ pub(super) fn finish(
                 "replication ended (duration reached); guest shut down"
             };
             status.info(format!("{what}; {summary}"));
-            vm.quit();
-            if let Some(f) = fencing {
-                f.shutdown();
+            if vm.shut_down() {
+                status.info("the guest powered off");
+            }
+            match fencing {
+                // The guest ran on the backup's copy of its disks, which goes with this
+                // process: recording it stopped would let a fresh boot start from older disks.
+                // The record keeps naming this node; a human decides (docs/OPERATIONS.md).
+                Some(_) if site.disks_are_volatile() => status.warn(
+                    "the guest's disks were this node's volatile copy (a resumed guest): its ownership record stays as it is, so that no fresh boot starts from older disks; `tandem fence stop --generation G` once you have decided",
+                ),
+                Some(f) => f.shutdown(),
+                None => {}
             }
             Ok(Ended::Stopped)
         }
