@@ -47,7 +47,7 @@ for u in dist/systemd/*.service; do
   install -D -m 644 "$u" "$root/lib/systemd/system/$(basename "$u")"
 done
 install -d -m 755 "$root/usr/share/doc/tandem/examples"
-install -m 644 dist/systemd/tandem.env.example "$root/usr/share/doc/tandem/examples/"
+install -m 644 dist/systemd/tandem.env.example dist/systemd/tandem.toml.example "$root/usr/share/doc/tandem/examples/"
 install -m 644 README.md docs/*.md "$root/usr/share/doc/tandem/"
 install -D -m 644 dist/prometheus/tandem.rules.yml "$root/usr/share/tandem/prometheus/tandem.rules.yml"
 install -D -m 644 dist/grafana/tandem.json "$root/usr/share/tandem/grafana/tandem.json"

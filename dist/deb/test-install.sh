@@ -67,7 +67,7 @@ unshare --mount --fork sh -c '
     man -P cat tandem-primary 2>/dev/null | grep -q \"Replicate a VM\"
     bash -n /usr/share/bash-completion/completions/tandem
     test -x /usr/bin/tandem && test -f /usr/lib/tandem/libtandem_preload.so
-    test -f /lib/systemd/system/tandem-primary@.service
+    test -f /lib/systemd/system/tandem@.service
     tandem doctor --json
   "
 ' sh "$root"

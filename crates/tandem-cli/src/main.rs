@@ -8,6 +8,7 @@ mod doctor_site;
 mod fence;
 mod host;
 mod list;
+mod run;
 mod signals;
 mod switchover;
 mod vm;
@@ -21,22 +22,25 @@ use clap::{Parser, Subcommand};
     version,
     about = "High availability and cheap, frequent checkpoints for unmodified QEMU virtual machines"
 )]
-struct Cli {
+pub(crate) struct Cli {
     /// Log level filter (e.g. info, debug, tandem_vm=trace); also RUST_LOG.
     #[arg(long, global = true, default_value = "warn")]
     log: String,
     #[command(subcommand)]
-    cmd: Cmd,
+    pub(crate) cmd: Cmd,
 }
 
 #[derive(Subcommand)]
-enum Cmd {
+pub(crate) enum Cmd {
     /// Check kernel, KVM, QEMU, /dev/shm and the preload library, run a
     /// boot/log/checkpoint/restore self-test; with flags, also a VM description and room for
     /// its disk replica, the bridge, the peer and etcd.
     Doctor(doctor::Args),
     /// Boot a guest, checkpoint it every epoch (no replication) and show live statistics.
     Watch(watch::Args),
+    /// The one daemon per VM per host (unit tandem@VM): reads /etc/tandem/VM.toml, asks etcd
+    /// who runs the VM and starts as that node or as its backup.
+    Run(run::Args),
     /// Replicate a VM to a backup: epochs over TCP, network and disk output commit.
     Primary(daemons::PrimaryArgs),
     /// Receive epochs into a mirror and fail over onto a standby QEMU when the primary is lost.
@@ -114,6 +118,7 @@ fn main() {
         Cmd::Watch(a) => watch::run(a),
         Cmd::Checkpoint(c) => checkpoint::run(c),
         Cmd::Vm(c) => vm::run(c),
+        Cmd::Run(a) => run::run(a),
         Cmd::Primary(a) => daemons::primary(a),
         Cmd::Backup(a) => daemons::backup(a),
         Cmd::BackupHost(a) => host::run(a),
@@ -131,6 +136,18 @@ fn main() {
     }
 }
 
+/// `tandem run` refuses to start: etcd's record says this node ran the only copy (status 3).
+#[derive(Debug)]
+pub struct Fenced(pub String);
+
+impl std::fmt::Display for Fenced {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for Fenced {}
+
 /// Exit status 3: the ownership record in etcd says this node must not run the VM (another
 /// copy runs, or ran last): restarting would change nothing (the units'
 /// RestartPreventExitStatus). 1: any other error.
@@ -142,15 +159,16 @@ fn exit_code(e: &anyhow::Error) -> i32 {
         _ => false,
     };
     let fenced_backup = |b: &BackupError| matches!(b, BackupError::FencedBy(_));
-    let fenced = e.chain().any(|c| {
-        c.downcast_ref::<PrimaryError>().is_some_and(fenced_primary)
-            || c.downcast_ref::<BackupError>().is_some_and(fenced_backup)
-            || c.downcast_ref::<NodeError>().is_some_and(|n| match n {
-                NodeError::Primary(p) => fenced_primary(p),
-                NodeError::Backup(b) => fenced_backup(b),
-                NodeError::Metrics(..) => false,
-            })
-    });
+    let fenced = e.chain().any(|c| c.is::<Fenced>())
+        || e.chain().any(|c| {
+            c.downcast_ref::<PrimaryError>().is_some_and(fenced_primary)
+                || c.downcast_ref::<BackupError>().is_some_and(fenced_backup)
+                || c.downcast_ref::<NodeError>().is_some_and(|n| match n {
+                    NodeError::Primary(p) => fenced_primary(p),
+                    NodeError::Backup(b) => fenced_backup(b),
+                    NodeError::Metrics(..) => false,
+                })
+        });
     if fenced {
         3
     } else {

@@ -105,7 +105,11 @@ fn unit_templates_pass_systemd_analyze_verify() {
     let dir = tempfile::tempdir().unwrap();
     let src = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../dist/systemd");
     let mut units = Vec::new();
-    for name in ["tandem-primary@.service", "tandem-backup@.service"] {
+    for name in [
+        "tandem@.service",
+        "tandem-primary@.service",
+        "tandem-backup@.service",
+    ] {
         // An instance of the template, with an executable that exists here.
         let text = std::fs::read_to_string(src.join(name)).unwrap().replace(
             "/usr/bin/tandem",

@@ -1,0 +1,644 @@
+//! `tandem run --config /etc/tandem/VM.toml`: the one daemon per VM per host (the unit
+//! `tandem@VM`), whatever this node's role. It reads the configuration file, asks etcd's
+//! ownership record who runs the VM, and starts as the node running the guest (`tandem
+//! primary` that can serve as a backup after a switchover) or as the backup of the node that
+//! runs it (`tandem backup` that protects the guest in turn after a failover) — the same file
+//! on both hosts. Flags after the file override its keys.
+//!
+//! ```toml
+//! vm_id = 1
+//! primary = "host-a"                  # the node that boots a new VM
+//! [nodes]                             # every node: its replication address
+//! host-a = "10.0.0.1:7000"
+//! host-b = "10.0.0.2:7000"
+//! [paths]
+//! mirror_dir = "/dev/shm/tandem-web1" # the backup's RAM mirror (a tmpfs)
+//! state_dir = "/var/lib/tandem/web1"  # the primary's working directory
+//! [vm]                                # the VM description (docs/VM_DESCRIPTION.md), or
+//! mem = 1024                          # vm_config = "/etc/tandem/web1.vm.toml" above
+//! [fencing]
+//! etcd = ["https://etcd1:2379"]
+//! [replication]                       # any flag of tandem primary/backup, e.g.
+//! schedule = "adaptive"
+//! [metrics]
+//! listen = "127.0.0.1:9471"
+//! ```
+
+use std::collections::BTreeMap;
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context};
+use clap::CommandFactory;
+
+/// `tandem run`.
+#[derive(clap::Args)]
+pub struct Args {
+    /// The VM's configuration file (TOML; docs/OPERATIONS.md, "One unit per VM").
+    #[arg(long)]
+    pub config: PathBuf,
+    /// This node's name in [nodes] (default: the host name).
+    #[arg(long)]
+    pub node: Option<String>,
+    /// Print the role chosen and the daemon's command line, and exit.
+    #[arg(long)]
+    pub dry_run: bool,
+    /// Flags of `tandem primary` / `tandem backup` that override the file's keys.
+    #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+    pub rest: Vec<String>,
+}
+
+/// Keys whose flag is not `--KEY`: (section, key) → flag.
+const RENAMED: &[(&str, &str, &str)] = &[
+    ("fencing", "prefix", "etcd-prefix"),
+    ("fencing", "ca", "etcd-ca"),
+    ("fencing", "cert", "etcd-cert"),
+    ("fencing", "key", "etcd-key"),
+    ("fencing", "timeout_ms", "etcd-timeout-ms"),
+    ("tls", "dir", "tls-dir"),
+    ("tls", "ca", "tls-ca"),
+    ("tls", "cert", "tls-cert"),
+    ("tls", "key", "tls-key"),
+    ("tls", "server_name", "tls-server-name"),
+    ("metrics", "listen", "metrics-listen"),
+    ("metrics", "jsonl", "metrics-jsonl"),
+    ("control", "socket", "control"),
+];
+
+/// Sections whose keys are flags.
+const FLAG_SECTIONS: &[&str] = &[
+    "replication",
+    "schedule",
+    "network",
+    "fencing",
+    "tls",
+    "metrics",
+    "control",
+];
+
+/// Top-level keys that are not flags.
+const OWN_KEYS: &[&str] = &[
+    "vm_id",
+    "primary",
+    "nodes",
+    "paths",
+    "vm",
+    "vm_config",
+    "node",
+];
+
+/// The role this node starts in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
+    /// It runs the guest (boots it).
+    Primary,
+    /// It serves as the backup of the node running it.
+    Backup,
+}
+
+/// Who starts as what, from the ownership record (`None`: a new VM); `peer` is the other
+/// node of [nodes].
+pub fn decide(
+    record: Option<&tandem_fence::Record>,
+    me: &str,
+    peer: &str,
+    preferred: &str,
+) -> Result<Role, String> {
+    use tandem_fence::State;
+    let by_preference = if me == preferred {
+        Role::Primary
+    } else {
+        Role::Backup
+    };
+    match record {
+        None => Ok(by_preference),
+        // Stopped on purpose: the node that stopped it has the newest disks; stopped by an
+        // operator's override (or a node not in [nodes]): the preferred node boots it.
+        Some(r) if r.state == State::Stopped => Ok(if r.node == me {
+            Role::Primary
+        } else if r.node == peer {
+            Role::Backup
+        } else {
+            by_preference
+        }),
+        Some(r) if r.node != me => Ok(Role::Backup),
+        // This node ran a protected guest and its daemon ended: the backup takes over and
+        // protects the guest onto this node.
+        Some(r) if r.state == State::Protected => Ok(Role::Backup),
+        Some(r) => Err(format!(
+            "etcd says this node ({me}) ran the VM's only copy ({}) and its daemon ended: no other copy can take over. If the guest cannot come back, declare it gone with `tandem fence stop --vm-id ID --generation {}` (what it did since is lost), then start this unit again",
+            r.describe(),
+            r.gen
+        )),
+    }
+}
+
+fn flag_for(section: &str, key: &str) -> String {
+    RENAMED
+        .iter()
+        .find(|(s, k, _)| *s == section && *k == key)
+        .map_or_else(|| key.replace('_', "-"), |(_, _, f)| f.to_string())
+}
+
+fn value_text(v: &toml::Value) -> Option<String> {
+    Some(match v {
+        toml::Value::String(s) => s.clone(),
+        toml::Value::Integer(i) => i.to_string(),
+        toml::Value::Float(f) => f.to_string(),
+        toml::Value::Boolean(_) => return None,
+        toml::Value::Array(a) => a
+            .iter()
+            .filter_map(value_text)
+            .collect::<Vec<_>>()
+            .join(","),
+        _ => return None,
+    })
+}
+
+/// The flags of the file's flag sections, as (flag, value) (`None`: a switch).
+fn file_flags(t: &toml::Table, file: &Path) -> anyhow::Result<Vec<(String, Option<String>)>> {
+    let mut out = Vec::new();
+    for (section, v) in t {
+        if OWN_KEYS.contains(&section.as_str()) {
+            continue;
+        }
+        let Some(table) = v.as_table() else {
+            bail!(
+                "{}: unknown top-level key {section:?} (flags go in a section: {})",
+                file.display(),
+                FLAG_SECTIONS.join(", ")
+            );
+        };
+        if !FLAG_SECTIONS.contains(&section.as_str()) {
+            bail!(
+                "{}: unknown section [{section}] (use {}, nodes, paths, vm)",
+                file.display(),
+                FLAG_SECTIONS.join(", ")
+            );
+        }
+        for (key, value) in table {
+            let flag = flag_for(section, key);
+            match value {
+                toml::Value::Boolean(true) => out.push((flag, None)),
+                toml::Value::Boolean(false) => {}
+                v => match value_text(v) {
+                    Some(text) => out.push((flag, Some(text))),
+                    None => bail!(
+                        "{}: [{section}] {key}: a table is not a value",
+                        file.display()
+                    ),
+                },
+            }
+        }
+    }
+    Ok(out)
+}
+
+fn given(rest: &[String], flag: &str) -> bool {
+    let long = format!("--{flag}");
+    rest.iter()
+        .any(|a| a == &long || a.starts_with(&format!("{long}=")))
+}
+
+/// The command line of the daemon `tandem run` starts (without the program name).
+pub fn command_line(a: &Args, role: Role, file: &Config) -> anyhow::Result<Vec<OsString>> {
+    let me = &file.me;
+    let other = file
+        .nodes
+        .iter()
+        .find(|(n, _)| *n != me)
+        .map(|(_, addr)| addr.clone())
+        .context("[nodes] needs the other node too")?;
+    let own = file.nodes[me].clone();
+    let mut args: Vec<(String, Option<String>)> = vec![
+        ("vm-id".into(), Some(file.vm_id.to_string())),
+        ("node".into(), Some(me.clone())),
+        (
+            "vm-config".into(),
+            Some(file.vm_config.display().to_string()),
+        ),
+    ];
+    match role {
+        Role::Primary => {
+            args.push(("backup".into(), Some(other)));
+            args.push(("listen".into(), Some(own)));
+            args.push(("dir".into(), Some(file.state_dir.display().to_string())));
+            args.push((
+                "backup-dir".into(),
+                Some(file.mirror_dir.display().to_string()),
+            ));
+        }
+        Role::Backup => {
+            args.push(("listen".into(), Some(own)));
+            args.push(("peer".into(), Some(other)));
+            args.push(("dir".into(), Some(file.mirror_dir.display().to_string())));
+        }
+    }
+    args.extend(file.flags.iter().cloned());
+    let sub = match role {
+        Role::Primary => "primary",
+        Role::Backup => "backup",
+    };
+    // Keys the chosen role has no flag for are the other role's (the file serves both).
+    let cmd = crate::Cli::command();
+    let sc = cmd.find_subcommand(sub).context("no daemon subcommand")?;
+    let known = |f: &str| sc.get_arguments().any(|x| x.get_long() == Some(f));
+    let both = ["primary", "backup"].map(|s| cmd.find_subcommand(s).cloned());
+    let mut line: Vec<OsString> = vec![sub.into()];
+    for (flag, value) in args {
+        if given(&a.rest, &flag) {
+            continue; // the command line overrides the file
+        }
+        if !known(&flag) {
+            let elsewhere = both.iter().flatten().any(|c| {
+                c.get_arguments()
+                    .any(|x| x.get_long() == Some(flag.as_str()))
+            });
+            if !elsewhere {
+                bail!(
+                    "{}: no flag --{flag} on tandem primary or tandem backup (see `tandem primary --help`)",
+                    a.config.display()
+                );
+            }
+            continue;
+        }
+        line.push(format!("--{flag}").into());
+        if let Some(v) = value {
+            line.push(v.into());
+        }
+    }
+    // The command line's flags, but those only the other role has (with their values).
+    let mut rest = a.rest.iter().peekable();
+    while let Some(arg) = rest.next() {
+        let name = arg
+            .strip_prefix("--")
+            .map(|n| n.split('=').next().unwrap_or(n));
+        let other_only = name.and_then(|n| {
+            if known(n) {
+                return None;
+            }
+            both.iter()
+                .flatten()
+                .flat_map(|c| c.get_arguments())
+                .find(|x| x.get_long() == Some(n))
+        });
+        match other_only {
+            Some(x) => {
+                let takes_value = x.get_action().takes_values();
+                if takes_value && !arg.contains('=') {
+                    rest.next();
+                }
+            }
+            None => line.push(arg.into()),
+        }
+    }
+    Ok(line)
+}
+
+/// What the file says.
+pub struct Config {
+    /// This node's name.
+    pub me: String,
+    /// The node that boots a new VM.
+    pub preferred: String,
+    /// The VM.
+    pub vm_id: u64,
+    /// Every node's replication address.
+    pub nodes: BTreeMap<String, String>,
+    /// The VM description file (written from [vm] into the state directory if inline).
+    pub vm_config: PathBuf,
+    /// The backup's RAM mirror directory.
+    pub mirror_dir: PathBuf,
+    /// The primary's working directory.
+    pub state_dir: PathBuf,
+    /// The flag sections' flags.
+    pub flags: Vec<(String, Option<String>)>,
+}
+
+/// Reads and checks the file (an inline [vm] is written to STATE_DIR/vm.toml).
+pub fn read(a: &Args) -> anyhow::Result<Config> {
+    let f = &a.config;
+    let text = std::fs::read_to_string(f).with_context(|| format!("reading {}", f.display()))?;
+    let t: toml::Table =
+        toml::from_str(&text).with_context(|| format!("{} is not valid TOML", f.display()))?;
+    let vm_id = t
+        .get("vm_id")
+        .and_then(|v| v.as_integer())
+        .and_then(|v| u64::try_from(v).ok())
+        .with_context(|| format!("{}: vm_id = N is required", f.display()))?;
+    let nodes: BTreeMap<String, String> = match t.get("nodes").and_then(|n| n.as_table()) {
+        Some(n) => n
+            .iter()
+            .map(|(k, v)| {
+                v.as_str()
+                    .map(|s| (k.clone(), s.to_string()))
+                    .with_context(|| format!("{}: [nodes] {k} must be \"host:port\"", f.display()))
+            })
+            .collect::<anyhow::Result<_>>()?,
+        None => bail!(
+            "{}: [nodes] with both nodes' replication addresses is required",
+            f.display()
+        ),
+    };
+    if nodes.len() != 2 {
+        bail!(
+            "{}: [nodes] must name exactly two nodes (this one and its peer)",
+            f.display()
+        );
+    }
+    let host = rustix::system::uname()
+        .nodename()
+        .to_string_lossy()
+        .into_owned();
+    let me = a
+        .node
+        .clone()
+        .or_else(|| t.get("node").and_then(|v| v.as_str()).map(String::from))
+        .unwrap_or(host);
+    if !nodes.contains_key(&me) {
+        bail!(
+            "{}: this node {me:?} is not in [nodes] ({}); name it with --node",
+            f.display(),
+            nodes.keys().cloned().collect::<Vec<_>>().join(", ")
+        );
+    }
+    let preferred = t
+        .get("primary")
+        .and_then(|v| v.as_str())
+        .map(String::from)
+        .unwrap_or_else(|| nodes.keys().next().cloned().unwrap_or_default());
+    if !nodes.contains_key(&preferred) {
+        bail!("{}: primary = {preferred:?} is not in [nodes]", f.display());
+    }
+    let paths = t.get("paths").and_then(|p| p.as_table());
+    let path = |k: &str, default: String| {
+        paths
+            .and_then(|p| p.get(k))
+            .and_then(|v| v.as_str())
+            .map_or_else(|| PathBuf::from(default), PathBuf::from)
+    };
+    let mirror_dir = path("mirror_dir", format!("/dev/shm/tandem-vm{vm_id}"));
+    let state_dir = path("state_dir", format!("/var/lib/tandem/vm{vm_id}"));
+    let vm_config = match (t.get("vm_config").and_then(|v| v.as_str()), t.get("vm")) {
+        (Some(p), None) => PathBuf::from(p),
+        (None, Some(toml::Value::Table(vm))) => {
+            tandem_vm::private_dir(&state_dir)?;
+            let p = state_dir.join("vm.toml");
+            let body = toml::to_string(vm).context("the [vm] table")?;
+            std::fs::write(
+                &p,
+                format!("# written by tandem run from {}\n{body}", f.display()),
+            )
+            .with_context(|| format!("writing {}", p.display()))?;
+            p
+        }
+        (Some(_), Some(_)) => bail!("{}: give either vm_config or [vm], not both", f.display()),
+        _ => bail!(
+            "{}: the VM is described by vm_config = \"FILE\" or a [vm] table",
+            f.display()
+        ),
+    };
+    let flags = file_flags(&t, f)?;
+    Ok(Config {
+        me,
+        preferred,
+        vm_id,
+        nodes,
+        vm_config,
+        mirror_dir,
+        state_dir,
+        flags,
+    })
+}
+
+/// The fencing flags of the file (and of the command line), for reading the record.
+fn fence_args(a: &Args, cfg: &Config) -> anyhow::Result<tandem_args::FenceArgs> {
+    #[derive(clap::Parser)]
+    struct Fencing {
+        #[command(flatten)]
+        f: tandem_args::FenceArgs,
+        #[arg(allow_hyphen_values = true, trailing_var_arg = true)]
+        _rest: Vec<String>,
+    }
+    let mut argv: Vec<String> = vec!["tandem-run".into()];
+    for (flag, v) in &cfg.flags {
+        if flag.starts_with("etcd") && !given(&a.rest, flag) {
+            argv.push(format!("--{flag}"));
+            argv.extend(v.clone());
+        }
+    }
+    let mut rest = a.rest.iter();
+    while let Some(arg) = rest.next() {
+        if arg.starts_with("--etcd") {
+            argv.push(arg.clone());
+            if !arg.contains('=') {
+                argv.extend(rest.next().cloned());
+            }
+        }
+    }
+    let mut f = <Fencing as clap::Parser>::try_parse_from(argv)
+        .map_err(|e| anyhow::anyhow!("{}: the fencing keys: {e}", a.config.display()))?
+        .f;
+    f.node = Some(cfg.me.clone());
+    Ok(f)
+}
+
+/// `tandem run`: decide the role, then run that daemon.
+pub fn run(a: Args) -> anyhow::Result<()> {
+    let cfg = read(&a)?;
+    let fence = fence_args(&a, &cfg)?;
+    let role = match fence.config(cfg.vm_id, "node") {
+        None => bail!(
+            "{}: tandem run decides this node's role from etcd's ownership record: give [fencing] etcd = [...] (or run tandem primary / tandem backup directly)",
+            a.config.display()
+        ),
+        Some(fc) => {
+            let f = tandem_fence::Fence::connect(fc)?;
+            // Wait for etcd: starting without knowing who runs the VM could boot a second copy.
+            let record = loop {
+                match f.read() {
+                    Ok(r) => break r,
+                    Err(e) if e.unknown() => {
+                        tracing::warn!("etcd does not answer yet ({e}); retrying");
+                        std::thread::sleep(std::time::Duration::from_secs(1));
+                    }
+                    Err(e) => return Err(e.into()),
+                }
+            };
+            let peer = cfg.nodes.keys().find(|n| **n != cfg.me).cloned().unwrap_or_default();
+            let role = decide(record.as_ref(), &cfg.me, &peer, &cfg.preferred)
+                .map_err(|why| anyhow::Error::new(crate::Fenced(why)))?;
+            eprintln!(
+                "tandem run: VM {} on node {}: {} ({})",
+                cfg.vm_id,
+                cfg.me,
+                match role {
+                    Role::Primary => "runs the guest",
+                    Role::Backup => "serves as the backup",
+                },
+                record.map_or("a new VM".into(), |r| r.describe())
+            );
+            role
+        }
+    };
+    let line = command_line(&a, role, &cfg)?;
+    if a.dry_run {
+        let text: Vec<String> = line
+            .iter()
+            .map(|s| s.to_string_lossy().into_owned())
+            .collect();
+        println!("tandem {}", text.join(" "));
+        return Ok(());
+    }
+    let mut argv: Vec<OsString> = vec!["tandem".into()];
+    argv.extend(line);
+    let cli = <crate::Cli as clap::Parser>::try_parse_from(argv)
+        .map_err(|e| anyhow::anyhow!("{}: {e}", a.config.display()))?;
+    match cli.cmd {
+        crate::Cmd::Primary(p) => crate::daemons::primary(p),
+        crate::Cmd::Backup(b) => crate::daemons::backup(b),
+        _ => unreachable!("run starts primary or backup"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tandem_fence::{Record, State};
+
+    fn rec(state: State, node: &str) -> Record {
+        Record {
+            gen: 3,
+            state,
+            node: node.into(),
+            session: (state == State::Protected).then_some(7),
+            op: 1,
+            at_ms: 0,
+        }
+    }
+
+    #[test]
+    fn roles_follow_the_ownership_record() {
+        use Role::*;
+        let d = |r: Option<&Record>, me: &str| {
+            let peer = if me == "a" { "b" } else { "a" };
+            decide(r, me, peer, "a")
+        };
+        assert_eq!(d(None, "a"), Ok(Primary));
+        assert_eq!(d(None, "b"), Ok(Backup));
+        let stopped_b = rec(State::Stopped, "b");
+        assert_eq!(
+            d(Some(&stopped_b), "b"),
+            Ok(Primary),
+            "b has the newest disks"
+        );
+        assert_eq!(d(Some(&stopped_b), "a"), Ok(Backup));
+        let by_operator = rec(State::Stopped, "operator");
+        assert_eq!(d(Some(&by_operator), "a"), Ok(Primary));
+        assert_eq!(d(Some(&by_operator), "b"), Ok(Backup));
+        for s in [State::Protected, State::Unprotected] {
+            assert_eq!(d(Some(&rec(s, "b")), "a"), Ok(Backup));
+        }
+        // Restarted after running a protected guest: the backup takes over; this node serves it.
+        assert_eq!(d(Some(&rec(State::Protected, "a")), "a"), Ok(Backup));
+        // Restarted after running the only copy: nothing to resume; the operator decides.
+        let e = d(Some(&rec(State::Unprotected, "a")), "a").unwrap_err();
+        assert!(
+            e.contains("fence stop") && e.contains("--generation 3"),
+            "{e}"
+        );
+    }
+
+    fn args(text: &str, node: &str, rest: &[&str]) -> (tempfile::TempDir, Args) {
+        let dir = tempfile::tempdir().unwrap();
+        let config = dir.path().join("vm.toml");
+        let text = text.replace("STATE", &dir.path().display().to_string());
+        std::fs::write(&config, text).unwrap();
+        let a = Args {
+            config,
+            node: Some(node.into()),
+            dry_run: true,
+            rest: rest.iter().map(|s| s.to_string()).collect(),
+        };
+        (dir, a)
+    }
+
+    const FILE: &str = "vm_id = 4\n[nodes]\na = \"10.0.0.1:7000\"\nb = \"10.0.0.2:7000\"\n\
+        [paths]\nstate_dir = \"STATE/state\"\nmirror_dir = \"STATE/mirror\"\n\
+        [vm]\nmem = 512\n[fencing]\netcd = [\"http://e1:2379\", \"http://e2:2379\"]\n\
+        [replication]\nschedule = \"adaptive\"\ntimeout_ms = 400\n[metrics]\nlisten = \"127.0.0.1:9471\"\n";
+
+    fn line(a: &Args, role: Role) -> String {
+        let cfg = read(a).unwrap();
+        command_line(a, role, &cfg)
+            .unwrap()
+            .iter()
+            .map(|s| s.to_string_lossy().into_owned())
+            .collect::<Vec<_>>()
+            .join(" ")
+    }
+
+    #[test]
+    fn the_file_becomes_each_roles_flags_and_the_command_line_wins() {
+        let (dir, a) = args(FILE, "a", &["--timeout-ms", "250", "--epoch-ms=20"]);
+        let p = line(&a, Role::Primary);
+        assert!(
+            p.starts_with("primary --vm-id 4 --node a --vm-config "),
+            "{p}"
+        );
+        for want in [
+            "--backup 10.0.0.2:7000",
+            "--listen 10.0.0.1:7000",
+            "--etcd http://e1:2379,http://e2:2379",
+            "--schedule adaptive",
+            "--metrics-listen 127.0.0.1:9471",
+            "--timeout-ms 250",
+            "--epoch-ms=20",
+        ] {
+            assert!(p.contains(want), "{want} not in {p}");
+        }
+        assert!(!p.contains("--timeout-ms 400"), "{p}");
+        // The inline [vm] became a description file in the state directory.
+        let vm = std::fs::read_to_string(dir.path().join("state/vm.toml")).unwrap();
+        assert!(vm.contains("mem = 512"), "{vm}");
+        // The backup has no --schedule: left out.
+        let b = line(&a, Role::Backup);
+        assert!(
+            b.starts_with("backup ") && b.contains("--peer 10.0.0.2:7000"),
+            "{b}"
+        );
+        assert!(!b.contains("--schedule"), "{b}");
+    }
+
+    #[test]
+    fn mistakes_in_the_file_are_named() {
+        for (text, says) in [
+            (
+                FILE.replace("[metrics]", "[metric]"),
+                "unknown section [metric]",
+            ),
+            (
+                FILE.replace("timeout_ms = 400", "timeout = 400"),
+                "no flag --timeout",
+            ),
+            (FILE.replace("vm_id = 4", ""), "vm_id = N is required"),
+            (
+                FILE.replace("b = \"10.0.0.2:7000\"", ""),
+                "exactly two nodes",
+            ),
+        ] {
+            let (_d, a) = args(&text, "a", &[]);
+            let e = read(&a)
+                .and_then(|cfg| command_line(&a, Role::Primary, &cfg))
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(says), "{says}: {e}");
+        }
+        let (_d, a) = args(FILE, "c", &[]);
+        assert!(read(&a)
+            .err()
+            .unwrap()
+            .to_string()
+            .contains("not in [nodes]"));
+    }
+}
