@@ -47,6 +47,19 @@ fn connect(f: &FenceArgs, vm_id: u64) -> anyhow::Result<std::sync::Arc<tandem_fe
     Ok(tandem_fence::Fence::connect(cfg)?)
 }
 
+/// A client of the cluster and the prefix every VM's keys are under (`PREFIX/vm/`).
+pub fn cluster(f: &FenceArgs) -> anyhow::Result<(tandem_fence::etcd::Client, String)> {
+    let cfg = f
+        .config(0, "operator")
+        .context("give the etcd cluster with --etcd URL[,URL...]")?;
+    let client = tandem_fence::etcd::Client::with_tls(
+        &cfg.endpoints,
+        cfg.request_timeout,
+        cfg.tls.as_ref(),
+    )?;
+    Ok((client, format!("{}/vm/", cfg.prefix)))
+}
+
 pub fn run(c: Cmd) -> anyhow::Result<()> {
     match c {
         Cmd::Show(a) => show(a),
@@ -66,16 +79,7 @@ fn show(a: ShowArgs) -> anyhow::Result<()> {
             },
         )],
         None => {
-            let cfg = a
-                .fence
-                .config(0, "operator")
-                .context("give the etcd cluster with --etcd URL[,URL...]")?;
-            let client = tandem_fence::etcd::Client::with_tls(
-                &cfg.endpoints,
-                cfg.request_timeout,
-                cfg.tls.as_ref(),
-            )?;
-            let prefix = format!("{}/vm/", cfg.prefix);
+            let (client, prefix) = cluster(&a.fence)?;
             let mut v = Vec::new();
             for (key, kv) in client.range_prefix(&prefix, 10_000)? {
                 let Some(id) = key

@@ -4,7 +4,6 @@
 
 use std::collections::BTreeMap;
 
-use anyhow::Context;
 use serde_json::{json, Value};
 use tandem_args::FenceArgs;
 
@@ -27,16 +26,7 @@ struct Vm {
 }
 
 pub fn run(a: Args) -> anyhow::Result<()> {
-    let cfg = a
-        .fence
-        .config(0, "operator")
-        .context("give the etcd cluster with --etcd URL[,URL...]")?;
-    let client = tandem_fence::etcd::Client::with_tls(
-        &cfg.endpoints,
-        cfg.request_timeout,
-        cfg.tls.as_ref(),
-    )?;
-    let prefix = format!("{}/vm/", cfg.prefix);
+    let (client, prefix) = crate::fence::cluster(&a.fence)?;
     let mut vms: BTreeMap<u64, Vm> = BTreeMap::new();
     for (key, kv) in client.range_prefix(&prefix, 100_000)? {
         let Some(rest) = key.strip_prefix(&prefix) else {

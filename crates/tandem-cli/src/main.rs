@@ -74,23 +74,31 @@ pub(crate) enum Cmd {
     Manpages(assets::ManArgs),
 }
 
+impl Cmd {
+    /// Commands that only ask or print (no daemon, no guest): SIGPIPE kills them quietly and
+    /// they leave other processes' leftovers alone.
+    fn only_prints(&self) -> bool {
+        matches!(
+            self,
+            Cmd::Vm(_)
+                | Cmd::Status(_)
+                | Cmd::List(_)
+                | Cmd::Keys(_)
+                | Cmd::Switchover(_)
+                | Cmd::Fence(_)
+                | Cmd::Completions(_)
+                | Cmd::Manpages(_)
+        )
+    }
+}
+
 fn main() {
     let cli = Cli::parse();
     // Commands that only print behave like other Unix tools when stdout is a closed pipe
     // (`tandem trace info F | head`): die quietly from SIGPIPE instead of failing a write.
     // Never the daemons: a peer that closes its socket must not kill them (writes fail with
     // EPIPE instead).
-    if matches!(
-        cli.cmd,
-        Cmd::Vm(_)
-            | Cmd::Status(_)
-            | Cmd::List(_)
-            | Cmd::Keys(_)
-            | Cmd::Switchover(_)
-            | Cmd::Fence(_)
-            | Cmd::Completions(_)
-            | Cmd::Manpages(_)
-    ) {
+    if cli.cmd.only_prints() {
         // SAFETY: called in main before any other thread exists; SIG_DFL is valid.
         unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
     }
@@ -100,17 +108,7 @@ fn main() {
     tandem_args::logging::init(&cli.log);
     // Whatever killed tandem processes left behind (QEMU runtime directories, working
     // directories, RAM files) goes first.
-    if !matches!(
-        cli.cmd,
-        Cmd::Vm(_)
-            | Cmd::Status(_)
-            | Cmd::List(_)
-            | Cmd::Keys(_)
-            | Cmd::Switchover(_)
-            | Cmd::Fence(_)
-            | Cmd::Completions(_)
-            | Cmd::Manpages(_)
-    ) {
+    if !cli.cmd.only_prints() {
         tandem_vm::clean_stale();
     }
     let result = match cli.cmd {

@@ -2,24 +2,18 @@
 //! etcd-server), with a proxy that drops or delays one member's replies for the ambiguous
 //! outcomes.
 
+mod common;
+
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use common::free_port;
 use tandem_fence::{Fence, FenceConfig, FenceError, Refusal, State};
 use tandem_harness::etcd_cluster::{Cluster, Member, Proxy, ProxyMode};
-use tandem_test_support::free_port;
 
 fn cluster(dir: &std::path::Path) -> Cluster {
-    let members = (1..=3)
-        .map(|i| Member {
-            name: format!("e{i}"),
-            ip: "127.0.0.1".into(),
-            client_port: free_port(),
-            peer_port: free_port(),
-        })
-        .collect();
-    Cluster::start(members, dir, None).expect("etcd cluster (tandem setup installs etcd-server)")
+    common::local_etcd(dir)
 }
 
 fn fence(endpoints: Vec<String>, vm: u64, node: &str) -> Arc<Fence> {

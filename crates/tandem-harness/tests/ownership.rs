@@ -10,20 +10,10 @@ use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use common::{free_port, spawn, wait_event, wait_line, Proc};
-use tandem_harness::etcd_cluster::{Cluster, Member, Proxy, ProxyMode};
+use tandem_harness::etcd_cluster::{Cluster, Proxy, ProxyMode};
 
 fn cluster(dir: &std::path::Path) -> Cluster {
-    let members = (1..=3)
-        .map(|i| Member {
-            name: format!("e{i}"),
-            ip: "127.0.0.1".into(),
-            client_port: free_port(),
-            peer_port: free_port(),
-        })
-        .collect();
-    let d = dir.join("etcd");
-    std::fs::create_dir_all(&d).unwrap();
-    Cluster::start(members, &d, None).unwrap()
+    common::local_etcd(dir)
 }
 
 fn backup(

@@ -11,20 +11,10 @@ use std::path::Path;
 use std::time::Duration;
 
 use common::{free_port, spawn, wait_event, wait_line, Proc};
-use tandem_harness::etcd_cluster::{Cluster, Member};
+use tandem_harness::etcd_cluster::Cluster;
 
-fn cluster(dir: &Path) -> Cluster {
-    let members = (1..=3)
-        .map(|i| Member {
-            name: format!("e{i}"),
-            ip: "127.0.0.1".into(),
-            client_port: free_port(),
-            peer_port: free_port(),
-        })
-        .collect();
-    let d = dir.join("etcd");
-    std::fs::create_dir_all(&d).unwrap();
-    Cluster::start(members, &d, None).unwrap()
+fn cluster(dir: &std::path::Path) -> Cluster {
+    common::local_etcd(dir)
 }
 
 /// The node's configuration file: the same keys on both nodes but for its directories (both

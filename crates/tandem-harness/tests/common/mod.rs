@@ -212,3 +212,19 @@ pub fn wait_event(
 pub fn is_event(line: &str, kind: &str) -> bool {
     serde_json::from_str::<serde_json::Value>(line).is_ok_and(|v| v["event"] == kind)
 }
+
+/// A 3-member etcd cluster on 127.0.0.1 (Debian's etcd-server), its data under `dir/etcd`.
+pub fn local_etcd(dir: &std::path::Path) -> tandem_harness::etcd_cluster::Cluster {
+    use tandem_harness::etcd_cluster::{Cluster, Member};
+    let members = (1..=3)
+        .map(|i| Member {
+            name: format!("e{i}"),
+            ip: "127.0.0.1".into(),
+            client_port: free_port(),
+            peer_port: free_port(),
+        })
+        .collect();
+    let d = dir.join("etcd");
+    std::fs::create_dir_all(&d).unwrap();
+    Cluster::start(members, &d, None).expect("etcd cluster (tandem-lab setup installs etcd-server)")
+}
