@@ -117,7 +117,8 @@ pub struct PrimaryArgs {
         help_heading = "Switchover (this node serves as the backup afterwards)"
     )]
     pub listen: Option<String>,
-    /// With --listen: the backup role's directory for the mirror and disk copy (a tmpfs).
+    /// With --listen: the backup role's directory for the RAM mirror (a tmpfs). Its copy of
+    /// the guest's disks goes to --dir.
     #[arg(
         long,
         requires = "listen",
@@ -138,9 +139,14 @@ pub struct BackupArgs {
     /// Address to listen on (host:port).
     #[arg(long, help_heading = "Replication")]
     pub listen: String,
-    /// Directory for the mirror file, disk copy and sockets (use a tmpfs such as /dev/shm).
+    /// Directory for the RAM mirror and sockets (use a tmpfs such as /dev/shm).
     #[arg(long, help_heading = "Service and monitoring")]
     pub dir: PathBuf,
+    /// Directory on real storage for the copy of the VM's writable disks: after a failover
+    /// the guest runs from it, and a primary started on it boots from it (default: --dir,
+    /// gone with the host if that is a tmpfs).
+    #[arg(long, help_heading = "Service and monitoring")]
+    pub disk_dir: Option<PathBuf>,
     /// The VM as the primary runs it (the standby uses the same command line).
     #[command(flatten)]
     pub vm: VmArgs,
@@ -369,6 +375,7 @@ pub fn primary(a: PrimaryArgs) -> anyhow::Result<()> {
         .backup_dir
         .unwrap_or_else(|| PathBuf::from(format!("/dev/shm/tandem-vm{}", a.vm_id)));
     let mut backup = BackupConfig::new(listen, dir, a.vm.spec());
+    backup.disk_dir = cfg.dir.clone();
     backup.site = a.site.config();
     backup.timeout = ms(a.timeout_ms.max(1));
     backup.fence = cfg.fence.clone();
@@ -438,6 +445,7 @@ pub fn backup_config(
 ) -> anyhow::Result<BackupConfig> {
     let ms = Duration::from_millis;
     let mut b = BackupConfig::new(a.listen.clone(), a.dir.clone(), a.vm.spec());
+    b.disk_dir = a.disk_dir.clone();
     b.site = a.site.config();
     b.timeout = ms(a.timeout_ms.max(1));
     b.stall = a.stall_ms.map(ms);

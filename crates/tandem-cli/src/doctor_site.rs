@@ -108,6 +108,16 @@ fn room(dir: &Path, bytes: u64) -> Outcome {
             "create it on a local file system".into(),
         )
     })?;
+    if bytes > 0 && tandem_protect::site::in_memory_fs(at) {
+        return Err((
+            Status::Warn,
+            format!(
+                "{} is on a tmpfs: the copy of the VM's writable disks there (the guest's disks after a failover) is gone when this host restarts",
+                dir.display()
+            ),
+            "give --state-dir (state_dir in the VM's configuration file) a directory on real storage".into(),
+        ));
+    }
     let free = st.f_bavail * st.f_frsize;
     let need = bytes + bytes / 10;
     if free < need {

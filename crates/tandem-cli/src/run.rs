@@ -13,7 +13,8 @@
 //! host-b = "10.0.0.2:7000"
 //! [paths]
 //! mirror_dir = "/dev/shm/tandem-web1" # the backup's RAM mirror (a tmpfs)
-//! state_dir = "/var/lib/tandem/web1"  # the primary's working directory
+//! state_dir = "/var/lib/tandem/web1"  # real storage: the primary's working directory,
+//!                                     # and the guest's disks after a failover here
 //! [vm]                                # the VM description (docs/VM_DESCRIPTION.md), or
 //! mem = 1024                          # vm_config = "/etc/tandem/web1.vm.toml" above
 //! [fencing]
@@ -134,6 +135,10 @@ pub fn command_line(a: &Args, role: Role, file: &Config) -> anyhow::Result<Vec<O
             args.push(("listen".into(), Some(own)));
             args.push(("peer".into(), Some(other)));
             args.push(("dir".into(), Some(file.mirror_dir.display().to_string())));
+            args.push((
+                "disk-dir".into(),
+                Some(file.state_dir.display().to_string()),
+            ));
         }
     }
     args.extend(file.flags.iter().cloned());

@@ -247,6 +247,18 @@ pub fn describe(v: &serde_json::Value) -> String {
             line += &format!(", about {eta:.0} s left");
         }
     }
+    if let Some(d) = f("disks").as_object() {
+        let path = d["path"].as_str().unwrap_or("?");
+        let volatile = if d["durable"].as_bool() == Some(false) {
+            " (in memory: gone with this host)"
+        } else {
+            ""
+        };
+        line += &match d["what"].as_str() {
+            Some("guest") => format!("; the guest's disks: {path}{volatile}"),
+            _ => format!("; disk copy {path}{volatile}"),
+        };
+    }
     line += &format!("; link {}", f("link").as_str().unwrap_or("?"));
     if let Some(p) = f("peer").as_str() {
         line += &format!(" to {p}");
@@ -265,4 +277,31 @@ pub fn describe(v: &serde_json::Value) -> String {
         }
     }
     line
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_status_line_says_where_the_guests_disks_are() {
+        let doc = serde_json::json!({
+            "role": "primary", "vm_id": 7, "pid": 1, "state": "protected",
+            "committed_epoch": 9, "link": "up",
+            "disks": {"path": "/var/lib/tandem/web1/guest-disks.raw", "what": "guest", "durable": true},
+        });
+        let line = super::describe(&doc);
+        assert!(
+            line.contains("; the guest's disks: /var/lib/tandem/web1/guest-disks.raw; link up"),
+            "{line}"
+        );
+        let mut doc = doc;
+        doc["disks"]["what"] = "copy".into();
+        doc["disks"]["durable"] = false.into();
+        let line = super::describe(&doc);
+        assert!(
+            line.contains(
+                "; disk copy /var/lib/tandem/web1/guest-disks.raw (in memory: gone with this host)"
+            ),
+            "{line}"
+        );
+    }
 }

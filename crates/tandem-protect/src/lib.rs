@@ -16,6 +16,7 @@ pub mod backup;
 pub mod checkpoint;
 pub mod conn;
 pub mod control;
+pub mod disk_copy;
 mod events;
 pub mod faults;
 mod frontend;

@@ -97,8 +97,9 @@ pub struct Site {
     pub disk_path: Option<PathBuf>,
     /// Writable disks of your own VM, as slices of the replica/copy (empty for a VM without writable disks).
     pub mirrors: Vec<MirrorSlice>,
-    /// The backup's copy of the writable disks, kept open for the standby.
-    _copy: Option<std::fs::File>,
+    /// The backup's copy of the writable disks ([`crate::disk_copy`]), kept open while the
+    /// standby or the resumed guest may use it.
+    copy: Option<(std::fs::File, PathBuf)>,
     /// Whether the primary's disk mirrors still capture every write.
     pub mirror_health: MirrorHealth,
     nbd_sock: Option<PathBuf>,
@@ -122,16 +123,22 @@ impl Drop for Site {
 
 impl Site {
     /// Sets up the relay and the data disk in `dir` and points `cfg` at them. Call before QEMU
-    /// starts (QEMU connects to both at start-up).
+    /// starts (QEMU connects to both at start-up). A backup keeps its copy of the writable
+    /// disks in `copy_dir` ([`crate::disk_copy`]; a primary's is ignored).
     pub fn prepare(
         a: &SiteConfig,
         dir: &Path,
+        copy_dir: &Path,
         role: Role,
         cfg: &mut VmConfig,
     ) -> Result<Site, SiteError> {
         let relays = Relays::attach(a, dir, role, cfg)?;
         if cfg.writable_disk().is_some() {
-            return Self::with_capture(relays, dir, role, cfg);
+            let at = match role {
+                Role::Primary => dir,
+                Role::Backup => copy_dir,
+            };
+            return Self::with_capture(relays, dir, at, role, cfg);
         }
         let nbd_stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let mib = cfg.scratch_disk_mib;
@@ -197,7 +204,7 @@ impl Site {
             nbd_sock,
             nbd_stop,
             mirrors: Vec::new(),
-            _copy: None,
+            copy: None,
             mirror_health: MirrorHealth::default(),
         })
     }
@@ -205,16 +212,22 @@ impl Site {
     /// Your own VM's writable disks, captured (docs/VM_DESCRIPTION.md): one file holds every
     /// writable disk at 1 MiB-aligned offsets. On the primary it is tandem's replica, fed by a
     /// `blockdev-mirror` per disk through the NBD server ([`Site::start_capture`]), and its write
-    /// log is each epoch's disk section; on the backup it is the copy the epochs are applied to,
-    /// and the standby opens each disk as a raw slice of it.
+    /// log is each epoch's disk section; on the backup it is the copy the epochs are applied to
+    /// (`at/guest-disks.raw`, named: the guest's disks after a failover), and the standby opens
+    /// each disk as a raw slice of it. The primary's replica is `at/disk.img`, unnamed once
+    /// served.
     fn with_capture(
         relays: Relays,
         dir: &Path,
+        at: &Path,
         role: Role,
         cfg: &mut VmConfig,
     ) -> Result<Site, SiteError> {
         let (slices, total) = capture_slices(cfg)?;
-        let path = dir.join("disk.img");
+        let path = match role {
+            Role::Primary => at.join("disk.img"),
+            Role::Backup => crate::disk_copy::path(at),
+        };
         let io = |e| SiteError::Io(format!("creating {}", path.display()), e);
         let f = std::fs::File::create(&path).map_err(io)?;
         f.set_len(total).map_err(io)?;
@@ -227,26 +240,19 @@ impl Site {
             nbd_stop: Arc::default(),
             nbd_socks: Vec::new(),
             mirrors: slices.clone(),
-            _copy: None,
+            copy: None,
             mirror_health: MirrorHealth::default(),
         };
         match role {
             Role::Primary => site.serve_capture(&path, dir)?,
             Role::Backup => {
-                // The standby opens the copy through this process's descriptor, so the
-                // copy's name can go once the backup opened it.
                 let copy = std::fs::OpenOptions::new()
                     .read(true)
                     .write(true)
                     .open(&path)
                     .map_err(|e| SiteError::Io(format!("opening {}", path.display()), e))?;
-                let by_fd = PathBuf::from(format!(
-                    "/proc/{}/fd/{}",
-                    std::process::id(),
-                    std::os::fd::AsRawFd::as_raw_fd(&copy)
-                ));
-                open_slices(cfg, &slices, &by_fd);
-                site._copy = Some(copy);
+                open_slices(cfg, &slices, &path);
+                site.copy = Some((copy, path));
             }
         }
         Ok(site)
@@ -300,7 +306,7 @@ impl Site {
     /// The capture of `cfg`'s writable disks alone, as on a primary without network relays
     /// (the checkpoint saver's).
     pub fn capture_only(dir: &Path, cfg: &mut VmConfig) -> Result<Site, SiteError> {
-        Self::with_capture(Relays::default(), dir, Role::Primary, cfg)
+        Self::with_capture(Relays::default(), dir, dir, Role::Primary, cfg)
     }
 
     /// Starts (or restarts) capturing the writable disks of a running VM: a mirror per disk
@@ -323,11 +329,23 @@ impl Site {
         vm.start_mirrors(sock, &self.mirrors, self.capture_timeout(), progress)
     }
 
-    /// Whether the guest's writable disks are this node's volatile copy (a backup's, kept open
-    /// and unlinked in its tmpfs directory): a guest resumed here and shut down leaves no disk
-    /// a fresh boot could use.
+    /// Whether the guest's writable disks are this node's copy on a tmpfs (a backup's
+    /// `--disk-dir` in memory): a guest resumed here and shut down leaves no disk a fresh boot
+    /// could use once the host restarts.
     pub fn disks_are_volatile(&self) -> bool {
-        self._copy.is_some()
+        self.copy
+            .as_ref()
+            .is_some_and(|(_, p)| p.parent().is_some_and(in_memory_fs))
+    }
+
+    /// The backup's copy of the writable disks (the guest's disks once it resumed here).
+    pub fn copy_path(&self) -> Option<&Path> {
+        self.copy.as_ref().map(|(_, p)| p.as_path())
+    }
+
+    /// Writes the backup's copy back to its storage (after a resume: the guest's disks).
+    pub fn sync_copy(&self) -> std::io::Result<()> {
+        self.copy.as_ref().map_or(Ok(()), |(f, _)| f.sync_data())
     }
 
     /// Disk bytes written since the last take of the write log (0 without a disk).
@@ -351,7 +369,11 @@ pub fn capture_slices(cfg: &VmConfig) -> Result<(Vec<MirrorSlice>, u64), SiteErr
     let mut slices = Vec::new();
     let mut total = 0u64;
     for (i, d) in cfg.disks.iter().enumerate().filter(|(_, d)| !d.readonly) {
-        let size = tandem_vm::desc::virtual_size(&d.path, d.format)?;
+        let size = match d.slice {
+            // A disk that is a slice of a node's copy (a guest booted from it).
+            Some((_, size)) => size,
+            None => tandem_vm::desc::virtual_size(&d.path, d.format)?,
+        };
         slices.push(MirrorSlice {
             disk: i,
             offset: total,
@@ -371,6 +393,15 @@ pub fn open_slices(cfg: &mut VmConfig, slices: &[MirrorSlice], path: &Path) {
         d.format = tandem_vm::DiskFormat::Raw;
         d.slice = Some((s.offset, s.size));
     }
+}
+
+/// Whether `dir` is on a tmpfs or hugetlbfs (its files are memory, gone with the host).
+pub fn in_memory_fs(dir: &Path) -> bool {
+    const TMPFS: i64 = 0x0102_1994;
+    const HUGETLBFS: i64 = 0x9584_58f6;
+    // f_type's integer type differs between architectures.
+    #[allow(clippy::unnecessary_cast)]
+    rustix::fs::statfs(dir).is_ok_and(|s| [TMPFS, HUGETLBFS].contains(&(s.f_type as i64)))
 }
 
 /// The relays of one side, one per bridged NIC: each epoch boundary and release applies to

@@ -154,6 +154,7 @@ pub(super) fn failover(
         materialise.as_secs_f64() * 1000.0,
     );
     registry.set_owner(fence.clone());
+    adopt_copy(cfg, site, epoch, registry, status);
     let lazy = match lazy {
         None => None,
         Some(l) => match l.wait() {
@@ -195,6 +196,55 @@ pub(super) fn failover(
             .map_err(io(format!("writing {}", p.display())))?;
     }
     Ok(Running { vm, fence, epoch })
+}
+
+/// The guest runs from this node's copy of its disks now: records that in the copy's
+/// directory (a primary started there boots from it) and writes the copy back to its storage
+/// behind the running guest.
+fn adopt_copy(
+    cfg: &BackupConfig,
+    site: &Site,
+    epoch: u64,
+    registry: &crate::metrics::Registry,
+    status: &Status,
+) {
+    use crate::disk_copy::{self, Record, State};
+    let Some(path) = site.copy_path() else {
+        return;
+    };
+    let Some(dir) = path.parent() else {
+        return;
+    };
+    registry.set_disks(path, "guest", !site.disks_are_volatile());
+    let record = Record::new(cfg.vm_id, State::Guest, epoch, &site.mirrors);
+    match disk_copy::write(dir, &record) {
+        Ok(()) => status.info(format!(
+            "the guest's disks are {} now (this node's copy as of epoch {epoch})",
+            path.display()
+        )),
+        Err(e) => status.warn(format!(
+            "the guest runs from {} but that could not be recorded ({}): a restart here would not boot from it",
+            path.display(),
+            crate::chain(&e)
+        )),
+    }
+    let (path, st) = (path.to_path_buf(), status.clone());
+    let synced = std::thread::Builder::new()
+        .name("copy-sync".into())
+        .spawn(move || {
+            let t = Instant::now();
+            match std::fs::File::open(&path).and_then(|f| f.sync_data()) {
+                Ok(()) => tracing::info!(
+                    "{} written back to storage in {:.1} s",
+                    path.display(),
+                    t.elapsed().as_secs_f64()
+                ),
+                Err(e) => st.warn(format!("writing {} back to storage: {e}", path.display())),
+            }
+        });
+    if let Err(e) = synced {
+        status.warn(format!("starting the copy's write-back: {e}"));
+    }
 }
 
 /// Gets the consolidated pages into the standby: starts the lazy restore, or restores them all
@@ -285,9 +335,25 @@ pub(super) fn run_resumed(
             tell_fenced(v, vm_id, epoch, session, status);
         }
     }
-    // The only copy: shut down cleanly (ACPI) rather than pulled from under the guest. Its
-    // record keeps naming this node (its disks were this process's copy).
-    vm.shut_down();
+    // The only copy: shut down cleanly (ACPI) rather than pulled from under the guest.
+    if vm.shut_down() {
+        status.info("the guest powered off");
+    }
+    match fence {
+        // Its disks are gone with this host's memory: the record keeps naming this node, so
+        // that no fresh boot starts from older disks; a human decides.
+        Some(_) if site.disks_are_volatile() => status.warn(
+            "the guest's disks were this node's copy on a tmpfs: its ownership record stays as it is, so that no fresh boot starts from older disks; `tandem fence stop --generation G` once you have decided",
+        ),
+        Some(o) => {
+            // A restart here boots from the copy (its record says `guest`).
+            if let Err(e) = site.sync_copy() {
+                status.warn(format!("writing the guest's disks back to storage: {e}"));
+            }
+            crate::primary::record_stopped(&o, status);
+        }
+        None => {}
+    }
     Ok(())
 }
 

@@ -23,7 +23,7 @@ use tandem_replication::wire::{ack_frame, refused_frame};
 use tandem_replication::{Applied, Backup, FileDisk, Frame, WireError};
 use tandem_vm::{DirtyMode, MirrorFile, VmError};
 
-use crate::site::{Role, Site, SiteConfig, SiteError};
+use crate::site::{in_memory_fs, Role, Site, SiteConfig, SiteError};
 use crate::vmspec::{VmSpec, VmSpecError};
 use crate::{unix_ms, Status};
 pub use failover::FailoverReport;
@@ -39,8 +39,12 @@ use standby::Standby;
 pub struct BackupConfig {
     /// Address to listen on (host:port).
     pub listen: String,
-    /// Directory for the mirror file, disk copy and sockets (use a tmpfs such as /dev/shm).
+    /// Directory for the mirror file and sockets (use a tmpfs such as /dev/shm).
     pub dir: PathBuf,
+    /// Directory on real storage for the copy of the VM's writable disks, which the guest
+    /// runs from after a failover ([`crate::disk_copy`]). Default: `dir`, whose copy on a
+    /// tmpfs is gone with the host.
+    pub disk_dir: Option<PathBuf>,
     /// The VM as the primary runs it (the standby uses the same command line).
     pub vm: VmSpec,
     /// This side's relay and data disk.
@@ -120,6 +124,7 @@ impl BackupConfig {
         BackupConfig {
             listen: listen.into(),
             dir: dir.into(),
+            disk_dir: None,
             vm,
             site: SiteConfig::default(),
             timeout: Duration::from_millis(500),
@@ -150,6 +155,9 @@ pub enum BackupError {
     /// The directory is not private to tandem's user.
     #[error(transparent)]
     PrivateDir(tandem_vm::PrivateDirError),
+    /// The disk copy's record could not be read or written.
+    #[error("the copy of the guest's disks")]
+    Copy(#[source] crate::disk_copy::CopyError),
     /// The listen address or the directory is missing.
     #[error("a backup needs a listen address (host:port) and a directory for its mirror")]
     Incomplete,
@@ -396,15 +404,6 @@ fn wire_fencing(fence: &tandem_fence::Fence) -> tandem_replication::Fencing {
     }
 }
 
-/// Whether `dir` is on a file system that lives in memory (tmpfs, hugetlbfs).
-fn in_memory_fs(dir: &std::path::Path) -> bool {
-    const TMPFS: i64 = 0x0102_1994;
-    const HUGETLBFS: i64 = 0x9584_58f6;
-    // f_type's integer type differs between architectures.
-    #[allow(clippy::unnecessary_cast)]
-    rustix::fs::statfs(dir).is_ok_and(|s| [TMPFS, HUGETLBFS].contains(&(s.f_type as i64)))
-}
-
 /// Binds the listen port and starts vetting connections on it.
 pub(crate) fn listen(cfg: &BackupConfig, status: &Status) -> Result<Listener, BackupError> {
     let tcp_listener =
@@ -508,7 +507,24 @@ pub(crate) fn serve(
     tandem_vm::private_dir(&cfg.dir).map_err(BackupError::PrivateDir)?;
     // The standby's console, which is the guest's after a failover.
     vmc.console = Some(cfg.dir.join("guest-console.log"));
-    let site = Site::prepare(&cfg.site, &cfg.dir, Role::Backup, &mut vmc)?;
+    let copy_dir = cfg.disk_dir.as_deref().unwrap_or(&cfg.dir);
+    if copy_dir != cfg.dir {
+        tandem_vm::private_dir(copy_dir).map_err(BackupError::PrivateDir)?;
+    }
+    if vmc.writable_disk().is_some() {
+        begin_copy(copy_dir, cfg.vm_id, &vmc, &status)?;
+    }
+    let site = Site::prepare(&cfg.site, &cfg.dir, copy_dir, Role::Backup, &mut vmc)?;
+    if let Some(p) = site.copy_path() {
+        let durable = !site.disks_are_volatile();
+        fe.registry.set_disks(p, "copy", durable);
+        if !durable {
+            status.warn(format!(
+                "the copy of the guest's disks, {}, is on a tmpfs: after a failover the guest's disks are gone once this host restarts; give the backup a --disk-dir on real storage",
+                p.display()
+            ));
+        }
+    }
     let mirror_path = cfg.dir.join("mirror.ram");
     if !in_memory_fs(&cfg.dir) {
         status.warn(format!(
@@ -553,8 +569,12 @@ pub(crate) fn serve(
             .open(p)
             .map_err(io(what()))?;
         bk = bk.with_disk(Box::new(FileDisk::new(f).map_err(io(what()))?));
-        // Both this process and its NBD server hold the file open: nothing is left behind.
-        let _ = std::fs::remove_file(p);
+        if site.copy_path().is_none() {
+            // A scratch data disk: this process and its NBD server hold it open, nothing is
+            // left behind. (A copy of writable disks keeps its name: the guest's disks after a
+            // failover.)
+            let _ = std::fs::remove_file(p);
+        }
     }
     let mut standby = Standby::start(&vmc, &mirror_path, status.clone())?;
     let registry = fe.registry.clone();
@@ -739,4 +759,42 @@ impl Link<'_> {
             }
         }
     }
+}
+
+/// Before a backup truncates its disk copy in `dir`: records that it is a copy receiving
+/// epochs. A copy the guest last ran from (a record saying `guest`) is kept aside as
+/// `guest-disks.raw.prev`, so that a backup started on the wrong node never destroys the
+/// only disks of a stopped guest.
+fn begin_copy(
+    dir: &std::path::Path,
+    vm_id: u64,
+    vmc: &tandem_vm::VmConfig,
+    status: &Status,
+) -> Result<(), BackupError> {
+    use crate::disk_copy::{self, Record, State};
+    let (slices, _) = crate::site::capture_slices(vmc)?;
+    let old = disk_copy::read(dir).map_err(BackupError::Copy)?;
+    if let Some(r) = &old {
+        if r.vm_id != vm_id {
+            return Err(BackupError::Copy(disk_copy::CopyError::OtherVm {
+                path: dir.join(disk_copy::RECORD),
+                found: r.vm_id,
+                want: vm_id,
+            }));
+        }
+        if r.state == State::Guest {
+            let (from, to) = (
+                disk_copy::path(dir),
+                dir.join(format!("{}.prev", disk_copy::FILE)),
+            );
+            std::fs::rename(&from, &to).map_err(io(format!("moving {} aside", from.display())))?;
+            status.warn(format!(
+                "the guest last ran here from {} (epoch {}); serving as the backup now, so it was kept as {}: delete it once the guest runs well elsewhere",
+                from.display(),
+                r.epoch,
+                to.display()
+            ));
+        }
+    }
+    disk_copy::write(dir, &Record::new(vm_id, State::Copy, 0, &slices)).map_err(BackupError::Copy)
 }

@@ -25,6 +25,8 @@ pub(super) struct Who {
     pub(super) memory: Option<tandem_consolidate::Usage>,
     /// A long copy under way ([`crate::progress::Progress`]).
     pub(super) progress: Option<serde_json::Value>,
+    /// Where the guest's writable disks are on this node (`tandem status`'s `disks`).
+    pub(super) disks: Option<serde_json::Value>,
 }
 
 /// Identity, state and the status document.
@@ -112,6 +114,15 @@ impl Registry {
         self.lock().who.progress = progress;
     }
 
+    /// Where the guest's writable disks are on this node: `path`, and `what` they are
+    /// (`copy`: a backup's copy receiving epochs; `guest`: the disks the guest runs from,
+    /// this node's copy since a failover), `durable` whether they outlive the host's memory.
+    pub fn set_disks(&self, path: &std::path::Path, what: &str, durable: bool) {
+        self.lock().who.disks = Some(serde_json::json!({
+            "path": path, "what": what, "durable": durable,
+        }));
+    }
+
     /// A backup with consolidated memory: where its replica's pages are now.
     pub fn set_memory(&self, usage: Option<tandem_consolidate::Usage>) {
         self.lock().who.memory = usage;
@@ -191,6 +202,7 @@ impl Registry {
             "last_switchover": w.last_switchover,
             "uptime_s": now.saturating_sub(w.started_ms) / 1000,
             "progress": w.progress,
+            "disks": w.disks,
             "memory": w.memory.map(|u| serde_json::json!({
                 "pages": u.pages, "plain": u.plain + u.pooled_raw, "zero": u.zero,
                 "shared": u.shared, "patched": u.patched, "compressed": u.compressed,

@@ -198,21 +198,7 @@ impl Fencing {
     /// Replication ends on purpose and the guest shuts down: the record says stopped (a fresh
     /// boot may claim the VM again). Tries for up to 5 s.
     pub fn shutdown(&self) {
-        let t = Instant::now();
-        loop {
-            match self.owner.stop() {
-                Ok(()) => return,
-                Err(e) if e.unknown() && t.elapsed() < Duration::from_secs(5) => {
-                    std::thread::sleep(Duration::from_millis(200))
-                }
-                Err(e) => {
-                    return self.status.warn(format!(
-                        "recording the shutdown in etcd failed ({}): the record still names this node; `tandem fence stop` releases it",
-                        crate::chain(&e)
-                    ))
-                }
-            }
-        }
+        record_stopped(&self.owner, &self.status)
     }
 
     /// The guest was handed over: the backup takes the record over; this node stops reading
@@ -248,6 +234,26 @@ pub fn release_unused(owner: &Owner, site: &Site, status: &Status) {
                 std::thread::sleep(Duration::from_millis(200))
             }
             Err(_) => return,
+        }
+    }
+}
+
+/// Records in etcd that the guest `owner` ran here was shut down (a fresh boot may claim the
+/// VM again). Tries for up to 5 s.
+pub(crate) fn record_stopped(owner: &Owner, status: &Status) {
+    let t = Instant::now();
+    loop {
+        match owner.stop() {
+            Ok(()) => return,
+            Err(e) if e.unknown() && t.elapsed() < Duration::from_secs(5) => {
+                std::thread::sleep(Duration::from_millis(200))
+            }
+            Err(e) => {
+                return status.warn(format!(
+                    "recording the shutdown in etcd failed ({}): the record still names this node; `tandem fence stop` releases it",
+                    crate::chain(&e)
+                ))
+            }
         }
     }
 }

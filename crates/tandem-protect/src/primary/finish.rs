@@ -73,7 +73,13 @@ pub(super) fn finish(
                 Some(_) if site.disks_are_volatile() => status.warn(
                     "the guest's disks were this node's volatile copy (a resumed guest): its ownership record stays as it is, so that no fresh boot starts from older disks; `tandem fence stop --generation G` once you have decided",
                 ),
-                Some(f) => f.shutdown(),
+                Some(f) => {
+                    // A restart here boots from the copy the guest ran from, if it did.
+                    if let Err(e) = site.sync_copy() {
+                        status.warn(format!("writing the guest's disks back to storage: {e}"));
+                    }
+                    f.shutdown()
+                }
                 None => {}
             }
             Ok(Ended::Stopped)

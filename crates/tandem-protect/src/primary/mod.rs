@@ -10,6 +10,7 @@
 //! same as SIGUSR1 when it expires.
 
 mod fence;
+pub(crate) use fence::record_stopped;
 mod finish;
 mod link;
 mod session;
@@ -18,7 +19,7 @@ mod watchdog;
 
 use crate::conn::Conn;
 use std::io::BufWriter;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -156,6 +157,13 @@ pub enum PrimaryError {
     /// The working directory is not private to tandem's user.
     #[error(transparent)]
     PrivateDir(tandem_vm::PrivateDirError),
+    /// This node's copy of the guest's disks is unusable or unreadable.
+    #[error(transparent)]
+    Copy(#[from] crate::disk_copy::CopyError),
+    /// This node served as the backup since the description's disks were last used: they are
+    /// older than the VM's.
+    #[error("this node's disks are older than the VM's: it served as its backup since ({0} says so), so the guest last ran on the other node; start the VM there, or delete that file to boot from the description's disks anyway")]
+    StaleDisks(PathBuf),
     /// The VM description is unusable.
     #[error(transparent)]
     Spec(#[from] VmSpecError),
@@ -288,7 +296,10 @@ pub(crate) fn run_in(
         }
     };
     vmc.console = Some(dir.join("guest-console.log"));
-    let site = Site::prepare(&cfg.site, &dir, Role::Primary, &mut vmc)?;
+    if vmc.writable_disk().is_some() {
+        guest_disks(&dir, cfg.vm_id, &mut vmc, fe, &status)?;
+    }
+    let site = Site::prepare(&cfg.site, &dir, &dir, Role::Primary, &mut vmc)?;
     // The ownership record before the guest runs: no second copy may ever boot next to
     // another.
     let fencing = match &cfg.fence {
@@ -327,6 +338,36 @@ pub(crate) fn run_in(
         passing: false,
     };
     protect(cfg, fe, guest, &site, status.clone()).map_err(release)
+}
+
+/// Points `vmc`'s writable disks at this node's copy in `dir` when the guest last ran from it
+/// (after a failover or handover here, [`crate::disk_copy`]); refuses the description's disks
+/// when this node served as the backup since they were used.
+fn guest_disks(
+    dir: &Path,
+    vm_id: u64,
+    vmc: &mut tandem_vm::VmConfig,
+    fe: &Frontend,
+    status: &Status,
+) -> Result<(), PrimaryError> {
+    use crate::disk_copy;
+    let (expected, _) = crate::site::capture_slices(vmc)?;
+    match disk_copy::guest_disks(dir, vm_id, &expected)? {
+        Some((path, slices)) => {
+            crate::site::open_slices(vmc, &slices, &path);
+            fe.registry
+                .set_disks(&path, "guest", !crate::site::in_memory_fs(dir));
+            status.info(format!(
+                "booting from {}: the guest last ran here from this node's copy of its disks",
+                path.display()
+            ));
+            Ok(())
+        }
+        None if disk_copy::read(dir)?.is_some() => {
+            Err(PrimaryError::StaleDisks(dir.join(disk_copy::RECORD)))
+        }
+        None => Ok(()),
+    }
 }
 
 /// Protects a guest the backup role resumed on this node: its disks are captured again, its
