@@ -126,21 +126,7 @@ fn primary_killed_backup_resumes_the_guest() {
     );
     // Prometheus' own linter accepts the live endpoint's page.
     let body = text.split_once("\r\n\r\n").expect("HTTP response").1;
-    let mut promtool = std::process::Command::new("promtool")
-        .args(["check", "metrics"])
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .expect("promtool (Debian package prometheus): run `tandem-lab setup`");
-    std::io::Write::write_all(&mut promtool.stdin.take().unwrap(), body.as_bytes()).unwrap();
-    let lint = promtool.wait_with_output().unwrap();
-    assert!(
-        lint.status.success(),
-        "promtool check metrics: {}{}\n{body}",
-        String::from_utf8_lossy(&lint.stdout),
-        String::from_utf8_lossy(&lint.stderr)
-    );
+    tandem_test_support::promtool_check_metrics(body);
     let lines = std::fs::read_to_string(&jsonl).unwrap();
     let first: serde_json::Value =
         serde_json::from_str(lines.lines().next().expect("no JSON lines")).unwrap();

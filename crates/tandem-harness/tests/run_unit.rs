@@ -342,6 +342,22 @@ fn restarting_either_node_in_any_role_never_loses_the_vm_or_a_write() {
     let (_a, arx) = run(&cfg_a, "a");
     wait_line(&arx, &format!("booting from {}", copy_a.display()), long);
     wait_event(&arx, "guest_running", long, |_| true);
-    let n = w.check(ports, "after a failover to a and a restart of a");
+    w.check(ports, "after a failover to a and a restart of a");
+
+    // b comes back as the backup; restarting a hands the guest over from a's copy to b's,
+    // and a's copy is only a copy again: a comes back as the backup without keeping it aside.
+    let (_b, brx) = run(&cfg_b, "b");
+    wait_line(&brx, "serves as the backup", long);
+    wait_event(&arx, "protected", long, |_| true);
+    w.wait_more(50);
+    let mut a = _a;
+    assert!(stop(&mut a).success());
+    wait_event(&brx, "failed_over", long, |_| true);
+    guest_disks_at(&copy_b);
+    let (_a, arx) = run(&cfg_a, "a");
+    wait_line(&arx, "serves as the backup", long);
+    wait_event(&brx, "protected", long, |_| true);
+    assert!(!copy_a.with_extension("raw.prev").exists());
+    let n = w.check(ports, "after handing the guest over from a's copy to b's");
     assert!(n >= 500, "only {n} writes acknowledged");
 }

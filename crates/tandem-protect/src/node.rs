@@ -157,14 +157,6 @@ pub fn run(start: Start, cfg: NodeConfig, status: Status) -> Result<(), NodeErro
                 match ended {
                     Ended::Stopped => return Ok(()),
                     Ended::SwitchedOver { epoch, acked } => {
-                        // The guest's disks are the other node's now.
-                        let copy = cfg.backup.disk_dir.as_ref().unwrap_or(&cfg.backup.dir);
-                        let dirs = [cfg.primary.dir.as_deref(), Some(copy.as_path())];
-                        for d in dirs.into_iter().flatten() {
-                            if let Err(e) = crate::disk_copy::guest_left(d) {
-                                status.warn(crate::chain(&e));
-                            }
-                        }
                         status.info(format!(
                             "switchover: the guest continues on {} from epoch {epoch}{}; this node serves as its backup now",
                             cfg.primary.backup,

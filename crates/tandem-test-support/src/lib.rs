@@ -78,3 +78,30 @@ impl FakeGuest {
         (pfns, out, writes)
     }
 }
+
+/// Checks a Prometheus exposition with `promtool check metrics` (Prometheus' own linter,
+/// Debian's `prometheus` package, which `tandem-lab setup` installs); panics with its findings
+/// and the page when it refuses it.
+pub fn promtool_check_metrics(text: &str) {
+    use std::io::Write;
+    let mut child = std::process::Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("promtool (Debian package prometheus) is missing: run `tandem-lab setup`");
+    child
+        .stdin
+        .take()
+        .expect("promtool's stdin")
+        .write_all(text.as_bytes())
+        .expect("writing to promtool");
+    let o = child.wait_with_output().expect("promtool's result");
+    assert!(
+        o.status.success(),
+        "promtool check metrics: {}{}\n{text}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+}

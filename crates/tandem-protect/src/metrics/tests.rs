@@ -287,27 +287,7 @@ fn every_sample_names_its_vm_and_node_and_the_process() {
 /// `tandem-lab setup` installs) accepts the exposition.
 #[test]
 fn promtool_accepts_the_exposition() {
-    let text = daemon_registry().render();
-    let mut child = std::process::Command::new("promtool")
-        .args(["check", "metrics"])
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .expect("promtool (Debian package prometheus) is missing: run `tandem-lab setup`");
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(text.as_bytes())
-        .unwrap();
-    let o = child.wait_with_output().unwrap();
-    assert!(
-        o.status.success(),
-        "promtool: {}{}\n{text}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    );
+    tandem_test_support::promtool_check_metrics(&daemon_registry().render());
 }
 
 /// The dashboard and the alert rules in dist/ name only metrics a daemon exports.

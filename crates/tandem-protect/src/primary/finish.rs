@@ -33,6 +33,9 @@ pub(super) fn finish(
             Err(PrimaryError::Fenced(n))
         }
         Some(End::HandedOver { epoch, acked }) => {
+            if acked {
+                copies_left(&vm, status);
+            }
             vm.kill();
             if let Some(f) = fencing {
                 f.hand_over();
@@ -83,6 +86,26 @@ pub(super) fn finish(
                 None => {}
             }
             Ok(Ended::Stopped)
+        }
+    }
+}
+
+/// The guest was handed over and the other node resumed it: a copy of this node's that was
+/// its disks (a guest resumed or booted from it) is only a copy again, so that this node never
+/// boots it ([`crate::disk_copy`]).
+fn copies_left(vm: &Vm, status: &Status) {
+    let mut dirs: Vec<&std::path::Path> = vm
+        .config()
+        .disks
+        .iter()
+        .filter(|d| !d.readonly && d.slice.is_some())
+        .filter(|d| d.path.file_name() == Some(crate::disk_copy::FILE.as_ref()))
+        .filter_map(|d| d.path.parent())
+        .collect();
+    dirs.dedup();
+    for d in dirs {
+        if let Err(e) = crate::disk_copy::guest_left(d) {
+            status.warn(crate::chain(&e));
         }
     }
 }
