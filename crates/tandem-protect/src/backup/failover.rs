@@ -339,21 +339,7 @@ pub(super) fn run_resumed(
     if vm.shut_down() {
         status.info("the guest powered off");
     }
-    match fence {
-        // Its disks are gone with this host's memory: the record keeps naming this node, so
-        // that no fresh boot starts from older disks; a human decides.
-        Some(_) if site.disks_are_volatile() => status.warn(
-            "the guest's disks were this node's copy on a tmpfs: its ownership record stays as it is, so that no fresh boot starts from older disks; `tandem fence stop --generation G` once you have decided",
-        ),
-        Some(o) => {
-            // A restart here boots from the copy (its record says `guest`).
-            if let Err(e) = site.sync_copy() {
-                status.warn(format!("writing the guest's disks back to storage: {e}"));
-            }
-            crate::primary::record_stopped(&o, status);
-        }
-        None => {}
-    }
+    crate::primary::guest_shut_down(fence.as_ref(), site, status);
     Ok(())
 }
 

@@ -195,12 +195,6 @@ impl Fencing {
         Ok(())
     }
 
-    /// Replication ends on purpose and the guest shuts down: the record says stopped (a fresh
-    /// boot may claim the VM again). Tries for up to 5 s.
-    pub fn shutdown(&self) {
-        record_stopped(&self.owner, &self.status)
-    }
-
     /// The guest was handed over: the backup takes the record over; this node stops reading
     /// it back.
     pub fn hand_over(&self) {
@@ -238,9 +232,27 @@ pub fn release_unused(owner: &Owner, site: &Site, status: &Status) {
     }
 }
 
-/// Records in etcd that the guest `owner` ran here was shut down (a fresh boot may claim the
-/// VM again). Tries for up to 5 s.
-pub(crate) fn record_stopped(owner: &Owner, status: &Status) {
+/// The guest `owner` ran here was shut down: its disks are written back and the record says
+/// stopped (a fresh boot here may claim the VM again) — unless they were this node's copy on a
+/// tmpfs, gone with the host: then the record keeps naming this node, so that no fresh boot
+/// starts from older disks, and a human decides (docs/OPERATIONS.md).
+pub(crate) fn guest_shut_down(owner: Option<&Owner>, site: &Site, status: &Status) {
+    let Some(owner) = owner else {
+        return;
+    };
+    if site.disks_are_volatile() {
+        return status.warn(
+            "the guest's disks were this node's copy on a tmpfs: its ownership record stays as it is, so that no fresh boot starts from older disks; `tandem fence stop --generation G` once you have decided",
+        );
+    }
+    if let Err(e) = site.sync_copy() {
+        status.warn(format!("writing the guest's disks back to storage: {e}"));
+    }
+    record_stopped(owner, status)
+}
+
+/// Records in etcd that the guest `owner` ran here was shut down. Tries for up to 5 s.
+fn record_stopped(owner: &Owner, status: &Status) {
     let t = Instant::now();
     loop {
         match owner.stop() {

@@ -69,22 +69,7 @@ pub(super) fn finish(
             if vm.shut_down() {
                 status.info("the guest powered off");
             }
-            match fencing {
-                // The guest ran on the backup's copy of its disks, which goes with this
-                // process: recording it stopped would let a fresh boot start from older disks.
-                // The record keeps naming this node; a human decides (docs/OPERATIONS.md).
-                Some(_) if site.disks_are_volatile() => status.warn(
-                    "the guest's disks were this node's volatile copy (a resumed guest): its ownership record stays as it is, so that no fresh boot starts from older disks; `tandem fence stop --generation G` once you have decided",
-                ),
-                Some(f) => {
-                    // A restart here boots from the copy the guest ran from, if it did.
-                    if let Err(e) = site.sync_copy() {
-                        status.warn(format!("writing the guest's disks back to storage: {e}"));
-                    }
-                    f.shutdown()
-                }
-                None => {}
-            }
+            fence::guest_shut_down(fencing.map(fence::Fencing::owner).as_ref(), site, status);
             Ok(Ended::Stopped)
         }
     }

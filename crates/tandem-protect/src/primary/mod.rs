@@ -10,7 +10,7 @@
 //! same as SIGUSR1 when it expires.
 
 mod fence;
-pub(crate) use fence::record_stopped;
+pub(crate) use fence::guest_shut_down;
 mod finish;
 mod link;
 mod session;
