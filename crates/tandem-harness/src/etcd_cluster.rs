@@ -23,8 +23,8 @@ pub enum ClusterError {
     #[error("making the lab's etcd certificates: {0}")]
     Keys(String),
     /// The members did not form a cluster in time.
-    #[error("the etcd cluster did not become healthy within {0:?} (member logs in {1})")]
-    Unhealthy(Duration, PathBuf),
+    #[error("the etcd cluster did not become healthy within {0:?} (member logs in {1}){2}")]
+    Unhealthy(Duration, PathBuf, String),
 }
 
 /// One member's addresses.
@@ -245,10 +245,36 @@ impl Cluster {
                 return Ok(());
             }
             if t.elapsed() > within {
-                return Err(ClusterError::Unhealthy(within, self.dir.clone()));
+                return Err(ClusterError::Unhealthy(
+                    within,
+                    self.dir.clone(),
+                    self.log_tails(),
+                ));
             }
             std::thread::sleep(Duration::from_millis(100));
         }
+    }
+
+    /// The last lines of every member's log, and which members have exited, for an error.
+    fn log_tails(&self) -> String {
+        let mut out = String::new();
+        for (m, c) in self.members.iter().zip(&self.children) {
+            let log = std::fs::read_to_string(self.dir.join(format!("{}.log", m.name)))
+                .unwrap_or_default();
+            let lines: Vec<&str> = log.lines().collect();
+            let tail = lines[lines.len().saturating_sub(4)..].join("\n    ");
+            let state = if c.is_some() {
+                "started"
+            } else {
+                "not running"
+            };
+            out.push_str(&format!(
+                "\n  {} ({state}, {}):\n    {tail}",
+                m.name,
+                m.client_url()
+            ));
+        }
+        out
     }
 
     /// Whether member `m` answers a linearizable read (inside the cluster's namespace with

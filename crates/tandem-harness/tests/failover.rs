@@ -17,11 +17,7 @@ fn start_backup(
     timeout_ms: u64,
     extra: &[&str],
 ) -> (common::Proc, Receiver<String>, String, tempfile::TempDir) {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = tandem_test_support::free_port();
     let addr = format!("127.0.0.1:{port}");
     let dir = tempfile::tempdir_in("/dev/shm").unwrap();
     let timeout = timeout_ms.to_string();

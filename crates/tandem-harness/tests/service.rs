@@ -41,11 +41,7 @@ fn backup_notifies_systemd_and_stops_pinging_while_hung() {
     let s = UnixDatagram::bind(&sock).unwrap();
     s.set_read_timeout(Some(Duration::from_millis(100)))
         .unwrap();
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = tandem_test_support::free_port();
     // systemd sets WATCHDOG_PID to the service's main pid: a shell that execs tandem knows it.
     let mut backup = KillOnDrop(
         Command::new("sh")

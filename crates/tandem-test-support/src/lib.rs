@@ -5,12 +5,34 @@
 
 use std::path::Path;
 
-/// A TCP port on 127.0.0.1 that was free a moment ago.
+/// A TCP port on 127.0.0.1 that was free a moment ago, and that nobody else in this test
+/// process was handed.
+///
+/// Ports come from below the kernel's ephemeral range (32768 and up): a port the kernel picked
+/// for `bind(0)` and released is soon handed again to an outgoing connection (an etcd member
+/// dialling its peers, a client), which then holds the port the test meant for a listener.
+/// A per-process counter, started at an offset from the pid, keeps parallel tests of one
+/// binary apart.
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free local port")
+    use std::sync::atomic::{AtomicU32, Ordering};
+    const LOW: u32 = 20_000;
+    const SPAN: u32 = 12_000;
+    static NEXT: AtomicU32 = AtomicU32::new(u32::MAX);
+    let _ = NEXT.compare_exchange(
+        u32::MAX,
+        (std::process::id().wrapping_mul(7919)) % SPAN,
+        Ordering::SeqCst,
+        Ordering::SeqCst,
+    );
+    for _ in 0..SPAN {
+        let port = (LOW + NEXT.fetch_add(1, Ordering::SeqCst) % SPAN) as u16;
+        let free = std::net::TcpListener::bind(("127.0.0.1", port)).is_ok()
+            && std::net::UdpSocket::bind(("127.0.0.1", port)).is_ok();
+        if free {
+            return port;
+        }
+    }
+    panic!("no free local port in {LOW}..{}", LOW + SPAN)
 }
 
 /// Runs `f` on every input of the committed corpus of fuzz target `target` (`fuzz/corpus/`),
