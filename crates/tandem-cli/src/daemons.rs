@@ -29,11 +29,17 @@ pub struct PrimaryArgs {
     /// Epoch length in milliseconds (with `--schedule adaptive`: the longest epoch).
     #[arg(long, default_value_t = 100, help_heading = "Checkpoint schedule")]
     pub epoch_ms: u64,
-    /// When to checkpoint: `fixed` (every --epoch-ms) or `adaptive` (seed 002: as soon as
-    /// network output waits and the previous checkpoint is acknowledged, when the disk writes
-    /// reach 32 MiB, else after --epoch-ms; docs/SCHEDULING.md).
-    #[arg(long, default_value = "fixed", help_heading = "Checkpoint schedule")]
+    /// When to checkpoint: `adaptive` (seed 002: as soon as network output waits and the
+    /// previous checkpoint is acknowledged, within the guest-time budget; when the disk writes
+    /// reach 32 MiB; else after --epoch-ms; docs/SCHEDULING.md) or `fixed` (every
+    /// --epoch-ms, Remus).
+    #[arg(long, default_value = "adaptive", help_heading = "Checkpoint schedule")]
     pub schedule: ScheduleArg,
+    /// With `--schedule adaptive`: the largest share of the guest's time, in percent, that
+    /// pauses and early suspends may take (a budget that a second of quiet refills, so bursts
+    /// of requests get short epochs); 0: no budget, only --run-per-pause bounds it.
+    #[arg(long, default_value_t = 20.0, help_heading = "Checkpoint schedule")]
+    pub time_budget_pct: f64,
     /// With `--schedule adaptive`: the shortest run between two pauses, in ms (the guest also
     /// runs at least as long as the last pause took).
     #[arg(long, default_value_t = 2, help_heading = "Checkpoint schedule")]
@@ -348,6 +354,7 @@ pub fn primary(a: PrimaryArgs) -> anyhow::Result<()> {
         s.run_per_pause = a.run_per_pause.max(0.0);
         s.converge = (a.converge_pct > 0.0).then_some(a.converge_pct / 100.0);
         s.stop_budget = (a.stop_budget_ms > 0).then(|| ms(a.stop_budget_ms));
+        s.time_budget = (a.time_budget_pct > 0.0).then(|| (a.time_budget_pct / 100.0).min(1.0));
         s
     });
     cfg.fast_devstate = a.devstate == "xen-save";

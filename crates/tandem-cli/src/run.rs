@@ -20,7 +20,7 @@
 //! [fencing]
 //! etcd = ["https://etcd1:2379"]
 //! [replication]                       # any flag of tandem primary/backup, e.g.
-//! schedule = "adaptive"
+//! time_budget_pct = 20
 //! [metrics]
 //! listen = "127.0.0.1:9471"
 //! ```

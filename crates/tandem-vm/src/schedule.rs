@@ -125,6 +125,15 @@ pub struct AdaptiveConfig {
     /// pause outweighs what an earlier checkpoint saves.
     #[serde(with = "humantime_serde")]
     pub converge_min_run: Duration,
+    /// The guest-time budget: the largest share of the guest's time that pauses and early
+    /// suspends may take, over the last `budget_window` (default 0.2). An early checkpoint or
+    /// suspend waits until it fits; the disk limit and the longest wait do not. `None`: off
+    /// (only `run_per_pause` bounds it).
+    pub time_budget: Option<f64>,
+    /// The window the budget is kept over (default 1 s): time the guest ran undisturbed
+    /// within it pays for bursts of short epochs.
+    #[serde(with = "humantime_serde")]
+    pub budget_window: Duration,
 }
 
 impl Default for AdaptiveConfig {
@@ -141,6 +150,8 @@ impl Default for AdaptiveConfig {
             stop_budget: Some(Duration::from_millis(20)),
             stop_sample: Duration::from_millis(2),
             stop_floor: 256,
+            time_budget: Some(0.2),
+            budget_window: Duration::from_secs(1),
         }
     }
 }
@@ -170,6 +181,45 @@ pub struct Adaptive {
     pub last_reason: Reason,
     /// Whether this epoch suspended the guest early.
     pub suspended: bool,
+    /// The guest-time budget's account of the last epochs.
+    budget: Budget,
+    /// The last pause, expected again at the next checkpoint.
+    last_pause: Duration,
+    /// How long the guest had run at the last call of `early`, and since when it is suspended.
+    ran: Duration,
+    suspended_at: Option<Duration>,
+}
+
+/// The guest-time budget as a token bucket: every second that passes earns `budget` seconds
+/// of credit, every second paused or suspended spends one, and the credit never exceeds
+/// `budget × window`. A long undisturbed run pays for a burst of short epochs; once the credit
+/// is spent the guest runs `(1 − budget) / budget` times each pause (4× at 20 %), never longer.
+#[derive(Debug, Clone, Copy)]
+struct Budget {
+    /// Seconds of pause the guest may still take; negative after a pause longer than it had.
+    credit: f64,
+}
+
+impl Budget {
+    fn full(budget: f64, window: Duration) -> Self {
+        Budget {
+            credit: budget * window.as_secs_f64(),
+        }
+    }
+
+    /// An epoch ended: `total` passed, of which `lost` was paused or suspended.
+    fn push(&mut self, lost: Duration, total: Duration, budget: f64, window: Duration) {
+        let earned = budget * total.as_secs_f64() - lost.as_secs_f64();
+        self.credit = (self.credit + earned).min(budget * window.as_secs_f64());
+    }
+
+    /// The shortest run of the current epoch after which a pause of `pause` leaves the credit
+    /// at zero or more: credit + budget × (run + pause) − pause >= 0.
+    fn min_run(&self, pause: Duration, budget: f64) -> Duration {
+        let b = budget.clamp(0.01, 1.0);
+        let need = (pause.as_secs_f64() * (1.0 - b) - self.credit) / b;
+        Duration::from_secs_f64(need.max(0.0))
+    }
 }
 
 /// Why an adaptive epoch ended.
@@ -195,7 +245,23 @@ impl Adaptive {
             last_count: None,
             last_reason: Reason::Time,
             suspended: false,
+            budget: Budget::full(cfg.time_budget.unwrap_or(1.0), cfg.budget_window),
+            last_pause: Duration::ZERO,
+            ran: Duration::ZERO,
+            suspended_at: None,
         }
+    }
+
+    /// Seconds of pause the guest-time budget allows now without waiting (negative: owed).
+    pub fn budget_credit(&self) -> f64 {
+        self.budget.credit
+    }
+
+    /// Whether an optional cut (output, convergence, suspend) at `ran` fits the budget.
+    fn within_budget(&self, ran: Duration) -> bool {
+        self.cfg
+            .time_budget
+            .is_none_or(|b| ran >= self.budget.min_run(self.last_pause, b))
     }
 
     /// Whether output waits on a checkpoint that cannot start yet (the previous ones are
@@ -207,6 +273,19 @@ impl Adaptive {
 
 impl Schedule for Adaptive {
     fn next_interval(&mut self, _: usize, last_pause: &PauseTiming) -> Duration {
+        let pause = Duration::from_micros(last_pause.total_us().into());
+        let suspended = self.suspended_at.map_or(Duration::ZERO, |at| self.ran - at);
+        if let Some(b) = self.cfg.time_budget {
+            self.budget.push(
+                pause + suspended,
+                self.ran + pause,
+                b,
+                self.cfg.budget_window,
+            );
+        }
+        self.last_pause = pause;
+        self.ran = Duration::ZERO;
+        self.suspended_at = None;
         let share = Duration::from_secs_f64(
             last_pause.total_us() as f64 / 1e6 * self.cfg.run_per_pause.max(0.0),
         );
@@ -235,12 +314,16 @@ impl Schedule for Adaptive {
     }
 
     fn early(&mut self, ran: Duration, p: &Pending) -> Cut {
+        self.ran = ran;
         if ran < self.min_run_now {
             return Cut::Run;
         }
         if p.disk_bytes >= self.cfg.disk_limit {
             self.last_reason = Reason::Disk;
             return Cut::Checkpoint;
+        }
+        if !self.suspended && !self.within_budget(ran) {
+            return Cut::Run;
         }
         if p.output_frames > 0 && p.unacked < self.cfg.max_unacked {
             self.last_reason = Reason::Output;
@@ -272,6 +355,7 @@ impl Schedule for Adaptive {
         {
             if self.output_blocked(p) && now >= limit {
                 self.suspended = true;
+                self.suspended_at = Some(ran);
                 return Cut::Suspend;
             }
         }
@@ -303,9 +387,108 @@ mod tests {
         Duration::from_millis(n)
     }
 
+    /// The defaults without the guest-time budget, to test the other rules alone.
+    fn no_budget() -> AdaptiveConfig {
+        AdaptiveConfig {
+            time_budget: None,
+            ..AdaptiveConfig::default()
+        }
+    }
+
+    #[test]
+    fn output_waits_until_the_pause_fits_the_guest_time_budget() {
+        let mut s = Adaptive::new(AdaptiveConfig::default());
+        let out = Pending {
+            output_frames: 1,
+            ..Default::default()
+        };
+        // A guest that ran undisturbed for a second pays for a burst of short epochs.
+        s.next_interval(0, &pause(0));
+        assert_eq!(s.early(ms(1000), &Pending::default()), Cut::Run);
+        s.next_interval(0, &pause(4));
+        assert_eq!(s.early(ms(4), &out), Cut::Checkpoint, "1 % lost so far");
+        let mut cuts = 0;
+        let mut lost = 0;
+        let mut t = 0;
+        // Output comes all the time: epochs of 4 ms pauses for three seconds.
+        while t < 3000 {
+            let mut ran = 4;
+            while s.early(ms(ran), &out) == Cut::Run {
+                ran += 1;
+                assert!(
+                    ran < 100,
+                    "the budget never lets output cut: {:?}",
+                    s.budget
+                );
+            }
+            cuts += 1;
+            t += ran + 4;
+            lost += 4;
+            s.next_interval(0, &pause(4));
+        }
+        // Over three seconds the guest lost the budget plus the second's saved credit, at most;
+        // in steady state runs of 16 ms per 4 ms pause, never more.
+        let share = lost as f64 / t as f64;
+        assert!(
+            share <= (0.2 * 3.0 + 0.2) / 3.0 + 0.01,
+            "lost {share:.3} of the time"
+        );
+        assert!(share >= 0.19, "the budget is used, not wasted: {share:.3}");
+        assert!(cuts > 100, "{cuts}");
+        let mut ran = 0;
+        while s.early(ms(ran), &out) == Cut::Run {
+            ran += 1;
+        }
+        assert!((15..=17).contains(&ran), "steady run {ran} ms");
+        // The disk limit does not wait for the budget.
+        let disk = Pending {
+            disk_bytes: 64 << 20,
+            ..Default::default()
+        };
+        assert_eq!(s.early(ms(4), &disk), Cut::Checkpoint);
+    }
+
+    #[test]
+    fn suspended_time_counts_against_the_budget() {
+        let w = Duration::from_secs(1);
+        let mut b = Budget::full(0.2, w);
+        assert!((b.credit - 0.2).abs() < 1e-9);
+        // Credit never exceeds budget × window.
+        b.push(ms(0), ms(800), 0.2, w);
+        assert!((b.credit - 0.2).abs() < 1e-9);
+        // 300 ms lost of 400: 0.2 + 0.08 - 0.3 = -0.02 s.
+        b.push(ms(300), ms(400), 0.2, w);
+        assert!((b.credit + 0.02).abs() < 1e-9, "{}", b.credit);
+        // A 10 ms pause now needs (0.008 + 0.02) / 0.2 = 140 ms of run.
+        let need = b.min_run(ms(10), 0.2);
+        assert!((need.as_secs_f64() - 0.14).abs() < 1e-6, "{need:?}");
+        let mut s = Adaptive::new(AdaptiveConfig::default());
+        s.next_interval(0, &pause(0));
+        let blocked = |dirty| Pending {
+            output_frames: 2,
+            unacked: 1,
+            dirty_pages: dirty,
+            ship_pages_per_s: Some(50_000),
+            ..Default::default()
+        };
+        assert_eq!(s.early(ms(10), &blocked(Some(5000))), Cut::Suspend);
+        assert_eq!(s.early(ms(600), &blocked(None)), Cut::Suspend);
+        s.next_interval(0, &pause(0));
+        // 600 ms passed (earning 120 ms), 590 ms suspended: 200 + 120 - 590 ms.
+        let after = s.budget_credit();
+        assert!((after + 0.27).abs() < 1e-3, "{after}");
+        // Now output waits until the guest earned the next pause back.
+        let out = Pending {
+            output_frames: 1,
+            ..Default::default()
+        };
+        assert_eq!(s.early(ms(1000), &out), Cut::Run);
+        assert_eq!(s.early(ms(1360), &out), Cut::Checkpoint);
+    }
+
     #[test]
     fn output_cuts_the_epoch_once_acked_and_after_the_guests_share() {
-        let mut s = Adaptive::new(AdaptiveConfig::default());
+        let mut s = Adaptive::new(no_budget());
         assert_eq!(s.next_interval(10, &pause(8)), ms(500));
         let out = Pending {
             output_frames: 3,
@@ -344,7 +527,7 @@ mod tests {
         let cfg = AdaptiveConfig {
             converge: Some(0.05),
             stop_budget: None,
-            ..AdaptiveConfig::default()
+            ..no_budget()
         };
         let mut s = Adaptive::new(cfg);
         assert_eq!(s.dirty_sample(&Pending::default()), Some(ms(10)));
@@ -390,7 +573,7 @@ mod tests {
 
     #[test]
     fn the_stop_threshold_suspends_until_the_ack_then_checkpoints() {
-        let cfg = AdaptiveConfig::default();
+        let cfg = no_budget();
         // 50 000 pages/s × 20 ms = 1 000 pages; never below the floor.
         assert_eq!(cfg.stop_threshold(Some(50_000)), Some(1000));
         assert_eq!(cfg.stop_threshold(Some(10)), Some(256));

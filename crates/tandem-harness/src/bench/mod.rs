@@ -87,7 +87,8 @@ pub struct Args {
     #[arg(long, value_delimiter = ',')]
     pub epochs_ms: Vec<u64>,
     /// --replication: the primary's schedules to compare (fixed, adaptive, adaptive-nostop =
-    /// adaptive without its stop threshold; default fixed). With adaptive, each epoch length
+    /// adaptive without its stop threshold, adaptive-nobudget = without its guest-time
+    /// budget; default fixed). With adaptive, each epoch length
     /// is its longest epoch.
     #[arg(long, value_delimiter = ',')]
     pub schedules: Vec<String>,
@@ -106,8 +107,8 @@ pub struct Args {
     #[arg(long)]
     pub stop_budget_ms: Option<u64>,
     /// --replication: the kv client axis, `latency` (--latency-conns connections, one request
-    /// in flight each) and/or `pipelined` (--conns × --batch). Default: one client,
-    /// --conns × --batch.
+    /// in flight each), `pipelined` (--conns × --batch) and/or `demo` (`tandem demo`'s client,
+    /// 8 × 32). Default: one client, --conns × --batch.
     #[arg(long, value_delimiter = ',')]
     pub clients: Vec<String>,
     /// Connections of the `latency` client.

@@ -93,10 +93,12 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
             .flat_map(|x| clients.iter().map(move |c| (x, c)))
         {
             n += 1;
-            // `adaptive-nostop`: the adaptive schedule without its stop threshold.
-            let (sched, stop) = match schedule.as_str() {
-                "adaptive-nostop" => ("adaptive", Some(0)),
-                s => (s, a.stop_budget_ms),
+            // `adaptive-nostop`: the adaptive schedule without its stop threshold;
+            // `adaptive-nobudget`: without its guest-time budget.
+            let (sched, stop, budget) = match schedule.as_str() {
+                "adaptive-nostop" => ("adaptive", Some(0), None),
+                "adaptive-nobudget" => ("adaptive", a.stop_budget_ms, Some(0.0)),
+                s => (s, a.stop_budget_ms, None),
             };
             let o = Opts {
                 workload: w.clone(),
@@ -106,6 +108,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
                 run_per_pause: a.run_per_pause,
                 converge_pct: a.converge_pct,
                 stop_budget_ms: stop,
+                time_budget_pct: budget,
                 devstate: devstate.clone(),
                 conns,
                 batch,
@@ -143,11 +146,12 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
 }
 
 /// The primary schedules `--schedules` takes.
-const SCHEDULES: &[&str] = &["fixed", "adaptive", "adaptive-nostop"];
+const SCHEDULES: &[&str] = &["fixed", "adaptive", "adaptive-nostop", "adaptive-nobudget"];
 
 /// The kv client axis as (connections, requests in flight each): `latency` is
 /// `--latency-conns` connections with one request in flight, `pipelined` is `--conns` ×
-/// `--batch`; without `--clients`, the one client `--conns` × `--batch`.
+/// `--batch`, `demo` is `tandem demo`'s client (8 × 32); without `--clients`, the one client
+/// `--conns` × `--batch`.
 fn clients(a: &Args) -> anyhow::Result<Vec<(usize, usize)>> {
     if a.clients.is_empty() {
         return Ok(vec![(a.conns, a.batch)]);
@@ -157,7 +161,9 @@ fn clients(a: &Args) -> anyhow::Result<Vec<(usize, usize)>> {
         .map(|c| match c.as_str() {
             "latency" => Ok((a.latency_conns.max(1), 1)),
             "pipelined" => Ok((a.conns.max(1), a.batch.max(1))),
-            other => anyhow::bail!("--clients {other:?}: use latency and/or pipelined"),
+            // `tandem demo`'s own client.
+            "demo" => Ok((8, 32)),
+            other => anyhow::bail!("--clients {other:?}: use latency, pipelined and/or demo"),
         })
         .collect()
 }
@@ -183,7 +189,7 @@ fn line(r: &RoundResult) -> String {
         )
     };
     format!(
-        "{:<8} {:>15} {:>3} ms {:>6}{}{} | {thr}{lat} | link {:.2} MiB vs Remus {:.1} MiB ({:.3}x, zstd level {}..{} median {}) | pause p50 {:.1} ms p99 {:.1} ms ({:.0} % of the time{}) | failover {:.0} ms after kill ({:.0} detection + {:.1} resume)",
+        "{:<8} {:>15} {:>3} ms {:>6}{}{} | {thr}{lat} | link {:.2} MiB vs Remus {:.1} MiB ({:.3}x, zstd level {}..{} median {}) | pause p50 {:.1} ms p99 {:.1} ms ({:.0} % of the time{}) | encoder {:.0} % of a core | failover {:.0} ms after kill ({:.0} detection + {:.1} resume)",
         r.workload,
         r.schedule,
         r.epoch_ms,
@@ -208,6 +214,7 @@ fn line(r: &RoundResult) -> String {
         } else {
             String::new()
         },
+        100.0 * r.encoder_core_share,
         r.kill_to_running_ms,
         r.detection_ms,
         r.resume_after_detection_ms

@@ -56,8 +56,9 @@ pub struct Args {
     /// Epoch length in milliseconds (with `--schedule adaptive`: the longest epoch).
     #[arg(long, default_value_t = 100)]
     pub epoch_ms: u64,
-    /// The primary's checkpoint schedule: `fixed` or `adaptive` (docs/SCHEDULING.md).
-    #[arg(long, default_value = "fixed")]
+    /// The primary's checkpoint schedule: `adaptive` (the default, with its guest-time
+    /// budget) or `fixed` (docs/SCHEDULING.md).
+    #[arg(long, default_value = "adaptive")]
     pub schedule: String,
     /// With `--schedule adaptive`: the primary's `--run-per-pause`.
     #[arg(long, default_value_t = 1.0)]
@@ -143,6 +144,8 @@ struct Summary {
     guest_rebooted: bool,
     link: String,
     epoch_ms: u64,
+    /// The primary's schedule (`--schedule`).
+    schedule: String,
     mem_mib: u64,
     codec: String,
     /// Re-protection and switchover (the default plan's last part, or `--cycle`).
@@ -349,6 +352,7 @@ fn run_demo(a: Args) -> anyhow::Result<()> {
         guest_rebooted: results.iter().any(|r| r.guest_continued != Some(true)),
         link: lab.shaping.clone(),
         epoch_ms: a.epoch_ms,
+        schedule: a.schedule.clone(),
         mem_mib: a.mem,
         codec: a.codec.clone(),
         rounds: results,
@@ -491,29 +495,39 @@ fn print_summary(s: &Summary) {
     let col = |f: &dyn Fn(&RoundResult) -> f64| s.rounds.iter().map(f).collect::<Vec<f64>>();
     let med = |f: &dyn Fn(&RoundResult) -> f64| quantile(&col(f), 0.5);
     println!(
-        "summary: {} failover round(s), {} MiB guest, {} ms epochs, codec {}, link {}",
+        "summary: {} failover round(s), {} MiB guest, {} schedule ({} ms longest epoch), codec {}, link {}",
         s.rounds.len(),
         s.mem_mib,
+        s.schedule,
         s.epoch_ms,
         s.codec,
         s.link
     );
     println!(
-        "  replication      {:.1} MiB raw -> {:.2} MiB sent ({:.3}x, zstd level {}..{}); pause p50 {:.1} ms, p99 {:.1} ms",
+        "  replication      {:.1} MiB raw -> {:.2} MiB sent ({:.3}x, zstd level {}..{}); pause p50 {:.1} ms, p99 {:.1} ms; encoder {:.0} % of a core",
         col(&|r| r.raw_mib).iter().sum::<f64>(),
         col(&|r| r.sent_mib).iter().sum::<f64>(),
         med(&|r| r.sent_over_raw),
         s.rounds.iter().map(|r| r.zstd_levels[0]).min().unwrap_or(0),
         s.rounds.iter().map(|r| r.zstd_levels[2]).max().unwrap_or(0),
         med(&|r| r.pause_ms_p50),
-        med(&|r| r.pause_ms_p99)
+        med(&|r| r.pause_ms_p99),
+        100.0 * med(&|r| r.encoder_core_share)
+    );
+    let (rep, native) = (
+        med(&|r| r.rate_replicated.unwrap_or(f64::NAN)),
+        med(&|r| r.rate_after_failover.unwrap_or(f64::NAN)),
     );
     println!(
-        "  client           {:.0} ops/s replicated (latency p50 {:.0} ms, p99 {:.0} ms), {:.0} ops/s on the backup after failover",
-        med(&|r| r.rate_replicated.unwrap_or(f64::NAN)),
+        "  client ({})   {:.0} ops/s replicated vs {:.0} unprotected (the backup after failover): {:.0} %; latency p50 {:.0} ms, p99 {:.0} ms; guest time lost to pauses {:.1} % + suspends {:.1} %",
+        s.rounds.first().map_or("", |r| r.client.as_str()),
+        rep,
+        native,
+        100.0 * rep / native,
         med(&|r| r.client_latency_ms_p50),
         med(&|r| r.client_latency_ms_p99),
-        med(&|r| r.rate_after_failover.unwrap_or(f64::NAN))
+        100.0 * med(&|r| r.pause_share),
+        100.0 * med(&|r| r.suspend_share)
     );
     println!(
         "  failover         kill -> guest running {:.0} ms (median; detection {:.0} ms, resume {:.1} ms); client gap {:.0} ms",

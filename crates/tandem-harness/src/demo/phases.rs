@@ -217,6 +217,9 @@ impl<'a> RoundCtx<'a> {
         if let Some(ms) = o.stop_budget_ms {
             pargs.extend(["--stop-budget-ms".into(), ms.to_string()]);
         }
+        if let Some(pct) = o.time_budget_pct {
+            pargs.extend(["--time-budget-pct".into(), pct.to_string()]);
+        }
         if let Some(d) = &o.devstate {
             pargs.extend(["--devstate".into(), d.clone()]);
         }
@@ -524,6 +527,7 @@ impl<'a> RoundCtx<'a> {
             pause_ms_p99: quantile(&ep.pauses, 0.99),
             pause_share: ep.pauses.iter().sum::<f64>() / 1000.0 / tl.replicated_s.max(1e-3),
             suspend_share: ep.suspended_ms / 1000.0 / tl.replicated_s.max(1e-3),
+            encoder_core_share: ep.encode_ms / 1000.0 / tl.replicated_s.max(1e-3),
             zstd_levels: ep.levels(),
             unit: g.unit.into(),
             rate_replicated: g.rate_replicated,

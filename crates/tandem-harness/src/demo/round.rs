@@ -33,6 +33,8 @@ pub struct Opts<'a> {
     pub converge_pct: Option<f64>,
     /// The primary's `--stop-budget-ms` (adaptive schedule; `None`: its default).
     pub stop_budget_ms: Option<u64>,
+    /// The primary's `--time-budget-pct` (adaptive schedule; `None`: its default).
+    pub time_budget_pct: Option<f64>,
     /// The primary's `--devstate` (`None`: its default, xen-save).
     pub devstate: Option<String>,
     pub timeout_ms: u64,
@@ -78,10 +80,11 @@ impl<'a> Opts<'a> {
             dir,
             mem: 256,
             epoch_ms: 100,
-            schedule: "fixed".into(),
+            schedule: "adaptive".into(),
             run_per_pause: 1.0,
             converge_pct: None,
             stop_budget_ms: None,
+            time_budget_pct: None,
             devstate: None,
             timeout_ms: 1000,
             codec: "tandem".into(),
@@ -125,6 +128,9 @@ pub struct RoundResult {
     /// Share of the replicated phase the guest spent suspended early (the adaptive
     /// schedule's stop threshold), on top of `pause_share`.
     pub suspend_share: f64,
+    /// The primary's time encoding epochs per second of the replicated phase: the share of
+    /// one core its (one-thread) encoder was busy, an upper bound on its CPU.
+    pub encoder_core_share: f64,
     /// zstd levels the primary chose for the memory records: lowest, median, highest.
     pub zstd_levels: [i64; 3],
     /// Guest throughput unit: client `ops` (kv), sqlite `txns`, compiled `objs`; none for idle.
@@ -212,6 +218,8 @@ pub(crate) struct Epochs {
     pub pauses: Vec<f64>,
     /// Milliseconds the guest was suspended early, summed.
     pub suspended_ms: f64,
+    /// Milliseconds the primary spent encoding epochs, summed.
+    pub encode_ms: f64,
     pub points: Vec<EpochPoint>,
 }
 
@@ -266,6 +274,7 @@ impl Epochs {
                 self.sent += g("sent_bytes");
                 self.pauses.push(g("pause_us") as f64 / 1000.0);
                 self.suspended_ms += g("suspended_us") as f64 / 1000.0;
+                self.encode_ms += g("encode_us") as f64 / 1000.0;
                 self.points.push(EpochPoint {
                     epoch: g("epoch"),
                     pause_ms: g("pause_us") as f64 / 1000.0,
