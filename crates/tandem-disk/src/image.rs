@@ -237,7 +237,7 @@ impl Image {
     pub fn take_epoch_writes(&self) -> Vec<Write> {
         let log = std::mem::replace(&mut *self.lock(), Log::new());
         let mut out = Vec::new();
-        if let Err(e) = self.collect(log, &mut out) {
+        if let Err(e) = self.collect(log, &mut out, &mut || {}) {
             tracing::error!("disk log: reading back an epoch's writes from the image: {e}");
         }
         out
@@ -246,14 +246,28 @@ impl Image {
     /// [`Image::take_epoch_writes`], failing if a range cannot be read back from the file. The
     /// epoch's log is gone either way: after an error, re-sync the whole disk.
     pub fn try_take_epoch_writes(&self) -> std::io::Result<Vec<Write>> {
+        self.try_take_epoch_writes_with(&mut || {})
+    }
+
+    /// [`Image::try_take_epoch_writes`], calling `piece` after each piece (4 MiB) read back
+    /// from the file: a caller inside the guest's pause tells its watchdog it makes progress.
+    pub fn try_take_epoch_writes_with(
+        &self,
+        piece: &mut dyn FnMut(),
+    ) -> std::io::Result<Vec<Write>> {
         let log = std::mem::replace(&mut *self.lock(), Log::new());
         let mut out = Vec::new();
-        self.collect(log, &mut out)?;
+        self.collect(log, &mut out, piece)?;
         Ok(out)
     }
 
     /// The copied writes (minus those a range covers whole), then the ranges' data read back.
-    fn collect(&self, mut log: Log, out: &mut Vec<Write>) -> std::io::Result<()> {
+    fn collect(
+        &self,
+        mut log: Log,
+        out: &mut Vec<Write>,
+        piece: &mut dyn FnMut(),
+    ) -> std::io::Result<()> {
         *out = std::mem::take(&mut log.writes);
         if log.ranges.is_empty() {
             return Ok(());
@@ -268,6 +282,7 @@ impl Image {
                 self.file.read_exact_at(&mut buf, o)?;
                 out.push((o, buf));
                 o += n;
+                piece();
             }
         }
         Ok(())
@@ -404,8 +419,10 @@ mod tests {
         }
         let u = img.log_usage();
         assert!(u.ranges <= 8, "{u:?}");
-        let writes = img.take_epoch_writes();
+        let mut pieces = 0;
+        let writes = img.try_take_epoch_writes_with(&mut || pieces += 1).unwrap();
         assert!(writes.iter().all(|w| w.1.len() as u64 <= RANGE_PIECE));
+        assert_eq!(pieces, writes.len(), "one call per piece read back");
         replay(&mut copy, &writes);
         assert!(copy == contents(&img));
     }

@@ -73,7 +73,10 @@ impl EpochSink for LinkSink<'_> {
             self.st.shared.lose(why);
         }
         if let Some(d) = &self.st.site.disk {
-            self.writes = d.try_take_epoch_writes();
+            // Ranges beyond the write log are read back here, inside the pause: every piece
+            // is progress for the watchdog (a large read-back is slow, not a hang).
+            let wd = &self.watchdog;
+            self.writes = d.try_take_epoch_writes_with(&mut || wd.beat());
         }
         // Another node owns the VM (the read-back saw it): this copy stops here.
         if let Some(what) = self.fencing.as_ref().and_then(|f| f.fenced()) {
