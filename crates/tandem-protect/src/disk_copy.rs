@@ -242,6 +242,53 @@ pub fn guest_left(dir: &Path) -> Result<(), CopyError> {
     }
 }
 
+/// What [`begin`] found of an earlier guest in the directory.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Earlier {
+    /// Nothing to keep: no record, or a copy only.
+    Nothing,
+    /// The guest's disks, moved aside to `to` (the epoch it ran from).
+    Kept {
+        /// Where they are now.
+        to: PathBuf,
+        /// The epoch it had resumed from.
+        epoch: u64,
+    },
+    /// The record said the guest ran from the copy, but the file is gone (deleted by hand).
+    Gone {
+        /// The epoch it had resumed from.
+        epoch: u64,
+    },
+}
+
+/// A backup of `vm_id` begins a copy in `dir`: a record of another VM is refused; the disks
+/// of a guest that ran here are moved aside to `guest-disks.raw.prev` (never overwritten);
+/// then the record says `copy` (epoch 0) for `slices`.
+pub fn begin(dir: &Path, vm_id: u64, slices: &[MirrorSlice]) -> Result<Earlier, CopyError> {
+    let mut earlier = Earlier::Nothing;
+    if let Some(r) = read(dir)? {
+        if r.vm_id != vm_id {
+            return Err(CopyError::OtherVm {
+                path: dir.join(RECORD),
+                found: r.vm_id,
+                want: vm_id,
+            });
+        }
+        if r.state == State::Guest {
+            let (from, to) = (path(dir), dir.join(format!("{FILE}.prev")));
+            earlier = if from.exists() {
+                std::fs::rename(&from, &to)
+                    .map_err(|e| CopyError::Io(format!("moving {} aside", from.display()), e))?;
+                Earlier::Kept { to, epoch: r.epoch }
+            } else {
+                Earlier::Gone { epoch: r.epoch }
+            };
+        }
+    }
+    write(dir, &Record::new(vm_id, State::Copy, 0, slices))?;
+    Ok(earlier)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -259,6 +306,43 @@ mod tests {
                 size: 1 << 20,
             },
         ]
+    }
+
+    #[test]
+    fn a_backup_keeps_the_disks_a_guest_ran_from() {
+        let d = tempfile::tempdir().unwrap();
+        assert_eq!(begin(d.path(), 7, &slices()).unwrap(), Earlier::Nothing);
+        assert_eq!(read(d.path()).unwrap().unwrap().state, State::Copy);
+        // The guest ran here from the copy: a new backup moves it aside.
+        write(d.path(), &Record::new(7, State::Guest, 9, &slices())).unwrap();
+        std::fs::write(path(d.path()), b"disks").unwrap();
+        let to = d.path().join("guest-disks.raw.prev");
+        assert_eq!(
+            begin(d.path(), 7, &slices()).unwrap(),
+            Earlier::Kept {
+                to: to.clone(),
+                epoch: 9
+            }
+        );
+        assert_eq!(std::fs::read(&to).unwrap(), b"disks");
+        assert!(!path(d.path()).exists());
+        assert_eq!(read(d.path()).unwrap().unwrap().state, State::Copy);
+        // A record whose file was deleted by hand: nothing to keep, a fresh copy begins.
+        write(d.path(), &Record::new(7, State::Guest, 10, &slices())).unwrap();
+        assert_eq!(
+            begin(d.path(), 7, &slices()).unwrap(),
+            Earlier::Gone { epoch: 10 }
+        );
+        assert_eq!(read(d.path()).unwrap().unwrap().state, State::Copy);
+        // Another VM's directory is refused and left alone.
+        assert!(matches!(
+            begin(d.path(), 8, &slices()),
+            Err(CopyError::OtherVm {
+                found: 7,
+                want: 8,
+                ..
+            })
+        ));
     }
 
     #[test]

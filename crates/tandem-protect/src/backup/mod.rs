@@ -771,30 +771,21 @@ fn begin_copy(
     vmc: &tandem_vm::VmConfig,
     status: &Status,
 ) -> Result<(), BackupError> {
-    use crate::disk_copy::{self, Record, State};
+    use crate::disk_copy::{self, Earlier};
     let (slices, _) = crate::site::capture_slices(vmc)?;
-    let old = disk_copy::read(dir).map_err(BackupError::Copy)?;
-    if let Some(r) = &old {
-        if r.vm_id != vm_id {
-            return Err(BackupError::Copy(disk_copy::CopyError::OtherVm {
-                path: dir.join(disk_copy::RECORD),
-                found: r.vm_id,
-                want: vm_id,
-            }));
-        }
-        if r.state == State::Guest {
-            let (from, to) = (
-                disk_copy::path(dir),
-                dir.join(format!("{}.prev", disk_copy::FILE)),
-            );
-            std::fs::rename(&from, &to).map_err(io(format!("moving {} aside", from.display())))?;
-            status.warn(format!(
-                "the guest last ran here from {} (epoch {}); serving as the backup now, so it was kept as {}: delete it once the guest runs well elsewhere",
-                from.display(),
-                r.epoch,
-                to.display()
-            ));
-        }
+    let file = disk_copy::path(dir);
+    match disk_copy::begin(dir, vm_id, &slices).map_err(BackupError::Copy)? {
+        Earlier::Nothing => {}
+        Earlier::Kept { to, epoch } => status.warn(format!(
+            "the guest last ran here from {} (epoch {epoch}); serving as the backup now, so it was kept as {}: delete it once the guest runs well elsewhere",
+            file.display(),
+            to.display()
+        )),
+        Earlier::Gone { epoch } => status.warn(format!(
+            "{} says the guest last ran here from {} (epoch {epoch}), but that file is gone; starting a fresh copy",
+            dir.join(disk_copy::RECORD).display(),
+            file.display()
+        )),
     }
-    disk_copy::write(dir, &Record::new(vm_id, State::Copy, 0, &slices)).map_err(BackupError::Copy)
+    Ok(())
 }
