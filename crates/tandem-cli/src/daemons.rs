@@ -79,6 +79,15 @@ pub struct PrimaryArgs {
     /// store's tier from 64).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=64), help_heading = "Replication")]
     pub encoder_threads: u16,
+    /// Pre-copy rounds of a session's initial sync at most: after the full copy, what the
+    /// guest wrote meanwhile is sent again while it runs, until few pages remain or the rounds
+    /// stop shrinking (as live migration); 0: the first checkpoint carries it all.
+    #[arg(long, default_value_t = 10, help_heading = "Replication")]
+    pub precopy_rounds: u32,
+    /// Pre-copy ends once a round found at most this many MiB written (the first
+    /// checkpoint's pause copies them).
+    #[arg(long, default_value_t = 32, help_heading = "Replication")]
+    pub precopy_target_mib: u64,
     /// Identifier of the protected VM (the backup refuses frames of any other).
     #[arg(long, default_value_t = 1, help_heading = "Replication")]
     pub vm_id: u64,
@@ -362,6 +371,10 @@ pub fn primary(a: PrimaryArgs) -> anyhow::Result<()> {
     cfg.codec = a.codec;
     cfg.zstd_level = a.zstd_level.0;
     cfg.encoder_threads = a.encoder_threads.into();
+    cfg.precopy = tandem_protect::primary::Precopy {
+        max_rounds: a.precopy_rounds,
+        target_pages: a.precopy_target_mib << 8,
+    };
     cfg.vm_id = a.vm_id;
     cfg.heartbeat = ms(a.heartbeat_ms.max(1));
     cfg.ack_timeout = ms(a.ack_timeout_ms.max(100));

@@ -118,6 +118,13 @@ fn a_primary_and_a_backup_in_one_process_fail_over_through_their_handles() {
     wait_for(&p, &mut ps, Duration::from_secs(240), |e| {
         *e == Event::Protected
     });
+    // The initial sync ran pre-copy rounds while memtouch kept writing (initial.rs): the
+    // first was sent before the guest was protected.
+    let said = |what: &str| {
+        ps.iter()
+            .any(|e| matches!(e, Event::Info { text } if text.contains(what)))
+    };
+    assert!(said("pre-copy round 1:"), "{ps:#?}");
     let acked = |ps: &[Event]| {
         ps.iter()
             .filter_map(|e| match e {

@@ -306,17 +306,43 @@ impl Primary {
         ram: &[u8],
         disk_bytes: u64,
     ) -> Result<Frame, PrimaryError> {
-        self.enc = Some(Encoder::new(self.codec, ram, self.config)?);
+        let hello = self.hello(start, ram.len() as u64, disk_bytes);
+        self.set_reference(ram)?;
+        Ok(hello)
+    }
+
+    /// Starts a session of a guest of `mem_bytes` at epoch `start` whose initial copy is sent
+    /// in rounds while it runs: returns the hello frame. No epoch can be encoded until
+    /// [`Primary::set_reference`] says what the backup holds.
+    pub fn hello(&mut self, start: u64, mem_bytes: u64, disk_bytes: u64) -> Frame {
+        self.enc = None;
         self.prev_dev.clear();
         let hello = Hello {
-            mem_bytes: ram.len() as u64,
+            mem_bytes,
             page_size: tandem_codec::format::PAGE as u32,
             disk_bytes,
             start_epoch: start,
             session: self.session,
             fencing: self.fencing,
         };
-        Ok(self.frame(Kind::Hello, 0, hello.encode()))
+        self.frame(Kind::Hello, 0, hello.encode())
+    }
+
+    /// The backup's memory after the initial copy is `ram`: the encoder's reference.
+    pub fn set_reference(&mut self, ram: &[u8]) -> Result<(), PrimaryError> {
+        self.enc = Some(Encoder::new(self.codec, ram, self.config)?);
+        Ok(())
+    }
+
+    /// One base frame: `pages` from page `first` on, whatever they hold (a pre-copy round
+    /// sends pages the guest wrote, zeros included).
+    pub fn base_frame(&self, first: u64, pages: &[u8]) -> Frame {
+        self.frame(Kind::Base, 0, base_payload(first, pages))
+    }
+
+    /// One disk-base frame for a write of the guest during the initial copy, zeros included.
+    pub fn disk_write_frame(&self, offset: u64, data: &[u8]) -> Frame {
+        self.frame(Kind::DiskBase, 0, base_payload(offset, data))
     }
 
     /// The initial copy of memory: runs of non-zero pages (the backup starts from zeros), at

@@ -12,6 +12,7 @@
 mod fence;
 pub(crate) use fence::guest_shut_down;
 mod finish;
+mod initial;
 mod link;
 mod session;
 mod sink;
@@ -32,6 +33,7 @@ use crate::site::{Role, Site, SiteConfig, SiteError};
 use crate::vmspec::{boot, BootError, VmSpec, VmSpecError};
 use crate::Status;
 use finish::finish;
+pub use initial::Precopy;
 use session::{Daemon, End};
 use watchdog::Watchdog;
 
@@ -69,6 +71,8 @@ pub struct PrimaryConfig {
     /// cores to spare: the per-page work splits from 1 024 dirty pages on
     /// (`tandem_codec::Config::min_pages_per_thread` per thread).
     pub encoder_threads: usize,
+    /// The initial sync's pre-copy rounds (initial.rs).
+    pub precopy: Precopy,
     /// Identifier of the protected VM (the backup refuses frames of any other).
     pub vm_id: u64,
     /// Send a heartbeat when nothing else was sent for this long.
@@ -133,6 +137,7 @@ impl PrimaryConfig {
             codec: Codec::Tandem,
             zstd_level: None,
             encoder_threads: 1,
+            precopy: Precopy::default(),
             vm_id: 1,
             heartbeat: Duration::from_millis(100),
             ack_timeout: Duration::from_secs(2),

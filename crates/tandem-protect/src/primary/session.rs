@@ -1,5 +1,5 @@
-//! One replication session: hello and the initial copy (taken in one pause, sent while the
-//! guest runs), then the epoch loop until the link is lost, the backup fences this primary,
+//! One replication session: hello and the initial sync (initial.rs: pre-copy rounds while
+//! the guest runs), then the epoch loop until the link is lost, the backup fences this primary,
 //! or the operator stops it (handover or shutdown).
 
 use crate::conn::Conn;
@@ -11,16 +11,16 @@ use std::time::{Duration, Instant};
 
 use tandem_replication::{Acks, Frame, Primary, Reply};
 use tandem_vm::epoch::{run_pipeline, Checkpoint};
-use tandem_vm::{EpochSink, Guest, Vm, VmError};
+use tandem_vm::{EpochSink, Guest, Vm};
 
 use super::fence::Blocked;
+use super::initial::CopyError;
 use super::link::{self, Out, SenderOpts, Shared};
 use super::sink::{LinkSink, Step};
 use super::watchdog::Watchdog;
 use super::{PrimaryConfig, PrimaryError};
 use crate::faults::{self, HandoverStep};
 use crate::metrics::Registry;
-use crate::progress::Progress;
 use crate::site::Site;
 use crate::Status;
 
@@ -78,24 +78,6 @@ pub struct Daemon<'a> {
 }
 
 pub(super) type Writes = Vec<(u64, Vec<u8>)>;
-
-/// Why the initial copy did not complete: the VM failed (fatal), or the link (re-sync).
-enum CopyError {
-    Vm(VmError),
-    Link(String),
-}
-
-impl From<VmError> for CopyError {
-    fn from(e: VmError) -> Self {
-        CopyError::Vm(e)
-    }
-}
-
-impl From<std::io::Error> for CopyError {
-    fn from(e: std::io::Error) -> Self {
-        CopyError::Link(format!("writing to the backup: {e}"))
-    }
-}
 
 impl Daemon<'_> {
     /// Runs one session on `stream`.
@@ -260,104 +242,6 @@ impl Daemon<'_> {
         } else {
             End::Lost(why)
         }
-    }
-
-    /// Hello, then the initial copy of RAM and disk taken in one pause and sent while the
-    /// guest runs. Network output from here on is held until the session's first ack.
-    fn initial_copy(
-        &mut self,
-        vm: &mut Vm,
-        w: &mut impl Write,
-        shared: &Shared,
-    ) -> Result<(), CopyError> {
-        // The initial copy stops the guest and copies all of its RAM in one pause: seconds for
-        // a 1 GiB guest on a loaded host. That is progress for the watchdog, not a hang.
-        let mib = (vm.ram().len() >> 20) as u64;
-        self.watchdog
-            .allow(Duration::from_secs(10) + Duration::from_millis(10 * mib));
-        let (site, epoch) = (self.site, self.epoch);
-        let ram = vm.initial_copy(&mut || {
-            site.relays.seal(epoch);
-            if let Some(d) = &site.disk {
-                // From here on every write is in the log (shipped with the next epochs).
-                d.take_epoch_writes();
-            }
-        })?;
-        // Building the encoder's state (block hashes of all guest RAM) is proportional to
-        // RAM too: seconds for 1 GiB on a loaded host.
-        self.watchdog
-            .allow(Duration::from_secs(10) + Duration::from_millis(10 * mib));
-        let disk_bytes = site.disk.as_ref().map_or(0, |d| d.size());
-        let hello = self
-            .proto
-            .begin(self.epoch, &ram, disk_bytes)
-            .map_err(|e| CopyError::Link(format!("hello: {e}")))?;
-        link::send(w, &hello)?;
-        self.watchdog.beat();
-        let mut sent = 0usize;
-        let ram_bytes = ram.len() as u64;
-        let mut progress = Progress::new(
-            "initial copy",
-            ram_bytes + disk_bytes,
-            &self.status,
-            &self.registry,
-        );
-        for f in self.proto.base_frames(&ram, 1024) {
-            sent += f.payload.len() - 8;
-            link::send(w, &f)?;
-            self.watchdog.beat();
-            if shared.is_lost() {
-                return Err(CopyError::Link(shared.why()));
-            }
-            // A base frame is a run of non-zero pages: its first page, then the pages.
-            let first = f.payload[..8].try_into().map_or(0, u64::from_le_bytes);
-            progress.update(first * tandem_vm::PAGE_SIZE as u64 + (f.payload.len() - 8) as u64);
-        }
-        let mem_mib = ram.len() >> 20;
-        drop(ram);
-        progress.update(ram_bytes);
-        if let Some(d) = &site.disk {
-            self.copy_disk(d, w, shared, &mut |off| progress.update(ram_bytes + off))?;
-        }
-        drop(progress);
-        self.status.info(format!(
-            "initial copy sent at epoch {}: {} of {} MiB non-zero, data disk {} MiB",
-            self.epoch,
-            sent >> 20,
-            mem_mib,
-            disk_bytes >> 20
-        ));
-        Ok(())
-    }
-
-    /// Streams the data disk while the guest runs. Reading after the boundary is safe: a
-    /// chunk may already hold later writes, but every write since the boundary is in the log
-    /// and is applied again, in order, after this base.
-    fn copy_disk(
-        &self,
-        d: &tandem_disk::Image,
-        w: &mut impl Write,
-        shared: &Shared,
-        progress: &mut dyn FnMut(u64),
-    ) -> Result<(), CopyError> {
-        let mut buf = vec![0u8; 1 << 16];
-        let mut off = 0u64;
-        while off < d.size() {
-            let n = (d.size() - off).min(buf.len() as u64) as usize;
-            d.read_at(&mut buf[..n], off)
-                .map_err(|e| CopyError::Link(format!("reading the data disk: {e}")))?;
-            if let Some(f) = self.proto.disk_base_frame(off, &buf[..n]) {
-                link::send(w, &f)?;
-            }
-            // Zero chunks send nothing, but reading them is progress too.
-            self.watchdog.beat();
-            if shared.is_lost() {
-                return Err(CopyError::Link(shared.why()));
-            }
-            off += n as u64;
-            progress(off);
-        }
-        Ok(())
     }
 
     /// The link as the pipeline's sink for this session (`qemu`: the pid for the pause-kill

@@ -103,9 +103,20 @@ impl Vm {
     /// Stops the guest, resets the dirty log and lets the guest run again (so the next epoch
     /// does not carry what was written before, e.g. by the boot).
     pub fn reset_dirty_log(&mut self) -> Result<(), VmError> {
-        self.stop()?;
-        self.harvest(&mut Vec::new())?;
-        self.cont()
+        self.restart_dirty_log(&mut || {})
+    }
+
+    /// [`Vm::reset_dirty_log`] with `boundary` run while the guest is stopped (the relays'
+    /// seal and the disk log's reset of a session's initial sync): a short pause, whatever
+    /// the guest's size.
+    pub fn restart_dirty_log(&mut self, boundary: &mut dyn FnMut()) -> Result<(), VmError> {
+        let r = (|| {
+            self.stop()?;
+            self.harvest(&mut Vec::new())?;
+            boundary();
+            self.cont()
+        })();
+        r.map_err(|e| self.explain(e))
     }
 }
 
