@@ -8,6 +8,9 @@ case "$wl" in
   memtouch)
     # 64 MiB buffer, 256 pages every 20 ms, known pattern (see guest/memtouch.c)
     exec /usr/lib/tandem/memtouch 64 256 20 ;;
+  memheavy)
+    # A large, busy guest (issue 39; give it >= 2 GiB): 1 GiB buffer, 2048 pages every 10 ms
+    exec /usr/lib/tandem/memtouch 1024 2048 10 ;;
   kv)
     # With a data disk, redis also keeps an append-only file there (disk writes every second).
     aof="--appendonly no"

@@ -79,10 +79,11 @@ pub struct PrimaryArgs {
     /// store's tier from 64).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=64), help_heading = "Replication")]
     pub encoder_threads: u16,
-    /// Pre-copy rounds of a session's initial sync at most: after the full copy, what the
-    /// guest wrote meanwhile is sent again while it runs, until few pages remain or the rounds
-    /// stop shrinking (as live migration); 0: the first checkpoint carries it all.
-    #[arg(long, default_value_t = 10, help_heading = "Replication")]
+    /// Pre-copy rounds of a session's initial sync: after the full copy, what the guest wrote
+    /// meanwhile is sent again while it runs, until few pages remain; rounds that stop
+    /// shrinking throttle the guest (as live migration's auto-converge). Past this many, the
+    /// rounds end once at most 256 MiB remain; 0: the first checkpoint carries it all.
+    #[arg(long, default_value_t = 20, help_heading = "Replication")]
     pub precopy_rounds: u32,
     /// Pre-copy ends once a round found at most this many MiB written (the first
     /// checkpoint's pause copies them).

@@ -16,7 +16,9 @@ use tandem_vm::console::{Console, ConsoleError};
 use tandem_vm::{Boot, DiskBus, DiskDesc, DiskFormat, NicDesc, NicNet, VmConfig};
 
 /// The workloads the guest image can run (`tandem.workload=` on the kernel command line).
-pub const WORKLOADS: &[&str] = &["idle", "memtouch", "compile", "sqlite", "kv", "disk"];
+pub const WORKLOADS: &[&str] = &[
+    "idle", "memtouch", "memheavy", "compile", "sqlite", "kv", "disk",
+];
 
 /// The lab guest's MAC address.
 pub const MAC: &str = "52:54:00:12:34:56";
@@ -38,7 +40,9 @@ pub enum ImageError {
     #[error("guest image file {0} is missing: run `./tandem setup` to build the guest image")]
     Missing(String),
     /// The workload name is unknown.
-    #[error("unknown workload {0:?}: choose one of idle, memtouch, compile, sqlite, kv, disk")]
+    #[error(
+        "unknown workload {0:?}: choose one of idle, memtouch, memheavy, compile, sqlite, kv, disk"
+    )]
     UnknownWorkload(String),
 }
 

@@ -102,6 +102,9 @@ pub struct Args {
     /// --replication with the adaptive schedule: the primary's `--converge-pct`.
     #[arg(long)]
     pub converge_pct: Option<f64>,
+    /// --replication: the primary's `--precopy-rounds` to compare (default: the primary's).
+    #[arg(long, value_delimiter = ',')]
+    pub precopy_rounds: Vec<u32>,
     /// --replication with the adaptive schedule: the primary's `--stop-budget-ms` (default:
     /// the primary's).
     #[arg(long)]

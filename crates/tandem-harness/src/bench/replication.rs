@@ -88,9 +88,15 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         } else {
             &clients[..1]
         };
-        for (&(schedule, ms, link, devstate), &(conns, batch)) in axes
+        let precopies: Vec<Option<u32>> = if a.precopy_rounds.is_empty() {
+            vec![None]
+        } else {
+            a.precopy_rounds.iter().copied().map(Some).collect()
+        };
+        for (&(schedule, ms, link, devstate), &(conns, batch), &pre) in axes
             .iter()
             .flat_map(|x| clients.iter().map(move |c| (x, c)))
+            .flat_map(|(x, c)| precopies.iter().map(move |p| (x, c, p)))
         {
             n += 1;
             // `adaptive-nostop`: the adaptive schedule without its stop threshold;
@@ -109,6 +115,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
                 converge_pct: a.converge_pct,
                 stop_budget_ms: stop,
                 time_budget_pct: budget,
+                precopy_rounds: pre,
                 devstate: devstate.clone(),
                 conns,
                 batch,
@@ -189,7 +196,7 @@ fn line(r: &RoundResult) -> String {
         )
     };
     format!(
-        "{:<8} {:>15} {:>3} ms {:>6}{}{} | {thr}{lat} | link {:.2} MiB vs Remus {:.1} MiB ({:.3}x, zstd level {}..{} median {}) | pause p50 {:.1} ms p99 {:.1} ms ({:.0} % of the time{}) | encoder {:.0} % of a core | failover {:.0} ms after kill ({:.0} detection + {:.1} resume)",
+        "{:<8} {:>15} {:>3} ms {:>6}{}{} | {thr}{lat} | link {:.2} MiB vs Remus {:.1} MiB ({:.3}x, zstd level {}..{} median {}) | pause p50 {:.1} ms p99 {:.1} ms ({:.0} % of the time{}) | encoder {:.0} % of a core | first epoch {} pages, pause {:.1} ms{} | failover {:.0} ms after kill ({:.0} detection + {:.1} resume)",
         r.workload,
         r.schedule,
         r.epoch_ms,
@@ -215,6 +222,10 @@ fn line(r: &RoundResult) -> String {
             String::new()
         },
         100.0 * r.encoder_core_share,
+        r.first_epoch_pages,
+        r.first_epoch_pause_ms,
+        r.precopy_rounds
+            .map_or(String::new(), |n| format!(" (precopy rounds {n})")),
         r.kill_to_running_ms,
         r.detection_ms,
         r.resume_after_detection_ms

@@ -220,6 +220,9 @@ impl<'a> RoundCtx<'a> {
         if let Some(pct) = o.time_budget_pct {
             pargs.extend(["--time-budget-pct".into(), pct.to_string()]);
         }
+        if let Some(n) = o.precopy_rounds {
+            pargs.extend(["--precopy-rounds".into(), n.to_string()]);
+        }
         if let Some(d) = &o.devstate {
             pargs.extend(["--devstate".into(), d.clone()]);
         }
@@ -528,6 +531,9 @@ impl<'a> RoundCtx<'a> {
             pause_share: ep.pauses.iter().sum::<f64>() / 1000.0 / tl.replicated_s.max(1e-3),
             suspend_share: ep.suspended_ms / 1000.0 / tl.replicated_s.max(1e-3),
             encoder_core_share: ep.encode_ms / 1000.0 / tl.replicated_s.max(1e-3),
+            precopy_rounds: o.precopy_rounds,
+            first_epoch_pages: ep.points.first().map_or(0, |p| p.dirty_pages),
+            first_epoch_pause_ms: ep.points.first().map_or(0.0, |p| p.pause_ms),
             zstd_levels: ep.levels(),
             unit: g.unit.into(),
             rate_replicated: g.rate_replicated,

@@ -35,6 +35,8 @@ pub struct Opts<'a> {
     pub stop_budget_ms: Option<u64>,
     /// The primary's `--time-budget-pct` (adaptive schedule; `None`: its default).
     pub time_budget_pct: Option<f64>,
+    /// The primary's `--precopy-rounds` (`None`: its default).
+    pub precopy_rounds: Option<u32>,
     /// The primary's `--devstate` (`None`: its default, xen-save).
     pub devstate: Option<String>,
     pub timeout_ms: u64,
@@ -85,6 +87,7 @@ impl<'a> Opts<'a> {
             converge_pct: None,
             stop_budget_ms: None,
             time_budget_pct: None,
+            precopy_rounds: None,
             devstate: None,
             timeout_ms: 1000,
             codec: "tandem".into(),
@@ -128,6 +131,11 @@ pub struct RoundResult {
     /// Share of the replicated phase the guest spent suspended early (the adaptive
     /// schedule's stop threshold), on top of `pause_share`.
     pub suspend_share: f64,
+    /// The primary's `--precopy-rounds` (`None`: its default).
+    pub precopy_rounds: Option<u32>,
+    /// The session's first epoch (what the initial sync left): pages and pause.
+    pub first_epoch_pages: u64,
+    pub first_epoch_pause_ms: f64,
     /// The primary's time encoding epochs per second of the replicated phase: the share of
     /// one core its (one-thread) encoder was busy, an upper bound on its CPU.
     pub encoder_core_share: f64,

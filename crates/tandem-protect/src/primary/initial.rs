@@ -6,9 +6,14 @@
 //!         └─ guest runs ───────────────────────────────────────────────► first checkpoint
 //!  round 0: copy all RAM (running) ─ hello ─ base frames ─ data disk     (pause: only the
 //!  round 1: harvest the log (running) ─ pages written meanwhile ─ disk log   pages written
-//!  round 2: ... until few pages remain, the rounds stop shrinking, or     in the last round)
-//!           `max_rounds` is reached
+//!  round 2: ... until few pages remain or `max_rounds` is reached         in the last round)
 //! ```
+//!
+//! A guest that writes faster than the link ships never converges: as QEMU's auto-converge
+//! does, a round that shrank by less than 10 % throttles the guest more (half of its time at
+//! first, then half of what it has left, at most 99 %: [`Throttle`], QEMU stopped and
+//! continued with SIGSTOP/SIGCONT every 10 ms), until the set converges; the throttle ends
+//! once the encoder's reference is built, just before the first checkpoint.
 //!
 //! A page copied while the guest writes it is written again after the harvest that re-armed
 //! it, so a later round or the first checkpoint sends it again; the backup takes base frames
@@ -46,8 +51,9 @@ impl From<std::io::Error> for CopyError {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct Precopy {
-    /// Rounds after the full copy at most (0: none; the first checkpoint carries everything
-    /// written during the full copy).
+    /// Rounds after the full copy (default 20; 0: none, the first checkpoint carries
+    /// everything written during the full copy). Past them pre-copy ends once at most
+    /// [`FIRST_EPOCH_MAX_PAGES`] remain, and after four times as many in any case.
     pub max_rounds: u32,
     /// Stop once a round found at most this many pages written (default 8 192, 32 MiB: the
     /// first checkpoint's pause copies them in a few tens of milliseconds).
@@ -57,23 +63,106 @@ pub struct Precopy {
 impl Default for Precopy {
     fn default() -> Self {
         Precopy {
-            max_rounds: 10,
+            max_rounds: 20,
             target_pages: 8192,
         }
     }
 }
 
-/// Whether pre-copy goes on after a round that found `now` pages written (`before`: the
-/// round before it), as QEMU's migration decides: not once few remain, nor when the rounds
-/// stop shrinking (the guest writes as fast as the link ships).
-pub(super) fn go_on(p: &Precopy, round: u32, before: Option<u64>, now: u64) -> bool {
-    if round >= p.max_rounds || now <= p.target_pages {
-        return false;
+/// What pre-copy does after a round that found `now` pages written (`before`: the round
+/// before it), as QEMU's migration decides.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Next {
+    /// Few pages remain, or the rounds are used up: the first checkpoint takes the rest.
+    Stop,
+    /// Another round.
+    Round,
+    /// Another round, with the guest throttled more: the rounds stopped shrinking (less
+    /// than 10 % fewer pages than the round before: the guest writes as fast as the link
+    /// ships).
+    Throttle,
+}
+
+/// The most pages the first checkpoint may carry when the rounds are used up (256 MiB): more
+/// would make its pause long and its record large, so the rounds go on, throttling more.
+pub(super) const FIRST_EPOCH_MAX_PAGES: u64 = 65_536;
+
+pub(super) fn next(p: &Precopy, round: u32, before: Option<u64>, now: u64) -> Next {
+    if now <= p.target_pages {
+        return Next::Stop;
+    }
+    if round >= p.max_rounds {
+        // Past the rounds asked for, only a first checkpoint of bounded size ends pre-copy
+        // (or four times the rounds: a guest that never converges is left to it).
+        if now <= FIRST_EPOCH_MAX_PAGES || round >= p.max_rounds.saturating_mul(4) {
+            return Next::Stop;
+        }
+        return Next::Throttle;
     }
     match before {
-        // Less than 10 % fewer pages than the round before: more rounds gain nothing.
-        Some(b) => now * 10 < b * 9,
-        None => true,
+        Some(b) if now * 10 >= b * 9 => Next::Throttle,
+        _ => Next::Round,
+    }
+}
+
+/// Throttles a guest during pre-copy: QEMU is stopped (SIGSTOP) for `share` % of every
+/// 10 ms and continued (SIGCONT) for the rest, by a thread; dropping it continues QEMU.
+pub(super) struct Throttle {
+    share: std::sync::Arc<std::sync::atomic::AtomicU32>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Throttle {
+    /// Starts unthrottled.
+    pub(super) fn new(pid: u32) -> Throttle {
+        use std::sync::atomic::Ordering;
+        let share = std::sync::Arc::new(std::sync::atomic::AtomicU32::new(0));
+        let s = share.clone();
+        let thread = std::thread::spawn(move || {
+            const PERIOD: u64 = 10_000;
+            loop {
+                let pct = s.load(Ordering::SeqCst);
+                if pct > 100 {
+                    return;
+                }
+                if pct == 0 {
+                    std::thread::sleep(Duration::from_micros(PERIOD));
+                    continue;
+                }
+                let stop = PERIOD * u64::from(pct) / 100;
+                // SAFETY: kill(2) of the QEMU this daemon started; a SIGCONT always follows.
+                unsafe { libc::kill(pid as i32, libc::SIGSTOP) };
+                std::thread::sleep(Duration::from_micros(stop));
+                // SAFETY: as above.
+                unsafe { libc::kill(pid as i32, libc::SIGCONT) };
+                std::thread::sleep(Duration::from_micros(PERIOD - stop));
+            }
+        });
+        Throttle {
+            share,
+            thread: Some(thread),
+        }
+    }
+
+    /// Throttles more: half of the guest's time at first, then half of what it has left each
+    /// time (50, 75, 88, 94, 97 %), at most 99 %, as QEMU's auto-converge ends. Returns the
+    /// share.
+    pub(super) fn more(&self) -> u32 {
+        use std::sync::atomic::Ordering;
+        let was = self.share.load(Ordering::SeqCst);
+        let now = (100 - (100 - was) / 2).min(99);
+        self.share.store(now, Ordering::SeqCst);
+        now
+    }
+}
+
+impl Drop for Throttle {
+    fn drop(&mut self) {
+        self.share
+            .store(u32::MAX, std::sync::atomic::Ordering::SeqCst);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
     }
 }
 
@@ -109,9 +198,15 @@ impl Daemon<'_> {
         })?;
         self.watchdog.beat();
         // Round 0: all of RAM, copied while the guest runs into what the backup will hold.
+        // Zero pages are not written: the picture takes memory only for what the guest uses.
         let mut shadow = vec![0u8; vm.ram().len()];
-        for (pfn, page) in shadow.chunks_mut(PAGE_SIZE).enumerate() {
-            vm.ram().copy_page(pfn as u64, page);
+        let mut page = [0u8; PAGE_SIZE];
+        for (pfn, dst) in shadow.chunks_mut(PAGE_SIZE).enumerate() {
+            vm.ram().copy_page(pfn as u64, &mut page);
+            // A slice compare is memcmp even in a debug build.
+            if page[..] != [0u8; PAGE_SIZE][..] {
+                dst.copy_from_slice(&page);
+            }
             if pfn % 16384 == 0 {
                 self.watchdog.beat();
             }
@@ -154,7 +249,9 @@ impl Daemon<'_> {
             ram_bytes >> 20,
             disk_bytes >> 20
         ));
-        self.rounds(vm, &mut shadow, w, shared)?;
+        // The throttle (if the rounds needed one) holds until the encoder is built: the
+        // first checkpoint then carries what a throttled guest wrote.
+        let throttle = self.rounds(vm, &mut shadow, w, shared)?;
         // Building the encoder's state (block hashes of all guest RAM) is proportional to
         // RAM: seconds for GiBs on a loaded host.
         let mib = ram_bytes >> 20;
@@ -163,22 +260,27 @@ impl Daemon<'_> {
         self.proto
             .set_reference(&shadow)
             .map_err(|e| CopyError::Link(format!("the encoder: {e}")))?;
+        drop(throttle);
         self.watchdog.beat();
         Ok(())
     }
 
     /// Pre-copy rounds: what the guest wrote during the last round, sent while it runs.
+    /// Returns the guest's throttle, for the caller to end.
     fn rounds(
         &mut self,
         vm: &mut Vm,
         shadow: &mut [u8],
         w: &mut impl Write,
         shared: &Shared,
-    ) -> Result<(), CopyError> {
+    ) -> Result<Throttle, CopyError> {
         let p = self.opts.precopy;
         let (mut before, mut round) = (None, 0);
         let mut pfns = Vec::new();
-        while round < p.max_rounds {
+        let throttle = Throttle::new(vm.pid());
+        let mut throttled = 0;
+        // Round after round until `next` says stop (it does by 4 × max_rounds).
+        while p.max_rounds > round / 4 {
             round += 1;
             let t = Instant::now();
             pfns.clear();
@@ -212,17 +314,24 @@ impl Daemon<'_> {
             }
             let n = pfns.len() as u64;
             self.status.info(format!(
-                "pre-copy round {round}: {n} pages written during the last round ({} MiB), disk {} KiB, sent in {:.0} ms",
+                "pre-copy round {round}: {n} pages written during the last round ({} MiB), disk {} KiB, sent in {:.0} ms{}",
                 bytes >> 20,
                 disk >> 10,
-                t.elapsed().as_secs_f64() * 1000.0
+                t.elapsed().as_secs_f64() * 1000.0,
+                if throttled > 0 {
+                    format!(", guest throttled to {} % of its time", 100 - throttled)
+                } else {
+                    String::new()
+                }
             ));
-            if !go_on(&p, round, before, n) {
-                break;
+            match next(&p, round, before, n) {
+                Next::Stop => break,
+                Next::Round => {}
+                Next::Throttle => throttled = throttle.more(),
             }
             before = Some(n);
         }
-        Ok(())
+        Ok(throttle)
     }
 
     /// Streams the data disk while the guest runs. Reading after the boundary is safe: a
@@ -261,16 +370,57 @@ mod tests {
     use super::*;
 
     #[test]
-    fn rounds_stop_when_few_pages_remain_or_they_stop_shrinking() {
+    fn rounds_stop_when_few_pages_remain_and_throttle_when_they_stop_shrinking() {
         let p = Precopy::default();
-        assert!(go_on(&p, 1, None, 100_000));
-        assert!(go_on(&p, 2, Some(100_000), 50_000));
-        assert!(!go_on(&p, 3, Some(50_000), 46_000), "shrank by 8 %");
-        assert!(!go_on(&p, 3, Some(50_000), 60_000), "grew");
-        assert!(!go_on(&p, 3, Some(50_000), 8192), "at the target");
-        assert!(!go_on(&p, 10, Some(500_000), 50_000), "max rounds");
+        assert_eq!(next(&p, 1, None, 100_000), Next::Round);
+        assert_eq!(next(&p, 2, Some(100_000), 50_000), Next::Round);
+        assert_eq!(next(&p, 3, Some(50_000), 46_000), Next::Throttle, "8 %");
+        assert_eq!(next(&p, 3, Some(50_000), 60_000), Next::Throttle, "grew");
+        assert_eq!(next(&p, 3, Some(50_000), 8192), Next::Stop, "at the target");
+        assert_eq!(
+            next(&p, 20, Some(500_000), 50_000),
+            Next::Stop,
+            "max rounds"
+        );
+        assert_eq!(
+            next(&p, 20, Some(100_000), 70_000),
+            Next::Throttle,
+            "max rounds, but too much left for the first checkpoint"
+        );
+        assert_eq!(next(&p, 80, Some(100_000), 70_000), Next::Stop, "4 x max");
         let none = Precopy { max_rounds: 0, ..p };
-        assert!(!go_on(&none, 0, None, 1 << 20));
+        assert_eq!(next(&none, 0, None, 1 << 20), Next::Stop);
+    }
+
+    #[test]
+    fn the_throttle_stops_a_process_part_of_the_time_and_lets_it_go() {
+        let mut child = std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .unwrap();
+        let stopped = |pid: u32| {
+            let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+            // The state follows the command's closing parenthesis.
+            s.rsplit(')').next().unwrap().trim_start().starts_with('T')
+        };
+        let t = Throttle::new(child.id());
+        assert_eq!(t.more(), 50);
+        assert_eq!(t.more(), 75);
+        for _ in 0..4 {
+            t.more();
+        }
+        assert_eq!(t.more(), 99);
+        let mut seen = 0;
+        for _ in 0..200 {
+            seen += u32::from(stopped(child.id()));
+            std::thread::sleep(Duration::from_micros(500));
+        }
+        assert!(seen > 100, "stopped in {seen} of 200 samples at 99 %");
+        drop(t);
+        std::thread::sleep(Duration::from_millis(20));
+        assert!(!stopped(child.id()), "continued once the throttle ended");
+        child.kill().unwrap();
+        child.wait().unwrap();
     }
 
     #[test]

@@ -29,7 +29,7 @@ enum Cmd {
     /// The main job: replicate a redis guest to a backup, kill the primary, fail over, verify.
     Demo(tandem_harness::demo::Args),
     /// Measure: --lab, --replication, --trace (codecs), --faults, --failover, --store, ...
-    Bench(tandem_harness::bench::Args),
+    Bench(Box<tandem_harness::bench::Args>),
     /// Record a memory trace of a real guest run.
     Record(record::RecordArgs),
     /// Record the standard traces (idle, compile, sqlite, kv) into the cache.
@@ -55,7 +55,7 @@ fn main() {
     let result = match cli.cmd {
         Cmd::Setup(a) => setup::run(a),
         Cmd::Demo(a) => tandem_harness::demo::run(a),
-        Cmd::Bench(a) => tandem_harness::bench::run(a),
+        Cmd::Bench(a) => tandem_harness::bench::run(*a),
         Cmd::Record(a) => record::record(a),
         Cmd::Traces(a) => record::traces(a),
         Cmd::Trace(c) => record::trace_cmd(c),
