@@ -156,6 +156,18 @@ impl Throttle {
     }
 }
 
+impl Throttle {
+    /// A throttled guest is throttled the most (99 %) while the last step before the first
+    /// checkpoint runs (building the encoder's reference takes seconds for GiBs): what it
+    /// writes meanwhile is the first checkpoint. An unthrottled guest stays so.
+    pub(super) fn most(&self) {
+        use std::sync::atomic::Ordering;
+        if self.share.load(Ordering::SeqCst) > 0 {
+            self.share.store(99, Ordering::SeqCst);
+        }
+    }
+}
+
 impl Drop for Throttle {
     fn drop(&mut self) {
         self.share
@@ -252,6 +264,7 @@ impl Daemon<'_> {
         // The throttle (if the rounds needed one) holds until the encoder is built: the
         // first checkpoint then carries what a throttled guest wrote.
         let throttle = self.rounds(vm, &mut shadow, w, shared)?;
+        throttle.most();
         // Building the encoder's state (block hashes of all guest RAM) is proportional to
         // RAM: seconds for GiBs on a loaded host.
         let mib = ram_bytes >> 20;
