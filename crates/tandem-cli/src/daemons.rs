@@ -40,6 +40,10 @@ pub struct PrimaryArgs {
     /// of requests get short epochs); 0: no budget, only --run-per-pause bounds it.
     #[arg(long, default_value_t = 20.0, help_heading = "Checkpoint schedule")]
     pub time_budget_pct: f64,
+    /// With `--schedule adaptive`: checkpoints in flight at most when output triggers the
+    /// next (seed 002: 1, the next waits for the previous one's acknowledgement).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=8), help_heading = "Checkpoint schedule")]
+    pub max_unacked: u64,
     /// With `--schedule adaptive`: the shortest run between two pauses, in ms (the guest also
     /// runs at least as long as the last pause took).
     #[arg(long, default_value_t = 2, help_heading = "Checkpoint schedule")]
@@ -364,6 +368,7 @@ pub fn primary(a: PrimaryArgs) -> anyhow::Result<()> {
         s.run_per_pause = a.run_per_pause.max(0.0);
         s.converge = (a.converge_pct > 0.0).then_some(a.converge_pct / 100.0);
         s.stop_budget = (a.stop_budget_ms > 0).then(|| ms(a.stop_budget_ms));
+        s.max_unacked = a.max_unacked;
         s.time_budget = (a.time_budget_pct > 0.0).then(|| (a.time_budget_pct / 100.0).min(1.0));
         s
     });

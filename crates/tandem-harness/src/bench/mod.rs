@@ -102,6 +102,10 @@ pub struct Args {
     /// --replication with the adaptive schedule: the primary's `--converge-pct`.
     #[arg(long)]
     pub converge_pct: Option<f64>,
+    /// --replication: more flags for every primary, one per occurrence
+    /// (`--primary-arg=--max-unacked=2`).
+    #[arg(long, allow_hyphen_values = true)]
+    pub primary_arg: Vec<String>,
     /// --replication: the primary's `--precopy-rounds` to compare (default: the primary's).
     #[arg(long, value_delimiter = ',')]
     pub precopy_rounds: Vec<u32>,

@@ -116,6 +116,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
                 stop_budget_ms: stop,
                 time_budget_pct: budget,
                 precopy_rounds: pre,
+                primary_args: a.primary_arg.clone(),
                 devstate: devstate.clone(),
                 conns,
                 batch,

@@ -223,6 +223,7 @@ impl<'a> RoundCtx<'a> {
         if let Some(n) = o.precopy_rounds {
             pargs.extend(["--precopy-rounds".into(), n.to_string()]);
         }
+        pargs.extend(o.primary_args.iter().cloned());
         if let Some(d) = &o.devstate {
             pargs.extend(["--devstate".into(), d.clone()]);
         }

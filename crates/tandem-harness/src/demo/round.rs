@@ -37,6 +37,8 @@ pub struct Opts<'a> {
     pub time_budget_pct: Option<f64>,
     /// The primary's `--precopy-rounds` (`None`: its default).
     pub precopy_rounds: Option<u32>,
+    /// More flags for the primary (benchmarks of knobs without an axis of their own).
+    pub primary_args: Vec<String>,
     /// The primary's `--devstate` (`None`: its default, xen-save).
     pub devstate: Option<String>,
     pub timeout_ms: u64,
@@ -88,6 +90,7 @@ impl<'a> Opts<'a> {
             stop_budget_ms: None,
             time_budget_pct: None,
             precopy_rounds: None,
+            primary_args: Vec::new(),
             devstate: None,
             timeout_ms: 1000,
             codec: "tandem".into(),
