@@ -197,7 +197,7 @@ fn line(r: &RoundResult) -> String {
         )
     };
     format!(
-        "{:<8} {:>15} {:>3} ms {:>6}{}{} | {thr}{lat} | link {:.2} MiB vs Remus {:.1} MiB ({:.3}x, zstd level {}..{} median {}) | pause p50 {:.1} ms p99 {:.1} ms ({:.0} % of the time{}) | encoder {:.0} % of a core | first epoch {} pages, pause {:.1} ms{} | failover {:.0} ms after kill ({:.0} detection + {:.1} resume)",
+        "{:<8} {:>15} {:>3} ms {:>6}{}{} | {thr}{lat} | link {:.2} MiB vs Remus {:.1} MiB ({:.3}x, zstd level {}..{} median {}) | pause p50 {:.1} ms p99 {:.1} ms ({:.0} % of the time{}; p50 stop/harvest/copy/devstate/cont {}) | encoder {:.0} % of a core | first epoch {} pages, pause {:.1} ms{} | failover {:.0} ms after kill ({:.0} detection + {:.1} resume)",
         r.workload,
         r.schedule,
         r.epoch_ms,
@@ -222,6 +222,11 @@ fn line(r: &RoundResult) -> String {
         } else {
             String::new()
         },
+        r.pause_components_ms_p50
+            .iter()
+            .map(|c| format!("{c:.2}"))
+            .collect::<Vec<_>>()
+            .join("/"),
         100.0 * r.encoder_core_share,
         r.first_epoch_pages,
         r.first_epoch_pause_ms,

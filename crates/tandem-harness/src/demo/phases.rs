@@ -533,6 +533,7 @@ impl<'a> RoundCtx<'a> {
             suspend_share: ep.suspended_ms / 1000.0 / tl.replicated_s.max(1e-3),
             encoder_core_share: ep.encode_ms / 1000.0 / tl.replicated_s.max(1e-3),
             precopy_rounds: o.precopy_rounds,
+            pause_components_ms_p50: ep.component_p50s(),
             first_epoch_pages: ep.points.first().map_or(0, |p| p.dirty_pages),
             first_epoch_pause_ms: ep.points.first().map_or(0.0, |p| p.pause_ms),
             zstd_levels: ep.levels(),

@@ -136,6 +136,8 @@ pub struct RoundResult {
     pub suspend_share: f64,
     /// The primary's `--precopy-rounds` (`None`: its default).
     pub precopy_rounds: Option<u32>,
+    /// Median pause components (ms): stop, harvest, copy, device state, cont.
+    pub pause_components_ms_p50: [f64; 5],
     /// The session's first epoch (what the initial sync left): pages and pause.
     pub first_epoch_pages: u64,
     pub first_epoch_pause_ms: f64,
@@ -231,7 +233,21 @@ pub(crate) struct Epochs {
     pub suspended_ms: f64,
     /// Milliseconds the primary spent encoding epochs, summed.
     pub encode_ms: f64,
+    /// Each epoch's pause components (ms): stop, harvest, copy, device state, cont.
+    pub components: Vec<[f64; 5]>,
     pub points: Vec<EpochPoint>,
+}
+
+impl Epochs {
+    /// The median of each pause component (ms): stop, harvest, copy, device state, cont.
+    pub fn component_p50s(&self) -> [f64; 5] {
+        let mut out = [0.0; 5];
+        for (i, o) in out.iter_mut().enumerate() {
+            let v: Vec<f64> = self.components.iter().map(|c| c[i]).collect();
+            *o = crate::demo::quantile(&v, 0.5);
+        }
+        out
+    }
 }
 
 /// One epoch of the primary's JSON lines, for the timeline plot.
@@ -286,6 +302,14 @@ impl Epochs {
                 self.pauses.push(g("pause_us") as f64 / 1000.0);
                 self.suspended_ms += g("suspended_us") as f64 / 1000.0;
                 self.encode_ms += g("encode_us") as f64 / 1000.0;
+                let ms = |k: &str| g(k) as f64 / 1000.0;
+                self.components.push([
+                    ms("stop_us"),
+                    ms("harvest_us"),
+                    ms("copy_us"),
+                    ms("devstate_us"),
+                    ms("cont_us"),
+                ]);
                 self.points.push(EpochPoint {
                     epoch: g("epoch"),
                     pause_ms: g("pause_us") as f64 / 1000.0,

@@ -201,6 +201,11 @@ impl Daemon<'_> {
     ) -> Result<(), CopyError> {
         let (site, epoch) = (self.site, self.epoch);
         let started = Instant::now();
+        // The hash dirty log (kernels without PAGEMAP_SCAN) hashes all of RAM in this pause:
+        // about a second per 4 GiB on a loaded host, which is progress, not a hang.
+        let mib = (vm.ram().len() >> 20) as u64;
+        self.watchdog
+            .allow(Duration::from_secs(3) + Duration::from_millis(mib / 2));
         vm.restart_dirty_log(&mut || {
             site.relays.seal(epoch);
             if let Some(d) = &site.disk {
@@ -267,7 +272,6 @@ impl Daemon<'_> {
         throttle.most();
         // Building the encoder's state (block hashes of all guest RAM) is proportional to
         // RAM: seconds for GiBs on a loaded host.
-        let mib = ram_bytes >> 20;
         self.watchdog
             .allow(Duration::from_secs(10) + Duration::from_millis(10 * mib));
         self.proto

@@ -43,7 +43,15 @@ pub struct UffdWpLog {
     start: u64,
     len: u64,
     regions: Vec<PageRegion>,
+    /// The second half's buffer when a harvest is split over two threads.
+    regions2: Vec<PageRegion>,
+    pages2: Vec<u64>,
 }
+
+/// Guests of at least this much RAM are harvested by two threads, one half each: the walk of
+/// the page tables grows with RAM (3.7 ms for 4 GiB on one core, against 0.3 ms for 256 MiB),
+/// and the guest is stopped, so its cores are free.
+const SPLIT_BYTES: u64 = 1 << 30;
 
 impl UffdWpLog {
     /// Harvests from process `pid`, whose guest RAM is mapped at `start..start+len` (as the
@@ -56,33 +64,74 @@ impl UffdWpLog {
             start,
             len,
             regions: vec![PageRegion::default(); 4096],
+            regions2: Vec::new(),
+            pages2: Vec::new(),
         })
     }
 
     fn scan(&mut self, from: u64, to: u64, rearm: bool) -> Result<(i64, u64), DirtyLogError> {
-        let mut arg = PmScanArg {
-            size: std::mem::size_of::<PmScanArg>() as u64,
-            flags: if rearm {
-                PM_SCAN_WP_MATCHING | PM_SCAN_CHECK_WPASYNC
-            } else {
-                PM_SCAN_CHECK_WPASYNC
-            },
-            start: from,
-            end: to,
-            vec: self.regions.as_mut_ptr() as u64,
-            vec_len: self.regions.len() as u64,
-            category_mask: PAGE_IS_WRITTEN,
-            return_mask: PAGE_IS_WRITTEN,
-            ..Default::default()
-        };
-        // SAFETY: `arg` is a valid pm_scan_arg whose `vec` points to `vec_len` writable
-        // page_region entries owned by `self.regions`, alive for the duration of the call.
-        let r = unsafe { libc::ioctl(self.pagemap.as_raw_fd(), PAGEMAP_SCAN as _, &mut arg) };
-        if r < 0 {
-            return Err(DirtyLogError::Scan(std::io::Error::last_os_error()));
-        }
-        Ok((r as i64, arg.walk_end))
+        scan(&self.pagemap, &mut self.regions, from, to, rearm)
     }
+}
+
+/// One `PAGEMAP_SCAN` of `from..to` in `pagemap` into `regions`: the regions filled and where
+/// the walk ended.
+fn scan(
+    pagemap: &File,
+    regions: &mut [PageRegion],
+    from: u64,
+    to: u64,
+    rearm: bool,
+) -> Result<(i64, u64), DirtyLogError> {
+    let mut arg = PmScanArg {
+        size: std::mem::size_of::<PmScanArg>() as u64,
+        flags: if rearm {
+            PM_SCAN_WP_MATCHING | PM_SCAN_CHECK_WPASYNC
+        } else {
+            PM_SCAN_CHECK_WPASYNC
+        },
+        start: from,
+        end: to,
+        vec: regions.as_mut_ptr() as u64,
+        vec_len: regions.len() as u64,
+        category_mask: PAGE_IS_WRITTEN,
+        return_mask: PAGE_IS_WRITTEN,
+        ..Default::default()
+    };
+    // SAFETY: `arg` is a valid pm_scan_arg whose `vec` points to `vec_len` writable
+    // page_region entries borrowed from `regions`, alive for the duration of the call.
+    let r = unsafe { libc::ioctl(pagemap.as_raw_fd(), PAGEMAP_SCAN as _, &mut arg) };
+    if r < 0 {
+        return Err(DirtyLogError::Scan(std::io::Error::last_os_error()));
+    }
+    Ok((r as i64, arg.walk_end))
+}
+
+/// Harvests (re-arming) `from..to` of guest RAM mapped at `base`: appends the written pages'
+/// frame numbers to `out`, ascending.
+fn harvest_range(
+    pagemap: &File,
+    regions: &mut [PageRegion],
+    base: u64,
+    (mut from, end): (u64, u64),
+    out: &mut Vec<u64>,
+) -> Result<HarvestStats, DirtyLogError> {
+    let mut stats = HarvestStats::default();
+    while from < end {
+        let (n, walk_end) = scan(pagemap, regions, from, end, true)?;
+        for r in &regions[..n as usize] {
+            let first = (r.start - base) / PAGE_SIZE as u64;
+            let last = (r.end - base) / PAGE_SIZE as u64;
+            out.extend(first..last);
+            stats.pages += last - first;
+        }
+        stats.ranges += n as u64;
+        if walk_end <= from {
+            break;
+        }
+        from = walk_end;
+    }
+    Ok(stats)
 }
 
 impl DirtyLog for UffdWpLog {
@@ -91,24 +140,40 @@ impl DirtyLog for UffdWpLog {
     }
 
     fn harvest(&mut self, out: &mut Vec<u64>) -> Result<HarvestStats, DirtyLogError> {
-        let end = self.start + self.len;
-        let mut from = self.start;
-        let mut stats = HarvestStats::default();
-        while from < end {
-            let (n, walk_end) = self.scan(from, end, true)?;
-            for r in &self.regions[..n as usize] {
-                let first = (r.start - self.start) / PAGE_SIZE as u64;
-                let last = (r.end - self.start) / PAGE_SIZE as u64;
-                out.extend(first..last);
-                stats.pages += last - first;
-            }
-            stats.ranges += n as u64;
-            if walk_end <= from {
-                break;
-            }
-            from = walk_end;
+        let (base, end) = (self.start, self.start + self.len);
+        if self.len < SPLIT_BYTES {
+            return harvest_range(&self.pagemap, &mut self.regions, base, (base, end), out);
         }
-        Ok(stats)
+        // Two halves at a page boundary, the second on a scoped thread; its pages follow the
+        // first half's, so `out` stays ascending.
+        let mid = base + (self.len / 2) / PAGE_SIZE as u64 * PAGE_SIZE as u64;
+        if self.regions2.is_empty() {
+            self.regions2 = vec![PageRegion::default(); self.regions.len()];
+        }
+        let UffdWpLog {
+            pagemap,
+            regions,
+            regions2,
+            pages2,
+            ..
+        } = self;
+        pages2.clear();
+        let pagemap = &*pagemap;
+        let (a, b) = std::thread::scope(|s| {
+            let second =
+                s.spawn(|| harvest_range(pagemap, &mut regions2[..], base, (mid, end), pages2));
+            let first = harvest_range(pagemap, &mut regions[..], base, (base, mid), out);
+            (first, second.join())
+        });
+        let b = b.map_err(|_| {
+            DirtyLogError::Scan(std::io::Error::other("the harvest thread panicked"))
+        })?;
+        let (a, b) = (a?, b?);
+        out.extend_from_slice(pages2);
+        Ok(HarvestStats {
+            pages: a.pages + b.pages,
+            ranges: a.ranges + b.ranges,
+        })
     }
 
     fn count(&mut self) -> Option<Result<u64, DirtyLogError>> {
@@ -197,6 +262,54 @@ mod tests {
     fn pm_scan_arg_is_96_bytes() {
         assert_eq!(std::mem::size_of::<super::PmScanArg>(), 96);
         assert_eq!(std::mem::size_of::<super::PageRegion>(), 24);
+    }
+
+    #[test]
+    fn a_large_region_is_harvested_in_two_halves_in_order() {
+        use super::{DirtyLog, UffdWpLog, PAGE_SIZE, SPLIT_BYTES};
+        if super::probe_pagemap_scan().is_err() {
+            return; // An old kernel: probe_on_own_memory says why.
+        }
+        let len = (SPLIT_BYTES + (1 << 20)) as usize;
+        // SAFETY: fresh private anonymous mapping (untouched pages take no memory), unmapped
+        // at the end.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        assert_ne!(p, libc::MAP_FAILED);
+        let (fd, _) = tandem_preload::register(p as u64, len as u64).unwrap();
+        let pages = (len / PAGE_SIZE) as u64;
+        let touched = [0, 5, pages / 2 - 1, pages / 2, pages / 2 + 7, pages - 1];
+        let touch = |pfn: u64| {
+            // SAFETY: within the mapping; async WP resolves the fault in the kernel.
+            unsafe { *(p as *mut u8).add(pfn as usize * PAGE_SIZE) = 1 };
+        };
+        for &pfn in &touched {
+            touch(pfn);
+        }
+        let mut log = UffdWpLog::new(std::process::id(), p as u64, len as u64).unwrap();
+        let mut out = Vec::new();
+        let stats = log.harvest(&mut out).unwrap();
+        assert_eq!(out, touched);
+        assert_eq!(stats.pages, touched.len() as u64);
+        // Re-armed in both halves: only new writes come back.
+        touch(3);
+        touch(pages - 2);
+        out.clear();
+        log.harvest(&mut out).unwrap();
+        assert_eq!(out, [3, pages - 2]);
+        // SAFETY: closing the userfaultfd and unmapping our own mapping.
+        unsafe {
+            libc::close(fd);
+            libc::munmap(p, len);
+        }
     }
 
     #[test]
