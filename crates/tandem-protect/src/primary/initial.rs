@@ -341,6 +341,11 @@ impl Daemon<'_> {
                     String::new()
                 }
             ));
+            if self.status.stop().leaving() {
+                // A stop request (handover, shutdown) is served from the epoch loop, which
+                // the first checkpoint starts: no more rounds.
+                break;
+            }
             match next(&p, round, before, n) {
                 Next::Stop => break,
                 Next::Round => {}
