@@ -387,6 +387,18 @@ mod tests {
         Duration::from_millis(n)
     }
 
+    /// Output waits on an unacknowledged checkpoint, the link ships 50 000 pages/s, and the
+    /// guest has `dirty` pages written (if counted).
+    fn blocked(dirty: Option<u64>) -> Pending {
+        Pending {
+            output_frames: 2,
+            unacked: 1,
+            dirty_pages: dirty,
+            ship_pages_per_s: Some(50_000),
+            ..Default::default()
+        }
+    }
+
     /// The defaults without the guest-time budget, to test the other rules alone.
     fn no_budget() -> AdaptiveConfig {
         AdaptiveConfig {
@@ -464,13 +476,6 @@ mod tests {
         assert!((need.as_secs_f64() - 0.14).abs() < 1e-6, "{need:?}");
         let mut s = Adaptive::new(AdaptiveConfig::default());
         s.next_interval(0, &pause(0));
-        let blocked = |dirty| Pending {
-            output_frames: 2,
-            unacked: 1,
-            dirty_pages: dirty,
-            ship_pages_per_s: Some(50_000),
-            ..Default::default()
-        };
         assert_eq!(s.early(ms(10), &blocked(Some(5000))), Cut::Suspend);
         assert_eq!(s.early(ms(600), &blocked(None)), Cut::Suspend);
         s.next_interval(0, &pause(0));
@@ -580,13 +585,6 @@ mod tests {
         assert_eq!(cfg.stop_threshold(None), None);
         let mut s = Adaptive::new(cfg);
         s.next_interval(0, &pause(1));
-        let blocked = |dirty| Pending {
-            output_frames: 2,
-            unacked: 1,
-            dirty_pages: dirty,
-            ship_pages_per_s: Some(50_000),
-            ..Default::default()
-        };
         // Sampled only while output waits on an unacknowledged checkpoint.
         assert_eq!(s.dirty_sample(&blocked(None)), Some(ms(2)));
         let unblocked = Pending {

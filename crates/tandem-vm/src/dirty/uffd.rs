@@ -200,17 +200,7 @@ impl DirtyLog for UffdWpLog {
 /// Checks that this kernel has `PAGEMAP_SCAN` and async write-protect, on tandem's own memory.
 pub fn probe_pagemap_scan() -> Result<(), String> {
     let len = 8 * PAGE_SIZE;
-    // SAFETY: fresh private anonymous mapping, unmapped before returning.
-    let p = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            len,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-            -1,
-            0,
-        )
-    };
+    let p = anon_map(len);
     if p == libc::MAP_FAILED {
         return Err("mmap failed".into());
     }
@@ -248,6 +238,22 @@ pub fn probe_pagemap_scan() -> Result<(), String> {
     result
 }
 
+/// A fresh private anonymous mapping of `len` bytes (untouched pages take no memory), or
+/// `MAP_FAILED`; the caller unmaps it.
+fn anon_map(len: usize) -> *mut libc::c_void {
+    // SAFETY: a new mapping chosen by the kernel; nothing else refers to it.
+    unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        )
+    }
+}
+
 struct CloseOnDrop(i32);
 impl Drop for CloseOnDrop {
     fn drop(&mut self) {
@@ -271,18 +277,7 @@ mod tests {
             return; // An old kernel: probe_on_own_memory says why.
         }
         let len = (SPLIT_BYTES + (1 << 20)) as usize;
-        // SAFETY: fresh private anonymous mapping (untouched pages take no memory), unmapped
-        // at the end.
-        let p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                -1,
-                0,
-            )
-        };
+        let p = super::anon_map(len);
         assert_ne!(p, libc::MAP_FAILED);
         let (fd, _) = tandem_preload::register(p as u64, len as u64).unwrap();
         let pages = (len / PAGE_SIZE) as u64;
