@@ -4,7 +4,7 @@ use tandem_codec::{Codec, Config, Encoder};
 use tandem_replication::devstate::encode_delta;
 use tandem_replication::fuzz::FUZZ_DISK;
 use tandem_replication::wire::{epoch_payload, section};
-use tandem_replication::{base_payload, hello_payload, Frame, Kind};
+use tandem_replication::{base_payload, hello_payload, EpochInput, Frame, Kind, Parts, Primary};
 
 fn main() {
     let dir = std::path::PathBuf::from(
@@ -70,4 +70,46 @@ fn main() {
     std::fs::write(dir.join("hello"), &hello_only).unwrap();
     std::fs::write(dir.join("garbage"), b"TNDR\x01\x00\x07\x00").unwrap();
     std::fs::write(dir.join("empty"), b"").unwrap();
+    std::fs::write(dir.join("epoch-parts"), epochs_in_parts()).unwrap();
+}
+
+/// A session whose two epochs go in parts of 5 pages and 1 KiB of disk writes.
+fn epochs_in_parts() -> Vec<u8> {
+    const P: usize = 4096;
+    let mut mem: Vec<u8> = (0..16 * P).map(|i| (i / 5 % 251) as u8).collect();
+    let disk = vec![3u8; FUZZ_DISK];
+    let mut p = Primary::new(9, Codec::Tandem, Config::default());
+    let mut frames = vec![p.begin(0, &mem, FUZZ_DISK as u64).unwrap()];
+    frames.extend(p.base_frames(&mem, 4));
+    frames.extend(p.disk_base_frames(&disk, 4096));
+    let pfns: Vec<u64> = (0..16).collect();
+    for seq in 1..=2u64 {
+        for b in mem.iter_mut().step_by(97) {
+            *b = b.wrapping_add(seq as u8);
+        }
+        let writes = vec![(0u64, vec![seq as u8; 3000]), (8192, vec![7u8; 100])];
+        let input = EpochInput {
+            seq,
+            pfns: &pfns,
+            pages: &mem,
+            device_state: &[1, 2, 3],
+            disk_writes: Some(&writes),
+        };
+        let parts = Parts {
+            max_pages: 5,
+            max_disk_bytes: 1024,
+        };
+        let (last, _) = p
+            .epoch_parts(&input, parts, |f| {
+                frames.push(f);
+                true
+            })
+            .unwrap();
+        frames.push(last);
+    }
+    let mut out = Vec::new();
+    for f in &frames {
+        f.write_to(&mut out).unwrap();
+    }
+    out
 }

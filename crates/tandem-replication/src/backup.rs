@@ -9,6 +9,7 @@ use tandem_codec::{decode, DecodeError, Plan};
 
 use crate::disk::{apply_all, DiskApplyError, DiskCopy};
 use crate::keeper::{PageKeeper, Plain};
+use crate::staged::Staged;
 use crate::wire::{heartbeat_progress, section, sections, Fencing, Frame, Hello, Kind};
 
 /// Why the backup refused a frame. The mirror, the disk copy and the committed epoch are
@@ -78,6 +79,8 @@ pub enum Applied {
     Bye,
     /// The primary stopped its guest for good after the committed epoch: resume it now.
     Handover(u64),
+    /// A part of epoch `seq` applied, to be committed by its epoch frame (no acknowledgement).
+    Part(u64),
 }
 
 const PAGE: usize = tandem_codec::format::PAGE;
@@ -96,12 +99,15 @@ pub struct Backup<M, K = Plain> {
     session: u64,
     fencing: Fencing,
     keeper: K,
+    /// Parts of the next epoch applied but not committed (their undo log).
+    staged: Option<Staged>,
 }
 
-/// The sections of one epoch frame, parsed and checked but not applied.
-struct EpochParts<'a> {
+/// The sections of one epoch or epoch-part frame, parsed and checked but not applied.
+struct Sections<'a> {
     memory: &'a [u8],
-    device_state: Vec<u8>,
+    /// `None` in a part (the epoch frame carries it).
+    device_state: Option<Vec<u8>>,
     writes: Vec<(u64, &'a [u8])>,
 }
 
@@ -130,6 +136,7 @@ impl<M: AsRef<[u8]> + AsMut<[u8]>, K: PageKeeper> Backup<M, K> {
             session: 0,
             fencing: Fencing::None,
             keeper,
+            staged: None,
         }
     }
 
@@ -154,7 +161,25 @@ impl<M: AsRef<[u8]> + AsMut<[u8]>, K: PageKeeper> Backup<M, K> {
     /// it). Returns the pages written; an error when their memory cannot be allocated (a full
     /// tmpfs), before any is written.
     pub fn materialise(&mut self) -> std::io::Result<u64> {
+        self.discard_partial();
         self.keeper.materialise(self.mirror.as_mut())
+    }
+
+    /// Undoes the parts of an epoch whose epoch frame has not come (the link ended inside a
+    /// large epoch): the mirror holds the committed epoch again. Returns the epoch undone.
+    /// Call it when a connection ends; [`Backup::handle`] calls it for a frame it refuses.
+    pub fn discard_partial(&mut self) -> Option<u64> {
+        let staged = self.staged.take()?;
+        let seq = staged.seq;
+        let pfns = staged.undo(self.mirror.as_mut());
+        self.keeper.written(&pfns);
+        Some(seq)
+    }
+
+    /// The epoch some of whose parts are applied but not committed, and the bytes its undo
+    /// log holds.
+    pub fn partial(&self) -> Option<(u64, u64)> {
+        self.staged.as_ref().map(|s| (s.seq, s.bytes()))
     }
 
     /// Also keeps a copy of the guest's data disk.
@@ -211,11 +236,26 @@ impl<M: AsRef<[u8]> + AsMut<[u8]>, K: PageKeeper> Backup<M, K> {
                 got: f.vm_id,
             });
         }
+        if matches!(f.kind, Kind::Hello | Kind::Bye | Kind::Handover) {
+            // A new session, or the end of this one: parts of an epoch that was not
+            // committed are void.
+            self.discard_partial();
+        }
+        let r = self.dispatch(f);
+        if r.is_err() {
+            // Nothing of a refused frame's epoch stays applied.
+            self.discard_partial();
+        }
+        r
+    }
+
+    fn dispatch(&mut self, f: &Frame) -> Result<Applied, ApplyError> {
         match f.kind {
             Kind::Hello => self.hello(f),
             Kind::Base => self.base(f),
             Kind::DiskBase => self.disk_base(f),
             Kind::Epoch => self.epoch(f),
+            Kind::EpochPart => self.epoch_part(f),
             Kind::Heartbeat => Ok(Applied::Heartbeat(heartbeat_progress(f))),
             Kind::Bye => {
                 // The guest is shut down on purpose: nothing may resume it later.
@@ -333,17 +373,19 @@ impl<M: AsRef<[u8]> + AsMut<[u8]>, K: PageKeeper> Backup<M, K> {
         }
     }
 
-    /// Splits and checks an epoch's sections (nothing is applied).
-    fn parse_epoch<'a>(&self, f: &'a Frame) -> Result<EpochParts<'a>, ApplyError> {
+    /// Splits and checks the sections of an epoch or a part of one (nothing is applied).
+    fn parse_epoch<'a>(&self, f: &'a Frame) -> Result<Sections<'a>, ApplyError> {
         let secs =
             sections(&f.payload).ok_or_else(|| ApplyError::Malformed("epoch sections".into()))?;
         let (mut memory, mut dev, mut dev_delta, mut disk) = (None, None, None, None);
+        let mut before = None;
         for (k, b) in secs {
             let slot = match k {
                 section::MEMORY => &mut memory,
                 section::DEVICE_STATE => &mut dev,
                 section::DEVICE_STATE_DELTA => &mut dev_delta,
                 section::DISK => &mut disk,
+                section::PARTS_BEFORE => &mut before,
                 other => {
                     return Err(ApplyError::Malformed(format!(
                         "unknown epoch section {other}"
@@ -355,10 +397,18 @@ impl<M: AsRef<[u8]> + AsMut<[u8]>, K: PageKeeper> Backup<M, K> {
             }
         }
         let memory = memory.ok_or_else(|| ApplyError::Malformed("epoch without memory".into()))?;
-        let device_state = match (dev, dev_delta) {
-            (Some(d), None) => d.to_vec(),
-            (None, Some(d)) => crate::devstate::decode_delta(&self.device_state, d)
-                .map_err(|e| ApplyError::Malformed(e.to_string()))?,
+        let device_state = match (dev, dev_delta, f.kind) {
+            (None, None, Kind::EpochPart) => None,
+            (_, _, Kind::EpochPart) => {
+                return Err(ApplyError::Malformed(
+                    "device state in a part of an epoch (only its epoch frame has it)".into(),
+                ))
+            }
+            (Some(d), None, _) => Some(d.to_vec()),
+            (None, Some(d), _) => Some(
+                crate::devstate::decode_delta(&self.device_state, d)
+                    .map_err(|e| ApplyError::Malformed(e.to_string()))?,
+            ),
             _ => {
                 return Err(ApplyError::Malformed(
                     "epoch needs exactly one device-state section".into(),
@@ -376,11 +426,65 @@ impl<M: AsRef<[u8]> + AsMut<[u8]>, K: PageKeeper> Backup<M, K> {
                 ApplyError::Malformed("disk section (a write outside the disk?)".into())
             })?,
         };
-        Ok(EpochParts {
+        let parts_before = match before.map(<[u8; 4]>::try_from) {
+            None => 0,
+            Some(Ok(b)) => u32::from_le_bytes(b) as u64,
+            Some(Err(_)) => return Err(ApplyError::Malformed("parts section".into())),
+        };
+        let staged = self.staged.as_ref().map_or(0, |s| s.parts);
+        if parts_before != staged {
+            return Err(ApplyError::Malformed(format!(
+                "{:?} frame of epoch {} after {parts_before} parts, {staged} arrived",
+                f.kind, f.seq
+            )));
+        }
+        Ok(Sections {
             memory,
             device_state,
             writes,
         })
+    }
+
+    /// Decodes a memory record of epoch `seq` against the mirror into the plan (nothing is
+    /// applied).
+    fn decode_memory(&mut self, record: &[u8], seq: u64) -> Result<(), ApplyError> {
+        self.restore_reads(record)?;
+        decode(record, self.mirror.as_ref(), &mut self.plan)?;
+        if self.plan.epoch != seq {
+            return Err(ApplyError::Malformed(format!(
+                "memory record of epoch {} in frame of epoch {seq}",
+                self.plan.epoch
+            )));
+        }
+        Ok(())
+    }
+
+    /// Applies a part of the next epoch at once, keeping what it overwrites (see
+    /// [`crate::parts`]); its epoch frame commits it, anything else undoes it.
+    fn epoch_part(&mut self, f: &Frame) -> Result<Applied, ApplyError> {
+        if f.seq != self.committed + 1 {
+            return Err(ApplyError::SeqGap {
+                expected: self.committed + 1,
+                got: f.seq,
+            });
+        }
+        let sections = self.parse_epoch(f)?;
+        self.decode_memory(sections.memory, f.seq)?;
+        // The old contents of the pages it writes must be in the mirror to be kept.
+        if self.keeper.keeps_pages_elsewhere() {
+            self.keeper
+                .restore(self.mirror.as_mut(), Some(&self.plan.pfns))
+                .map_err(ApplyError::MirrorMemory)?;
+        }
+        let staged = self.staged.get_or_insert_with(|| Staged::new(f.seq));
+        staged.save(self.mirror.as_ref(), &self.plan.pfns);
+        staged
+            .writes
+            .extend(sections.writes.iter().map(|&(o, d)| (o, d.to_vec())));
+        staged.parts += 1;
+        self.plan.commit(self.mirror.as_mut());
+        self.keeper.written(&self.plan.pfns);
+        Ok(Applied::Part(f.seq))
     }
 
     fn epoch(&mut self, f: &Frame) -> Result<Applied, ApplyError> {
@@ -390,18 +494,20 @@ impl<M: AsRef<[u8]> + AsMut<[u8]>, K: PageKeeper> Backup<M, K> {
                 got: f.seq,
             });
         }
-        let parts = self.parse_epoch(f)?;
-        self.restore_reads(parts.memory)?;
-        decode(parts.memory, self.mirror.as_ref(), &mut self.plan)?;
-        if self.plan.epoch != f.seq {
-            return Err(ApplyError::Malformed(format!(
-                "memory record of epoch {} in frame of epoch {}",
-                self.plan.epoch, f.seq
-            )));
-        }
-        // Everything verified: commit disk writes (all or nothing), memory and device state.
+        let sections = self.parse_epoch(f)?;
+        self.decode_memory(sections.memory, f.seq)?;
+        // Everything verified: commit disk writes — the parts' and the epoch's, all or
+        // nothing — memory and device state. A refusal from here on undoes the parts too
+        // (`handle`).
         if let Some(d) = self.disk.as_mut() {
-            match apply_all(d.as_mut(), &parts.writes) {
+            let staged = self.staged.as_ref().map(|s| s.writes.as_slice());
+            let mut writes: Vec<(u64, &[u8])> = staged
+                .unwrap_or_default()
+                .iter()
+                .map(|(o, d)| (*o, d.as_slice()))
+                .collect();
+            writes.extend_from_slice(&sections.writes);
+            match apply_all(d.as_mut(), &writes) {
                 Ok(()) => {}
                 Err(DiskApplyError::Undone(e)) => return Err(ApplyError::DiskIo(e)),
                 Err(e) => {
@@ -410,8 +516,9 @@ impl<M: AsRef<[u8]> + AsMut<[u8]>, K: PageKeeper> Backup<M, K> {
                 }
             }
         }
+        self.staged = None;
         self.plan.commit(self.mirror.as_mut());
-        self.device_state = parts.device_state;
+        self.device_state = sections.device_state.unwrap_or_default();
         self.committed = f.seq;
         self.consistent = true;
         self.keeper.written(&self.plan.pfns);

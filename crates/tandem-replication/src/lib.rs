@@ -11,12 +11,15 @@ pub mod disk;
 #[cfg(feature = "fuzz")]
 pub mod fuzz;
 pub mod keeper;
+pub mod parts;
 pub mod primary;
+mod staged;
 pub mod wire;
 
 pub use backup::{Applied, ApplyError, Backup};
 pub use disk::{DiskCopy, FileDisk};
 pub use keeper::{PageKeeper, Plain};
+pub use parts::Parts;
 pub use primary::{AckError, Acks, EpochInput, EpochSizes, Primary, PrimaryError, Reply};
 pub use wire::{Fencing, Frame, Hello, Kind, WireError};
 

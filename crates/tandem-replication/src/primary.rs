@@ -8,11 +8,14 @@ use std::time::{Duration, Instant};
 use tandem_codec::{Codec, Config, EncodeError, Encoder};
 
 use crate::devstate::encode_delta_into;
+use crate::parts::Parts;
 use crate::wire::{
     ack_can_fail_over, ack_promise, epoch_payload, fenced_session, section, Fencing, Frame, Hello,
     Kind, HEADER_LEN,
 };
 use crate::{base_payload, MAX_EPOCH_PAYLOAD};
+
+const PAGE: usize = tandem_codec::format::PAGE;
 
 /// Why an epoch could not be assembled.
 #[derive(Debug, thiserror::Error)]
@@ -23,13 +26,19 @@ pub enum PrimaryError {
     /// An epoch before the session's initial copy.
     #[error("no session: send hello and the initial copy first")]
     NoSession,
-    /// The epoch would not fit in one frame.
-    #[error("epoch {seq} needs {bytes} bytes, more than the frame limit of {MAX_EPOCH_PAYLOAD}")]
+    /// The epoch (or one of its parts) would not fit in one frame.
+    #[error("epoch {seq} needs {bytes} bytes in one frame, more than the frame limit of {MAX_EPOCH_PAYLOAD} (send it in parts)")]
     TooLarge {
         /// Epoch.
         seq: u64,
         /// Payload size.
         bytes: usize,
+    },
+    /// A part of the epoch could not be handed on (the link is gone).
+    #[error("a part of epoch {seq} could not be sent")]
+    PartNotSent {
+        /// Epoch.
+        seq: u64,
     },
 }
 
@@ -376,47 +385,104 @@ impl Primary {
             .then(|| self.frame(Kind::DiskBase, 0, base_payload(offset, data)))
     }
 
-    /// Assembles epoch `e` into a frame and advances the encoder and device-state reference.
+    /// Assembles epoch `e` into one frame and advances the encoder and device-state
+    /// reference. An epoch too large for one frame is refused and ends the session: use
+    /// [`Primary::epoch_parts`] for epochs of any size.
     pub fn epoch(&mut self, e: &EpochInput<'_>) -> Result<(Frame, EpochSizes), PrimaryError> {
+        self.epoch_parts(e, Parts::WHOLE, |_| {
+            unreachable!("an epoch assembled whole has no parts")
+        })
+    }
+
+    /// Assembles epoch `e`, split as `limits` says: every part but the last goes to `part` as
+    /// an [`Kind::EpochPart`] frame as soon as it is encoded (so that at most one part is held
+    /// here); the last, with the device state, is returned as the [`Kind::Epoch`] frame that
+    /// commits them all on the backup. `part` returning false (the link is gone) ends the
+    /// session: the encoder has moved past what the backup holds.
+    pub fn epoch_parts(
+        &mut self,
+        e: &EpochInput<'_>,
+        limits: Parts,
+        mut part: impl FnMut(Frame) -> bool,
+    ) -> Result<(Frame, EpochSizes), PrimaryError> {
+        if self.enc.is_none() {
+            return Err(PrimaryError::NoSession);
+        }
+        let writes = e.disk_writes.unwrap_or_default();
+        let plan = limits.split(e.pfns.len(), e.disk_writes);
+        let mut sizes = EpochSizes {
+            raw: e.pages.len() as u64 + e.device_state.len() as u64,
+            disk_writes: writes.len() as u64,
+            disk_bytes: writes.iter().map(|w| w.1.len() as u64).sum(),
+            ..EpochSizes::default()
+        };
+        sizes.raw += sizes.disk_bytes;
+        let n = plan.len();
+        for (i, (pages, disk)) in plan.into_iter().enumerate() {
+            let last = i + 1 == n;
+            let pfns = &e.pfns[pages.clone()];
+            let data = &e.pages[pages.start * PAGE..pages.end * PAGE];
+            let whole = last.then_some(e);
+            let result = self.part_payload(e.seq, i as u32, pfns, data, disk.as_deref(), whole);
+            let (payload, level) = match result {
+                Ok(p) => p,
+                Err(err) => {
+                    // The encoder's state may be past this epoch (EncodeError::Diverged, or
+                    // parts already sent) and the backup never gets all of it: the session
+                    // is over.
+                    self.enc = None;
+                    return Err(err);
+                }
+            };
+            sizes.sent += (payload.len() + HEADER_LEN) as u64;
+            sizes.level = level;
+            if last {
+                return Ok((self.frame(Kind::Epoch, e.seq, payload), sizes));
+            }
+            if !part(self.frame(Kind::EpochPart, e.seq, payload)) {
+                self.enc = None;
+                return Err(PrimaryError::PartNotSent { seq: e.seq });
+            }
+        }
+        unreachable!("Parts::split returns at least one part")
+    }
+
+    /// The payload of part `index`: the memory record of `pfns` (possibly none), its disk
+    /// writes and, for the last part (`whole` is the epoch), the device-state delta.
+    fn part_payload(
+        &mut self,
+        seq: u64,
+        index: u32,
+        pfns: &[u64],
+        data: &[u8],
+        disk: Option<&[(u64, Vec<u8>)]>,
+        whole: Option<&EpochInput<'_>>,
+    ) -> Result<(Vec<u8>, i32), PrimaryError> {
         let enc = self.enc.as_mut().ok_or(PrimaryError::NoSession)?;
         self.rec.clear();
-        let stats = match enc.encode(e.seq, e.pfns, e.pages, &mut self.rec) {
-            Ok(s) => s,
-            Err(err) => {
-                // The encoder's state may be past this epoch (EncodeError::Diverged) and the
-                // backup never gets it: the session is over, as for an epoch too large to send.
-                self.enc = None;
-                return Err(err.into());
-            }
-        };
-        encode_delta_into(&mut self.prev_dev, e.device_state, &mut self.dev_delta);
-        let disk = e.disk_writes.map(tandem_disk::encode_writes);
-        let mut secs: Vec<(u8, &[u8])> = vec![
-            (section::MEMORY, &self.rec),
-            (section::DEVICE_STATE_DELTA, &self.dev_delta),
-        ];
+        let stats = enc.encode(seq, pfns, data, &mut self.rec)?;
+        let mut secs: Vec<(u8, &[u8])> = vec![(section::MEMORY, &self.rec)];
+        if let Some(e) = whole {
+            encode_delta_into(&mut self.prev_dev, e.device_state, &mut self.dev_delta);
+            secs.push((section::DEVICE_STATE_DELTA, &self.dev_delta));
+        }
+        let disk = disk.map(tandem_disk::encode_writes);
         if let Some(d) = &disk {
             secs.push((section::DISK, d));
         }
+        // How many parts came before this frame (absent in an epoch sent whole).
+        let before = index.to_le_bytes();
+        if index > 0 || whole.is_none() {
+            secs.push((section::PARTS_BEFORE, &before));
+        }
         let payload = epoch_payload(&secs);
         if payload.len() > MAX_EPOCH_PAYLOAD {
-            // The encoder advanced past an epoch that cannot be sent: the session is over.
-            self.enc = None;
             return Err(PrimaryError::TooLarge {
-                seq: e.seq,
+                seq,
                 bytes: payload.len(),
             });
         }
-        let writes = e.disk_writes.unwrap_or_default();
-        let disk_bytes: u64 = writes.iter().map(|w| w.1.len() as u64).sum();
-        let sizes = EpochSizes {
-            raw: (e.pages.len() + e.device_state.len()) as u64 + disk_bytes,
-            sent: (payload.len() + HEADER_LEN) as u64,
-            disk_writes: writes.len() as u64,
-            disk_bytes,
-            level: stats.level,
-        };
-        Ok((self.frame(Kind::Epoch, e.seq, payload), sizes))
+        Ok((payload, stats.level))
     }
 
     /// A heartbeat carrying `progress` (epochs completed by the primary's loop).

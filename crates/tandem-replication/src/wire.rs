@@ -18,7 +18,8 @@
 //!        2 base chunk (payload: first_pfn u64 + pages) — initial copy of guest memory
 //!        3 epoch (payload: sections, each kind u8 + len u32 + bytes:
 //!                 1 memory record (tandem-codec), 2 device state, 3 disk writes,
-//!                 4 device state as a delta against the previous epoch's)
+//!                 4 device state as a delta against the previous epoch's,
+//!                 5 parts before this frame u32 — in an epoch sent in parts)
 //!        4 ack (backup → primary, seq = committed epoch
 //!               [, payload flags u8: bit 0 = the backup can fail over to it
 //!               [, promise_ms u32: the backup takes over no sooner than this long after the
@@ -34,6 +35,9 @@
 //!               [, payload session u64: the session the backup took over, which the primary
 //!                  checks against its own before believing it])
 //!       10 refused (backup → primary: the session is refused, payload: why, UTF-8 ≤ 1 KiB)
+//!       11 epoch part (payload: sections as in an epoch — memory record 1, disk writes 3 —
+//!               of a part of epoch seq too large for one frame; applied at once, undone
+//!               unless the epoch frame of the same seq commits it: see crate::parts)
 //! ```
 //! `seq` numbers epochs from 1 and keeps counting across sessions (a primary that reconnects
 //! sends a new hello whose start epoch is its current epoch, then a new initial copy); base
@@ -77,6 +81,8 @@ pub enum Kind {
     Fenced = 9,
     /// The backup refuses the session (why, in the payload).
     Refused = 10,
+    /// A part of epoch `seq`, committed by its epoch frame (see [`crate::parts`]).
+    EpochPart = 11,
 }
 
 impl Kind {
@@ -92,6 +98,7 @@ impl Kind {
             8 => Kind::Handover,
             9 => Kind::Fenced,
             10 => Kind::Refused,
+            11 => Kind::EpochPart,
             _ => return None,
         })
     }
@@ -107,6 +114,9 @@ pub mod section {
     pub const DISK: u8 = 3;
     /// Device state as a delta against the previous epoch's (see [`crate::devstate`]).
     pub const DEVICE_STATE_DELTA: u8 = 4;
+    /// How many parts of the epoch came before this frame, u32 (see [`crate::parts`]);
+    /// absent: none.
+    pub const PARTS_BEFORE: u8 = 5;
 }
 
 /// A frame.
