@@ -93,6 +93,15 @@ pub struct PrimaryArgs {
     /// checkpoint's pause copies them).
     #[arg(long, default_value_t = 32, help_heading = "Replication")]
     pub precopy_target_mib: u64,
+    /// An epoch with more dirty memory or disk writes than this many MiB is sent in parts of
+    /// this size, which the backup applies one by one and commits together (an epoch of any
+    /// size fits; the backup keeps the pages a part overwrote until the epoch commits).
+    #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..=512), help_heading = "Replication")]
+    pub epoch_part_mib: u64,
+    /// Parts of this many pages and 4 KiB of disk writes per page instead (tests: every
+    /// epoch of a small guest in parts).
+    #[arg(long, hide = true, value_parser = clap::value_parser!(u64).range(1..))]
+    pub epoch_part_pages: Option<u64>,
     /// Identifier of the protected VM (the backup refuses frames of any other).
     #[arg(long, default_value_t = 1, help_heading = "Replication")]
     pub vm_id: u64,
@@ -380,6 +389,11 @@ pub fn primary(a: PrimaryArgs) -> anyhow::Result<()> {
     cfg.precopy = tandem_protect::primary::Precopy {
         max_rounds: a.precopy_rounds,
         target_pages: a.precopy_target_mib << 8,
+    };
+    let part_pages = a.epoch_part_pages.unwrap_or(a.epoch_part_mib << 8);
+    cfg.parts = tandem_protect::primary::Parts {
+        max_pages: part_pages as usize,
+        max_disk_bytes: (part_pages << 12) as usize,
     };
     cfg.vm_id = a.vm_id;
     cfg.heartbeat = ms(a.heartbeat_ms.max(1));

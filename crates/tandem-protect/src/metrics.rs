@@ -54,6 +54,8 @@ pub struct EpochMetrics {
     pub disk_writes: u64,
     /// Their bytes.
     pub disk_bytes: u64,
+    /// Frames the epoch was sent in beyond one (an epoch too large for one part).
+    pub parts: u64,
 }
 
 /// Upper bounds (seconds) of the pause histogram's buckets: 0.5 ms to 1 s, roughly log-spaced.

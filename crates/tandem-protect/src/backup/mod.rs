@@ -357,7 +357,9 @@ impl Link<'_> {
                 }
                 Applied::Bye => return Ok(LinkEnd::Bye),
                 Applied::Handover(n) => return Ok(LinkEnd::Handover(n)),
-                Applied::Base | Applied::DiskBase => progress_at = Instant::now(),
+                Applied::Base | Applied::DiskBase | Applied::Part(_) => {
+                    progress_at = Instant::now()
+                }
             }
             if self.bk.consistent() && progress_at.elapsed() > self.stall {
                 return Ok(LinkEnd::Lost(format!(
@@ -732,6 +734,13 @@ impl Link<'_> {
                 Ok(end) => end,
                 Err(e) => LinkEnd::Lost(format!("link error: {e}")),
             };
+            // An epoch sent in parts whose epoch frame never came is undone whole.
+            if let Some(seq) = self.bk.discard_partial() {
+                self.status.warn(format!(
+                    "the link ended inside epoch {seq} (sent in parts): its parts are undone, mirror at epoch {}",
+                    self.bk.committed()
+                ));
+            }
             self.registry.set_link_up(false);
             self.registry.set_peer(None);
             match end {

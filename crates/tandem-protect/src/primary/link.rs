@@ -67,6 +67,8 @@ pub fn connect_once(addr: &str, timeout: Duration) -> Result<TcpStream, ConnectE
 pub enum Out {
     /// An epoch and its metrics.
     Epoch(Frame, Box<EpochMetrics>),
+    /// A part of the next epoch (committed by its epoch frame).
+    Part(Frame),
     /// A control frame (bye, handover).
     Control(Frame),
 }
@@ -266,6 +268,8 @@ pub fn spawn_sender(
 ) -> std::thread::JoinHandle<()> {
     std::thread::spawn(move || {
         let mut w = BufWriter::with_capacity(1 << 20, stream);
+        // Time spent sending the parts of the next epoch: part of its transfer.
+        let mut parts_us = 0;
         loop {
             let r = match rx.recv_timeout(shared.heartbeat()) {
                 Ok(Out::Epoch(f, mut m)) => {
@@ -281,11 +285,17 @@ pub fn spawn_sender(
                             .unwrap_or_else(|e| e.into_inner())
                             .push_back((f.seq, last));
                     });
-                    m.transfer_us = t.elapsed().as_micros() as u64;
+                    m.transfer_us = t.elapsed().as_micros() as u64 + std::mem::take(&mut parts_us);
                     if let Some(p) = shared.pending().iter_mut().find(|p| p.epoch == f.seq) {
                         p.transfer_us = m.transfer_us;
                     }
                     registry.sent(&m);
+                    r
+                }
+                Ok(Out::Part(f)) => {
+                    let t = Instant::now();
+                    let r = send(&mut w, &f);
+                    parts_us += t.elapsed().as_micros() as u64;
                     r
                 }
                 Ok(Out::Control(f)) => send(&mut w, &f),

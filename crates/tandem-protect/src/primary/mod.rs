@@ -35,6 +35,7 @@ use crate::Status;
 use finish::finish;
 pub use initial::Precopy;
 use session::{Daemon, End};
+pub use tandem_replication::Parts;
 use watchdog::Watchdog;
 
 /// What the primary daemon runs. Plain data: in a configuration file every field is
@@ -73,6 +74,10 @@ pub struct PrimaryConfig {
     pub encoder_threads: usize,
     /// The initial sync's pre-copy rounds (initial.rs).
     pub precopy: Precopy,
+    /// Epochs larger than this are sent in parts (the first after a busy initial sync, a
+    /// burst of disk writes), committed together on the backup.
+    #[serde(skip)]
+    pub parts: tandem_replication::Parts,
     /// Identifier of the protected VM (the backup refuses frames of any other).
     pub vm_id: u64,
     /// Send a heartbeat when nothing else was sent for this long.
@@ -138,6 +143,7 @@ impl PrimaryConfig {
             zstd_level: None,
             encoder_threads: 1,
             precopy: Precopy::default(),
+            parts: tandem_replication::Parts::DEFAULT,
             vm_id: 1,
             heartbeat: Duration::from_millis(100),
             ack_timeout: Duration::from_secs(2),

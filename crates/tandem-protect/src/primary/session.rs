@@ -324,7 +324,8 @@ impl Daemon<'_> {
         };
         let w = std::mem::replace(&mut sink.writes, Ok(Vec::new()))
             .map_err(PrimaryError::FinalWrites)?;
-        sink.st.ship(seq, &cp, &w)?;
+        let wd = sink.watchdog;
+        sink.st.ship(seq, &cp, &w, &|| wd.beat())?;
         self.epoch = seq;
         faults::kill_point(self.opts, HandoverStep::HandoverShipped, &self.status);
         // The handover goes only once the last epoch's output is out: the backup resumes the

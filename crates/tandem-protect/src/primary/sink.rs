@@ -116,7 +116,8 @@ impl EpochSink for LinkSink<'_> {
                 return false;
             }
         };
-        if let Err(e) = self.st.ship(cp.epoch, cp, &w) {
+        let wd = self.watchdog;
+        if let Err(e) = self.st.ship(cp.epoch, cp, &w, &|| wd.beat()) {
             self.err = Some(e);
             return false;
         }
@@ -142,13 +143,15 @@ pub(super) struct Step<'a> {
 }
 
 impl Step<'_> {
-    /// Encodes epoch `seq` and hands it to the sender; marks the link lost when the backup
-    /// has not acknowledged an epoch within the ack timeout.
+    /// Encodes epoch `seq` and hands it to the sender, in parts when it is large (each part
+    /// handed on is progress: `beat`); marks the link lost when the backup has not
+    /// acknowledged an epoch within the ack timeout.
     pub(super) fn ship(
         &mut self,
         seq: u64,
         cp: &Checkpoint<'_>,
         writes: &Writes,
+        beat: &dyn Fn(),
     ) -> Result<(), PrimaryError> {
         let t = Instant::now();
         let input = EpochInput {
@@ -163,7 +166,21 @@ impl Step<'_> {
             .zstd_level
             .unwrap_or_else(|| self.shared.level.load(std::sync::atomic::Ordering::Relaxed));
         self.proto.set_level(level);
-        let (frame, sizes) = self.proto.epoch(&input)?;
+        let (tx, shared, opts) = (self.tx, self.shared, self.opts);
+        let mut parts = 0u64;
+        let (frame, sizes) = self.proto.epoch_parts(&input, opts.parts, |f| {
+            parts += 1;
+            beat();
+            hand_on(tx, shared, opts, Out::Part(f), beat)
+        })?;
+        if parts > 0 {
+            self.status.info(format!(
+                "epoch {seq}: {} dirty pages, {:.0} MiB of disk writes sent in {} parts",
+                cp.pfns.len(),
+                sizes.disk_bytes as f64 / (1 << 20) as f64,
+                parts + 1
+            ));
+        }
         let held = self.held();
         self.registry.set_held(held.held_frames, held.held_bytes);
         self.registry.set_dropped_frames(held.overflow_frames);
@@ -182,60 +199,20 @@ impl Step<'_> {
             held_bytes: held.held_bytes,
             disk_writes: sizes.disk_writes,
             disk_bytes: sizes.disk_bytes,
+            parts,
             ..Default::default()
         };
         *self.raw += m.raw_bytes;
         *self.sent += m.sent_bytes;
         self.shared.pending().push_back(m.clone());
-        let mut item = Out::Epoch(frame, Box::new(m));
-        loop {
-            match self.tx.try_send(item) {
-                Ok(()) => break,
-                Err(TrySendError::Full(back)) => item = back,
-                Err(TrySendError::Disconnected(_)) => {
-                    self.shared.lose("the sender stopped".into());
-                    break;
-                }
-            }
-            if self.check_deadline() {
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(1));
-        }
-        self.check_deadline();
+        hand_on(tx, shared, opts, Out::Epoch(frame, Box::new(m)), &|| {});
+        check_deadline(shared, opts);
         Ok(())
     }
 
     /// The relays' counters (zeros without a relay).
     fn held(&self) -> tandem_net::RelayStats {
         self.site.relays.stats()
-    }
-
-    /// Marks the link lost if the oldest unacknowledged epoch is older than the ack timeout,
-    /// or acknowledged output has waited that long because every acknowledgement came after
-    /// the backup's promise ran out (a backup whose `--timeout-ms` is shorter than its
-    /// acknowledgements take: output would never leave).
-    fn check_deadline(&self) -> bool {
-        let age = self.shared.acks().oldest_unacked(Instant::now());
-        if let Some(age) = age.filter(|a| *a > self.opts.ack_timeout) {
-            self.shared.lose(format!(
-                "no acknowledgement for {} ms (ack timeout {} ms)",
-                age.as_millis(),
-                self.opts.ack_timeout.as_millis()
-            ));
-        }
-        let deferred = *self
-            .shared
-            .deferred_since
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
-        if let Some(t) = deferred.filter(|t| t.elapsed() > self.opts.ack_timeout) {
-            self.shared.lose(format!(
-                "acknowledgements have come after the backup's promise ran out for {} ms: their output cannot leave (give the backup a longer --timeout-ms than its acknowledgements take)",
-                t.elapsed().as_millis()
-            ));
-        }
-        self.shared.is_lost()
     }
 
     fn print(&self, seq: u64) {
@@ -254,4 +231,57 @@ impl Step<'_> {
             if acks.can_fail_over() { "" } else { " | backup CANNOT fail over" },
         ));
     }
+}
+
+/// Hands `item` to the sender, waiting while its queue is full (each wait is progress:
+/// `beat`; the sender's writes time out after the ack timeout, so it cannot wait forever).
+/// False when the session is lost.
+fn hand_on(
+    tx: &SyncSender<Out>,
+    shared: &Shared,
+    opts: &PrimaryConfig,
+    mut item: Out,
+    beat: &dyn Fn(),
+) -> bool {
+    loop {
+        match tx.try_send(item) {
+            Ok(()) => return !shared.is_lost(),
+            Err(TrySendError::Full(back)) => item = back,
+            Err(TrySendError::Disconnected(_)) => {
+                shared.lose("the sender stopped".into());
+                return false;
+            }
+        }
+        if check_deadline(shared, opts) {
+            return false;
+        }
+        beat();
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+/// Marks the link lost if the oldest unacknowledged epoch is older than the ack timeout,
+/// or acknowledged output has waited that long because every acknowledgement came after
+/// the backup's promise ran out (a backup whose `--timeout-ms` is shorter than its
+/// acknowledgements take: output would never leave).
+fn check_deadline(shared: &Shared, opts: &PrimaryConfig) -> bool {
+    let age = shared.acks().oldest_unacked(Instant::now());
+    if let Some(age) = age.filter(|a| *a > opts.ack_timeout) {
+        shared.lose(format!(
+            "no acknowledgement for {} ms (ack timeout {} ms)",
+            age.as_millis(),
+            opts.ack_timeout.as_millis()
+        ));
+    }
+    let deferred = *shared
+        .deferred_since
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    if let Some(t) = deferred.filter(|t| t.elapsed() > opts.ack_timeout) {
+        shared.lose(format!(
+            "acknowledgements have come after the backup's promise ran out for {} ms: their output cannot leave (give the backup a longer --timeout-ms than its acknowledgements take)",
+            t.elapsed().as_millis()
+        ));
+    }
+    shared.is_lost()
 }
