@@ -11,6 +11,17 @@ case "$wl" in
   memheavy)
     # A large, busy guest (issue 39; give it >= 2 GiB): 1 GiB buffer, 2048 pages every 10 ms
     exec /usr/lib/tandem/memtouch 1024 2048 10 ;;
+  kvheavy)
+    # A large, busy guest that also serves requests (issue 39; give it >= 2 GiB): redis as
+    # in kv, and beside it a 1 GiB buffer rewritten at 512 pages every 10 ms (2 048, as
+    # memheavy, leaves the guest deaf to its network under TCG).
+    # redis starts once the buffer is allocated and being rewritten (its ready line).
+    /usr/lib/tandem/memtouch 1024 512 10 >/tmp/memtouch.log 2>&1 &
+    i=0
+    while ! grep -q TANDEM-READY /tmp/memtouch.log 2>/dev/null && [ $i -lt 1200 ]; do
+      sleep 0.1; i=$((i+1))
+    done
+    exec /usr/lib/tandem/workload.sh kv ;;
   kv)
     # With a data disk, redis also keeps an append-only file there (disk writes every second).
     aof="--appendonly no"

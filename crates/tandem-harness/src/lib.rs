@@ -75,7 +75,7 @@ pub fn lab_config(name: &str, workload: &str, mem: u64) -> anyhow::Result<VmConf
     tandem_labguest::check_workload(workload)?;
     let image = tandem_labguest::GuestImage::default();
     image.check()?;
-    let mut c = if workload == "kv" {
+    let mut c = if tandem_labguest::serves_kv(workload) {
         let port = std::net::TcpListener::bind("127.0.0.1:0")?
             .local_addr()?
             .port();

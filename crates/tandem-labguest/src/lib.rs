@@ -17,8 +17,14 @@ use tandem_vm::{Boot, DiskBus, DiskDesc, DiskFormat, NicDesc, NicNet, VmConfig};
 
 /// The workloads the guest image can run (`tandem.workload=` on the kernel command line).
 pub const WORKLOADS: &[&str] = &[
-    "idle", "memtouch", "memheavy", "compile", "sqlite", "kv", "disk",
+    "idle", "memtouch", "memheavy", "compile", "sqlite", "kv", "kvheavy", "disk",
 ];
+
+/// Whether `workload` runs redis for a key-value client (`kv`, and `kvheavy` beside a
+/// memory-heavy writer).
+pub fn serves_kv(workload: &str) -> bool {
+    matches!(workload, "kv" | "kvheavy")
+}
 
 /// The lab guest's MAC address.
 pub const MAC: &str = "52:54:00:12:34:56";
@@ -41,7 +47,7 @@ pub enum ImageError {
     Missing(String),
     /// The workload name is unknown.
     #[error(
-        "unknown workload {0:?}: choose one of idle, memtouch, memheavy, compile, sqlite, kv, disk"
+        "unknown workload {0:?}: choose one of idle, memtouch, memheavy, compile, sqlite, kv, kvheavy, disk"
     )]
     UnknownWorkload(String),
 }

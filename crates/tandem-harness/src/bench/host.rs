@@ -202,7 +202,7 @@ fn one(workloads: &[String], consolidate: bool, seconds: u64, dir: &Path) -> any
             "QEMU pid ",
         );
         g.primary = Some(p);
-        if g.workload == "kv" {
+        if tandem_labguest::serves_kv(&g.workload) {
             clients.push(writer(g.lab.clients.clone(), stop.clone()));
         }
     }

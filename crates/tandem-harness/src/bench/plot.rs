@@ -15,7 +15,7 @@ const COLORS: &[&str] = &[
 
 fn label(r: &RoundResult) -> String {
     let mut l = format!("{} {} {} ms", r.workload, r.schedule, r.epoch_ms);
-    if r.workload == "kv" {
+    if tandem_labguest::serves_kv(&r.workload) {
         l += &format!(", client {}", r.client);
     }
     if r.devstate == "migrate" {
