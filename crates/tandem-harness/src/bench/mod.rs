@@ -127,8 +127,8 @@ pub struct Args {
     /// Measure the checkpoint store against QEMU's full save and page-granular increments.
     #[arg(long)]
     pub store: bool,
-    /// Guest sizes in MiB for --store.
-    #[arg(long, value_delimiter = ',', default_value = "256,1024")]
+    /// Guest sizes in MiB for --store [default: 256,1024].
+    #[arg(long, value_delimiter = ',')]
     pub mems: Vec<u64>,
     /// Checkpoints per run for --store (the first is a base, the rest one delta chain).
     #[arg(long, default_value_t = 101)]
@@ -160,6 +160,9 @@ pub struct Args {
     /// Guest RAM in MiB.
     #[arg(long, default_value_t = 256)]
     pub mem: u64,
+    /// --replication: the guest's virtual CPUs (default 1).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=8))]
+    pub vcpus: Option<u32>,
     /// Fault campaign: inject at least this many random faults, in combinations, into
     /// replicated kv guests fenced by etcd, and check every round's history
     /// (docs/BENCHMARKS.md, "Fencing").
@@ -297,6 +300,9 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         return faults::run(n, a.seed, a.mem, a.no_etcd, a.json);
     }
     if a.replication {
+        if !a.mems.is_empty() {
+            bail!("--mems sizes the guests of --store; --replication runs one size: --mem MIB");
+        }
         return replication::run(&a);
     }
     if a.store {

@@ -83,7 +83,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         .collect();
     for w in &workloads {
         // The client axis applies to kv (the other workloads bring their own load).
-        let clients = if w == "kv" {
+        let clients = if tandem_labguest::serves_kv(w) {
             &clients[..]
         } else {
             &clients[..1]
@@ -109,6 +109,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
             let o = Opts {
                 workload: w.clone(),
                 mem: a.mem,
+                vcpus: a.vcpus,
                 epoch_ms: ms,
                 schedule: sched.into(),
                 run_per_pause: a.run_per_pause,
@@ -197,11 +198,11 @@ fn line(r: &RoundResult) -> String {
         )
     };
     format!(
-        "{:<8} {:>15} {:>3} ms {:>6}{}{} | {thr}{lat} | link {:.2} MiB vs Remus {:.1} MiB ({:.3}x, zstd level {}..{} median {}) | pause p50 {:.1} ms p99 {:.1} ms ({:.0} % of the time{}; p50 stop/harvest/copy/devstate/cont {}) | encoder {:.0} % of a core | first epoch {} pages, pause {:.1} ms{} | failover {:.0} ms after kill ({:.0} detection + {:.1} resume)",
+        "{:<8} {:>15} {:>3} ms {:>6}{}{} | {thr}{lat} | link {:.2} MiB vs Remus {:.1} MiB ({:.3}x, zstd level {}..{} median {}) | pause p50 {:.1} ms p99 {:.1} ms ({:.0} % of the time{}; p50 stop/harvest/copy/devstate/cont {}) | encoder {:.0} % of a core | first epoch {} pages, pause {:.1} ms{}{} | daemons' memory peak primary {:.0} MiB backup {:.0} MiB | failover {:.0} ms after kill ({:.0} detection + {:.1} resume)",
         r.workload,
         r.schedule,
         r.epoch_ms,
-        if r.workload == "kv" { r.client.as_str() } else { "" },
+        if tandem_labguest::serves_kv(&r.workload) { r.client.as_str() } else { "" },
         if r.tls { " TLS" } else { "" },
         if r.devstate == "migrate" {
             " devstate migrate"
@@ -232,6 +233,13 @@ fn line(r: &RoundResult) -> String {
         r.first_epoch_pause_ms,
         r.precopy_rounds
             .map_or(String::new(), |n| format!(" (precopy rounds {n})")),
+        if r.epochs_in_parts > 0 {
+            format!(", {} epochs in parts", r.epochs_in_parts)
+        } else {
+            String::new()
+        },
+        r.daemon_anon_mib_peak[0],
+        r.daemon_anon_mib_peak[1],
         r.kill_to_running_ms,
         r.detection_ms,
         r.resume_after_detection_ms

@@ -84,7 +84,12 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     let pb = indicatif::ProgressBar::new_spinner();
     pb.enable_steady_tick(Duration::from_millis(200));
     let mut rows = Vec::new();
-    for &mem in &a.mems {
+    let mems = if a.mems.is_empty() {
+        vec![256, 1024]
+    } else {
+        a.mems.clone()
+    };
+    for &mem in &mems {
         for w in &workloads {
             // On disk (not tmpfs): the fsyncs are part of what is measured.
             let tmp = tempfile::Builder::new()

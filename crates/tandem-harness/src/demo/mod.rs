@@ -14,6 +14,7 @@ pub(crate) mod double;
 pub(crate) mod etcdlab;
 pub(crate) mod fault;
 pub(crate) mod history;
+mod memsample;
 mod pg;
 pub use pg::{pgbench_init, DebianVm, PgAt};
 mod phases;
@@ -99,6 +100,9 @@ pub struct Args {
     /// (`tandem backup --consolidate`, the demo's default: sharing, patching, compression).
     #[arg(long)]
     pub plain_mirror: bool,
+    /// More flags for every round's primary (`--primary-arg=--epoch-part-pages=64`).
+    #[arg(long, allow_hyphen_values = true)]
+    pub primary_arg: Vec<String>,
     /// How the backup's failover gets the consolidated pages into the standby: `lazy` or
     /// `materialise` (`tandem backup --restore`).
     #[arg(long, default_value = "lazy")]
@@ -253,6 +257,7 @@ fn run_demo(a: Args) -> anyhow::Result<()> {
         etcd: etcd.as_ref(),
         tls_dir: tls_dir.clone(),
         consolidate: (!a.plain_mirror).then(|| (4.0, a.restore.clone())),
+        primary_args: a.primary_arg.clone(),
         ..Opts::kv(exe.clone(), &lab, dir.path().to_path_buf())
     };
     let mut results = Vec::new();
@@ -288,9 +293,10 @@ fn run_demo(a: Args) -> anyhow::Result<()> {
             }
         };
         say(&pb, format!(
-            "round {r}: {}; backup resumed epoch {} {:.0} ms after the fault ({:.0} ms detection + {:.1} ms resume{}){}; {} keys read back, {} missing an acknowledged write; primary frames after failover: {}; primary copy stopped: {}; leftovers: {}; redis {}",
+            "round {r}: {}; backup resumed epoch {}{} {:.0} ms after the fault ({:.0} ms detection + {:.1} ms resume{}){}; {} keys read back, {} missing an acknowledged write; primary frames after failover: {}; primary copy stopped: {}; leftovers: {}; redis {}",
             res.faults.join(", "),
             res.failover_epoch,
+            if res.epochs_in_parts > 0 { format!(" ({} acknowledged epochs were sent in parts)", res.epochs_in_parts) } else { String::new() },
             res.kill_to_running_ms,
             res.detection_ms,
             res.resume_after_detection_ms,

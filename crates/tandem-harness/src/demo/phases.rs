@@ -28,6 +28,8 @@ pub struct RoundCtx<'a> {
     pub report: PathBuf,
     /// The primary's per-epoch JSON lines.
     pub jsonl: PathBuf,
+    /// The daemons' memory, sampled from their start on.
+    pub mem: super::memsample::MemSampler,
 }
 
 /// The client on the clients' bridge: writers for `kv`, none for other workloads.
@@ -140,6 +142,7 @@ impl<'a> RoundCtx<'a> {
             rdir,
             report: rdir.join("failover.json"),
             jsonl: rdir.join("epochs.jsonl"),
+            mem: super::memsample::MemSampler::start(),
         }
     }
 
@@ -163,6 +166,7 @@ impl<'a> RoundCtx<'a> {
             backup,
             backups_started: 1,
         };
+        self.mem.watch(super::memsample::BACKUP, pair.backup.pid());
         pair.backup
             .wait_line("listening on", Duration::from_secs(60))?;
         Ok(pair)
@@ -183,8 +187,16 @@ impl<'a> RoundCtx<'a> {
             &pargs,
             rdir.join("primary.log"),
         )?;
+        self.mem.watch(super::memsample::PRIMARY, primary.pid());
         let ready = primary.wait_line("guest ready", Duration::from_secs(240))?;
         let qemu = qemu_pid(&ready);
+        // The client starts once the initial sync is done: its pre-copy rounds may throttle
+        // a busy guest to a few per cent of its time for a minute (a large guest), in which
+        // it answers no connection.
+        self.pb.set_message(format!(
+            "round {round}: initial sync (pre-copy rounds while the guest runs)"
+        ));
+        primary.wait_line("replicating from epoch", Duration::from_secs(1200))?;
         Ok((primary, qemu))
     }
 
@@ -234,7 +246,7 @@ impl<'a> RoundCtx<'a> {
     /// Starts the writers against the guest at `addr` (kv only, after noting redis' identity).
     pub fn start_client(&self, addr: SocketAddr) -> anyhow::Result<Client> {
         let o = self.o;
-        let kv = o.workload == "kv";
+        let kv = tandem_labguest::serves_kv(&o.workload);
         let mut identity_before = (String::new(), 0);
         let (writers, appenders) = if kv {
             let mut probe = client::wait_ready(&o.lab.clients, addr, Duration::from_secs(60))?;
@@ -267,7 +279,7 @@ impl<'a> RoundCtx<'a> {
         client: &Client,
     ) -> anyhow::Result<(Epochs, Instant)> {
         let (round, o) = (self.round, self.o);
-        let kv = o.workload == "kv";
+        let kv = tandem_labguest::serves_kv(&o.workload);
         let started = Instant::now();
         let mut ep = Epochs::default();
         let mut last = Instant::now();
@@ -313,7 +325,7 @@ impl<'a> RoundCtx<'a> {
     /// `o.after`; returns when that ended and how long it took in seconds.
     pub fn run_on_backup(&self, client: &Client, ops_at_running: u64) -> (Instant, f64) {
         let round = self.round;
-        let kv = self.o.workload == "kv";
+        let kv = tandem_labguest::serves_kv(&self.o.workload);
         let t = Instant::now();
         while t.elapsed() < self.o.after {
             std::thread::sleep(Duration::from_millis(200));
@@ -532,6 +544,8 @@ impl<'a> RoundCtx<'a> {
             pause_share: ep.pauses.iter().sum::<f64>() / 1000.0 / tl.replicated_s.max(1e-3),
             suspend_share: ep.suspended_ms / 1000.0 / tl.replicated_s.max(1e-3),
             encoder_core_share: ep.encode_ms / 1000.0 / tl.replicated_s.max(1e-3),
+            epochs_in_parts: ep.in_parts,
+            daemon_anon_mib_peak: self.mem.peaks_mib(),
             precopy_rounds: o.precopy_rounds,
             pause_components_ms_p50: ep.component_p50s(),
             first_epoch_pages: ep.points.first().map_or(0, |p| p.dirty_pages),

@@ -24,6 +24,8 @@ pub struct Opts<'a> {
     pub lab: &'a NetLab,
     pub dir: PathBuf,
     pub mem: u64,
+    /// The guest's virtual CPUs (`None`: the daemons' default, 1).
+    pub vcpus: Option<u32>,
     pub epoch_ms: u64,
     /// The primary's `--schedule`.
     pub schedule: String,
@@ -90,6 +92,7 @@ impl<'a> Opts<'a> {
             stop_budget_ms: None,
             time_budget_pct: None,
             precopy_rounds: None,
+            vcpus: None,
             primary_args: Vec::new(),
             devstate: None,
             timeout_ms: 1000,
@@ -144,6 +147,11 @@ pub struct RoundResult {
     /// The primary's time encoding epochs per second of the replicated phase: the share of
     /// one core its (one-thread) encoder was busy, an upper bound on its CPU.
     pub encoder_core_share: f64,
+    /// Acknowledged epochs that were sent in parts (`--epoch-part-mib`).
+    pub epochs_in_parts: u64,
+    /// Peak anonymous memory (MiB) of the primary's and the backup's tandem processes while
+    /// replicating (not QEMU's, not the mirror's tmpfs file).
+    pub daemon_anon_mib_peak: [f64; 2],
     /// zstd levels the primary chose for the memory records: lowest, median, highest.
     pub zstd_levels: [i64; 3],
     /// Guest throughput unit: client `ops` (kv), sqlite `txns`, compiled `objs`; none for idle.
@@ -208,7 +216,7 @@ pub struct RoundResult {
 impl RoundResult {
     pub fn ok(&self) -> bool {
         self.acked_keys_lost == 0
-            && (self.workload != "kv" || self.acked_keys_checked > 0)
+            && (!tandem_labguest::serves_kv(&self.workload) || self.acked_keys_checked > 0)
             && self.guest_continued != Some(false)
             && self.primary_frames_after_failover == 0
             && self.primary_copy_stopped
@@ -233,6 +241,8 @@ pub(crate) struct Epochs {
     pub suspended_ms: f64,
     /// Milliseconds the primary spent encoding epochs, summed.
     pub encode_ms: f64,
+    /// Epochs sent in more than one frame.
+    pub in_parts: u64,
     /// Each epoch's pause components (ms): stop, harvest, copy, device state, cont.
     pub components: Vec<[f64; 5]>,
     pub points: Vec<EpochPoint>,
@@ -302,6 +312,7 @@ impl Epochs {
                 self.pauses.push(g("pause_us") as f64 / 1000.0);
                 self.suspended_ms += g("suspended_us") as f64 / 1000.0;
                 self.encode_ms += g("encode_us") as f64 / 1000.0;
+                self.in_parts += u64::from(g("parts") > 0);
                 let ms = |k: &str| g(k) as f64 / 1000.0;
                 self.components.push([
                     ms("stop_us"),

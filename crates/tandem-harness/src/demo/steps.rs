@@ -66,6 +66,9 @@ pub fn common(o: &Opts<'_>, v: &mut Vec<String>) -> anyhow::Result<()> {
     };
     v.extend(["--vm-config".to_string(), desc.display().to_string()]);
     v.extend(["--mem".to_string(), o.mem.to_string()]);
+    if let Some(n) = o.vcpus {
+        v.extend(["--vcpus".to_string(), n.to_string()]);
+    }
     Ok(())
 }
 
