@@ -1,7 +1,8 @@
 //! A large, busy guest (issue 39), as real processes: 4 GiB whose workload (`memheavy`)
 //! rewrites a 1 GiB buffer faster than the link ships it. The initial sync's pre-copy rounds
 //! throttle it until it converges, so the first checkpoint is small instead of carrying the
-//! whole buffer; then the primary's host dies and the backup resumes the guest.
+//! whole buffer; its epochs go in parts of 1 MiB; then the primary's host dies and the backup
+//! resumes the guest.
 
 mod common;
 
@@ -46,18 +47,22 @@ fn a_large_busy_guest_converges_by_pre_copy_and_fails_over() {
         "4096",
         "--metrics-jsonl",
         jsonl.to_str().unwrap(),
+        // Parts of 1 MiB: the first checkpoint and the busy epochs after it go in parts.
+        "--epoch-part-mib",
+        "1",
         "--json-events",
     ]);
     let ready = wait_event(&prx, "guest_running", Duration::from_secs(300), |_| true);
     let qemu = ready["qemu_pid"].as_u64().unwrap();
     // Until the third acknowledged epoch: the rounds' lines, in order.
-    let (mut rounds, mut throttled) = (Vec::new(), false);
+    let (mut rounds, mut throttled, mut in_parts) = (Vec::new(), false, 0);
     let deadline = Instant::now() + Duration::from_secs(900);
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
         let line = prx
             .recv_timeout(left)
             .unwrap_or_else(|_| panic!("not protected in time; rounds: {rounds:#?}"));
+        in_parts += usize::from(line.contains(" parts"));
         if line.contains("pre-copy round") {
             throttled |= line.contains("throttled");
             rounds.push(line);
@@ -79,6 +84,15 @@ fn a_large_busy_guest_converges_by_pre_copy_and_fails_over() {
     let first: serde_json::Value = serde_json::from_str(lines.lines().next().unwrap()).unwrap();
     let pages = first["dirty_pages"].as_u64().unwrap();
     assert!(pages <= 100_000, "first epoch: {pages} pages; {rounds:#?}");
+    let parts: u64 = lines
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .map(|v| v["parts"].as_u64().unwrap_or(0))
+        .sum();
+    assert!(
+        parts > 0 && in_parts > 0,
+        "epochs of more than 256 pages go in parts: {parts} parts, {in_parts} lines"
+    );
 
     // The host dies; the backup resumes the guest from its last committed epoch.
     primary.kill().unwrap();
