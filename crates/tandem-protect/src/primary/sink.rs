@@ -168,11 +168,20 @@ impl Step<'_> {
         self.proto.set_level(level);
         let (tx, shared, opts) = (self.tx, self.shared, self.opts);
         let mut parts = 0u64;
-        let (frame, sizes) = self.proto.epoch_parts(&input, opts.parts, |f| {
+        let shipped = self.proto.epoch_parts(&input, opts.parts, |f| {
             parts += 1;
             beat();
             hand_on(tx, shared, opts, Out::Part(f), beat)
-        })?;
+        });
+        let (frame, sizes) = match shipped {
+            Ok(s) => s,
+            // The link was lost between parts: the session ends as lost and re-syncs (the
+            // backup undoes the parts it got), as for any epoch the sender cannot take.
+            Err(tandem_replication::PrimaryError::PartNotSent { .. }) if shared.is_lost() => {
+                return Ok(())
+            }
+            Err(e) => return Err(e.into()),
+        };
         if parts > 0 {
             self.status.info(format!(
                 "epoch {seq}: {} dirty pages, {:.0} MiB of disk writes sent in {} parts",
