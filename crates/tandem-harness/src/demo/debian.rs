@@ -106,6 +106,10 @@ pub struct DebianOpts<'a> {
     /// Also run pgbench (4 clients, this many seconds) replicated before the kill and on the
     /// backup after failover (the same VM unprotected: the native baseline).
     pub pgbench: Option<u64>,
+    /// pgbench's scale factor (its database is about 15 MiB per unit), loaded replicated.
+    pub pgbench_scale: u32,
+    /// Guest RAM, MiB.
+    pub mem: u64,
 }
 
 /// The round's description: the image as a fresh overlay, no forwards (the NIC goes on the
@@ -115,12 +119,13 @@ fn describe(o: &DebianOpts<'_>, rdir: &Path) -> anyhow::Result<PathBuf> {
     tandem_vm::desc::create_overlay(&o.vm.image, &overlay)?;
     let desc = format!(
         "# The Debian test VM on a copy-on-write overlay of {image}\n\
-         mem = 1024\nvcpus = 2\nready = \"TANDEM-READY\"\n\n[boot]\nfirmware = \"seabios\"\n\n\
+         mem = {mem}\nvcpus = 2\nready = \"TANDEM-READY\"\n\n[boot]\nfirmware = \"seabios\"\n\n\
          [[disk]]\npath = \"{disk}\"\nformat = \"qcow2\"\ncache = \"writeback\"\n\n\
          [[nic]]\nmac = \"{mac}\"\n",
         image = o.vm.image.display(),
         disk = overlay.display(),
         mac = tandem_labguest::MAC,
+        mem = o.mem,
     );
     let path = rdir.join("vm.toml");
     std::fs::write(&path, desc)?;
@@ -210,7 +215,8 @@ pub fn round(r: usize, o: &DebianOpts<'_>, pb: &ProgressBar) -> anyhow::Result<D
             pb.set_message(format!(
                 "round {r}: pgbench replicated ({secs} s, 4 clients)"
             ));
-            pg::pgbench_init(pg::PgAt::Netns { ns, host: GUEST_IP }, 1)?;
+            let at = pg::PgAt::Netns { ns, host: GUEST_IP };
+            pg::pgbench_init(at, o.pgbench_scale)?;
             Some(pg::pgbench(ns, GUEST_IP, 4, secs)?)
         }
         None => None,

@@ -129,6 +129,13 @@ pub struct Args {
     /// again on the backup after failover (the same VM unprotected).
     #[arg(long)]
     pub pgbench: Option<u64>,
+    /// With --pgbench: its scale factor (about 15 MiB of database per unit, loaded while
+    /// replicated).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=1000))]
+    pub pgbench_scale: u32,
+    /// With --vm debian: the VM's RAM in MiB.
+    #[arg(long, default_value_t = 1024, value_parser = clap::value_parser!(u64).range(512..=65536))]
+    pub debian_mem: u64,
     /// Run only the HA cycle (part of the default plan): `tandem switchover` to the backup
     /// and back, then a host kill with the dead node restarted as a backup and re-protected,
     /// then a host kill of the other node — all fenced by etcd, over TLS.
@@ -431,6 +438,8 @@ fn run_debian(a: Args) -> anyhow::Result<()> {
             before: Duration::from_millis(a.before * 1000 + jitter),
             after: Duration::from_secs(a.after),
             pgbench: a.pgbench,
+            pgbench_scale: a.pgbench_scale,
+            mem: a.debian_mem,
         };
         let res = match debian::round(r, &o, &pb) {
             Ok(res) => res,
