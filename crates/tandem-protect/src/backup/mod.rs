@@ -242,6 +242,8 @@ impl Link<'_> {
         // During an initial copy there is nothing to fail over to: allow it time.
         const SETUP: Duration = Duration::from_secs(60);
         let mut in_setup = !self.bk.consistent();
+        // An epoch is arriving in parts (the state says so until it commits).
+        let mut in_parts = false;
         stream.set_read_timeout(Some(if self.bk.consistent() {
             self.timeout
         } else {
@@ -331,7 +333,8 @@ impl Link<'_> {
                         self.memory_at = Instant::now();
                         self.registry.set_memory(self.bk.keeper().usage());
                     }
-                    if in_setup {
+                    let was_in_parts = std::mem::take(&mut in_parts);
+                    if in_setup || was_in_parts {
                         self.registry.set_state(
                             "protecting: standby ready to resume the last committed epoch",
                         );
@@ -357,9 +360,21 @@ impl Link<'_> {
                 }
                 Applied::Bye => return Ok(LinkEnd::Bye),
                 Applied::Handover(n) => return Ok(LinkEnd::Handover(n)),
-                Applied::Base | Applied::DiskBase | Applied::Part(_) => {
-                    progress_at = Instant::now()
+                Applied::Part(seq) => {
+                    progress_at = Instant::now();
+                    in_parts = true;
+                    let kept = self.bk.partial().map_or(0, |p| p.1);
+                    self.registry.set_state(format!(
+                        "receiving epoch {seq} in parts ({} MiB kept to undo them unless it commits); {}",
+                        kept >> 20,
+                        if self.bk.consistent() {
+                            format!("standby ready to resume epoch {}", self.bk.committed())
+                        } else {
+                            "cannot fail over until it commits".into()
+                        }
+                    ));
                 }
+                Applied::Base | Applied::DiskBase => progress_at = Instant::now(),
             }
             if self.bk.consistent() && progress_at.elapsed() > self.stall {
                 return Ok(LinkEnd::Lost(format!(
@@ -740,6 +755,10 @@ impl Link<'_> {
                     "the link ended inside epoch {seq} (sent in parts): its parts are undone, mirror at epoch {}",
                     self.bk.committed()
                 ));
+                if self.bk.consistent() {
+                    self.registry
+                        .set_state("protecting: standby ready to resume the last committed epoch");
+                }
             }
             self.registry.set_link_up(false);
             self.registry.set_peer(None);
