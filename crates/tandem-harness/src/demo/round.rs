@@ -149,8 +149,9 @@ pub struct RoundResult {
     pub encoder_core_share: f64,
     /// Acknowledged epochs that were sent in parts (`--epoch-part-mib`).
     pub epochs_in_parts: u64,
-    /// Peak anonymous memory (MiB) of the primary's and the backup's tandem processes while
-    /// replicating (not QEMU's, not the mirror's tmpfs file).
+    /// Peak anonymous memory (MiB) of the primary's and the backup's tandem processes from
+    /// their start to the failover, initial sync included (not QEMU's, not the mirror's tmpfs
+    /// file).
     pub daemon_anon_mib_peak: [f64; 2],
     /// zstd levels the primary chose for the memory records: lowest, median, highest.
     pub zstd_levels: [i64; 3],
