@@ -459,15 +459,21 @@ impl<M: AsRef<[u8]> + AsMut<[u8]>, K: PageKeeper> Backup<M, K> {
         Ok(())
     }
 
+    /// Epoch `seq` must be the next one: no gap, no repeat.
+    fn check_next(&self, seq: u64) -> Result<(), ApplyError> {
+        if seq != self.committed + 1 {
+            return Err(ApplyError::SeqGap {
+                expected: self.committed + 1,
+                got: seq,
+            });
+        }
+        Ok(())
+    }
+
     /// Applies a part of the next epoch at once, keeping what it overwrites (see
     /// [`crate::parts`]); its epoch frame commits it, anything else undoes it.
     fn epoch_part(&mut self, f: &Frame) -> Result<Applied, ApplyError> {
-        if f.seq != self.committed + 1 {
-            return Err(ApplyError::SeqGap {
-                expected: self.committed + 1,
-                got: f.seq,
-            });
-        }
+        self.check_next(f.seq)?;
         let sections = self.parse_epoch(f)?;
         self.decode_memory(sections.memory, f.seq)?;
         // The old contents of the pages it writes must be in the mirror to be kept.
@@ -488,25 +494,21 @@ impl<M: AsRef<[u8]> + AsMut<[u8]>, K: PageKeeper> Backup<M, K> {
     }
 
     fn epoch(&mut self, f: &Frame) -> Result<Applied, ApplyError> {
-        if f.seq != self.committed + 1 {
-            return Err(ApplyError::SeqGap {
-                expected: self.committed + 1,
-                got: f.seq,
-            });
-        }
+        self.check_next(f.seq)?;
         let sections = self.parse_epoch(f)?;
         self.decode_memory(sections.memory, f.seq)?;
         // Everything verified: commit disk writes — the parts' and the epoch's, all or
         // nothing — memory and device state. A refusal from here on undoes the parts too
         // (`handle`).
         if let Some(d) = self.disk.as_mut() {
-            let staged = self.staged.as_ref().map(|s| s.writes.as_slice());
-            let mut writes: Vec<(u64, &[u8])> = staged
-                .unwrap_or_default()
-                .iter()
-                .map(|(o, d)| (*o, d.as_slice()))
-                .collect();
-            writes.extend_from_slice(&sections.writes);
+            // The parts' writes first, in order; an epoch sent whole has only its own.
+            let writes: std::borrow::Cow<'_, [(u64, &[u8])]> = match &self.staged {
+                None => sections.writes.as_slice().into(),
+                Some(st) => (st.writes.iter().map(|(o, d)| (*o, d.as_slice())))
+                    .chain(sections.writes.iter().copied())
+                    .collect::<Vec<_>>()
+                    .into(),
+            };
             match apply_all(d.as_mut(), &writes) {
                 Ok(()) => {}
                 Err(DiskApplyError::Undone(e)) => return Err(ApplyError::DiskIo(e)),

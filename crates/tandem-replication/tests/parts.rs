@@ -116,6 +116,18 @@ fn epoch_in_parts(
     (sent, last)
 }
 
+/// A guest, its primary and a backup that committed epoch 1, sent in parts.
+fn after_epoch_one() -> (Guest, Primary, Backup<Vec<u8>>) {
+    let mut g = Guest::new(PAGES, DISK);
+    let mut p = Primary::new(VM, Codec::Tandem, Config::default());
+    let mut bk = start(&mut p, &g);
+    let (parts, last) = epoch_in_parts(&mut p, &mut g, 1, PAGES, SMALL);
+    for f in parts.iter().chain([&last]) {
+        bk.handle(f).unwrap();
+    }
+    (g, p, bk)
+}
+
 const SMALL: Parts = Parts {
     max_pages: 10,
     max_disk_bytes: 1000,
@@ -169,13 +181,7 @@ fn assert_at(bk: &Backup<Vec<u8>>, g: &Guest, seq: u64) {
 
 #[test]
 fn a_refused_epoch_frame_undoes_its_parts() {
-    let mut g = Guest::new(PAGES, DISK);
-    let mut p = Primary::new(VM, Codec::Tandem, Config::default());
-    let mut bk = start(&mut p, &g);
-    let (parts, last) = epoch_in_parts(&mut p, &mut g, 1, PAGES, SMALL);
-    for f in parts.iter().chain([&last]) {
-        bk.handle(f).unwrap();
-    }
+    let (mut g, mut p, mut bk) = after_epoch_one();
     let committed = Guest {
         mem: g.mem.clone(),
         disk: g.disk.clone(),
@@ -198,13 +204,7 @@ fn a_refused_epoch_frame_undoes_its_parts() {
 
 #[test]
 fn a_link_that_ends_inside_an_epoch_leaves_the_committed_one() {
-    let mut g = Guest::new(PAGES, DISK);
-    let mut p = Primary::new(VM, Codec::Tandem, Config::default());
-    let mut bk = start(&mut p, &g);
-    let (parts, last) = epoch_in_parts(&mut p, &mut g, 1, PAGES, SMALL);
-    for f in parts.iter().chain([&last]) {
-        bk.handle(f).unwrap();
-    }
+    let (mut g, mut p, mut bk) = after_epoch_one();
     let committed = Guest {
         mem: g.mem.clone(),
         disk: g.disk.clone(),
@@ -227,13 +227,7 @@ fn a_link_that_ends_inside_an_epoch_leaves_the_committed_one() {
 
 #[test]
 fn parts_out_of_order_or_of_another_epoch_are_refused_and_undone() {
-    let mut g = Guest::new(PAGES, DISK);
-    let mut p = Primary::new(VM, Codec::Tandem, Config::default());
-    let mut bk = start(&mut p, &g);
-    let (parts, last) = epoch_in_parts(&mut p, &mut g, 1, PAGES, SMALL);
-    for f in parts.iter().chain([&last]) {
-        bk.handle(f).unwrap();
-    }
+    let (mut g, mut p, mut bk) = after_epoch_one();
     let committed = Guest {
         mem: g.mem.clone(),
         disk: g.disk.clone(),

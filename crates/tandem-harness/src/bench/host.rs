@@ -54,14 +54,7 @@ fn kids(pid: u32) -> Vec<u32> {
 }
 
 fn status_kib(pid: u32, key: &str) -> f64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with(key))
-                .and_then(|l| l.split_whitespace().nth(1)?.parse::<f64>().ok())
-        })
-        .unwrap_or(0.0)
+    crate::demo::memsample::status_kib(pid, key).unwrap_or(0) as f64
 }
 
 /// Allocated bytes of the mirror files `pid` holds open (unlinked `mirror.ram` files).

@@ -33,7 +33,7 @@ impl MemSampler {
             while !s.stop.load(Ordering::Relaxed) {
                 for (pid, peak) in s.pids.iter().zip(&s.peaks_kib) {
                     let pid = pid.load(Ordering::Relaxed);
-                    if let Some(k) = (pid != 0).then(|| anon_kib(pid)).flatten() {
+                    if let Some(k) = (pid != 0).then(|| status_kib(pid, "RssAnon:")).flatten() {
                         peak.fetch_max(k, Ordering::Relaxed);
                     }
                 }
@@ -66,9 +66,9 @@ impl Drop for MemSampler {
     }
 }
 
-/// A process's anonymous resident memory in KiB (`RssAnon` of /proc/PID/status).
-fn anon_kib(pid: u32) -> Option<u64> {
+/// A KiB figure of /proc/PID/status (`key` with its colon, e.g. `RssAnon:`).
+pub(crate) fn status_kib(pid: u32, key: &str) -> Option<u64> {
     let s = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    let line = s.lines().find(|l| l.starts_with("RssAnon:"))?;
+    let line = s.lines().find(|l| l.starts_with(key))?;
     line.split_whitespace().nth(1)?.parse().ok()
 }

@@ -14,7 +14,7 @@ pub(crate) mod double;
 pub(crate) mod etcdlab;
 pub(crate) mod fault;
 pub(crate) mod history;
-mod memsample;
+pub(crate) mod memsample;
 mod pg;
 pub use pg::{pgbench_init, DebianVm, PgAt};
 mod phases;
