@@ -43,6 +43,10 @@ pub(crate) enum Cmd {
     Run(run::Args),
     /// Replicate a VM to a backup: epochs over TCP, network and disk output commit.
     Primary(daemons::PrimaryArgs),
+    /// Protect a VM that a QEMU already runs, without a reboot: live-migrate its guest into
+    /// tandem's QEMU on this host (same disks, RAM in shared memory, NIC behind tandem's
+    /// relay), then replicate it like `tandem primary`.
+    Adopt(daemons::AdoptArgs),
     /// Receive epochs into a mirror and fail over onto a standby QEMU when the primary is lost.
     Backup(daemons::BackupArgs),
     /// One backup for many primaries (N:1): a `tandem backup` per --replica, in one process,
@@ -118,6 +122,7 @@ fn main() {
         Cmd::Vm(c) => vm::run(c),
         Cmd::Run(a) => run::run(a),
         Cmd::Primary(a) => daemons::primary(a),
+        Cmd::Adopt(a) => daemons::adopt(a),
         Cmd::Backup(a) => daemons::backup(a),
         Cmd::BackupHost(a) => host::run(a),
         Cmd::Status(a) => daemons::status(a),

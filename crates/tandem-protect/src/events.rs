@@ -87,6 +87,18 @@ pub enum Event {
         /// Boot to ready, in ms.
         boot_ms: u64,
     },
+    /// The primary adopted a running guest (`tandem adopt`): it runs in tandem's QEMU now,
+    /// without a reboot.
+    Adopted {
+        /// tandem's QEMU's pid.
+        qemu_pid: u32,
+        /// The guest's downtime in ms (QEMU's, plus the switch to the new QEMU).
+        downtime_ms: u64,
+        /// The whole migration, in ms.
+        migrate_ms: u64,
+        /// Bytes the migration sent.
+        transferred: u64,
+    },
     /// This daemon owns the VM in etcd at `generation` (a fresh boot's claim).
     Owner {
         /// The record's generation.

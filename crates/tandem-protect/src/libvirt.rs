@@ -89,7 +89,11 @@ impl Importer {
     fn top(&mut self, n: Node<'_, '_>) -> Result<(), ImportError> {
         let name = n.tag_name().name();
         match name {
-            "memory" => self.file.mem = Some(mib(n)?),
+            "memory" => {
+                self.file.mem = Some(mib(n)?);
+                // libvirt's name for guest RAM: the domain, running, can be adopted.
+                self.file.ram_block = Some("pc.ram".into());
+            }
             "vcpu" => {
                 let t = n.text().unwrap_or("").trim();
                 let v = t.parse().map_err(|_| ImportError::Number("vcpu", t.into()))?;

@@ -145,6 +145,9 @@ impl VmSpec {
         if let Some(m) = &f.machine {
             c.machine = m.clone();
         }
+        if let Some(id) = &f.ram_block {
+            c.ram_block = id.clone();
+        }
         if f.ready.is_some() {
             c.ready = f.ready.clone();
         }

@@ -182,6 +182,7 @@ fn descriptions_that_cannot_be_honoured_are_refused_clearly() {
         ),
         (format!("{disk}[boot]\naddress_arg = \"ip\"\n"), "need a `kernel`"),
         (format!("colour = \"blue\"\n{disk}"), "colour"),
+        (format!("ram_block = \"pc ram,x=1\"\n{disk}"), "ram_block"),
         (format!("extra_args = [\"-drive\", \"file=x.img\"]\n{disk}"), "[[disk]]"),
         (format!("extra_args = [\"-netdev\", \"tap,id=t\"]\n{disk}"), "[[nic]]"),
         (format!("machine = \"pc-q35-7.2,accel=kvm\"\n{disk}"), "q35 or pc"),
@@ -249,6 +250,11 @@ fn libvirt_domain_as_written_by_virt_install() {
     let (f, unmapped) = import(&fixture("web-virt-install.xml")).unwrap();
     assert_eq!((f.mem, f.vcpus), (Some(1024), Some(2)));
     assert_eq!(f.machine.as_deref(), Some("pc-q35-7.2"));
+    assert_eq!(
+        f.ram_block.as_deref(),
+        Some("pc.ram"),
+        "libvirt's name: adoptable"
+    );
     assert_eq!(f.accel.as_deref(), Some("kvm"));
     assert_eq!(
         f.qemu.as_deref(),

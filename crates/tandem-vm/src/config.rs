@@ -17,6 +17,11 @@ pub struct VmConfig {
     pub vcpus: u32,
     /// QEMU machine type (q35, pc).
     pub machine: String,
+    /// The id of the guest RAM's memory backend, which is also the name of its RAM block in
+    /// QEMU's migration stream (`ram0`; a QEMU started with plain `-m`, and libvirt, name it
+    /// `pc.ram`). A guest adopted from a running QEMU keeps that QEMU's name, and its standby
+    /// must use the same one.
+    pub ram_block: String,
     /// How it boots.
     pub boot: Boot,
     /// Its disks, in order (the first is the boot disk for firmware boot).
@@ -79,6 +84,7 @@ impl VmConfig {
             mem_mib: 256,
             vcpus: 1,
             machine: "q35".into(),
+            ram_block: "ram0".into(),
             boot: Boot::Firmware,
             disks: Vec::new(),
             nics: Vec::new(),
@@ -119,6 +125,7 @@ impl VmConfig {
         if self.scratch_disk_mib > 1 << 20 {
             return Err(VmError::ScratchDisk(self.scratch_disk_mib));
         }
+        desc::check_ram_block(&self.ram_block)?;
         let host = std::thread::available_parallelism()
             .map(|n| n.get() as u32)
             .unwrap_or(1);

@@ -221,6 +221,23 @@ fn invalid(msg: impl Into<String>) -> DescError {
     DescError::Invalid(msg.into())
 }
 
+/// A memory backend id QEMU accepts as the guest RAM's name (`ram_block`): a letter, then
+/// letters, digits, `-`, `.` or `_`, at most 64 characters.
+pub fn check_ram_block(id: &str) -> Result<(), DescError> {
+    let ok = id.len() <= 64
+        && id.starts_with(|c: char| c.is_ascii_alphabetic())
+        && id
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '.' | '_'));
+    if ok {
+        Ok(())
+    } else {
+        Err(invalid(format!(
+            "ram_block {id:?}: a letter, then letters, digits, '-', '.' or '_' (at most 64), e.g. \"pc.ram\" for a QEMU started with plain -m"
+        )))
+    }
+}
+
 /// A MAC address tandem can give a NIC: six hex octets, unicast.
 pub fn check_mac(mac: &str) -> Result<(), DescError> {
     let octets: Vec<&str> = mac.split(':').collect();

@@ -3,6 +3,7 @@
 
 #![warn(missing_docs)]
 
+pub mod adopt;
 mod config;
 pub mod console;
 pub mod desc;

@@ -7,25 +7,38 @@ use std::path::Path;
 use crate::desc::{Boot, DiskBus, NicNet};
 use crate::vm::VmConfig;
 
+/// How a QEMU starts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Start {
+    /// Paused (`-S`): the caller arms what it needs, then `cont`.
+    Paused,
+    /// Paused, waiting for a migration stream (`-S -incoming defer`): a restore or a standby.
+    Incoming,
+    /// Waiting for a migration stream and running the guest as soon as it is loaded
+    /// (`-incoming defer` without `-S`): adopting a running VM ([`crate::adopt`]).
+    IncomingRun,
+}
+
 /// The QEMU command line for `config`.
 pub fn qemu_args(
     config: &VmConfig,
     ram: &Path,
     qmp: &Path,
     serial: &Path,
-    incoming: bool,
+    start: Start,
 ) -> Vec<String> {
     let mem = format!("{}M", config.mem_mib);
+    let id = &config.ram_block;
     let mut a: Vec<String> = vec![
         "-name".into(),
         format!("tandem-{}", config.name),
         "-accel".into(),
         config.accel.clone(),
         "-machine".into(),
-        format!("{},memory-backend=ram0", config.machine),
+        format!("{},memory-backend={id}", config.machine),
         "-object".into(),
         format!(
-            "memory-backend-file,id=ram0,size={mem},mem-path={},share=on",
+            "memory-backend-file,id={id},size={mem},mem-path={},share=on",
             ram.display()
         ),
         "-m".into(),
@@ -36,8 +49,10 @@ pub fn qemu_args(
         "-no-user-config".into(),
         "-display".into(),
         "none".into(),
-        "-S".into(),
     ];
+    if start != Start::IncomingRun {
+        a.push("-S".into());
+    }
     if config.legacy_virtio {
         a.extend(["-global".into(), "virtio-pci.disable-modern=on".into()]);
     }
@@ -76,7 +91,7 @@ pub fn qemu_args(
             "virtio-blk-pci,drive=data".into(),
         ]);
     }
-    if incoming {
+    if start != Start::Paused {
         a.extend(["-incoming".into(), "defer".into()]);
     }
     a.extend(config.extra_args.iter().cloned());
@@ -183,7 +198,14 @@ mod tests {
             },
         }];
         c.extra_args = vec!["-rtc".into(), "base=utc".into()];
-        let a = qemu_args(&c, "/r".as_ref(), "/q".as_ref(), "/s".as_ref(), false).join(" ");
+        let a = qemu_args(
+            &c,
+            "/r".as_ref(),
+            "/q".as_ref(),
+            "/s".as_ref(),
+            Start::Paused,
+        )
+        .join(" ");
         for want in [
             "-machine pc,memory-backend=ram0",
             "-smp 2",
@@ -231,7 +253,14 @@ mod tests {
                 forwards: vec!["tcp:127.0.0.1:6000-:6379".into()],
             },
         }];
-        let a = qemu_args(&c, "/r".as_ref(), "/q".as_ref(), "/s".as_ref(), true).join(" ");
+        let a = qemu_args(
+            &c,
+            "/r".as_ref(),
+            "/q".as_ref(),
+            "/s".as_ref(),
+            Start::Incoming,
+        )
+        .join(" ");
         for want in [
             "-smp 1",
             "-kernel /img/vmlinuz -initrd /img/initrd -append console=ttyS0 app=kv",
@@ -244,5 +273,24 @@ mod tests {
             assert!(a.contains(want), "{want} missing from {a}");
         }
         assert!(!a.contains("bootindex"));
+        assert!(a.contains(" -S "), "{a}");
+    }
+
+    #[test]
+    fn an_adopting_qemu_runs_the_guest_once_loaded_under_the_sources_ram_block_name() {
+        let mut c = VmConfig::custom("a");
+        c.ram_block = "pc.ram".into();
+        let a = qemu_args(
+            &c,
+            "/r".as_ref(),
+            "/q".as_ref(),
+            "/s".as_ref(),
+            Start::IncomingRun,
+        )
+        .join(" ");
+        assert!(a.contains("-machine q35,memory-backend=pc.ram"), "{a}");
+        assert!(a.contains("memory-backend-file,id=pc.ram,size=256M,mem-path=/r,share=on"));
+        assert!(a.contains("-incoming defer"), "{a}");
+        assert!(!a.contains(" -S"), "{a}");
     }
 }

@@ -12,7 +12,7 @@ use crate::console::{Console, ConsoleError};
 use crate::desc::DescError;
 use crate::devstate::{self, DeviceStateError};
 use crate::dirty::{probe_pagemap_scan, DirtyLog, DirtyLogError, HashLog, UffdWpLog};
-use crate::qemu_args::qemu_args;
+use crate::qemu_args::{qemu_args, Start};
 use crate::qmp::{Qmp, QmpError};
 use crate::ram::{GuestRam, RamError};
 
@@ -114,6 +114,9 @@ enum RamSource<'a> {
     Copy(&'a Path),
     /// An existing file used as is and kept (a backup's mirror).
     InPlace(&'a Path),
+    /// A new zeroed file, removed on drop, filled by a live migration from a running QEMU
+    /// ([`crate::adopt`]).
+    Adopting,
 }
 
 /// A running (or paused) QEMU with its QMP session, RAM mapping and dirty log.
@@ -178,6 +181,17 @@ impl Vm {
         Self::start(config, RamSource::InPlace(ram_file), false)
     }
 
+    /// Starts a QEMU waiting for a live migration from a running QEMU that it runs the guest
+    /// of as soon as it is loaded, its dirty log armed ([`crate::adopt`]).
+    pub(crate) fn adopting(config: &VmConfig) -> Result<Vm, VmError> {
+        Self::start(config, RamSource::Adopting, false)
+    }
+
+    /// The directory of this QEMU's runtime files (sockets, logs), removed with it.
+    pub(crate) fn runtime_dir(&self) -> &Path {
+        self.runtime.path()
+    }
+
     /// Loads `device_state` into a standby or restored QEMU and runs the guest.
     pub fn resume(&mut self, device_state: &[u8]) -> Result<(), VmError> {
         devstate::restore(&mut self.qmp, device_state)?;
@@ -190,7 +204,11 @@ impl Vm {
         crate::stale::mark_owned(runtime.path())?;
         let bytes = config.mem_mib << 20;
         let (ram_path, keep_ram) = ram_file(config, &ram, bytes)?;
-        let incoming = !matches!(ram, RamSource::Fresh);
+        let start = match ram {
+            RamSource::Fresh => Start::Paused,
+            RamSource::Adopting => Start::IncomingRun,
+            RamSource::Copy(_) | RamSource::InPlace(_) => Start::Incoming,
+        };
         let mode = dirty_mode(config.dirty);
         let qmp_path = runtime.path().join("qmp.sock");
         let serial = config
@@ -203,7 +221,7 @@ impl Vm {
         let status = runtime.path().join("uffd.status");
         let log = fs::File::create(runtime.path().join("qemu.log"))?;
         let mut cmd = Command::new(&config.qemu);
-        cmd.args(qemu_args(config, &ram_path, &qmp_path, &serial, incoming));
+        cmd.args(qemu_args(config, &ram_path, &qmp_path, &serial, start));
         cmd.stdin(Stdio::null())
             .stdout(log.try_clone()?)
             .stderr(log);
@@ -290,7 +308,11 @@ impl Vm {
             lazy: None,
             life: Arc::new(()),
         };
-        devstate::prepare(&mut vm.qmp)?;
+        // An adopting QEMU's migration capabilities must match its source's until the
+        // migration is done; the adoption prepares device-state capture afterwards.
+        if start != Start::IncomingRun {
+            devstate::prepare(&mut vm.qmp)?;
+        }
         if lazy {
             let (start, len, fd) = wait_registration(&status, &mut vm.child)?;
             if len != bytes {
@@ -564,7 +586,7 @@ fn ram_file(
         ))
     };
     Ok(match *ram {
-        RamSource::Fresh => {
+        RamSource::Fresh | RamSource::Adopting => {
             let p = fresh_path();
             drop(GuestRam::create(&p, bytes)?);
             (p, false)

@@ -252,7 +252,7 @@ pub(crate) fn guest_shut_down(owner: Option<&Owner>, site: &Site, status: &Statu
 }
 
 /// Records in etcd that the guest `owner` ran here was shut down. Tries for up to 5 s.
-fn record_stopped(owner: &Owner, status: &Status) {
+pub(super) fn record_stopped(owner: &Owner, status: &Status) {
     let t = Instant::now();
     loop {
         match owner.stop() {

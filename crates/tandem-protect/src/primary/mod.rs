@@ -9,7 +9,9 @@
 //! the guest down (`bye`: the backup does not fail over); `duration` (benchmarks) does the
 //! same as SIGUSR1 when it expires.
 
+mod adopt;
 mod fence;
+pub use adopt::AdoptConfig;
 pub(crate) use fence::guest_shut_down;
 mod finish;
 mod initial;
@@ -108,6 +110,9 @@ pub struct PrimaryConfig {
     /// Mutual TLS on the replication link (the files are read at each connection, so renewed
     /// certificates take effect at the next one).
     pub tls: Option<ClientTls>,
+    /// Adopt the guest a QEMU already runs (live migration, no reboot) instead of booting
+    /// the described VM (`tandem adopt`).
+    pub adopt: Option<AdoptConfig>,
 }
 
 /// The primary's side of mutual TLS.
@@ -155,6 +160,7 @@ impl PrimaryConfig {
             fence: None,
             control: None,
             tls: None,
+            adopt: None,
         }
     }
 }
@@ -217,6 +223,12 @@ pub enum PrimaryError {
     /// The TLS files are unusable.
     #[error("TLS to the backup")]
     Tls(#[from] crate::tls::TlsError),
+    /// The running guest could not be adopted.
+    #[error("adopting the running guest")]
+    Adopt(#[from] tandem_vm::adopt::AdoptError),
+    /// The adoption did not begin.
+    #[error("not adopting the running guest ({0}); it runs on in its own QEMU")]
+    AdoptRefused(String),
 }
 
 /// How the primary ended without an error.
@@ -325,28 +337,44 @@ pub(crate) fn run_in(
         }
         e
     };
-    let (vm, ready) = boot(&vmc).map_err(|e| release(e.into()))?;
-    status.event(crate::Event::GuestRunning {
-        qemu_pid: vm.pid(),
-        boot_ms: ready.as_millis() as u64,
-    });
-    status.info(format!(
-        "guest ready in {:.1} s, QEMU pid {}, network {}, replicated disk {} MiB",
-        ready.as_secs_f64(),
-        vm.pid(),
-        if !site.relays.is_empty() {
-            "relay (output held until acked)"
-        } else {
-            "user (not held)"
-        },
-        site.disk.as_ref().map_or(0, |d| d.size() >> 20)
-    ));
+    let mut fencing = fencing;
+    let vm = match &cfg.adopt {
+        Some(a) => {
+            adopt::adopt(a, &vmc, &site, fencing.as_mut(), fe, &status).inspect_err(|_| {
+                // The guest never ran in tandem's QEMU: etcd's record says stopped again, so
+                // that a later adoption (or boot) may claim it.
+                if let Some(o) = &owner {
+                    fence::record_stopped(o, &status);
+                }
+            })?
+        }
+        None => {
+            let (vm, ready) = boot(&vmc).map_err(|e| release(e.into()))?;
+            status.event(crate::Event::GuestRunning {
+                qemu_pid: vm.pid(),
+                boot_ms: ready.as_millis() as u64,
+            });
+            status.info(format!(
+                "guest ready in {:.1} s, QEMU pid {}, network {}, replicated disk {} MiB",
+                ready.as_secs_f64(),
+                vm.pid(),
+                if !site.relays.is_empty() {
+                    "relay (output held until acked)"
+                } else {
+                    "user (not held)"
+                },
+                site.disk.as_ref().map_or(0, |d| d.size() >> 20)
+            ));
+            vm
+        }
+    };
     crate::echo_guest_console(&vm, status.clone());
     let guest = Guest {
         vm,
+        // An adopted guest's output passes until its first backup has a copy.
+        passing: cfg.adopt.is_some() && fencing.is_none(),
         fencing,
         epoch: 0,
-        passing: false,
     };
     protect(cfg, fe, guest, &site, status.clone()).map_err(release)
 }

@@ -1,0 +1,141 @@
+//! The primary's start without a boot (`tandem adopt`): the guest that a QEMU already runs
+//! (started by hand or by libvirt) moves into tandem's QEMU by a live migration
+//! ([`tandem_vm::adopt`]), and is protected from there like a booted one.
+//!
+//! The guest ran unprotected before; it keeps doing so until its first backup has a copy:
+//! its output passes (recorded in etcd as "unprotected" first, with fencing) and is held
+//! again from the first session's first checkpoint on.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use tandem_vm::adopt::AdoptOptions;
+use tandem_vm::{Vm, VmConfig};
+
+use super::fence::Fencing;
+use super::PrimaryError;
+use crate::frontend::Frontend;
+use crate::site::Site;
+use crate::Status;
+
+/// Where the running guest is and how to migrate it.
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AdoptConfig {
+    /// The QMP socket of the QEMU that runs the guest now.
+    pub qmp: PathBuf,
+    /// The longest the guest may stop for the switch (QEMU's `downtime-limit`).
+    #[serde(with = "humantime_serde", default = "default_downtime")]
+    pub downtime_limit: Duration,
+    /// The migration is cancelled, and the guest runs on where it ran, after this long.
+    #[serde(with = "humantime_serde", default = "default_timeout")]
+    pub timeout: Duration,
+    /// Leave the source QEMU in its `postmigrate` state instead of telling it to quit (for a
+    /// manager that ends it itself).
+    #[serde(default)]
+    pub keep_source: bool,
+}
+
+fn default_downtime() -> Duration {
+    AdoptOptions::default().downtime_limit
+}
+
+fn default_timeout() -> Duration {
+    AdoptOptions::default().timeout
+}
+
+impl AdoptConfig {
+    /// Adopting the guest of the QEMU behind `qmp`, with the default limits.
+    pub fn new(qmp: impl Into<PathBuf>) -> Self {
+        AdoptConfig {
+            qmp: qmp.into(),
+            downtime_limit: default_downtime(),
+            timeout: default_timeout(),
+            keep_source: false,
+        }
+    }
+}
+
+/// Lets the guest's output pass before it moves (it ran unprotected and keeps serving), then
+/// migrates it into tandem's QEMU.
+pub(super) fn adopt(
+    a: &AdoptConfig,
+    vmc: &VmConfig,
+    site: &Site,
+    fencing: Option<&mut Fencing>,
+    fe: &Frontend,
+    status: &Status,
+) -> Result<Vm, PrimaryError> {
+    match fencing {
+        Some(f) => unprotected(f, site, status)?,
+        None => site
+            .relays
+            .set_policy(tandem_net::Policy::Pass)
+            .map_err(|e| PrimaryError::AdoptRefused(format!("letting its output pass: {e}")))?,
+    }
+    status.info(format!(
+        "adopting the guest of the QEMU at {}: live migration into tandem's QEMU (downtime limit {} ms)",
+        a.qmp.display(),
+        a.downtime_limit.as_millis()
+    ));
+    let opts = AdoptOptions {
+        downtime_limit: a.downtime_limit,
+        timeout: a.timeout,
+        quit_source: !a.keep_source,
+        ..AdoptOptions::default()
+    };
+    // The migration's pre-copy rounds are progress for systemd's watchdog, not a hang.
+    fe.beat.allow(a.timeout + Duration::from_secs(30));
+    let mut bar = None;
+    let (vm, done) = tandem_vm::adopt::adopt(vmc, &a.qmp, &opts, &mut |p| {
+        if p.total > 0 {
+            bar.get_or_insert_with(|| {
+                crate::progress::Progress::new("adoption", p.total, status, &fe.registry)
+            })
+            .update(p.transferred.min(p.total));
+        }
+    })?;
+    drop(bar);
+    fe.beat.beat();
+    status.event(crate::Event::Adopted {
+        qemu_pid: vm.pid(),
+        downtime_ms: done.downtime().as_millis() as u64,
+        migrate_ms: done.total.as_millis() as u64,
+        transferred: done.progress.transferred,
+    });
+    status.info(format!(
+        "adopted the running guest without a reboot: migrated {} MiB in {:.1} s ({} pre-copy round(s)), guest stopped {} ms (QEMU's {} ms + {} ms to run here); QEMU pid {}, {}",
+        done.progress.transferred >> 20,
+        done.total.as_secs_f64(),
+        done.progress.rounds,
+        done.downtime().as_millis(),
+        done.qemu_downtime.as_millis(),
+        done.switch.as_millis(),
+        vm.pid(),
+        if done.source_quit {
+            "the old QEMU quit"
+        } else {
+            "the old QEMU is left in postmigrate for its manager to end"
+        }
+    ));
+    Ok(vm)
+}
+
+/// With fencing: etcd records that the guest runs without a replica before its output may
+/// pass. Tried for up to 30 s; the guest has not moved yet, so giving up leaves it where it
+/// ran.
+fn unprotected(f: &mut Fencing, site: &Site, status: &Status) -> Result<(), PrimaryError> {
+    let t = std::time::Instant::now();
+    loop {
+        f.go_unprotected(site).map_err(PrimaryError::FencedBy)?;
+        if f.unprotected {
+            return Ok(());
+        }
+        if t.elapsed() > Duration::from_secs(30) || status.stop().stopping() {
+            return Err(PrimaryError::AdoptRefused(
+                "etcd could not record that the guest runs without a replica until a backup has a copy".into(),
+            ));
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}

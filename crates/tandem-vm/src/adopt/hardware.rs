@@ -1,0 +1,169 @@
+//! What the guest sees must not change when it moves: QEMU's migration refuses a stream with a
+//! device the new QEMU lacks, but not a new QEMU with a device more, another CPU model or other
+//! MACs (the guest would find them under its feet). Both QEMUs are asked before anything
+//! moves: PCI functions (address, vendor, device, subsystem, class), vCPUs (count, model,
+//! every CPUID feature word) and NIC MACs.
+
+use serde_json::{json, Value};
+
+use crate::qmp::{Qmp, QmpError};
+
+/// The hardware a QEMU shows its guest, as comparable lines.
+#[derive(Debug, PartialEq, Eq)]
+pub(super) struct Hardware {
+    pci: Vec<String>,
+    cpus: Vec<String>,
+    macs: Vec<String>,
+}
+
+impl Hardware {
+    /// Asks `q`.
+    pub(super) fn of(q: &mut Qmp) -> Result<Hardware, QmpError> {
+        let mut pci = Vec::new();
+        for bus in q
+            .execute("query-pci", None)?
+            .as_array()
+            .into_iter()
+            .flatten()
+        {
+            pci_devices(&bus["devices"], &mut pci);
+        }
+        pci.sort();
+        let cpus = q.execute("query-cpus-fast", None)?;
+        let list = cpus.as_array().cloned().unwrap_or_default();
+        let mut c = vec![format!("{} vCPU(s)", list.len())];
+        if let Some(path) = list.first().and_then(|c| c["qom-path"].as_str()) {
+            let get = |q: &mut Qmp, p: &str| {
+                q.execute("qom-get", Some(json!({ "path": path, "property": p })))
+            };
+            c.push(format!("model {}", get(q, "type")?.as_str().unwrap_or("?")));
+            let mut words: Vec<String> = get(q, "feature-words")?
+                .as_array()
+                .into_iter()
+                .flatten()
+                .map(|w| {
+                    format!(
+                        "CPUID {:#x}.{} {}={:#010x}",
+                        w["cpuid-input-eax"].as_u64().unwrap_or(0),
+                        w["cpuid-input-ecx"]
+                            .as_u64()
+                            .map_or("-".into(), |e| e.to_string()),
+                        w["cpuid-register"].as_str().unwrap_or("?"),
+                        w["features"].as_u64().unwrap_or(0)
+                    )
+                })
+                .collect();
+            words.sort();
+            c.extend(words);
+        }
+        // Only virtio-net answers this; other models' MACs are not compared.
+        let mut macs: Vec<String> = match q.execute("query-rx-filter", None) {
+            Ok(v) => v
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(|n| n["main-mac"].as_str().map(str::to_string))
+                .collect(),
+            Err(_) => Vec::new(),
+        };
+        macs.sort();
+        Ok(Hardware { pci, cpus: c, macs })
+    }
+
+    /// What differs between the running QEMU (`self`) and tandem's (`new`), one line each.
+    pub(super) fn differences(&self, new: &Hardware) -> Vec<String> {
+        let mut out = Vec::new();
+        diff("PCI", &self.pci, &new.pci, &mut out);
+        diff("CPU", &self.cpus, &new.cpus, &mut out);
+        diff("NIC MAC", &self.macs, &new.macs, &mut out);
+        out
+    }
+}
+
+fn pci_devices(devices: &Value, out: &mut Vec<String>) {
+    for d in devices.as_array().into_iter().flatten() {
+        let id = &d["id"];
+        out.push(format!(
+            "{:02x}:{:02x}.{} {:04x}:{:04x} (subsystem {:04x}:{:04x}) class {:04x} {}",
+            d["bus"].as_u64().unwrap_or(0),
+            d["slot"].as_u64().unwrap_or(0),
+            d["function"].as_u64().unwrap_or(0),
+            id["vendor"].as_u64().unwrap_or(0),
+            id["device"].as_u64().unwrap_or(0),
+            id["subsystem-vendor"].as_u64().unwrap_or(0),
+            id["subsystem"].as_u64().unwrap_or(0),
+            d["class_info"]["class"].as_u64().unwrap_or(0),
+            d["class_info"]["desc"].as_str().unwrap_or(""),
+        ));
+        pci_devices(&d["pci_bridge"]["devices"], out);
+    }
+}
+
+/// Lines only one side has, at most 8 per kind.
+fn diff(what: &str, running: &[String], new: &[String], out: &mut Vec<String>) {
+    let only = |a: &[String], b: &[String]| -> Vec<String> {
+        a.iter().filter(|x| !b.contains(x)).cloned().collect()
+    };
+    let (gone, added) = (only(running, new), only(new, running));
+    let n = gone.len() + added.len();
+    out.extend(
+        gone.iter()
+            .map(|l| format!("{what}: the running VM has {l}, tandem's QEMU does not"))
+            .chain(
+                added.iter().map(|l| {
+                    format!("{what}: tandem's QEMU would have {l}, the running VM does not")
+                }),
+            )
+            .take(8),
+    );
+    if n > 8 {
+        out.push(format!("{what}: {} more", n - 8));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pci_lines_include_devices_behind_bridges() {
+        let devs = json!([{"bus": 0, "slot": 2, "function": 0,
+            "id": {"vendor": 0x1af4, "device": 0x1000, "subsystem-vendor": 0x1af4, "subsystem": 1},
+            "class_info": {"class": 0x200, "desc": "Ethernet controller"},
+            "pci_bridge": {"devices": [{"bus": 1, "slot": 0, "function": 0,
+                "id": {"vendor": 0x1af4, "device": 0x1001, "subsystem-vendor": 0x1af4, "subsystem": 2},
+                "class_info": {"class": 0x100}}]}}]);
+        let mut out = Vec::new();
+        pci_devices(&devs, &mut out);
+        assert_eq!(out.len(), 2);
+        assert!(out[0].starts_with("00:02.0 1af4:1000"), "{out:?}");
+        assert!(out[1].starts_with("01:00.0 1af4:1001"), "{out:?}");
+    }
+
+    #[test]
+    fn differences_name_each_side() {
+        let a = Hardware {
+            pci: vec!["00:02.0 x".into()],
+            cpus: vec!["1 vCPU(s)".into()],
+            macs: vec![],
+        };
+        let b = Hardware {
+            pci: vec!["00:02.0 x".into(), "00:03.0 y".into()],
+            cpus: vec!["2 vCPU(s)".into()],
+            macs: vec![],
+        };
+        let d = a.differences(&b);
+        assert_eq!(d.len(), 3, "{d:?}");
+        assert!(
+            d[0].contains("the running VM has 1 vCPU(s)")
+                || d[1].contains("the running VM has 1 vCPU(s)"),
+            "{d:?}"
+        );
+        assert!(
+            d.iter()
+                .any(|l| l.contains("tandem's QEMU would have 00:03.0 y")),
+            "{d:?}"
+        );
+        assert!(a.differences(&a).is_empty());
+    }
+}

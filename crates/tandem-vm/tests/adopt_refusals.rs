@@ -1,0 +1,145 @@
+//! An adoption that cannot be done leaves the running QEMU as it was: refused before anything
+//! moves (wrong size, wrong RAM name, a paused guest, hardware the running VM does not have).
+//! QEMUs without a guest: firmware only.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use tandem_vm::adopt::{adopt, AdoptError, AdoptOptions};
+use tandem_vm::qmp::Qmp;
+use tandem_vm::{DirtyMode, DiskBus, DiskDesc, DiskFormat, NicDesc, NicNet, VmConfig};
+
+struct Source {
+    child: Child,
+    qmp: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl Drop for Source {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A QEMU started by hand: plain `-m 128`, no devices.
+fn source() -> Source {
+    let dir = tempfile::tempdir().unwrap();
+    let qmp = dir.path().join("qmp.sock");
+    let child = Command::new("qemu-system-x86_64")
+        .args([
+            "-machine",
+            "q35",
+            "-m",
+            "128",
+            "-nodefaults",
+            "-display",
+            "none",
+        ])
+        .args(["-accel", "tcg", "-qmp"])
+        .arg(format!("unix:{},server=on,wait=off", qmp.display()))
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("qemu-system-x86_64 runs");
+    Source {
+        child,
+        qmp,
+        _dir: dir,
+    }
+}
+
+fn status(qmp: &Path) -> String {
+    Qmp::connect(qmp, Duration::from_secs(10))
+        .unwrap()
+        .status()
+        .unwrap()
+}
+
+fn config(mem_mib: u64, ram_block: &str) -> VmConfig {
+    let mut c = VmConfig::custom("adopt-refusal");
+    c.mem_mib = mem_mib;
+    c.ram_block = ram_block.into();
+    c.dirty = DirtyMode::None;
+    c
+}
+
+fn try_adopt(c: &VmConfig, s: &Source) -> AdoptError {
+    // Wait for the source's socket like the adoption would.
+    drop(Qmp::connect(&s.qmp, Duration::from_secs(10)).unwrap());
+    match adopt(c, &s.qmp, &AdoptOptions::default(), &mut |_| {}) {
+        Ok(_) => panic!("adopted a VM it should have refused"),
+        Err(e) => e,
+    }
+}
+
+#[test]
+fn refusals_leave_the_running_guest_running() {
+    let s = source();
+    let e = try_adopt(&config(256, "pc.ram"), &s);
+    assert!(
+        matches!(
+            e,
+            AdoptError::Memory {
+                source_mib: 128,
+                described_mib: 256
+            }
+        ),
+        "{e}"
+    );
+    assert_eq!(status(&s.qmp), "running");
+
+    let e = try_adopt(&config(128, "ram0"), &s);
+    assert!(e.to_string().contains("ram_block = \"pc.ram\""), "{e}");
+    assert_eq!(status(&s.qmp), "running");
+
+    Qmp::connect(&s.qmp, Duration::from_secs(10))
+        .unwrap()
+        .execute("stop", None)
+        .unwrap();
+    let e = try_adopt(&config(128, "pc.ram"), &s);
+    assert!(
+        matches!(e, AdoptError::NotRunning(ref st) if st == "paused"),
+        "{e}"
+    );
+}
+
+#[test]
+fn other_hardware_is_refused_before_anything_moves() {
+    let s = source();
+    // tandem's QEMU would have a disk and a NIC the running VM does not. QEMU's migration
+    // would accept that (the new devices just stay in their reset state): the comparison of
+    // both QEMUs' hardware refuses it first.
+    let disk = s._dir.path().join("disk.raw");
+    std::fs::write(&disk, vec![0u8; 1 << 20]).unwrap();
+    let mut c = config(128, "pc.ram");
+    c.disks = vec![DiskDesc {
+        path: disk,
+        format: DiskFormat::Raw,
+        bus: DiskBus::VirtioBlk,
+        cache: None,
+        aio: None,
+        readonly: true,
+        slice: None,
+    }];
+    c.nics = vec![NicDesc {
+        mac: "52:54:00:00:00:01".into(),
+        model: "e1000".into(),
+        net: NicNet::User {
+            forwards: Vec::new(),
+        },
+    }];
+    let e = try_adopt(&c, &s);
+    let AdoptError::Hardware(lines) = &e else {
+        panic!("{e}: {e:?}")
+    };
+    assert_eq!(lines.len(), 2, "{e}");
+    assert!(
+        lines.iter().all(|l| l.contains("tandem's QEMU would have")),
+        "{e}"
+    );
+    assert!(e.to_string().contains("nothing was migrated"), "{e}");
+    assert_eq!(status(&s.qmp), "running");
+}
