@@ -1,8 +1,13 @@
-//! The relay between QEMU's `-netdev stream` socket and the outside (a tap device).
+//! The relay between QEMU's NIC backend and the outside (a tap device).
 //!
-//! QEMU's stream netdev frames each Ethernet frame as a 4-byte big-endian length followed by
-//! the frame. The outside is any descriptor with datagram semantics: a tap (one read or write
-//! per frame) or, in tests, a unix datagram socket.
+//! The guest side is either QEMU's `-netdev stream` socket, which frames each Ethernet frame
+//! as a 4-byte big-endian length followed by the frame ([`Relay::listen`]), or a tap that QEMU
+//! opens with virtio-net headers (`vnet_hdr=on`, what libvirt gives a virtio NIC, so that a
+//! guest adopted from such a QEMU keeps its offloads): the relay reads and writes that tap's
+//! frames through a packet socket with `PACKET_VNET_HDR`, each with its 10-byte header, and
+//! the outside tap is opened with `IFF_VNET_HDR` so the headers pass through untouched
+//! ([`Relay::attach_tap`]). The outside is any descriptor with datagram semantics: a tap (one
+//! read or write per frame) or, in tests, a unix datagram socket.
 //!
 //! Policies:
 //! - [`Policy::Hold`] (primary): frames from the guest are queued; [`Relay::seal`] closes the
@@ -22,7 +27,7 @@
 use std::collections::VecDeque;
 use std::fs::File;
 use std::io::{Read, Write};
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -53,6 +58,9 @@ pub enum RelayError {
     /// Writing a released frame to the outside failed.
     #[error("writing a guest frame to the outside")]
     Outside(#[source] std::io::Error),
+    /// The packet socket on the guest's tap could not be set up.
+    #[error("packet socket on tap {0}")]
+    Packet(String, #[source] std::io::Error),
 }
 
 /// Default bound of the held guest output: 64 MiB.
@@ -86,7 +94,7 @@ struct Queues {
 struct Shared {
     policy: Mutex<Policy>,
     queues: Mutex<Queues>,
-    guest: Mutex<Option<UnixStream>>,
+    guest: Mutex<Option<GuestConn>>,
     outside: File,
     stop: AtomicBool,
     released: AtomicU64,
@@ -114,14 +122,61 @@ impl Shared {
     }
 }
 
+/// Where frames to the guest go.
+enum GuestConn {
+    /// QEMU's stream netdev: length-prefixed frames.
+    Stream(UnixStream),
+    /// A packet socket on the tap QEMU reads: one frame (with its virtio-net header) per send.
+    Packet(Arc<OwnedFd>),
+}
+
+impl GuestConn {
+    /// Sends `frame`, which `buf` holds at `buf[4..]` (the first four bytes are free for the
+    /// stream's length prefix).
+    fn send(&mut self, buf: &mut [u8]) -> std::io::Result<()> {
+        match self {
+            GuestConn::Stream(st) => {
+                let n = (buf.len() - 4) as u32;
+                buf[..4].copy_from_slice(&n.to_be_bytes());
+                st.write_all(buf)
+            }
+            GuestConn::Packet(fd) => {
+                let frame = &buf[4..];
+                // SAFETY: `frame` is valid for reads of its length; `fd` is an open socket.
+                let r = unsafe {
+                    libc::send(
+                        fd.as_raw_fd(),
+                        frame.as_ptr().cast(),
+                        frame.len(),
+                        libc::MSG_DONTWAIT,
+                    )
+                };
+                if r < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            }
+        }
+    }
+
+    fn shutdown(&self) {
+        if let GuestConn::Stream(st) = self {
+            let _ = st.shutdown(std::net::Shutdown::Both);
+        }
+    }
+}
+
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// A running relay. Dropping it stops its threads.
+/// A running relay. Dropping it stops its threads (and removes its guest tap).
 pub struct Relay {
     shared: Arc<Shared>,
+    /// The stream socket QEMU connects to (none for a tap guest side).
     path: PathBuf,
+    /// The tap QEMU opens (none for a stream guest side).
+    tap: Option<String>,
 }
 
 impl Relay {
@@ -131,10 +186,47 @@ impl Relay {
         let _ = std::fs::remove_file(socket);
         let listener =
             UnixListener::bind(socket).map_err(|e| RelayError::Listen(socket.into(), e))?;
-        let shared = Arc::new(Shared {
+        let shared = Self::shared(outside, policy, None);
+        let s = shared.clone();
+        std::thread::spawn(move || accept_loop(listener, s));
+        let s = shared.clone();
+        std::thread::spawn(move || outside_loop(s));
+        Ok(Relay {
+            shared,
+            path: socket.into(),
+            tap: None,
+        })
+    }
+
+    /// Relays between the tap `guest_tap` of this process's namespace, which QEMU opens with
+    /// `vnet_hdr=on` ([`crate::guest_tap`]), and `outside`, a tap opened with `IFF_VNET_HDR`
+    /// ([`crate::open_tap_with`]): every frame carries its virtio-net header both ways. The
+    /// relay owns the guest tap: dropping it removes the tap.
+    pub fn attach_tap(
+        guest_tap: &str,
+        outside: OwnedFd,
+        policy: Policy,
+    ) -> Result<Relay, RelayError> {
+        let fd = Arc::new(
+            packet_socket(guest_tap).map_err(|e| RelayError::Packet(guest_tap.into(), e))?,
+        );
+        let shared = Self::shared(outside, policy, Some(GuestConn::Packet(fd.clone())));
+        let s = shared.clone();
+        std::thread::spawn(move || packet_loop(fd, s));
+        let s = shared.clone();
+        std::thread::spawn(move || outside_loop(s));
+        Ok(Relay {
+            shared,
+            path: PathBuf::new(),
+            tap: Some(guest_tap.into()),
+        })
+    }
+
+    fn shared(outside: OwnedFd, policy: Policy, guest: Option<GuestConn>) -> Arc<Shared> {
+        Arc::new(Shared {
             policy: Mutex::new(policy),
             queues: Mutex::default(),
-            guest: Mutex::new(None),
+            guest: Mutex::new(guest),
             outside: File::from(outside),
             stop: AtomicBool::new(false),
             released: AtomicU64::new(0),
@@ -144,18 +236,10 @@ impl Relay {
             hold_limit: AtomicU64::new(DEFAULT_HOLD_LIMIT),
             gate: Mutex::new(None),
             gated: AtomicU64::new(0),
-        });
-        let s = shared.clone();
-        std::thread::spawn(move || accept_loop(listener, s));
-        let s = shared.clone();
-        std::thread::spawn(move || outside_loop(s));
-        Ok(Relay {
-            shared,
-            path: socket.into(),
         })
     }
 
-    /// The socket QEMU connects to.
+    /// The socket QEMU connects to (empty for a tap guest side).
     pub fn socket(&self) -> &Path {
         &self.path
     }
@@ -311,11 +395,16 @@ impl Drop for Relay {
         self.shared.stop.store(true, Ordering::SeqCst);
         take_all(&self.shared);
         if let Some(g) = lock(&self.shared.guest).take() {
-            let _ = g.shutdown(std::net::Shutdown::Both);
+            g.shutdown();
         }
-        // Wake the acceptor so it sees `stop`.
-        let _ = UnixStream::connect(&self.path);
-        let _ = std::fs::remove_file(&self.path);
+        if let Some(t) = &self.tap {
+            crate::remove_tap(t);
+        }
+        if !self.path.as_os_str().is_empty() {
+            // Wake the acceptor so it sees `stop`.
+            let _ = UnixStream::connect(&self.path);
+            let _ = std::fs::remove_file(&self.path);
+        }
     }
 }
 
@@ -342,7 +431,7 @@ fn accept_loop(listener: UnixListener, s: Arc<Shared>) {
         let Ok(reader) = conn.try_clone() else {
             continue;
         };
-        *lock(&s.guest) = Some(conn);
+        *lock(&s.guest) = Some(GuestConn::Stream(conn));
         let s2 = s.clone();
         std::thread::spawn(move || guest_loop(reader, s2));
     }
@@ -367,40 +456,76 @@ fn guest_loop(mut r: UnixStream, s: Arc<Shared>) {
         if s.stop.load(Ordering::SeqCst) {
             break;
         }
-        match *lock(&s.policy) {
-            Policy::Hold => {
-                let mut q = lock(&s.queues);
-                if q.held_bytes + n as u64 > s.hold_limit.load(Ordering::Relaxed) {
-                    s.overflow.fetch_add(1, Ordering::Relaxed);
-                } else {
-                    q.held_bytes += n as u64;
-                    q.open.push(frame);
-                }
-            }
-            Policy::Pass if !s.open() => {
-                // Not allowed out now: lost like on a wire that is down (TCP resends).
-                s.dropped.fetch_add(1, Ordering::Relaxed);
-            }
-            Policy::Pass => {
-                if let Err(e) = write_outside(&s, &frame) {
-                    tracing::warn!("relay: {e}: {:?}", std::error::Error::source(&e));
-                    s.dropped.fetch_add(1, Ordering::Relaxed);
-                } else {
-                    s.released.fetch_add(1, Ordering::Relaxed);
-                }
-            }
-            Policy::Standby => {
-                s.dropped.fetch_add(1, Ordering::Relaxed);
-            }
-        }
+        from_guest(&s, frame);
     }
     tracing::debug!("relay: QEMU disconnected");
     *lock(&s.guest) = None;
 }
 
+/// Frames from the guest's tap (a packet socket with virtio-net headers).
+fn packet_loop(fd: Arc<OwnedFd>, s: Arc<Shared>) {
+    let mut buf = vec![0u8; 65_536 + 64];
+    while !s.stop.load(Ordering::SeqCst) {
+        let mut pfd = libc::pollfd {
+            fd: fd.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: `pfd` is a valid pollfd for one descriptor that `fd` keeps open.
+        if unsafe { libc::poll(&mut pfd, 1, 100) } <= 0 {
+            continue;
+        }
+        // SAFETY: `buf` is valid for writes of its length; `fd` is an open socket.
+        let n = unsafe {
+            libc::recv(
+                fd.as_raw_fd(),
+                buf.as_mut_ptr().cast(),
+                buf.len(),
+                libc::MSG_DONTWAIT,
+            )
+        };
+        if n <= 0 {
+            continue;
+        }
+        from_guest(&s, buf[..n as usize].to_vec());
+    }
+}
+
+/// A frame from the guest, as the policy says.
+fn from_guest(s: &Shared, frame: Vec<u8>) {
+    let n = frame.len();
+    match *lock(&s.policy) {
+        Policy::Hold => {
+            let mut q = lock(&s.queues);
+            if q.held_bytes + n as u64 > s.hold_limit.load(Ordering::Relaxed) {
+                s.overflow.fetch_add(1, Ordering::Relaxed);
+            } else {
+                q.held_bytes += n as u64;
+                q.open.push(frame);
+            }
+        }
+        Policy::Pass if !s.open() => {
+            // Not allowed out now: lost like on a wire that is down (TCP resends).
+            s.dropped.fetch_add(1, Ordering::Relaxed);
+        }
+        Policy::Pass => {
+            if let Err(e) = write_outside(s, &frame) {
+                tracing::warn!("relay: {e}: {:?}", std::error::Error::source(&e));
+                s.dropped.fetch_add(1, Ordering::Relaxed);
+            } else {
+                s.released.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        Policy::Standby => {
+            s.dropped.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
+
 /// Frames to the guest.
 fn outside_loop(s: Arc<Shared>) {
-    let mut buf = vec![0u8; 65_536 + 4];
+    // The stream's length prefix, a virtio-net header, a frame of up to 64 KiB (a GSO one).
+    let mut buf = vec![0u8; 4 + 65_536 + 64];
     let fd = s.outside.as_raw_fd();
     while !s.stop.load(Ordering::SeqCst) {
         let mut pfd = libc::pollfd {
@@ -426,14 +551,84 @@ fn outside_loop(s: Arc<Shared>) {
             s.dropped.fetch_add(1, Ordering::Relaxed);
             continue;
         }
-        buf[..4].copy_from_slice(&(n as u32).to_be_bytes());
         let mut g = lock(&s.guest);
-        if let Some(stream) = g.as_mut() {
-            if stream.write_all(&buf[..4 + n]).is_ok() {
-                s.inbound.fetch_add(1, Ordering::Relaxed);
-            } else {
-                *g = None;
+        if let Some(conn) = g.as_mut() {
+            match conn.send(&mut buf[..4 + n]) {
+                Ok(()) => {
+                    s.inbound.fetch_add(1, Ordering::Relaxed);
+                }
+                Err(_) if matches!(conn, GuestConn::Packet(_)) => {
+                    // QEMU has not opened the tap yet, or its queue is full: lost like on a
+                    // wire.
+                    s.dropped.fetch_add(1, Ordering::Relaxed);
+                }
+                Err(_) => *g = None,
             }
         }
     }
+}
+
+const ETH_P_ALL: u16 = 0x0003;
+const PACKET_VNET_HDR: libc::c_int = 15;
+const PACKET_IGNORE_OUTGOING: libc::c_int = 23;
+
+/// A raw packet socket bound to `ifname` of this namespace, whose frames carry a
+/// `struct virtio_net_hdr` both ways and which does not see its own sends.
+fn packet_socket(ifname: &str) -> std::io::Result<OwnedFd> {
+    let name = std::ffi::CString::new(ifname).map_err(std::io::Error::other)?;
+    // SAFETY: `name` is a NUL-terminated string that outlives the call.
+    let index = unsafe { libc::if_nametoindex(name.as_ptr()) };
+    if index == 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: plain socket(2) call; the result is checked before use.
+    let raw = unsafe {
+        libc::socket(
+            libc::AF_PACKET,
+            libc::SOCK_RAW | libc::SOCK_CLOEXEC,
+            ETH_P_ALL.to_be() as libc::c_int,
+        )
+    };
+    if raw < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: `raw` is a new descriptor this function owns from here on.
+    let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+    let set = |level: libc::c_int, opt: libc::c_int, v: libc::c_int| {
+        // SAFETY: `v` is a valid c_int for the length given; `fd` is an open socket.
+        let r = unsafe {
+            libc::setsockopt(
+                fd.as_raw_fd(),
+                level,
+                opt,
+                (&v as *const libc::c_int).cast(),
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            )
+        };
+        if r != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(())
+    };
+    set(libc::SOL_PACKET, PACKET_VNET_HDR, 1)?;
+    set(libc::SOL_PACKET, PACKET_IGNORE_OUTGOING, 1)?;
+    // Room for a burst of the guest's frames while the relay thread is busy.
+    set(libc::SOL_SOCKET, libc::SO_RCVBUF, 4 << 20)?;
+    // SAFETY: sockaddr_ll is plain data; all-zero is a valid value to fill in.
+    let mut addr: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
+    addr.sll_family = libc::AF_PACKET as libc::c_ushort;
+    addr.sll_protocol = ETH_P_ALL.to_be();
+    addr.sll_ifindex = index as libc::c_int;
+    // SAFETY: `addr` is a valid sockaddr_ll of the length given; `fd` is an open socket.
+    let r = unsafe {
+        libc::bind(
+            fd.as_raw_fd(),
+            (&addr as *const libc::sockaddr_ll).cast(),
+            std::mem::size_of::<libc::sockaddr_ll>() as libc::socklen_t,
+        )
+    };
+    if r != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(fd)
 }

@@ -317,6 +317,11 @@ impl Importer {
                 )
             }
         };
+        if bridge.is_some() && model == "virtio-net-pci" {
+            // libvirt opens a virtio NIC's tap with virtio-net headers: the guest's offloads
+            // stay, and the running domain can be adopted.
+            self.file.vnet_hdr = Some(true);
+        }
         self.file.nic.push(NicFile {
             mac: mac.into(),
             model: Some(model),

@@ -404,6 +404,24 @@ pub fn in_memory_fs(dir: &Path) -> bool {
     rustix::fs::statfs(dir).is_ok_and(|s| [TMPFS, HUGETLBFS].contains(&(s.f_type as i64)))
 }
 
+/// The name of the tap QEMU opens for NIC `i` of the daemon working in `dir` (with
+/// `vnet_hdr`): the same for the same directory, so that one a killed daemon left behind is
+/// taken over, and different for every daemon of a host.
+fn guest_tap_name(dir: &Path, role: Role, i: usize) -> String {
+    let h = dir
+        .as_os_str()
+        .as_encoded_bytes()
+        .iter()
+        .fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+            (h ^ *b as u64).wrapping_mul(0x0100_0000_01b3)
+        });
+    let r = match role {
+        Role::Primary => 'p',
+        Role::Backup => 'b',
+    };
+    format!("tq{:06x}{r}{i}", h & 0xff_ffff)
+}
+
 /// The relays of one side, one per bridged NIC: each epoch boundary and release applies to
 /// all of them.
 #[derive(Clone, Default)]
@@ -437,6 +455,7 @@ impl Relays {
             Role::Backup => ("tdb", Policy::Standby),
         };
         let mut relays = Vec::new();
+        let cfg_vnet_hdr = cfg.vnet_hdr;
         for (i, n) in cfg.nics.iter_mut().enumerate() {
             let NicNet::Bridge { bridge, netns } = &n.net else {
                 continue;
@@ -449,7 +468,8 @@ impl Relays {
             // relay's threads closed it, within ~100 ms: a busy name is retried for 3 s.
             let since = std::time::Instant::now();
             let tap = loop {
-                match tandem_net::open_tap(netns.as_deref(), &name, Some(bridge)) {
+                match tandem_net::open_tap_with(netns.as_deref(), &name, Some(bridge), cfg_vnet_hdr)
+                {
                     Err(tandem_net::TapError::Create(_, e))
                         if e.raw_os_error() == Some(libc::EBUSY)
                             && since.elapsed() < std::time::Duration::from_secs(3) =>
@@ -466,6 +486,22 @@ impl Relays {
                     }
                 }
             };
+            if cfg_vnet_hdr {
+                // QEMU opens a tap of tandem's own namespace with virtio-net headers; the
+                // relay takes its frames through a packet socket.
+                let ifname = guest_tap_name(dir, role, i);
+                tandem_net::guest_tap(&ifname).map_err(|source| SiteError::Tap {
+                    tap: ifname.clone(),
+                    bridge: "(none: QEMU's side)".into(),
+                    netns: "(tandem's own)".into(),
+                    source,
+                })?;
+                let relay = Relay::attach_tap(&ifname, OwnedFd::from(tap), policy)
+                    .map_err(SiteError::Relay)?;
+                relays.push(Arc::new(relay));
+                n.net = NicNet::Tap { ifname };
+                continue;
+            }
             let socket = dir.join(format!("net{i}.sock"));
             let relay =
                 Relay::listen(&socket, OwnedFd::from(tap), policy).map_err(SiteError::Relay)?;

@@ -1,5 +1,5 @@
 //! The TOML VM description (docs/VM_DESCRIPTION.md): how the VM boots (`[boot]`), its disks
-//! (`[[disk]]`) and NICs (`[[nic]]`), and `mem`, `vcpus`, `machine`, `ram_block`, `extra_args`, `ready`,
+//! (`[[disk]]`) and NICs (`[[nic]]`), and `mem`, `vcpus`, `machine`, `ram_block`, `vnet_hdr`, `extra_args`, `ready`,
 //! `dirty_log`, `qemu`, `accel`, `label`, `legacy_virtio`, `scratch_disk_mib`.
 
 use std::path::{Path, PathBuf};
@@ -28,6 +28,10 @@ pub struct VmFile {
     /// QEMU keeps that QEMU's name (`tandem adopt`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub ram_block: Option<String>,
+    /// Bridged NICs reach tandem's relay through a tap with virtio-net headers, as libvirt
+    /// runs virtio NICs (the guest keeps its offloads; needed to adopt such a VM).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub vnet_hdr: Option<bool>,
     /// Console text that means the guest is ready.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub ready: Option<String>,
@@ -355,7 +359,7 @@ impl VmFile {
                     NicNet::Bridge { bridge, netns } => {
                         (Some(bridge.clone()), netns.clone(), Vec::new())
                     }
-                    NicNet::Stream { .. } => (None, None, Vec::new()),
+                    NicNet::Stream { .. } | NicNet::Tap { .. } => (None, None, Vec::new()),
                 };
                 NicFile {
                     mac: n.mac.clone(),
@@ -371,6 +375,7 @@ impl VmFile {
             vcpus: Some(c.vcpus),
             machine: Some(c.machine.clone()),
             ram_block: (c.ram_block != "ram0").then(|| c.ram_block.clone()),
+            vnet_hdr: c.vnet_hdr.then_some(true),
             ready: c.ready.clone(),
             accel: Some(c.accel.clone()),
             qemu: Some(c.qemu.clone()),

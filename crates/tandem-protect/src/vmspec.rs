@@ -148,6 +148,7 @@ impl VmSpec {
         if let Some(id) = &f.ram_block {
             c.ram_block = id.clone();
         }
+        c.vnet_hdr = f.vnet_hdr.unwrap_or(false);
         if f.ready.is_some() {
             c.ready = f.ready.clone();
         }

@@ -12,7 +12,6 @@ use tandem_protect::primary::{AdoptConfig, PrimaryConfig};
 use tandem_protect::{backup, primary, DaemonHandle, Event, VmSpec};
 use tandem_test_support::free_port;
 use tandem_vm::console::Console;
-use tandem_vm::qemu_args::{qemu_args, Start};
 
 /// The QEMU an operator started: killed when the test ends.
 struct Source(Child);
@@ -29,22 +28,13 @@ impl Drop for Source {
 fn start_by_hand(vm: &VmSpec, dir: &Path) -> (Source, PathBuf, PathBuf) {
     let c = vm.config("source").unwrap();
     let (qmp, serial) = (dir.join("source-qmp.sock"), dir.join("source-console.log"));
-    let args = qemu_args(&c, "/unused".as_ref(), &qmp, &serial, Start::Paused);
-    let mut plain = Vec::new();
-    let mut it = args.into_iter();
-    while let Some(a) = it.next() {
-        match a.as_str() {
-            "-S" => {}
-            "-object" => drop(it.next()),
-            "-machine" => {
-                let m = it.next().unwrap();
-                plain.extend(["-machine".to_string(), m.split(',').next().unwrap().into()]);
-            }
-            _ => plain.push(a),
-        }
-    }
     let child = Command::new("qemu-system-x86_64")
-        .args(&plain)
+        .args(tandem_labguest::by_hand::qemu_command(
+            &c,
+            &qmp,
+            &serial,
+            &[],
+        ))
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(std::fs::File::create(dir.join("source-qemu.log")).unwrap())

@@ -24,6 +24,11 @@ pub struct VmConfig {
     pub ram_block: String,
     /// How it boots.
     pub boot: Boot,
+    /// Bridged NICs reach their relay through a tap with virtio-net headers (`vnet_hdr=on`,
+    /// what libvirt gives a virtio NIC on a bridge: the guest keeps checksum and segmentation
+    /// offloads) instead of QEMU's stream netdev. A VM adopted from a QEMU whose virtio NIC
+    /// is on such a tap needs it: QEMU refuses to load its NIC's state otherwise.
+    pub vnet_hdr: bool,
     /// Its disks, in order (the first is the boot disk for firmware boot).
     pub disks: Vec<DiskDesc>,
     /// Its NICs.
@@ -86,6 +91,7 @@ impl VmConfig {
             machine: "q35".into(),
             ram_block: "ram0".into(),
             boot: Boot::Firmware,
+            vnet_hdr: false,
             disks: Vec::new(),
             nics: Vec::new(),
             extra_args: Vec::new(),

@@ -106,6 +106,12 @@ pub enum NicNet {
         /// The relay's socket.
         socket: PathBuf,
     },
+    /// A tap QEMU opens with virtio-net headers (`vnet_hdr=on`) whose other side is a relay
+    /// (what a bridged NIC becomes once its relay runs, for a VM described with `vnet_hdr`).
+    Tap {
+        /// The tap's name in QEMU's network namespace.
+        ifname: String,
+    },
 }
 
 /// One NIC.

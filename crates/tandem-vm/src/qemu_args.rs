@@ -147,6 +147,9 @@ fn nics(config: &VmConfig, a: &mut Vec<String>) {
                 "stream,id=n{i},server=off,addr.type=unix,addr.path={}",
                 socket.display()
             ),
+            NicNet::Tap { ifname } => {
+                format!("tap,id=n{i},ifname={ifname},script=no,downscript=no,vnet_hdr=on")
+            }
             // Not started yet: a bridged NIC is turned into a relay's stream by the daemon
             // that owns the relay; a VM started directly gets no network on it.
             NicNet::Bridge { .. } => format!("user,id=n{i},restrict=on"),
