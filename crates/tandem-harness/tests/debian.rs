@@ -8,11 +8,16 @@
 //! - `tandem demo --vm debian`: a host failure of the primary while a client commits; every
 //!   acknowledged commit is there afterwards, the postmaster was not restarted, the psql and
 //!   SSH sessions survive, `pg_amcheck` is clean and the primary's copy let nothing out.
+//! - `tandem demo --vm debian --adopt`: the same VM booted by hand (a plain QEMU), adopted by
+//!   `tandem adopt` while psql commits, then failed over: no reboot, no commit lost.
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
+
+/// The demos run one at a time: each runs a 1 GiB guest with 2 vCPUs under TCG.
+static DEMO: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 fn debian_dir() -> PathBuf {
     let d = tandem_labguest::debian_dir();
@@ -185,6 +190,7 @@ fn the_booted_checkpoint_restores_with_its_disk_and_serves_sql_and_ssh() {
 
 #[test]
 fn demo_debian_a_host_failure_loses_no_acknowledged_commit() {
+    let _one = DEMO.lock().unwrap_or_else(|e| e.into_inner());
     debian_dir();
     let out = Command::new(env!("CARGO_BIN_EXE_tandem-lab"))
         .args([
@@ -217,4 +223,41 @@ fn demo_debian_a_host_failure_loses_no_acknowledged_commit() {
         r["commits_per_s_after_failover"].as_f64().unwrap() > 0.0,
         "{r:#}"
     );
+}
+
+#[test]
+fn demo_debian_adopted_without_a_reboot_then_failed_over_loses_no_commit() {
+    let _one = DEMO.lock().unwrap_or_else(|e| e.into_inner());
+    debian_dir();
+    let out = Command::new(env!("CARGO_BIN_EXE_tandem-lab"))
+        .args([
+            "demo", "--vm", "debian", "--adopt", "--rounds", "1", "--before", "6", "--after", "3",
+        ])
+        .arg("--json")
+        .output()
+        .expect("run tandem demo");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    eprintln!("{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "tandem demo --vm debian --adopt failed:\n{stdout}"
+    );
+    let v: serde_json::Value =
+        serde_json::from_str(&stdout).unwrap_or_else(|e| panic!("{e}: {stdout}"));
+    assert_eq!(v["ok"], true, "{v:#}");
+    let r = &v["rounds"][0];
+    // The VM booted by hand was adopted while psql committed: the postmaster of that boot
+    // served until after the failover, the sessions survived and no commit was lost.
+    let a = &r["adoption"];
+    assert_eq!(a["source_quit"], true, "{r:#}");
+    assert!(a["downtime_ms"].as_f64().unwrap() >= 0.0, "{r:#}");
+    assert!(r["commits_acked"].as_u64().unwrap() > 0, "{r:#}");
+    assert_eq!(r["commits_lost"], 0, "{r:#}");
+    assert_eq!(r["psql_session_survived"], true, "{r:#}");
+    assert_eq!(r["ssh_session_survived"], true, "{r:#}");
+    assert_eq!(
+        r["postmaster_start_before"], r["postmaster_start_after"],
+        "{r:#}"
+    );
+    assert_eq!(r["amcheck"], "ok", "{r:#}");
 }

@@ -20,6 +20,7 @@ use indicatif::ProgressBar;
 use serde::Serialize;
 use tandem_types::stats::quantile;
 
+use super::adopt;
 use super::capture::Capture;
 use super::daemon::{qemu_pid, Daemon};
 use super::pg::{self, Committer, DebianVm, Ticker};
@@ -69,6 +70,8 @@ pub struct DebianRound {
     /// pgbench replicated (output held until acknowledged) and after failover (native).
     pub pgbench_replicated: Option<pg::Pgbench>,
     pub pgbench_after_failover: Option<pg::Pgbench>,
+    /// With --adopt: the VM was booted by hand and adopted (then `boot_s` is the adoption).
+    pub adoption: Option<adopt::Adoption>,
 }
 
 impl DebianRound {
@@ -84,6 +87,7 @@ impl DebianRound {
             && self.primary_frames_after_failover == 0
             && self.primary_copy_stopped
             && self.leftovers.is_empty()
+            && self.adoption.is_none_or(|a| a.source_quit)
     }
 }
 
@@ -110,6 +114,9 @@ pub struct DebianOpts<'a> {
     pub pgbench_scale: u32,
     /// Guest RAM, MiB.
     pub mem: u64,
+    /// Boot the VM by hand (a plain QEMU) and `tandem adopt` it instead of booting it under
+    /// the primary.
+    pub adopt: bool,
 }
 
 /// The round's description: the image as a fresh overlay, no forwards (the NIC goes on the
@@ -119,9 +126,16 @@ fn describe(o: &DebianOpts<'_>, rdir: &Path) -> anyhow::Result<PathBuf> {
     tandem_vm::desc::create_overlay(&o.vm.image, &overlay)?;
     let desc = format!(
         "# The Debian test VM on a copy-on-write overlay of {image}\n\
-         mem = {mem}\nvcpus = 2\nready = \"TANDEM-READY\"\n\n[boot]\nfirmware = \"seabios\"\n\n\
+         {ram_block}mem = {mem}\nvcpus = 2\nready = \"TANDEM-READY\"\n\n[boot]\nfirmware = \"seabios\"\n\n\
          [[disk]]\npath = \"{disk}\"\nformat = \"qcow2\"\ncache = \"writeback\"\n\n\
          [[nic]]\nmac = \"{mac}\"\n",
+        // A VM started with plain -m (to be adopted) names its RAM pc.ram, and its virtio NIC
+        // on a tap uses virtio-net headers.
+        ram_block = if o.adopt {
+            "ram_block = \"pc.ram\"\nvnet_hdr = true\n"
+        } else {
+            ""
+        },
         image = o.vm.image.display(),
         disk = overlay.display(),
         mac = tandem_labguest::MAC,
@@ -163,7 +177,39 @@ pub fn round(r: usize, o: &DebianOpts<'_>, pb: &ProgressBar) -> anyhow::Result<D
     )?;
     backup.wait_line("listening on", Duration::from_secs(60))?;
     let backup_addr: SocketAddr = format!("{BACKUP_IP}:7000").parse()?;
-    let mut pargs: Vec<String> = vec!["primary".into(), "--backup".into(), backup_addr.to_string()];
+    let ns = o.lab.clients.as_str();
+    // With --adopt the VM is booted by hand, and a client commits while it moves.
+    let mut early = None;
+    let mut source = None;
+    let mut adoption = None;
+    let mut pargs: Vec<String> = if o.adopt {
+        pb.set_message(format!(
+            "round {r}: booting Debian by hand (a plain QEMU, its own tap on the bridge; TCG is slow)"
+        ));
+        let t = Instant::now();
+        let mut src = adopt::Source::start(ns, &desc, &rdir)?;
+        src.wait_ready("TANDEM-READY", Duration::from_secs(400))?;
+        let booted = t.elapsed().as_secs_f64();
+        pg::wait_ready(ns, GUEST_IP, Duration::from_secs(60))?;
+        let before = pg::query(ns, GUEST_IP, "SELECT pg_postmaster_start_time()")?;
+        let ticker = Ticker::start(ns, &o.vm.key, GUEST_IP)?;
+        let committer = Committer::start(ns, GUEST_IP, r as u64)?;
+        std::thread::sleep(Duration::from_secs(3));
+        let qmp = src.qmp.display().to_string();
+        adoption = Some(adopt::Adoption {
+            boot_s: booted,
+            adopt_s: 0.0,
+            downtime_ms: f64::NAN,
+            commit_gap_ms: f64::NAN,
+            source_quit: false,
+        });
+        early = Some((ticker, committer, before));
+        source = Some(src);
+        vec!["adopt".into(), "--qmp".into(), qmp, "--backup".into()]
+    } else {
+        vec!["primary".into(), "--backup".into()]
+    };
+    pargs.push(backup_addr.to_string());
     pargs.extend([
         "--dir".into(),
         o.shm
@@ -176,9 +222,13 @@ pub fn round(r: usize, o: &DebianOpts<'_>, pb: &ProgressBar) -> anyhow::Result<D
     pargs.extend(["--schedule".into(), o.schedule.clone()]);
     pargs.extend(["--metrics-jsonl".into(), jsonl.display().to_string()]);
     daemon_args(o, &desc, &mut pargs);
-    pb.set_message(format!(
-        "round {r}: booting Debian under the primary (firmware, GRUB, systemd, PostgreSQL; TCG is slow)"
-    ));
+    pb.set_message(if o.adopt {
+        format!("round {r}: tandem adopt: live migration into tandem's QEMU while psql commits")
+    } else {
+        format!(
+            "round {r}: booting Debian under the primary (firmware, GRUB, systemd, PostgreSQL; TCG is slow)"
+        )
+    });
     let t = Instant::now();
     let mut primary = Daemon::spawn(
         "primary",
@@ -187,8 +237,32 @@ pub fn round(r: usize, o: &DebianOpts<'_>, pb: &ProgressBar) -> anyhow::Result<D
         &pargs,
         rdir.join("primary.log"),
     )?;
-    let ready = primary.wait_line("guest ready", Duration::from_secs(400))?;
-    let boot_s = t.elapsed().as_secs_f64();
+    let (ready, boot_s) = match (&mut adoption, &mut source) {
+        (Some(a), Some(src)) => {
+            let line = primary.wait_line("adopted the running guest", Duration::from_secs(600))?;
+            let moved = Instant::now();
+            a.adopt_s = t.elapsed().as_secs_f64();
+            a.downtime_ms = adopt::downtime_ms(&line).unwrap_or(f64::NAN);
+            // The committer's view of the move: from the adoption's start to a second after.
+            let acked = early
+                .as_ref()
+                .map(|e| e.1.acked.clone())
+                .unwrap_or_default();
+            std::thread::sleep(Duration::from_secs(2));
+            let acked = acked.lock().unwrap_or_else(|e| e.into_inner()).clone();
+            a.commit_gap_ms = adopt::gap_ms(&acked, t, moved + Duration::from_secs(1));
+            let quit = Instant::now();
+            while !src.qemu.exited() && quit.elapsed() < Duration::from_secs(10) {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            a.source_quit = src.qemu.exited();
+            (line, a.boot_s)
+        }
+        _ => {
+            let line = primary.wait_line("guest ready", Duration::from_secs(400))?;
+            (line, t.elapsed().as_secs_f64())
+        }
+    };
     let qemu = qemu_pid(&ready);
     let mut ep = Epochs::default();
     let t = Instant::now();
@@ -207,9 +281,13 @@ pub fn round(r: usize, o: &DebianOpts<'_>, pb: &ProgressBar) -> anyhow::Result<D
         ep.poll(&jsonl);
     }
     let protect_s = t.elapsed().as_secs_f64();
-    let ns = o.lab.clients.as_str();
-    pg::wait_ready(ns, GUEST_IP, Duration::from_secs(60))?;
-    let postmaster_start_before = pg::query(ns, GUEST_IP, "SELECT pg_postmaster_start_time()")?;
+    let postmaster_start_before = match &early {
+        Some(e) => e.2.clone(),
+        None => {
+            pg::wait_ready(ns, GUEST_IP, Duration::from_secs(60))?;
+            pg::query(ns, GUEST_IP, "SELECT pg_postmaster_start_time()")?
+        }
+    };
     let pgbench_replicated = match o.pgbench {
         Some(secs) => {
             pb.set_message(format!(
@@ -223,8 +301,14 @@ pub fn round(r: usize, o: &DebianOpts<'_>, pb: &ProgressBar) -> anyhow::Result<D
     };
     let capture = Capture::start(ns, "tdp0")?;
     let clock = Clock::now();
-    let mut ticker = Ticker::start(ns, &o.vm.key, GUEST_IP)?;
-    let committer = Committer::start(ns, GUEST_IP, r as u64)?;
+    let (mut ticker, committer) = match early {
+        Some((t, c, _)) => (t, c),
+        None => (
+            Ticker::start(ns, &o.vm.key, GUEST_IP)?,
+            Committer::start(ns, GUEST_IP, r as u64)?,
+        ),
+    };
+    let commits_at_start = committer.count();
     let started = Instant::now();
     let mut last = Instant::now();
     while started.elapsed() < o.before {
@@ -338,7 +422,7 @@ pub fn round(r: usize, o: &DebianOpts<'_>, pb: &ProgressBar) -> anyhow::Result<D
         sent_mib: ep.sent as f64 / MIB,
         pause_ms_p50: quantile(&ep.pauses, 0.5),
         pause_ms_p99: quantile(&ep.pauses, 0.99),
-        commits_per_s_replicated: commits_at_kill as f64 / kill_after_s,
+        commits_per_s_replicated: (commits_at_kill - commits_at_start) as f64 / kill_after_s,
         commits_per_s_after_failover: (ids.len() as u64 - commits_at_running) as f64 / after_s,
         commit_latency_ms_p50: quantile(&lat, 0.5),
         commit_latency_ms_p99: quantile(&lat, 0.99),
@@ -364,11 +448,26 @@ pub fn round(r: usize, o: &DebianOpts<'_>, pb: &ProgressBar) -> anyhow::Result<D
         leftovers: left,
         pgbench_replicated,
         pgbench_after_failover,
+        adoption,
     })
 }
 
 /// One line per round for the operator.
 pub fn line(pb: &ProgressBar, d: &DebianRound) {
+    if let Some(a) = d.adoption {
+        say(
+            pb,
+            format!(
+                "round {}: booted by hand in {:.0} s; `tandem adopt` had the guest running in its QEMU {:.1} s after it started; guest stopped {:.0} ms; longest wait for a commit while it moved {:.0} ms; old QEMU {}",
+                d.round,
+                a.boot_s,
+                a.adopt_s,
+                a.downtime_ms,
+                a.commit_gap_ms,
+                if a.source_quit { "quit" } else { "STILL RUNNING" }
+            ),
+        );
+    }
     if let (Some(a), Some(b)) = (d.pgbench_replicated, d.pgbench_after_failover) {
         say(
             pb,

@@ -5,6 +5,7 @@
 //! fail over, keeps the client going, and checks that every write the client saw acknowledged
 //! before the kill is readable afterwards and that the guest did not reboot.
 
+mod adopt;
 mod capture;
 mod client;
 mod cycle;
@@ -133,6 +134,11 @@ pub struct Args {
     /// replicated).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=1000))]
     pub pgbench_scale: u32,
+    /// With --vm debian: boot the VM by hand (a plain QEMU with its own tap on the clients'
+    /// bridge) and take it over with `tandem adopt` while psql commits and SSH ticks, instead
+    /// of booting it under the primary.
+    #[arg(long)]
+    pub adopt: bool,
     /// With --vm debian: the VM's RAM in MiB.
     #[arg(long, default_value_t = 1024, value_parser = clap::value_parser!(u64).range(512..=65536))]
     pub debian_mem: u64,
@@ -191,6 +197,9 @@ fn run_demo(a: Args) -> anyhow::Result<()> {
     }
     if a.pgbench.is_some() {
         bail!("--pgbench needs --vm debian (the lab guest runs redis)");
+    }
+    if a.adopt {
+        bail!("--adopt needs --vm debian (the VM booted by hand and adopted)");
     }
     // The embedded default: a host kill, then a partition that isolates the primary from the
     // backup and from etcd, both fenced by a real etcd cluster.
@@ -440,6 +449,7 @@ fn run_debian(a: Args) -> anyhow::Result<()> {
             pgbench: a.pgbench,
             pgbench_scale: a.pgbench_scale,
             mem: a.debian_mem,
+            adopt: a.adopt,
         };
         let res = match debian::round(r, &o, &pb) {
             Ok(res) => res,

@@ -1,0 +1,153 @@
+//! `tandem demo --vm debian --adopt`: the Debian VM is not booted by tandem but by hand — a
+//! plain QEMU in the clients' namespace with anonymous RAM and a tap of its own on the clients'
+//! bridge, as a libvirt-less operator would run it — and `tandem adopt` takes it over while
+//! PostgreSQL commits and an SSH session ticks, then protects it until the host is killed.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use serde::Serialize;
+
+use super::daemon::Daemon;
+use crate::netlab::BRIDGE;
+
+/// The source QEMU's tap on the clients' bridge.
+const TAP: &str = "tsrc0";
+
+/// The QEMU started by hand, and its tap (removed on drop).
+pub struct Source {
+    pub qemu: Daemon,
+    pub qmp: PathBuf,
+    console: PathBuf,
+    ns: String,
+}
+
+/// What the adoption did, as the demo saw it.
+#[derive(Serialize, Debug, Clone, Copy)]
+pub struct Adoption {
+    /// The hand-started QEMU's boot to the guest's ready marker.
+    pub boot_s: f64,
+    /// `tandem adopt` started to the guest running in tandem's QEMU (its process start,
+    /// the backup's connection and the whole migration).
+    pub adopt_s: f64,
+    /// The guest's downtime as tandem reported it (QEMU's own plus the switch).
+    pub downtime_ms: f64,
+    /// The longest time between two acknowledged commits while it moved (one psql session
+    /// committing one row at a time: what a client saw of the switch).
+    pub commit_gap_ms: f64,
+    /// The hand-started QEMU quit after the migration.
+    pub source_quit: bool,
+}
+
+impl Source {
+    /// Starts the VM of `desc` by hand in namespace `ns`, its NIC on a tap of its own on the
+    /// clients' bridge.
+    pub fn start(ns: &str, desc: &Path, rdir: &Path) -> anyhow::Result<Source> {
+        let ip = |args: &[&str]| -> anyhow::Result<()> {
+            let ok = Command::new("ip")
+                .args(["-n", ns])
+                .args(args)
+                .status()?
+                .success();
+            if !ok {
+                bail!("ip -n {ns} {}", args.join(" "));
+            }
+            Ok(())
+        };
+        let _ = Command::new("ip")
+            .args(["-n", ns, "link", "del", TAP])
+            .status();
+        ip(&["tuntap", "add", "dev", TAP, "mode", "tap"])?;
+        ip(&["link", "set", TAP, "master", BRIDGE, "up"])?;
+        let cfg = tandem_protect::VmSpec::described(desc).config("source")?;
+        let (qmp, console) = (
+            rdir.join("source-qmp.sock"),
+            rdir.join("source-console.log"),
+        );
+        let netdev = format!("tap,id=n0,ifname={TAP},script=no,downscript=no");
+        let args = tandem_labguest::by_hand::qemu_command(&cfg, &qmp, &console, &[&netdev]);
+        std::fs::write(
+            rdir.join("source-command.txt"),
+            format!("qemu-system-x86_64 {}\n", args.join(" ")),
+        )?;
+        let qemu = Daemon::spawn(
+            "source",
+            ns,
+            Path::new("qemu-system-x86_64"),
+            &args,
+            rdir.join("source-qemu.log"),
+        )
+        .context("starting the VM by hand")?;
+        Ok(Source {
+            qemu,
+            qmp,
+            console,
+            ns: ns.into(),
+        })
+    }
+
+    /// Waits for the guest's ready marker on its console.
+    pub fn wait_ready(&mut self, marker: &str, timeout: Duration) -> anyhow::Result<()> {
+        let mut c = tandem_vm::console::Console::new(&self.console);
+        c.wait_for(marker, 0, timeout)
+            .with_context(|| format!("the VM started by hand did not say {marker}"))?;
+        Ok(())
+    }
+}
+
+impl Drop for Source {
+    fn drop(&mut self) {
+        let _ = Command::new("ip")
+            .args(["-n", &self.ns, "link", "del", TAP])
+            .status();
+    }
+}
+
+/// tandem's report of the adoption: the guest's downtime in ms.
+pub fn downtime_ms(line: &str) -> Option<f64> {
+    line.split("guest stopped ")
+        .nth(1)?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()
+}
+
+/// The longest time between two consecutive acknowledgements in `acked` that overlaps
+/// `[from, to]`.
+pub fn gap_ms(acked: &[(Instant, u64)], from: Instant, to: Instant) -> f64 {
+    acked
+        .windows(2)
+        .filter(|w| w[1].0 >= from && w[0].0 <= to)
+        .map(|w| w[1].0.duration_since(w[0].0).as_secs_f64() * 1000.0)
+        .fold(0.0, f64::max)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_downtime_is_read_from_the_adopted_line() {
+        let l = "primary: adopted the running guest without a reboot: migrated 1024 MiB in 2.5 s (4 pre-copy round(s)), guest stopped 101 ms (QEMU's 100 ms + 1 ms to run here); QEMU pid 7, the old QEMU quit";
+        assert_eq!(downtime_ms(l), Some(101.0));
+        assert_eq!(super::super::daemon::qemu_pid(l), 7);
+    }
+
+    #[test]
+    fn the_gap_counts_only_acknowledgements_around_the_move() {
+        let t = Instant::now();
+        let at = |ms| t + Duration::from_millis(ms);
+        let acked = [
+            (at(0), 1),
+            (at(10), 2),
+            (at(500), 3),
+            (at(510), 4),
+            (at(2000), 5),
+        ];
+        assert_eq!(gap_ms(&acked, at(400), at(505)), 490.0);
+        assert_eq!(gap_ms(&acked, at(400), at(600)), 1490.0);
+    }
+}
