@@ -101,6 +101,7 @@ impl Drop for Source {
     fn drop(&mut self) {
         let _ = Command::new("ip")
             .args(["-n", &self.ns, "link", "del", TAP])
+            .stderr(std::process::Stdio::null())
             .status();
     }
 }

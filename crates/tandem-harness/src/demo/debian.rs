@@ -72,6 +72,9 @@ pub struct DebianRound {
     pub pgbench_after_failover: Option<pg::Pgbench>,
     /// With --adopt: the VM was booted by hand and adopted (then `boot_s` is the adoption).
     pub adoption: Option<adopt::Adoption>,
+    /// With --adopt and --pgbench: pgbench while the guest moved (from just before `tandem
+    /// adopt` started, for --pgbench seconds).
+    pub pgbench_during_adoption: Option<pg::Pgbench>,
 }
 
 impl DebianRound {
@@ -181,6 +184,7 @@ pub fn round(r: usize, o: &DebianOpts<'_>, pb: &ProgressBar) -> anyhow::Result<D
     // With --adopt the VM is booted by hand, and a client commits while it moves.
     let mut early = None;
     let mut source = None;
+    let mut pgbench_during = None;
     let mut adoption = None;
     let mut pargs: Vec<String> = if o.adopt {
         pb.set_message(format!(
@@ -194,6 +198,14 @@ pub fn round(r: usize, o: &DebianOpts<'_>, pb: &ProgressBar) -> anyhow::Result<D
         let before = pg::query(ns, GUEST_IP, "SELECT pg_postmaster_start_time()")?;
         let ticker = Ticker::start(ns, &o.vm.key, GUEST_IP)?;
         let committer = Committer::start(ns, GUEST_IP, r as u64)?;
+        // With --pgbench the move happens under pgbench's load too.
+        if let Some(secs) = o.pgbench {
+            pg::pgbench_init(pg::PgAt::Netns { ns, host: GUEST_IP }, o.pgbench_scale)?;
+            let ns = ns.to_string();
+            pgbench_during = Some(std::thread::spawn(move || {
+                pg::pgbench(&ns, GUEST_IP, 4, secs)
+            }));
+        }
         std::thread::sleep(Duration::from_secs(3));
         let qmp = src.qmp.display().to_string();
         adoption = Some(adopt::Adoption {
@@ -281,6 +293,13 @@ pub fn round(r: usize, o: &DebianOpts<'_>, pb: &ProgressBar) -> anyhow::Result<D
         ep.poll(&jsonl);
     }
     let protect_s = t.elapsed().as_secs_f64();
+    let pgbench_during_adoption = match pgbench_during {
+        Some(h) => Some(
+            h.join()
+                .map_err(|_| anyhow::anyhow!("pgbench's thread panicked"))??,
+        ),
+        None => None,
+    };
     let postmaster_start_before = match &early {
         Some(e) => e.2.clone(),
         None => {
@@ -449,6 +468,7 @@ pub fn round(r: usize, o: &DebianOpts<'_>, pb: &ProgressBar) -> anyhow::Result<D
         pgbench_replicated,
         pgbench_after_failover,
         adoption,
+        pgbench_during_adoption,
     })
 }
 
@@ -467,6 +487,15 @@ pub fn line(pb: &ProgressBar, d: &DebianRound) {
                 if a.source_quit { "quit" } else { "STILL RUNNING" }
             ),
         );
+        if let Some(p) = d.pgbench_during_adoption {
+            say(
+                pb,
+                format!(
+                    "round {}: pgbench (4 clients) while it moved: {:.1} TPS (latency {:.0} ms)",
+                    d.round, p.tps, p.latency_ms
+                ),
+            );
+        }
     }
     if let (Some(a), Some(b)) = (d.pgbench_replicated, d.pgbench_after_failover) {
         say(
