@@ -1,7 +1,8 @@
 //! `tandem vm import`: a libvirt domain XML (`virsh dumpxml NAME`) as a tandem VM description.
-//! What maps: memory, vCPUs, machine, direct kernel boot, file disks (qcow2/raw on virtio or
-//! virtio-scsi with their cache and io modes), bridged and user NICs (MAC, model), the emulator
-//! and `<qemu:commandline>` arguments. Every other element is named with the reason it is not
+//! What maps: memory, vCPUs, machine, the CPU model and its flags (`-cpu`), direct kernel boot,
+//! file and block-device disks (qcow2/raw on virtio or virtio-scsi with their cache and io
+//! modes), bridged and user NICs (MAC, model), the emulator and `<qemu:commandline>` arguments;
+//! a UEFI domain is described as `firmware = "ovmf"`, which `tandem vm check` refuses. Every other element is named with the reason it is not
 //! mapped, so the operator sees what the protected VM will lack.
 
 use std::path::PathBuf;
@@ -139,10 +140,7 @@ impl Importer {
                     );
                 }
             }
-            "cpu" => self.skip(
-                "cpu",
-                "QEMU's default CPU model is used; add `-cpu MODEL` to extra_args if the guest needs one",
-            ),
+            "cpu" => self.cpu(n),
             "clock" => self.skip(
                 "clock",
                 "QEMU's default clock is used; add `-rtc base=...` to extra_args if needed",
@@ -153,14 +151,49 @@ impl Importer {
         Ok(())
     }
 
-    fn os(&mut self, n: Node<'_, '_>) {
-        let mut boot = BootFile::default();
-        if n.attribute("firmware") == Some("efi") {
+    /// `<cpu>` as `-cpu`: the guest keeps the CPU model and flags it runs with.
+    fn cpu(&mut self, n: Node<'_, '_>) {
+        let mode = n.attribute("mode").unwrap_or("custom");
+        let arg = match mode {
+            // What libvirt runs for both with KVM; under TCG QEMU refuses `host` (vm check
+            // and the adoption's CPU comparison say so).
+            "host-passthrough" | "host-model" => "host".to_string(),
+            _ => {
+                let Some(model) = n
+                    .children()
+                    .find(|c| c.tag_name().name() == "model")
+                    .and_then(|m| m.text())
+                    .map(str::trim)
+                else {
+                    // <cpu> with topology only: QEMU's default model, as libvirt runs it.
+                    return;
+                };
+                let mut arg = model.to_string();
+                for f in n.children().filter(|c| c.tag_name().name() == "feature") {
+                    let Some(name) = f.attribute("name") else {
+                        continue;
+                    };
+                    match f.attribute("policy").unwrap_or("require") {
+                        "require" | "force" => arg.push_str(&format!(",+{name}")),
+                        "disable" | "forbid" => arg.push_str(&format!(",-{name}")),
+                        _ => {}
+                    }
+                }
+                arg
+            }
+        };
+        self.file.extra_args.extend(["-cpu".to_string(), arg]);
+        if n.children().any(|c| c.tag_name().name() == "numa") {
             self.skip(
-                "os[firmware=efi]",
-                "UEFI firmware is not supported yet (its variable store is not replicated): tandem boots with SeaBIOS, so a UEFI-only guest will not boot",
+                "cpu/numa",
+                "NUMA cells are not created: tandem backs guest RAM with one shared file",
             );
         }
+    }
+
+    fn os(&mut self, n: Node<'_, '_>) {
+        let mut boot = BootFile::default();
+        let mut uefi = n.attribute("firmware") == Some("efi");
         for c in n.children().filter(Node::is_element) {
             let text = || c.text().unwrap_or("").trim().to_string();
             match c.tag_name().name() {
@@ -172,15 +205,22 @@ impl Importer {
                 "kernel" => boot.kernel = Some(PathBuf::from(text())),
                 "initrd" => boot.initrd = Some(PathBuf::from(text())),
                 "cmdline" => boot.cmdline = Some(text()),
-                "loader" | "nvram" => self.skip(
-                    format!("os/{}", c.tag_name().name()),
-                    "UEFI firmware is not supported yet (its variable store is not replicated): tandem boots with SeaBIOS",
-                ),
+                "loader" | "nvram" => uefi = true,
                 "boot" | "bootmenu" | "smbios" | "bios" => {}
                 other => self.skip(format!("os/{other}"), "no tandem equivalent"),
             }
         }
-        if boot.kernel.is_some() {
+        if uefi {
+            // Never silently SeaBIOS: the description says UEFI and `vm check` refuses it.
+            self.skip(
+                "os/loader",
+                "UEFI firmware is not supported yet (its variable store is not replicated): the description says firmware = \"ovmf\", which `tandem vm check` refuses",
+            );
+            self.file.boot = Some(BootFile {
+                firmware: Some("ovmf".into()),
+                ..BootFile::default()
+            });
+        } else if boot.kernel.is_some() {
             self.file.boot = Some(boot);
         } else {
             self.file.boot = Some(BootFile {
@@ -239,14 +279,27 @@ impl Importer {
                 "only disks are attached (no cdrom or floppy): read-only media are not replicated",
             );
         }
-        if d.attribute("type").unwrap_or("file") != "file" {
+        let block = match d.attribute("type").unwrap_or("file") {
+            "file" => false,
+            // An LVM volume or a partition: a raw disk.
+            "block" => true,
+            _ => {
+                return self.skip(
+                    here,
+                    "only file and block-device disks are supported (network disks are not)",
+                )
+            }
+        };
+        let source = child("source").and_then(|s| s.attribute(if block { "dev" } else { "file" }));
+        let Some(path) = source else {
             return self.skip(
                 here,
-                "only file-backed disks (qcow2 or raw files) are supported",
+                if block {
+                    "no <source dev=...>"
+                } else {
+                    "no <source file=...>"
+                },
             );
-        }
-        let Some(path) = child("source").and_then(|s| s.attribute("file")) else {
-            return self.skip(here, "no <source file=...>");
         };
         let driver = child("driver");
         let bus = child("target")
@@ -262,9 +315,13 @@ impl Importer {
                 )
             }
         };
+        self.pci_address(d, &here);
         self.file.disk.push(DiskFile {
             path: path.into(),
-            format: driver.and_then(|x| x.attribute("type")).map(Into::into),
+            format: driver
+                .and_then(|x| x.attribute("type"))
+                .map(Into::into)
+                .or_else(|| block.then(|| "raw".into())),
             bus: Some(bus.into()),
             cache: driver
                 .and_then(|x| x.attribute("cache"))
@@ -317,6 +374,14 @@ impl Importer {
                 )
             }
         };
+        let here = format!("devices/interface[{mac}]");
+        self.pci_address(i, &here);
+        if let Some(v) = child("virtualport") {
+            self.skip(
+                format!("{here}/virtualport[{}]", v.attribute("type").unwrap_or("?")),
+                "tandem's tap goes on the bridge as a plain port: an Open vSwitch bridge needs the port added (ovs-vsctl add-port) by the operator",
+            );
+        }
         if bridge.is_some() && model == "virtio-net-pci" {
             // libvirt opens a virtio NIC's tap with virtio-net headers: the guest's offloads
             // stay, and the running domain can be adopted.
@@ -329,6 +394,30 @@ impl Importer {
             netns: None,
             forward: Vec::new(),
         });
+    }
+}
+
+impl Importer {
+    /// Names a device's PCI `<address>`: tandem's QEMU places devices in the description's
+    /// order, not at libvirt's addresses.
+    fn pci_address(&mut self, d: Node<'_, '_>, here: &str) {
+        let Some(a) = d
+            .children()
+            .find(|c| c.tag_name().name() == "address" && c.attribute("type") == Some("pci"))
+        else {
+            return;
+        };
+        let at = |k: &str| a.attribute(k).unwrap_or("0");
+        self.skip(
+            format!(
+                "{here}/address[{}:{}:{}.{}]",
+                at("domain"),
+                at("bus"),
+                at("slot"),
+                at("function")
+            ),
+            "tandem's QEMU places devices in the description's order; the guest may see other PCI addresses (tandem adopt compares both QEMUs and refuses a difference)",
+        );
     }
 }
 
