@@ -103,8 +103,15 @@ fn given(rest: &[String], flag: &str) -> bool {
         .any(|a| a == &long || a.starts_with(&format!("{long}=")))
 }
 
-/// The command line of the daemon `tandem run` starts (without the program name).
-pub fn command_line(a: &Args, role: Role, file: &Config) -> anyhow::Result<Vec<OsString>> {
+/// The command line of the daemon `tandem run` starts (without the program name). `new_vm`:
+/// etcd has no record of the VM (then a node that runs it adopts it if the file has
+/// `[adopt]`).
+pub fn command_line(
+    a: &Args,
+    role: Role,
+    file: &Config,
+    new_vm: bool,
+) -> anyhow::Result<Vec<OsString>> {
     let me = &file.me;
     let other = file
         .nodes
@@ -143,6 +150,7 @@ pub fn command_line(a: &Args, role: Role, file: &Config) -> anyhow::Result<Vec<O
     }
     args.extend(file.flags.iter().cloned());
     let sub = match role {
+        Role::Primary if new_vm && file.adopt => "adopt",
         Role::Primary => "primary",
         Role::Backup => "backup",
     };
@@ -150,7 +158,7 @@ pub fn command_line(a: &Args, role: Role, file: &Config) -> anyhow::Result<Vec<O
     let cmd = crate::Cli::command();
     let sc = cmd.find_subcommand(sub).context("no daemon subcommand")?;
     let known = |f: &str| sc.get_arguments().any(|x| x.get_long() == Some(f));
-    let both = ["primary", "backup"].map(|s| cmd.find_subcommand(s).cloned());
+    let both = ["primary", "backup", "adopt"].map(|s| cmd.find_subcommand(s).cloned());
     let mut line: Vec<OsString> = vec![sub.into()];
     for (flag, value) in args {
         if given(&a.rest, &flag) {
@@ -163,7 +171,7 @@ pub fn command_line(a: &Args, role: Role, file: &Config) -> anyhow::Result<Vec<O
             });
             if !elsewhere {
                 bail!(
-                    "{}: no flag --{flag} on tandem primary or tandem backup (see `tandem primary --help`)",
+                    "{}: no flag --{flag} on tandem primary, tandem backup or tandem adopt (see `tandem primary --help`)",
                     a.config.display()
                 );
             }
@@ -259,20 +267,23 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             let peer = cfg.nodes.keys().find(|n| **n != cfg.me).cloned().unwrap_or_default();
             let role = decide(record.as_ref(), &cfg.me, &peer, &cfg.preferred)
                 .map_err(|why| anyhow::Error::new(crate::Fenced(why)))?;
+            let new_vm = record.is_none();
             eprintln!(
                 "tandem run: VM {} on node {}: {} ({})",
                 cfg.vm_id,
                 cfg.me,
                 match role {
+                    Role::Primary if new_vm && cfg.adopt => "adopts the running guest",
                     Role::Primary => "runs the guest",
                     Role::Backup => "serves as the backup",
                 },
                 record.map_or("a new VM".into(), |r| r.describe())
             );
-            role
+            (role, new_vm)
         }
     };
-    let line = command_line(&a, role, &cfg)?;
+    let (role, new_vm) = role;
+    let line = command_line(&a, role, &cfg, new_vm)?;
     if a.dry_run {
         let text: Vec<String> = line
             .iter()
@@ -288,7 +299,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     match cli.cmd {
         crate::Cmd::Primary(p) => crate::daemons::primary(p),
         crate::Cmd::Backup(b) => crate::daemons::backup(b),
-        _ => unreachable!("run starts primary or backup"),
+        crate::Cmd::Adopt(p) => crate::daemons::adopt(p),
+        _ => unreachable!("run starts primary, adopt or backup"),
     }
 }
 
@@ -360,8 +372,12 @@ mod tests {
         [replication]\nschedule = \"adaptive\"\ntimeout_ms = 400\n[metrics]\nlisten = \"127.0.0.1:9471\"\n";
 
     fn line(a: &Args, role: Role) -> String {
+        line_new(a, role, false)
+    }
+
+    fn line_new(a: &Args, role: Role, new_vm: bool) -> String {
         let cfg = read(a).unwrap();
-        command_line(a, role, &cfg)
+        command_line(a, role, &cfg, new_vm)
             .unwrap()
             .iter()
             .map(|s| s.to_string_lossy().into_owned())
@@ -402,6 +418,27 @@ mod tests {
     }
 
     #[test]
+    fn a_new_vm_with_adopt_is_adopted_by_the_node_that_would_boot_it() {
+        let text = format!("{FILE}[adopt]\nqmp = \"/run/web.qmp\"\ndowntime_ms = 200\n");
+        let (_dir, a) = args(&text, "a", &[]);
+        let p = line_new(&a, Role::Primary, true);
+        assert!(p.starts_with("adopt "), "{p}");
+        for want in [
+            "--qmp /run/web.qmp",
+            "--downtime-ms 200",
+            "--listen 10.0.0.1:7000",
+            "--schedule adaptive",
+        ] {
+            assert!(p.contains(want), "{want} not in {p}");
+        }
+        // A VM etcd knows runs already under tandem (or ran): never adopted again.
+        let p = line_new(&a, Role::Primary, false);
+        assert!(p.starts_with("primary ") && !p.contains("--qmp"), "{p}");
+        let b = line_new(&a, Role::Backup, true);
+        assert!(b.starts_with("backup ") && !b.contains("--qmp"), "{b}");
+    }
+
+    #[test]
     fn mistakes_in_the_file_are_named() {
         for (text, says) in [
             (
@@ -414,13 +451,17 @@ mod tests {
             ),
             (FILE.replace("vm_id = 4", ""), "vm_id = N is required"),
             (
+                format!("{FILE}[adopt]\ndowntime_ms = 200\n"),
+                "[adopt] needs qmp",
+            ),
+            (
                 FILE.replace("b = \"10.0.0.2:7000\"", ""),
                 "exactly two nodes",
             ),
         ] {
             let (_d, a) = args(&text, "a", &[]);
             let e = read(&a)
-                .and_then(|cfg| command_line(&a, Role::Primary, &cfg))
+                .and_then(|cfg| command_line(&a, Role::Primary, &cfg, true))
                 .unwrap_err()
                 .to_string();
             assert!(e.contains(says), "{says}: {e}");

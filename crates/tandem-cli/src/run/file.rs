@@ -27,6 +27,7 @@ const RENAMED: &[(&str, &str, &str)] = &[
 
 /// Sections whose keys are flags.
 const FLAG_SECTIONS: &[&str] = &[
+    "adopt",
     "replication",
     "schedule",
     "network",
@@ -129,6 +130,9 @@ pub struct Config {
     pub state_dir: PathBuf,
     /// The flag sections' flags.
     pub flags: Vec<(String, Option<String>)>,
+    /// `[adopt] qmp = ...`: a new VM that runs already (in a QEMU at that QMP socket) is
+    /// adopted by the node that would boot it, instead of booted.
+    pub adopt: bool,
 }
 
 /// Reads and checks the file (an inline [vm] is written to STATE_DIR/vm.toml).
@@ -215,6 +219,16 @@ pub fn read(a: &Args) -> anyhow::Result<Config> {
         ),
     };
     let flags = file_flags(&t, f)?;
+    let adopt = t
+        .get("adopt")
+        .and_then(|v| v.as_table())
+        .is_some_and(|a| a.contains_key("qmp"));
+    if t.get("adopt").is_some() && !adopt {
+        bail!(
+            "{}: [adopt] needs qmp = \"SOCKET\" (the running QEMU's QMP socket)",
+            f.display()
+        );
+    }
     Ok(Config {
         me,
         preferred,
@@ -224,5 +238,6 @@ pub fn read(a: &Args) -> anyhow::Result<Config> {
         mirror_dir,
         state_dir,
         flags,
+        adopt,
     })
 }
