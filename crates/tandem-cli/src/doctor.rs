@@ -160,6 +160,7 @@ fn selftest(qemu: &std::path::Path) -> Result<String, (Status, String, String)> 
         aio: None,
         readonly: true,
         slice: None,
+        pci: None,
     }];
     cfg.qemu = qemu.to_path_buf();
     cfg.dirty = DirtyMode::Auto;

@@ -57,6 +57,7 @@ mod tests {
             net: NicNet::User {
                 forwards: Vec::new(),
             },
+            pci: None,
         }];
         let a = qemu_command(
             &c,

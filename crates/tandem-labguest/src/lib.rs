@@ -151,6 +151,7 @@ pub fn config(name: &str, workload: &str, image: &GuestImage) -> VmConfig {
         aio: None,
         readonly: true,
         slice: None,
+        pci: None,
     }];
     c.nics = vec![NicDesc {
         mac: MAC.into(),
@@ -158,6 +159,7 @@ pub fn config(name: &str, workload: &str, image: &GuestImage) -> VmConfig {
         net: NicNet::User {
             forwards: Vec::new(),
         },
+        pci: None,
     }];
     c.ready = Some(READY.into());
     c.echo = ECHO.iter().map(|e| e.to_string()).collect();

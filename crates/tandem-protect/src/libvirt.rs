@@ -315,7 +315,11 @@ impl Importer {
                 )
             }
         };
-        self.pci_address(d, &here);
+        let pci = if bus == "virtio-blk" {
+            self.pci_address(d, &here)
+        } else {
+            None
+        };
         self.file.disk.push(DiskFile {
             path: path.into(),
             format: driver
@@ -332,6 +336,7 @@ impl Importer {
                 .filter(|c| *c != "default")
                 .map(Into::into),
             readonly: child("readonly").is_some(),
+            pci,
         });
     }
 
@@ -375,7 +380,7 @@ impl Importer {
             }
         };
         let here = format!("devices/interface[{mac}]");
-        self.pci_address(i, &here);
+        let pci = self.pci_address(i, &here);
         if let Some(v) = child("virtualport") {
             self.skip(
                 format!("{here}/virtualport[{}]", v.attribute("type").unwrap_or("?")),
@@ -393,31 +398,43 @@ impl Importer {
             bridge,
             netns: None,
             forward: Vec::new(),
+            pci,
         });
     }
 }
 
 impl Importer {
-    /// Names a device's PCI `<address>`: tandem's QEMU places devices in the description's
-    /// order, not at libvirt's addresses.
-    fn pci_address(&mut self, d: Node<'_, '_>, here: &str) {
-        let Some(a) = d
+    /// A device's PCI `<address>`: kept when it is on the root bus (the guest sees the same
+    /// slot), named when it is behind a bridge or root port, which tandem does not create.
+    fn pci_address(&mut self, d: Node<'_, '_>, here: &str) -> Option<String> {
+        let a = d
             .children()
-            .find(|c| c.tag_name().name() == "address" && c.attribute("type") == Some("pci"))
-        else {
-            return;
+            .find(|c| c.tag_name().name() == "address" && c.attribute("type") == Some("pci"))?;
+        let num = |k: &str| {
+            let v = a.attribute(k).unwrap_or("0");
+            u32::from_str_radix(v.trim_start_matches("0x"), 16).ok()
         };
-        let at = |k: &str| a.attribute(k).unwrap_or("0");
+        match (num("domain"), num("bus"), num("slot"), num("function")) {
+            (Some(0), Some(0), Some(slot), Some(f)) => {
+                let kept = format!("0x{slot:02x}.{f}");
+                if tandem_vm::PciAddr::parse(&kept).is_ok() {
+                    return Some(kept);
+                }
+            }
+            (_, Some(bus), _, _) if bus != 0 => {
+                self.skip(
+                    format!("{here}/address[bus {bus:#04x}]"),
+                    "behind a PCI bridge or PCIe root port, which tandem does not create: the device goes on the root bus (tandem adopt compares both QEMUs and refuses a difference)",
+                );
+                return None;
+            }
+            _ => {}
+        }
         self.skip(
-            format!(
-                "{here}/address[{}:{}:{}.{}]",
-                at("domain"),
-                at("bus"),
-                at("slot"),
-                at("function")
-            ),
-            "tandem's QEMU places devices in the description's order; the guest may see other PCI addresses (tandem adopt compares both QEMUs and refuses a difference)",
+            format!("{here}/address"),
+            "not a usable root-bus address: QEMU places the device",
         );
+        None
     }
 }
 

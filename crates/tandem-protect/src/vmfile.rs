@@ -113,6 +113,9 @@ pub struct DiskFile {
     /// Read-only.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub readonly: bool,
+    /// PCI address on the root bus, `SLOT[.FUNCTION]` in hex (virtio-blk only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pci: Option<String>,
 }
 
 /// `[[nic]]`.
@@ -133,6 +136,9 @@ pub struct NicFile {
     /// User networking host forwards (`tcp:127.0.0.1:2222-:22`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub forward: Vec<String>,
+    /// PCI address on the root bus, `SLOT[.FUNCTION]` in hex.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pci: Option<String>,
 }
 
 /// The description says something that cannot be.
@@ -272,6 +278,7 @@ impl DiskFile {
             aio: self.aio.clone(),
             readonly: self.readonly,
             slice: None,
+            pci: pci(self.pci.as_deref())?,
         })
     }
 }
@@ -308,8 +315,15 @@ impl NicFile {
                 .clone()
                 .unwrap_or_else(|| "virtio-net-pci".into()),
             net,
+            pci: pci(self.pci.as_deref())?,
         })
     }
+}
+
+fn pci(s: Option<&str>) -> Result<Option<tandem_vm::PciAddr>, VmFileError> {
+    s.map(tandem_vm::PciAddr::parse)
+        .transpose()
+        .map_err(|e| VmFileError::Invalid(e.to_string()))
 }
 
 impl VmFile {
@@ -348,6 +362,7 @@ impl VmFile {
                 cache: d.cache.clone(),
                 aio: d.aio.clone(),
                 readonly: d.readonly,
+                pci: d.pci.map(|p| p.to_string()),
             })
             .collect();
         let nic = c
@@ -367,6 +382,7 @@ impl VmFile {
                     bridge,
                     netns,
                     forward,
+                    pci: n.pci.map(|p| p.to_string()),
                 }
             })
             .collect();

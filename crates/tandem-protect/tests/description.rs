@@ -183,6 +183,15 @@ fn descriptions_that_cannot_be_honoured_are_refused_clearly() {
         (format!("{disk}[boot]\naddress_arg = \"ip\"\n"), "need a `kernel`"),
         (format!("colour = \"blue\"\n{disk}"), "colour"),
         (format!("ram_block = \"pc ram,x=1\"\n{disk}"), "ram_block"),
+        (format!("{disk}pci = \"0x20\"\n"), "PCI address"),
+        (
+            format!("{disk}pci = \"0x05\"\n[[nic]]\nmac = \"52:54:00:00:00:01\"\npci = \"5\"\n"),
+            "PCI address 05.0 is given to both",
+        ),
+        (
+            "[[disk]]\npath = \"root.raw\"\nbus = \"virtio-scsi\"\npci = \"0x05\"\n".to_string(),
+            "needs bus virtio-blk",
+        ),
         (format!("extra_args = [\"-drive\", \"file=x.img\"]\n{disk}"), "[[disk]]"),
         (format!("extra_args = [\"-netdev\", \"tap,id=t\"]\n{disk}"), "[[nic]]"),
         (format!("machine = \"pc-q35-7.2,accel=kvm\"\n{disk}"), "q35 or pc"),
@@ -292,13 +301,12 @@ fn libvirt_domain_as_written_by_virt_install() {
     ] {
         assert!(named.contains(&want), "{want} not named in {named:?}");
     }
-    // Nothing dropped silently: the disk's PCI address is named.
+    // Nothing dropped silently: the disk behind a PCIe root port (bus 4) is named.
     assert!(
-        named
-            .iter()
-            .any(|n| n.starts_with("devices/disk[vda]/address[0x0000:0x04")),
+        named.contains(&"devices/disk[vda]/address[bus 0x04]"),
         "{named:?}"
     );
+    assert_eq!(f.disk[0].pci, None);
     let net = unmapped
         .iter()
         .find(|u| u.element.contains("network"))
@@ -390,6 +398,18 @@ fn libvirt_commandline_goes_through_the_allow_list() {
         "{}",
         u.why
     );
+    // Root-bus PCI addresses (an i440fx domain) are kept: the guest sees the same slots.
+    let pc = "<domain type='kvm'><memory unit='MiB'>512</memory>\
+              <os><type machine='pc'>hvm</type><kernel>/k</kernel></os><devices>\
+              <disk type='file' device='disk'><source file='/d.raw'/><target dev='vda' bus='virtio'/>\
+              <address type='pci' domain='0x0000' bus='0x00' slot='0x07' function='0x0'/></disk>\
+              <interface type='bridge'><mac address='52:54:00:00:00:01'/><source bridge='br0'/>\
+              <model type='virtio'/><address type='pci' domain='0x0000' bus='0x00' slot='0x03' function='0x0'/>\
+              </interface></devices></domain>";
+    let (f, unmapped) = import(pc).unwrap();
+    assert_eq!(f.disk[0].pci.as_deref(), Some("0x07.0"));
+    assert_eq!(f.nic[0].pci.as_deref(), Some("0x03.0"));
+    assert!(unmapped.is_empty(), "{unmapped:?}");
     // A named CPU model with its required and disabled flags.
     let cpu = "<domain type='kvm'><memory unit='MiB'>512</memory>\
                <os><type>hvm</type><kernel>/k</kernel></os>\
@@ -399,4 +419,30 @@ fn libvirt_commandline_goes_through_the_allow_list() {
     let (f, unmapped) = import(cpu).unwrap();
     assert_eq!(f.extra_args, ["-cpu", "Skylake-Client,+pcid,-hle"]);
     assert!(unmapped.is_empty(), "{unmapped:?}");
+}
+
+#[test]
+fn a_block_device_is_a_raw_disk() {
+    // An LVM volume or a partition: here a loop device over a file.
+    let d = tempfile::tempdir().unwrap();
+    let img = d.path().join("lv.img");
+    std::fs::write(&img, vec![0u8; 1 << 20]).unwrap();
+    let out = std::process::Command::new("losetup")
+        .args(["-f", "--show"])
+        .arg(&img)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "losetup (the tests need root): {out:?}");
+    let dev = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    let body = format!("[[disk]]\npath = \"{dev}\"\nformat = \"raw\"\n");
+    let c = described(d.path(), &body).config("t");
+    let _ = std::process::Command::new("losetup")
+        .args(["-d", &dev])
+        .status();
+    let c = c.unwrap();
+    assert_eq!(c.disks[0].path, Path::new(&dev));
+    assert_eq!(c.disks[0].format, DiskFormat::Raw);
+    // A character device is neither.
+    let e = refused("[[disk]]\npath = \"/dev/null\"\nformat = \"raw\"\n");
+    assert!(e.contains("neither a regular file nor a block device"), "{e}");
 }

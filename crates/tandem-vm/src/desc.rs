@@ -83,6 +83,51 @@ pub struct DiskDesc {
     /// Only `[offset, offset + size)` of a raw file (a backup's copy holds every disk of the
     /// VM in one file).
     pub slice: Option<(u64, u64)>,
+    /// Its PCI address on the root bus (virtio-blk only; default: QEMU's next free slot, in
+    /// the description's order).
+    pub pci: Option<PciAddr>,
+}
+
+/// A PCI address on the machine's root bus: the slot and function a device keeps, so that
+/// the guest sees the layout it was installed with (libvirt's `<address type='pci'>`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct PciAddr {
+    /// Slot, 1..=0x1f.
+    pub slot: u8,
+    /// Function, 0..=7.
+    pub function: u8,
+}
+
+impl PciAddr {
+    /// Parses `SLOT[.FUNCTION]` in hex (`0x05`, `5`, `05.0`, `0x1f.7`).
+    pub fn parse(s: &str) -> Result<PciAddr, DescError> {
+        let bad = || {
+            invalid(format!(
+                "PCI address {s:?}: SLOT[.FUNCTION] in hex on the root bus, slot 1..1f and function 0..7 (e.g. \"0x05\" or \"05.0\")"
+            ))
+        };
+        let t = s.trim();
+        let t = t.strip_prefix("0x").unwrap_or(t);
+        let (slot, function) = t.split_once('.').unwrap_or((t, "0"));
+        let slot = u8::from_str_radix(slot.trim_start_matches("0x"), 16).map_err(|_| bad())?;
+        let function =
+            u8::from_str_radix(function.trim_start_matches("0x"), 16).map_err(|_| bad())?;
+        if !(1..=0x1f).contains(&slot) || function > 7 {
+            return Err(bad());
+        }
+        Ok(PciAddr { slot, function })
+    }
+
+    /// QEMU's `addr=` value.
+    pub fn qemu(&self) -> String {
+        format!("0x{:x}.{:x}", self.slot, self.function)
+    }
+}
+
+impl std::fmt::Display for PciAddr {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:02x}.{}", self.slot, self.function)
+    }
 }
 
 /// What a NIC attaches to.
@@ -123,6 +168,8 @@ pub struct NicDesc {
     pub model: String,
     /// What it attaches to.
     pub net: NicNet,
+    /// Its PCI address on the root bus (default: QEMU's next free slot, after the disks).
+    pub pci: Option<PciAddr>,
 }
 
 /// The virtual size of the image at `path` (`qemu-img info`; works while QEMU has it open).
@@ -269,10 +316,14 @@ fn readable(what: &'static str, path: &Path) -> Result<(), DescError> {
     std::fs::File::open(path)
         .and_then(|f| f.metadata())
         .and_then(|m| {
-            if m.is_file() {
+            use std::os::unix::fs::FileTypeExt;
+            // A block device is a raw disk (an LVM volume, a partition).
+            if m.is_file() || m.file_type().is_block_device() {
                 Ok(())
             } else {
-                Err(std::io::Error::other("not a regular file"))
+                Err(std::io::Error::other(
+                    "neither a regular file nor a block device",
+                ))
             }
         })
         .map_err(|source| DescError::File {
@@ -358,7 +409,41 @@ pub fn check(
             )));
         }
     }
+    check_pci(disks, nics)?;
     check_extra_args(extra_args)
+}
+
+/// PCI addresses: only on virtio-blk disks (a virtio-scsi disk sits on its controller), and
+/// each used once.
+fn check_pci(disks: &[DiskDesc], nics: &[NicDesc]) -> Result<(), DescError> {
+    let mut used = std::collections::HashMap::new();
+    for d in disks {
+        if let Some(a) = d.pci {
+            if d.bus != DiskBus::VirtioBlk {
+                return Err(invalid(format!(
+                    "disk {}: a PCI address needs bus virtio-blk (a virtio-scsi disk sits on its controller)",
+                    d.path.display()
+                )));
+            }
+            if let Some(other) = used.insert(a, d.path.display().to_string()) {
+                return Err(invalid(format!(
+                    "PCI address {a} is given to both {other} and disk {}",
+                    d.path.display()
+                )));
+            }
+        }
+    }
+    for n in nics {
+        if let Some(a) = n.pci {
+            if let Some(other) = used.insert(a, format!("NIC {}", n.mac)) {
+                return Err(invalid(format!(
+                    "PCI address {a} is given to both {other} and NIC {}",
+                    n.mac
+                )));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// A bridge of this network namespace must exist and be a bridge; another namespace must
@@ -468,6 +553,7 @@ mod tests {
             aio: None,
             readonly: false,
             slice: None,
+            pci: None,
         };
         let ok = |d: DiskDesc| check("q35", 1, 2, &Boot::Firmware, &[d], &[], &[]);
         ok(disk(&raw, DiskFormat::Raw)).unwrap();
@@ -504,5 +590,17 @@ mod tests {
         assert!(e.unwrap_err().to_string().contains("q35 or pc"));
         let e = check("q35", 1, 2, &Boot::Firmware, &[], &[], &[]);
         assert!(e.unwrap_err().to_string().contains("needs a disk"));
+    }
+
+    #[test]
+    fn pci_addresses_parse_as_libvirt_and_qemu_write_them() {
+        for (text, slot, f) in [("0x05", 5, 0), ("5", 5, 0), ("05.0", 5, 0), ("0x1f.7", 0x1f, 7)] {
+            let a = PciAddr::parse(text).unwrap();
+            assert_eq!((a.slot, a.function), (slot, f), "{text}");
+        }
+        assert_eq!(PciAddr::parse("0x0a.1").unwrap().qemu(), "0xa.1");
+        for bad in ["0", "0x20", "5.8", "x", "", "1:2"] {
+            assert!(PciAddr::parse(bad).is_err(), "{bad}");
+        }
     }
 }

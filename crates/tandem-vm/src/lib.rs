@@ -20,7 +20,7 @@ pub mod schedule;
 pub mod stale;
 pub mod vm;
 
-pub use desc::{Boot, DiskBus, DiskDesc, DiskFormat, NicDesc, NicNet};
+pub use desc::{Boot, DiskBus, DiskDesc, DiskFormat, NicDesc, NicNet, PciAddr};
 pub use dirty::{DirtyLog, HashLog, ReplayLog, UffdWpLog};
 pub use epoch::{Epoch, EpochSink, Guest};
 pub use mirror::{MirrorHealth, MirrorSlice};

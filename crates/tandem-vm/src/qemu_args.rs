@@ -128,6 +128,9 @@ fn disks(config: &VmConfig, a: &mut Vec<String>) {
         if i == 0 && config.boot == Boot::Firmware {
             dev.push_str(",bootindex=0");
         }
+        if let (Some(p), DiskBus::VirtioBlk) = (d.pci, d.bus) {
+            dev.push_str(&format!(",addr={}", p.qemu()));
+        }
         a.extend(["-drive".into(), drive, "-device".into(), dev]);
     }
 }
@@ -154,12 +157,11 @@ fn nics(config: &VmConfig, a: &mut Vec<String>) {
             // that owns the relay; a VM started directly gets no network on it.
             NicNet::Bridge { .. } => format!("user,id=n{i},restrict=on"),
         };
-        a.extend([
-            "-netdev".into(),
-            netdev,
-            "-device".into(),
-            format!("{},netdev=n{i},mac={}", n.model, n.mac),
-        ]);
+        let mut dev = format!("{},netdev=n{i},mac={}", n.model, n.mac);
+        if let Some(p) = n.pci {
+            dev.push_str(&format!(",addr={}", p.qemu()));
+        }
+        a.extend(["-netdev".into(), netdev, "-device".into(), dev]);
     }
 }
 
@@ -182,6 +184,7 @@ mod tests {
                 aio: Some("native".into()),
                 readonly: false,
                 slice: None,
+                pci: None,
             },
             DiskDesc {
                 path: "/img/data.raw".into(),
@@ -191,6 +194,7 @@ mod tests {
                 aio: None,
                 readonly: true,
                 slice: Some((1 << 20, 1 << 30)),
+                pci: Some(crate::desc::PciAddr::parse("0x07").unwrap()),
             },
         ];
         c.nics = vec![NicDesc {
@@ -199,6 +203,7 @@ mod tests {
             net: NicNet::User {
                 forwards: vec!["tcp:127.0.0.1:2222-:22".into()],
             },
+            pci: Some(crate::desc::PciAddr::parse("03.0").unwrap()),
         }];
         c.extra_args = vec!["-rtc".into(), "base=utc".into()];
         let a = qemu_args(
@@ -216,9 +221,9 @@ mod tests {
             "file=/img/a,,b.qcow2,format=qcow2,if=none,id=disk0,cache=none,aio=native",
             "scsi-hd,drive=disk0,bus=scsi0.0,bootindex=0",
             "file=/img/data.raw,format=raw,if=none,id=disk1,readonly=on,offset=1048576,size=1073741824,file.locking=off",
-            "virtio-blk-pci,drive=disk1",
+            "virtio-blk-pci,drive=disk1,addr=0x7.0",
             "user,id=n0,hostfwd=tcp:127.0.0.1:2222-:22",
-            "e1000,netdev=n0,mac=52:54:00:aa:bb:cc",
+            "e1000,netdev=n0,mac=52:54:00:aa:bb:cc,addr=0x3.0",
         ] {
             assert!(a.contains(want), "{want} missing from {a}");
         }
@@ -248,6 +253,7 @@ mod tests {
             aio: None,
             readonly: true,
             slice: None,
+            pci: None,
         }];
         c.nics = vec![NicDesc {
             mac: "52:54:00:12:34:56".into(),
@@ -255,6 +261,7 @@ mod tests {
             net: NicNet::User {
                 forwards: vec!["tcp:127.0.0.1:6000-:6379".into()],
             },
+            pci: None,
         }];
         let a = qemu_args(
             &c,

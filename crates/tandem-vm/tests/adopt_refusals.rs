@@ -123,6 +123,7 @@ fn other_hardware_is_refused_before_anything_moves() {
         aio: None,
         readonly: true,
         slice: None,
+        pci: None,
     }];
     c.nics = vec![NicDesc {
         mac: "52:54:00:00:00:01".into(),
@@ -130,6 +131,7 @@ fn other_hardware_is_refused_before_anything_moves() {
         net: NicNet::User {
             forwards: Vec::new(),
         },
+        pci: None,
     }];
     let e = try_adopt(&c, &s);
     let AdoptError::Hardware(lines) = &e else {
