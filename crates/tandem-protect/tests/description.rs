@@ -432,7 +432,10 @@ fn a_block_device_is_a_raw_disk() {
         .arg(&img)
         .output()
         .unwrap();
-    assert!(out.status.success(), "losetup (the tests need root): {out:?}");
+    assert!(
+        out.status.success(),
+        "losetup (the tests need root): {out:?}"
+    );
     let dev = String::from_utf8_lossy(&out.stdout).trim().to_string();
     let body = format!("[[disk]]\npath = \"{dev}\"\nformat = \"raw\"\n");
     let c = described(d.path(), &body).config("t");
@@ -444,5 +447,8 @@ fn a_block_device_is_a_raw_disk() {
     assert_eq!(c.disks[0].format, DiskFormat::Raw);
     // A character device is neither.
     let e = refused("[[disk]]\npath = \"/dev/null\"\nformat = \"raw\"\n");
-    assert!(e.contains("neither a regular file nor a block device"), "{e}");
+    assert!(
+        e.contains("neither a regular file nor a block device"),
+        "{e}"
+    );
 }

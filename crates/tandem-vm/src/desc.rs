@@ -594,7 +594,12 @@ mod tests {
 
     #[test]
     fn pci_addresses_parse_as_libvirt_and_qemu_write_them() {
-        for (text, slot, f) in [("0x05", 5, 0), ("5", 5, 0), ("05.0", 5, 0), ("0x1f.7", 0x1f, 7)] {
+        for (text, slot, f) in [
+            ("0x05", 5, 0),
+            ("5", 5, 0),
+            ("05.0", 5, 0),
+            ("0x1f.7", 0x1f, 7),
+        ] {
             let a = PciAddr::parse(text).unwrap();
             assert_eq!((a.slot, a.function), (slot, f), "{text}");
         }

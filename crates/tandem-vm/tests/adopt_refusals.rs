@@ -1,6 +1,7 @@
-//! An adoption that cannot be done leaves the running QEMU as it was: refused before anything
-//! moves (wrong size, wrong RAM name, a paused guest, hardware the running VM does not have).
-//! QEMUs without a guest: firmware only.
+//! An adoption that cannot be done leaves the guest running where it ran: refused before
+//! anything moves (wrong size, wrong RAM name, a paused guest, hardware the running VM does not
+//! have), or resumed in the old QEMU when tandem's cannot load what was migrated. QEMUs without
+//! a guest: firmware only.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -144,4 +145,96 @@ fn other_hardware_is_refused_before_anything_moves() {
     );
     assert!(e.to_string().contains("nothing was migrated"), "{e}");
     assert_eq!(status(&s.qmp), "running");
+}
+
+#[test]
+fn a_migration_the_new_qemu_cannot_load_resumes_the_guest_where_it_ran() {
+    // The running VM's virtio NIC is on a tap with virtio-net headers; tandem's QEMU would put
+    // it on user networking, which has none: the hardware is the same, but QEMU refuses to
+    // load the NIC's state once the migration is done. The old QEMU runs the guest again.
+    let ns = format!("tdadopt{}", std::process::id() % 100_000);
+    let ip = |args: &[&str]| {
+        assert!(
+            Command::new("ip").args(args).status().unwrap().success(),
+            "ip {args:?} (the tests need root)"
+        );
+    };
+    ip(&["netns", "add", &ns]);
+    ip(&["-n", &ns, "tuntap", "add", "dev", "t0", "mode", "tap"]);
+    let dir = tempfile::tempdir().unwrap();
+    let qmp = dir.path().join("qmp.sock");
+    // Something to boot from, the same in both QEMUs (and first, as tandem places it).
+    let disk = dir.path().join("disk.raw");
+    std::fs::write(&disk, vec![0u8; 1 << 20]).unwrap();
+    let child = Command::new("ip")
+        .args(["netns", "exec", &ns, "qemu-system-x86_64"])
+        .args([
+            "-machine",
+            "q35",
+            "-m",
+            "128",
+            "-nodefaults",
+            "-display",
+            "none",
+        ])
+        .arg("-drive")
+        .arg(format!(
+            "file={},format=raw,if=none,id=disk0,readonly=on",
+            disk.display()
+        ))
+        .args(["-device", "virtio-blk-pci,drive=disk0,bootindex=0"])
+        .args([
+            "-accel",
+            "tcg",
+            "-netdev",
+            "tap,id=n0,ifname=t0,script=no,downscript=no",
+        ])
+        .args([
+            "-device",
+            "virtio-net-pci,netdev=n0,mac=52:54:00:00:00:07",
+            "-qmp",
+        ])
+        .arg(format!("unix:{},server=on,wait=off", qmp.display()))
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let s = Source {
+        child,
+        qmp,
+        _dir: dir,
+    };
+    let mut c = config(128, "pc.ram");
+    c.nics = vec![NicDesc {
+        mac: "52:54:00:00:00:07".into(),
+        model: "virtio-net-pci".into(),
+        net: NicNet::User {
+            forwards: Vec::new(),
+        },
+        pci: None,
+    }];
+    c.disks = vec![DiskDesc {
+        path: disk,
+        format: DiskFormat::Raw,
+        bus: DiskBus::VirtioBlk,
+        cache: None,
+        aio: None,
+        readonly: true,
+        slice: None,
+        pci: None,
+    }];
+    let e = try_adopt(&c, &s);
+    let st = status(&s.qmp);
+    drop(s);
+    let _ = Command::new("ip").args(["netns", "del", &ns]).status();
+    let AdoptError::Resume { why, source_state } = &e else {
+        panic!("{e}: {e:?}")
+    };
+    assert!(why.contains("vnet_hdr"), "{why}");
+    assert!(
+        source_state.contains("runs on in its own QEMU again"),
+        "{e}"
+    );
+    assert_eq!(st, "running");
 }

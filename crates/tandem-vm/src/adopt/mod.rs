@@ -218,13 +218,10 @@ pub fn adopt(
     };
     let done = Instant::now();
     if let Err(why) = wait_running(&mut vm) {
-        let source_state = match src.execute("cont", None) {
-            Ok(_) => "the guest runs on in its own QEMU again (resumed there)".to_string(),
-            Err(e) => format!(
-                "resuming it in its own QEMU failed too ({e}): the guest is stopped; `cont` on that QEMU's monitor"
-            ),
-        };
+        // tandem's QEMU goes first: its disk locks must be gone before the old QEMU takes
+        // its disks back (`cont` re-activates them).
         drop(vm);
+        let source_state = resume_source(&mut src);
         let _ = src.execute("migrate-set-parameters", Some(restore));
         return Err(AdoptError::Resume { why, source_state });
     }
@@ -242,10 +239,8 @@ pub fn adopt(
         // The guest runs here, the source is stopped: its stopped copy is the one to keep.
         let why = format!("preparing device-state capture: {e}");
         drop(vm);
-        let source_state = match src.execute("cont", None) {
-            Ok(_) => "the guest runs on in its own QEMU again (resumed there)".to_string(),
-            Err(e) => format!("resuming it in its own QEMU failed too ({e})"),
-        };
+        let source_state = resume_source(&mut src);
+        let _ = src.execute("migrate-set-parameters", Some(restore));
         return Err(AdoptError::Resume { why, source_state });
     }
     let source_quit = opts.quit_source && src.execute("quit", None).is_ok();
@@ -259,6 +254,17 @@ pub fn adopt(
             source_quit,
         },
     ))
+}
+
+/// Runs the guest in the old QEMU again after a completed migration whose guest did not run
+/// in tandem's (already gone); says what became of it.
+fn resume_source(src: &mut Qmp) -> String {
+    match src.execute("cont", None) {
+        Ok(_) => "the guest runs on in its own QEMU again (resumed there)".to_string(),
+        Err(e) => format!(
+            "resuming it in its own QEMU failed too ({e}): the guest is stopped; `cont` on that QEMU's monitor"
+        ),
+    }
 }
 
 /// The source runs a guest this description can take.
