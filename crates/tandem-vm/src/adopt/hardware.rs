@@ -2,7 +2,10 @@
 //! device the new QEMU lacks, but not a new QEMU with a device more, another CPU model or other
 //! MACs (the guest would find them under its feet). Both QEMUs are asked before anything
 //! moves: PCI functions (address, vendor, device, subsystem, class), vCPUs (count, model,
-//! every CPUID feature word) and NIC MACs.
+//! every CPUID feature word), NIC MACs, and the features each virtio device offers (which also
+//! depend on its backend: a virtio NIC on a tap with virtio-net headers offers checksum and
+//! segmentation offloads, one on a backend without them does not, and QEMU would refuse to
+//! load its state only after the guest stopped).
 
 use serde_json::{json, Value};
 
@@ -14,6 +17,7 @@ pub(super) struct Hardware {
     pci: Vec<String>,
     cpus: Vec<String>,
     macs: Vec<String>,
+    virtio: Vec<String>,
 }
 
 impl Hardware {
@@ -67,7 +71,12 @@ impl Hardware {
             Err(_) => Vec::new(),
         };
         macs.sort();
-        Ok(Hardware { pci, cpus: c, macs })
+        Ok(Hardware {
+            pci,
+            cpus: c,
+            macs,
+            virtio: virtio_features(q),
+        })
     }
 
     /// What differs between the running QEMU (`self`) and tandem's (`new`), one line each.
@@ -76,8 +85,47 @@ impl Hardware {
         diff("PCI", &self.pci, &new.pci, &mut out);
         diff("CPU", &self.cpus, &new.cpus, &mut out);
         diff("NIC MAC", &self.macs, &new.macs, &mut out);
+        diff("virtio", &self.virtio, &new.virtio, &mut out);
+        if out
+            .iter()
+            .any(|l| l.contains("virtio-net") && l.contains("_TSO"))
+        {
+            out.push(
+                "hint: a virtio NIC with offloads on one side only is a tap with virtio-net headers (vnet_hdr: QEMU's default for a tap, libvirt's for a virtio NIC) against a backend without them: set vnet_hdr = true in the description when the running VM's NIC is on such a tap".into(),
+            );
+        }
         out
     }
+}
+
+/// One line per virtio device: its kind and the features it offers, in QEMU's words
+/// (`x-query-virtio`; an older QEMU without it compares none).
+fn virtio_features(q: &mut Qmp) -> Vec<String> {
+    let Ok(list) = q.execute("x-query-virtio", None) else {
+        return Vec::new();
+    };
+    let mut out = Vec::new();
+    for d in list.as_array().into_iter().flatten() {
+        let (Some(name), Some(path)) = (d["name"].as_str(), d["path"].as_str()) else {
+            continue;
+        };
+        let Ok(st) = q.execute("x-query-virtio-status", Some(json!({ "path": path }))) else {
+            continue;
+        };
+        let hf = &st["host-features"];
+        let mut f: Vec<String> = ["transports", "dev-features"]
+            .iter()
+            .flat_map(|k| hf[*k].as_array().cloned().unwrap_or_default())
+            .filter_map(|v| {
+                v.as_str()
+                    .map(|s| s.split(':').next().unwrap_or(s).to_string())
+            })
+            .collect();
+        f.sort();
+        out.push(format!("{name} offering {}", f.join(" ")));
+    }
+    out.sort();
+    out
 }
 
 fn pci_devices(devices: &Value, out: &mut Vec<String>) {
@@ -146,11 +194,13 @@ mod tests {
             pci: vec!["00:02.0 x".into()],
             cpus: vec!["1 vCPU(s)".into()],
             macs: vec![],
+            virtio: vec![],
         };
         let b = Hardware {
             pci: vec!["00:02.0 x".into(), "00:03.0 y".into()],
             cpus: vec!["2 vCPU(s)".into()],
             macs: vec![],
+            virtio: vec![],
         };
         let d = a.differences(&b);
         assert_eq!(d.len(), 3, "{d:?}");
