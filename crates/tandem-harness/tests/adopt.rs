@@ -5,30 +5,11 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common::{free_port, spawn, wait_event, wait_line, Proc};
-
-/// The lab guest's counter in the console file `path` once it passes `after`.
-fn tick_after(path: &Path, after: u64, within: Duration) -> u64 {
-    let mut c = tandem_vm::console::Console::new(path);
-    let t = Instant::now();
-    loop {
-        let _ = c.poll();
-        if let Some(n) = tandem_labguest::last_tick(&c).filter(|&n| n > after) {
-            return n;
-        }
-        assert!(
-            t.elapsed() < within,
-            "no tick above {after} in {}: {}",
-            path.display(),
-            c.tail(5)
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
-}
 
 fn fence_show(eps: &str) -> String {
     let out = Command::new(tandem_harness::product_exe().unwrap())
@@ -74,7 +55,7 @@ fn an_adopted_guest_is_fenced_protected_and_taken_over_without_a_reboot() {
             .spawn()
             .unwrap(),
     );
-    let before = tick_after(&console, 1, Duration::from_secs(180));
+    let before = tandem_labguest::tick_above(&console, 1, Duration::from_secs(180)).unwrap();
 
     let listen = format!("127.0.0.1:{}", free_port());
     let bdir = dir.path().join("b");
@@ -120,11 +101,12 @@ fn an_adopted_guest_is_fenced_protected_and_taken_over_without_a_reboot() {
         adopted["downtime_ms"].as_u64().unwrap() < 5_000,
         "{adopted}"
     );
-    let moved = tick_after(
+    let moved = tandem_labguest::tick_above(
         &pdir.join("guest-console.log"),
         before,
         Duration::from_secs(30),
-    );
+    )
+    .unwrap();
     wait_event(&prx, "protected", Duration::from_secs(120), |_| true);
     wait_event(&prx, "acked", Duration::from_secs(60), |v| {
         v["epoch"].as_u64() >= Some(5)
@@ -140,11 +122,12 @@ fn an_adopted_guest_is_fenced_protected_and_taken_over_without_a_reboot() {
     p.kill().unwrap();
     p.wait().unwrap();
     wait_event(&brx, "failed_over", Duration::from_secs(60), |_| true);
-    let resumed = tick_after(
+    let resumed = tandem_labguest::tick_above(
         &bdir.join("guest-console.log"),
         moved,
         Duration::from_secs(30),
-    );
+    )
+    .unwrap();
     let there = std::fs::read_to_string(bdir.join("guest-console.log")).unwrap();
     assert!(!there.contains(tandem_labguest::READY), "{there}");
     eprintln!("ticks: {before} by hand, {moved} adopted, {resumed} after the failover");

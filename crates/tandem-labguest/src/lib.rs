@@ -272,3 +272,25 @@ pub fn last_tick(console: &Console) -> Option<u64> {
             .ok()
     })
 }
+
+/// Follows the console file at `path` until the guest's `tandem-tick` counter passes `after`
+/// (within `within`) and returns it: a guest that carried on from a migration or a failover
+/// counts on, one that rebooted starts again at 1.
+pub fn tick_above(path: &Path, after: u64, within: Duration) -> Result<u64, ConsoleError> {
+    let mut c = Console::new(path);
+    let t = std::time::Instant::now();
+    loop {
+        let _ = c.poll();
+        if let Some(n) = last_tick(&c).filter(|&n| n > after) {
+            return Ok(n);
+        }
+        if t.elapsed() >= within {
+            return Err(ConsoleError::Timeout {
+                needle: format!("a tandem-tick counter above {after} in {}", path.display()),
+                timeout: within,
+                tail: c.tail(10),
+            });
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}

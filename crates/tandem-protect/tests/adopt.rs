@@ -3,13 +3,16 @@
 //! backup fails over. The guest's console counter shows it never rebooted: it goes on in
 //! tandem's QEMU and then in the backup's.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
+use common::wait_for;
 use tandem_protect::backup::BackupConfig;
 use tandem_protect::primary::{AdoptConfig, PrimaryConfig};
-use tandem_protect::{backup, primary, DaemonHandle, Event, VmSpec};
+use tandem_protect::{backup, primary, Event, VmSpec};
 use tandem_test_support::free_port;
 use tandem_vm::console::Console;
 
@@ -43,48 +46,6 @@ fn start_by_hand(vm: &VmSpec, dir: &Path) -> (Source, PathBuf, PathBuf) {
     (Source(child), qmp, serial)
 }
 
-fn wait_for<T>(
-    h: &DaemonHandle<T>,
-    seen: &mut Vec<Event>,
-    within: Duration,
-    want: impl Fn(&Event) -> bool,
-) -> Event {
-    let t = Instant::now();
-    while t.elapsed() < within {
-        let Ok(e) = h.events().recv_timeout(Duration::from_millis(100)) else {
-            assert!(!h.is_finished(), "the daemon ended; saw {seen:#?}");
-            continue;
-        };
-        if let Event::Info { text } | Event::Warn { text } = &e {
-            eprintln!("{text}");
-        }
-        seen.push(e.clone());
-        if want(&e) {
-            return e;
-        }
-    }
-    panic!("no such event within {within:?}; saw {seen:#?}");
-}
-
-/// The guest's console counter in `path` once it passes `after`.
-fn tick_after(path: &Path, after: u64, within: Duration) -> u64 {
-    let mut c = Console::new(path);
-    let t = Instant::now();
-    loop {
-        let _ = c.poll();
-        if let Some(n) = tandem_labguest::last_tick(&c).filter(|&n| n > after) {
-            return n;
-        }
-        assert!(
-            t.elapsed() < within,
-            "no tick above {after} in {} within {within:?}: {}",
-            path.display(),
-            c.tail(10)
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
-}
-
 #[test]
 fn a_running_guest_is_adopted_without_a_reboot_protected_and_failed_over() {
     let dir = tempfile::Builder::new()
@@ -106,7 +67,7 @@ fn a_running_guest_is_adopted_without_a_reboot_protected_and_failed_over() {
     let (_source, qmp, serial) = start_by_hand(&vm, dir.path());
     let mut console = Console::new(&serial);
     let first = tandem_labguest::wait_tick(&mut console, Duration::from_secs(180)).unwrap();
-    let before = tick_after(&serial, first, Duration::from_secs(30));
+    let before = tandem_labguest::tick_above(&serial, first, Duration::from_secs(30)).unwrap();
 
     let backup_port = free_port();
     let mut bc = BackupConfig::new(format!("127.0.0.1:{backup_port}"), &bdir, vm.clone());
@@ -140,11 +101,12 @@ fn a_running_guest_is_adopted_without_a_reboot_protected_and_failed_over() {
     );
     // The counter goes on in tandem's QEMU: no reboot (a boot would start it at 1 again and
     // print the ready line first).
-    let moved = tick_after(
+    let moved = tandem_labguest::tick_above(
         &pdir.join("guest-console.log"),
         before,
         Duration::from_secs(30),
-    );
+    )
+    .unwrap();
     let here = std::fs::read_to_string(pdir.join("guest-console.log")).unwrap();
     assert!(!here.contains(tandem_labguest::READY), "{here}");
     eprintln!("ticks: {before} by hand, {moved} in tandem's QEMU");
@@ -169,11 +131,12 @@ fn a_running_guest_is_adopted_without_a_reboot_protected_and_failed_over() {
     wait_for(&b, &mut bs, Duration::from_secs(60), |e| {
         matches!(e, Event::FailedOver { .. })
     });
-    let resumed = tick_after(
+    let resumed = tandem_labguest::tick_above(
         &bdir.join("guest-console.log"),
         moved,
         Duration::from_secs(30),
-    );
+    )
+    .unwrap();
     let there = std::fs::read_to_string(bdir.join("guest-console.log")).unwrap();
     assert!(!there.contains(tandem_labguest::READY), "{there}");
     eprintln!("ticks: {resumed} on the backup");

@@ -3,15 +3,18 @@
 //! A link cut makes the backup fail over; the handles' typed events tell the test what
 //! happened, and their stop requests end both daemons.
 
+mod common;
+
 use std::io::{Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
+use common::wait_for;
 use tandem_protect::backup::BackupConfig;
 use tandem_protect::primary::PrimaryConfig;
-use tandem_protect::{backup, primary, DaemonHandle, Event, VmSpec};
+use tandem_protect::{backup, primary, Event, VmSpec};
 use tandem_test_support::free_port;
 
 /// A TCP relay from `listen` to `upstream` that the test cuts: then every connection is
@@ -65,31 +68,6 @@ fn pipe(mut from: TcpStream, mut to: TcpStream) {
         }
         let _ = to.shutdown(Shutdown::Both);
     });
-}
-
-/// Reads `h`'s events until `want` matches one (returned) or `within` passes (panics with
-/// the events seen). Every event is also kept in `seen`.
-fn wait_for<T>(
-    h: &DaemonHandle<T>,
-    seen: &mut Vec<Event>,
-    within: Duration,
-    want: impl Fn(&Event) -> bool,
-) -> Event {
-    let t = Instant::now();
-    while t.elapsed() < within {
-        let Ok(e) = h.events().recv_timeout(Duration::from_millis(100)) else {
-            assert!(!h.is_finished(), "the daemon ended; saw {seen:#?}");
-            continue;
-        };
-        if let Event::Info { text } | Event::Warn { text } = &e {
-            eprintln!("{text}");
-        }
-        seen.push(e.clone());
-        if want(&e) {
-            return e;
-        }
-    }
-    panic!("no such event within {within:?}; saw {seen:#?}");
 }
 
 #[test]

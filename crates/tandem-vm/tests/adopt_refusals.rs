@@ -67,6 +67,21 @@ fn config(mem_mib: u64, ram_block: &str) -> VmConfig {
     c
 }
 
+/// A read-only raw virtio-blk disk, as a QEMU started with `-drive ...,readonly=on` and
+/// `virtio-blk-pci` has it.
+fn raw_disk(path: PathBuf) -> DiskDesc {
+    DiskDesc {
+        path,
+        format: DiskFormat::Raw,
+        bus: DiskBus::VirtioBlk,
+        cache: None,
+        aio: None,
+        readonly: true,
+        slice: None,
+        pci: None,
+    }
+}
+
 fn try_adopt(c: &VmConfig, s: &Source) -> AdoptError {
     // Wait for the source's socket like the adoption would.
     drop(Qmp::connect(&s.qmp, Duration::from_secs(10)).unwrap());
@@ -116,16 +131,7 @@ fn other_hardware_is_refused_before_anything_moves() {
     let disk = s._dir.path().join("disk.raw");
     std::fs::write(&disk, vec![0u8; 1 << 20]).unwrap();
     let mut c = config(128, "pc.ram");
-    c.disks = vec![DiskDesc {
-        path: disk,
-        format: DiskFormat::Raw,
-        bus: DiskBus::VirtioBlk,
-        cache: None,
-        aio: None,
-        readonly: true,
-        slice: None,
-        pci: None,
-    }];
+    c.disks = vec![raw_disk(disk)];
     c.nics = vec![NicDesc {
         mac: "52:54:00:00:00:01".into(),
         model: "e1000".into(),
@@ -221,16 +227,7 @@ fn a_nic_backend_without_virtio_net_headers_is_refused_before_anything_moves() {
         },
         pci: None,
     }];
-    c.disks = vec![DiskDesc {
-        path: disk,
-        format: DiskFormat::Raw,
-        bus: DiskBus::VirtioBlk,
-        cache: None,
-        aio: None,
-        readonly: true,
-        slice: None,
-        pci: None,
-    }];
+    c.disks = vec![raw_disk(disk)];
     let e = try_adopt(&c, &s);
     let st = status(&s.qmp);
     drop(s);

@@ -11,7 +11,8 @@ use anyhow::{bail, Context};
 use serde::Serialize;
 
 use super::daemon::Daemon;
-use crate::netlab::BRIDGE;
+use super::pg::{self, Committer, Pgbench, Ticker};
+use crate::netlab::{BRIDGE, GUEST_IP};
 
 /// The source QEMU's tap on the clients' bridge.
 const TAP: &str = "tsrc0";
@@ -104,6 +105,121 @@ impl Drop for Source {
             .stderr(std::process::Stdio::null())
             .status();
     }
+}
+
+/// The round's VM booted by hand, with the clients that run while it moves: a psql session
+/// committing, an SSH session ticking, and with --pgbench a pgbench run.
+pub struct ByHand {
+    source: Source,
+    ticker: Ticker,
+    committer: Committer,
+    postmaster_start: String,
+    boot_s: f64,
+    pgbench: Option<std::thread::JoinHandle<anyhow::Result<Pgbench>>>,
+}
+
+impl ByHand {
+    /// Boots the VM of `desc` by hand in namespace `ns`, waits for PostgreSQL and starts the
+    /// clients (`pgbench`: its seconds and scale), then lets them run 3 s.
+    pub fn start(
+        ns: &str,
+        desc: &Path,
+        rdir: &Path,
+        key: &Path,
+        round: u64,
+        pgbench: Option<(u64, u32)>,
+    ) -> anyhow::Result<ByHand> {
+        let t = Instant::now();
+        let mut source = Source::start(ns, desc, rdir)?;
+        source.wait_ready("TANDEM-READY", Duration::from_secs(400))?;
+        let boot_s = t.elapsed().as_secs_f64();
+        pg::wait_ready(ns, GUEST_IP, Duration::from_secs(60))?;
+        let postmaster_start = pg::query(ns, GUEST_IP, "SELECT pg_postmaster_start_time()")?;
+        let ticker = Ticker::start(ns, key, GUEST_IP)?;
+        let committer = Committer::start(ns, GUEST_IP, round)?;
+        // With --pgbench the move happens under pgbench's load too.
+        let pgbench = match pgbench {
+            Some((secs, scale)) => {
+                pg::pgbench_init(pg::PgAt::Netns { ns, host: GUEST_IP }, scale)?;
+                let ns = ns.to_string();
+                Some(std::thread::spawn(move || {
+                    pg::pgbench(&ns, GUEST_IP, 4, secs)
+                }))
+            }
+            None => None,
+        };
+        std::thread::sleep(Duration::from_secs(3));
+        Ok(ByHand {
+            source,
+            ticker,
+            committer,
+            postmaster_start,
+            boot_s,
+            pgbench,
+        })
+    }
+
+    /// The QMP socket of the QEMU started by hand.
+    pub fn qmp(&self) -> String {
+        self.source.qmp.display().to_string()
+    }
+
+    /// Waits for `tandem adopt` (`primary`, started at `started`) to say the guest moved;
+    /// returns its line and what the clients saw of the move.
+    pub fn adopted(
+        &mut self,
+        primary: &mut Daemon,
+        started: Instant,
+    ) -> anyhow::Result<(String, Adoption)> {
+        let line = primary.wait_line("adopted the running guest", Duration::from_secs(600))?;
+        let moved = Instant::now();
+        let adopt_s = started.elapsed().as_secs_f64();
+        // The committer's view of the move: from the adoption's start to a second after.
+        std::thread::sleep(Duration::from_secs(2));
+        let acked = self
+            .committer
+            .acked
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        let commit_gap_ms = gap_ms(&acked, started, moved + Duration::from_secs(1));
+        let quit = Instant::now();
+        while !self.source.qemu.exited() && quit.elapsed() < Duration::from_secs(10) {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let a = Adoption {
+            boot_s: self.boot_s,
+            adopt_s,
+            downtime_ms: downtime_ms(&line).unwrap_or(f64::NAN),
+            commit_gap_ms,
+            source_quit: self.source.qemu.exited(),
+        };
+        Ok((line, a))
+    }
+
+    /// pgbench's result (waiting for it to end), and the clients that go on with the round.
+    pub fn finish(self) -> anyhow::Result<(Option<Pgbench>, Clients)> {
+        let pgbench = match self.pgbench {
+            Some(h) => Some(
+                h.join()
+                    .map_err(|_| anyhow::anyhow!("pgbench's thread panicked"))??,
+            ),
+            None => None,
+        };
+        let clients = Clients {
+            ticker: self.ticker,
+            committer: self.committer,
+            postmaster_start: self.postmaster_start,
+        };
+        Ok((pgbench, clients))
+    }
+}
+
+/// The clients started before the move, and the postmaster's start time then.
+pub struct Clients {
+    pub ticker: Ticker,
+    pub committer: Committer,
+    pub postmaster_start: String,
 }
 
 /// tandem's report of the adoption: the guest's downtime in ms.

@@ -182,44 +182,21 @@ pub fn round(r: usize, o: &DebianOpts<'_>, pb: &ProgressBar) -> anyhow::Result<D
     let backup_addr: SocketAddr = format!("{BACKUP_IP}:7000").parse()?;
     let ns = o.lab.clients.as_str();
     // With --adopt the VM is booted by hand, and a client commits while it moves.
-    let mut early = None;
-    let mut source = None;
-    let mut pgbench_during = None;
-    let mut adoption = None;
-    let mut pargs: Vec<String> = if o.adopt {
+    // With --adopt the VM is booted by hand, and a client commits while it moves.
+    let mut by_hand = if o.adopt {
         pb.set_message(format!(
             "round {r}: booting Debian by hand (a plain QEMU, its own tap on the bridge; TCG is slow)"
         ));
-        let t = Instant::now();
-        let mut src = adopt::Source::start(ns, &desc, &rdir)?;
-        src.wait_ready("TANDEM-READY", Duration::from_secs(400))?;
-        let booted = t.elapsed().as_secs_f64();
-        pg::wait_ready(ns, GUEST_IP, Duration::from_secs(60))?;
-        let before = pg::query(ns, GUEST_IP, "SELECT pg_postmaster_start_time()")?;
-        let ticker = Ticker::start(ns, &o.vm.key, GUEST_IP)?;
-        let committer = Committer::start(ns, GUEST_IP, r as u64)?;
-        // With --pgbench the move happens under pgbench's load too.
-        if let Some(secs) = o.pgbench {
-            pg::pgbench_init(pg::PgAt::Netns { ns, host: GUEST_IP }, o.pgbench_scale)?;
-            let ns = ns.to_string();
-            pgbench_during = Some(std::thread::spawn(move || {
-                pg::pgbench(&ns, GUEST_IP, 4, secs)
-            }));
-        }
-        std::thread::sleep(Duration::from_secs(3));
-        let qmp = src.qmp.display().to_string();
-        adoption = Some(adopt::Adoption {
-            boot_s: booted,
-            adopt_s: 0.0,
-            downtime_ms: f64::NAN,
-            commit_gap_ms: f64::NAN,
-            source_quit: false,
-        });
-        early = Some((ticker, committer, before));
-        source = Some(src);
-        vec!["adopt".into(), "--qmp".into(), qmp, "--backup".into()]
+        let pgbench = o.pgbench.map(|secs| (secs, o.pgbench_scale));
+        Some(adopt::ByHand::start(
+            ns, &desc, &rdir, &o.vm.key, r as u64, pgbench,
+        )?)
     } else {
-        vec!["primary".into(), "--backup".into()]
+        None
+    };
+    let mut pargs: Vec<String> = match &by_hand {
+        Some(b) => vec!["adopt".into(), "--qmp".into(), b.qmp(), "--backup".into()],
+        None => vec!["primary".into(), "--backup".into()],
     };
     pargs.push(backup_addr.to_string());
     pargs.extend([
@@ -249,30 +226,14 @@ pub fn round(r: usize, o: &DebianOpts<'_>, pb: &ProgressBar) -> anyhow::Result<D
         &pargs,
         rdir.join("primary.log"),
     )?;
-    let (ready, boot_s) = match (&mut adoption, &mut source) {
-        (Some(a), Some(src)) => {
-            let line = primary.wait_line("adopted the running guest", Duration::from_secs(600))?;
-            let moved = Instant::now();
-            a.adopt_s = t.elapsed().as_secs_f64();
-            a.downtime_ms = adopt::downtime_ms(&line).unwrap_or(f64::NAN);
-            // The committer's view of the move: from the adoption's start to a second after.
-            let acked = early
-                .as_ref()
-                .map(|e| e.1.acked.clone())
-                .unwrap_or_default();
-            std::thread::sleep(Duration::from_secs(2));
-            let acked = acked.lock().unwrap_or_else(|e| e.into_inner()).clone();
-            a.commit_gap_ms = adopt::gap_ms(&acked, t, moved + Duration::from_secs(1));
-            let quit = Instant::now();
-            while !src.qemu.exited() && quit.elapsed() < Duration::from_secs(10) {
-                std::thread::sleep(Duration::from_millis(50));
-            }
-            a.source_quit = src.qemu.exited();
-            (line, a.boot_s)
+    let (ready, boot_s, adoption) = match &mut by_hand {
+        Some(b) => {
+            let (line, a) = b.adopted(&mut primary, t)?;
+            (line, a.boot_s, Some(a))
         }
-        _ => {
+        None => {
             let line = primary.wait_line("guest ready", Duration::from_secs(400))?;
-            (line, t.elapsed().as_secs_f64())
+            (line, t.elapsed().as_secs_f64(), None)
         }
     };
     let qemu = qemu_pid(&ready);
@@ -293,15 +254,15 @@ pub fn round(r: usize, o: &DebianOpts<'_>, pb: &ProgressBar) -> anyhow::Result<D
         ep.poll(&jsonl);
     }
     let protect_s = t.elapsed().as_secs_f64();
-    let pgbench_during_adoption = match pgbench_during {
-        Some(h) => Some(
-            h.join()
-                .map_err(|_| anyhow::anyhow!("pgbench's thread panicked"))??,
-        ),
-        None => None,
+    let (pgbench_during_adoption, early) = match by_hand {
+        Some(b) => {
+            let (pgbench, clients) = b.finish()?;
+            (pgbench, Some(clients))
+        }
+        None => (None, None),
     };
     let postmaster_start_before = match &early {
-        Some(e) => e.2.clone(),
+        Some(c) => c.postmaster_start.clone(),
         None => {
             pg::wait_ready(ns, GUEST_IP, Duration::from_secs(60))?;
             pg::query(ns, GUEST_IP, "SELECT pg_postmaster_start_time()")?
@@ -321,7 +282,7 @@ pub fn round(r: usize, o: &DebianOpts<'_>, pb: &ProgressBar) -> anyhow::Result<D
     let capture = Capture::start(ns, "tdp0")?;
     let clock = Clock::now();
     let (mut ticker, committer) = match early {
-        Some((t, c, _)) => (t, c),
+        Some(c) => (c.ticker, c.committer),
         None => (
             Ticker::start(ns, &o.vm.key, GUEST_IP)?,
             Committer::start(ns, GUEST_IP, r as u64)?,
