@@ -31,6 +31,14 @@ pub enum Cmd {
         #[command(flatten)]
         vm: VmArgs,
     },
+    /// libvirt's qemu hook (install dist/libvirt/qemu as /etc/libvirt/hooks/qemu): refuses
+    /// to start a domain that tandem adopted and runs (docs/VM_DESCRIPTION.md, "libvirt").
+    /// Reads the domain XML on stdin.
+    LibvirtHook {
+        /// DOMAIN OPERATION SUB-OPERATION EXTRA, as libvirt passes them.
+        #[arg(num_args = 0.., allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
 }
 
 pub fn run(c: Cmd) -> anyhow::Result<()> {
@@ -64,6 +72,20 @@ pub fn run(c: Cmd) -> anyhow::Result<()> {
         Cmd::Show { vm } => {
             let c = vm.spec().config("show")?;
             print!("{}", VmFile::from_config(&c).to_toml());
+            Ok(())
+        }
+        Cmd::LibvirtHook { args } => {
+            use std::io::Read;
+            let mut xml = String::new();
+            // libvirt gives the XML for every operation; a hook that cannot read it lets the
+            // domain through only if it is not starting.
+            std::io::stdin()
+                .read_to_string(&mut xml)
+                .context("reading the domain XML libvirt passes on stdin")?;
+            if let Err(refusal) = tandem_protect::libvirt::inloop::hook(&args, &xml) {
+                eprintln!("{refusal}");
+                std::process::exit(1);
+            }
             Ok(())
         }
         Cmd::Check { vm } => {

@@ -1,5 +1,5 @@
 //! The TOML VM description (docs/VM_DESCRIPTION.md): how the VM boots (`[boot]`), its disks
-//! (`[[disk]]`) and NICs (`[[nic]]`), and `mem`, `vcpus`, `machine`, `ram_block`, `vnet_hdr`, `extra_args`, `ready`,
+//! (`[[disk]]`) and NICs (`[[nic]]`), and `mem`, `vcpus`, `machine`, `topology`, `ram_block`, `vnet_hdr`, `extra_args`, `ready`,
 //! `dirty_log`, `qemu`, `accel`, `label`, `legacy_virtio`, `scratch_disk_mib`.
 
 use std::path::{Path, PathBuf};
@@ -23,6 +23,9 @@ pub struct VmFile {
     /// Machine type (q35, pc).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub machine: Option<String>,
+    /// vCPU topology (`sockets=2,cores=1,threads=1`; default: QEMU's for the machine type).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub topology: Option<String>,
     /// The name of the guest RAM's block in QEMU's migration stream (default `ram0`; a QEMU
     /// started with plain `-m`, and libvirt, name it `pc.ram`): a VM adopted from a running
     /// QEMU keeps that QEMU's name (`tandem adopt`).
@@ -390,6 +393,7 @@ impl VmFile {
             mem: Some(c.mem_mib),
             vcpus: Some(c.vcpus),
             machine: Some(c.machine.clone()),
+            topology: c.topology.clone(),
             ram_block: (c.ram_block != "ram0").then(|| c.ram_block.clone()),
             vnet_hdr: c.vnet_hdr.then_some(true),
             ready: c.ready.clone(),

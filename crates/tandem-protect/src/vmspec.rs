@@ -145,6 +145,9 @@ impl VmSpec {
         if let Some(m) = &f.machine {
             c.machine = m.clone();
         }
+        if f.topology.is_some() {
+            c.topology = f.topology.clone();
+        }
         if let Some(id) = &f.ram_block {
             c.ram_block = id.clone();
         }

@@ -285,8 +285,20 @@ fn libvirt_domain_as_written_by_virt_install() {
     assert_eq!(f.nic.len(), 1);
     assert_eq!(f.nic[0].mac, "52:54:00:6b:3c:58");
     assert_eq!(f.nic[0].bridge.as_deref(), Some("br0"));
-    // The CPU the guest runs with (host-passthrough) is kept.
-    assert_eq!(f.extra_args, ["-cpu", "host", "-rtc", "base=utc"]);
+    // The CPU the guest runs with (host-passthrough), its UUID, clock and power management
+    // are kept; the domain's own <qemu:commandline> comes last.
+    let args = f.extra_args.join(" ");
+    for want in [
+        "-uuid ",
+        "-cpu host",
+        "-rtc base=utc,driftfix=slew",
+        "-global kvm-pit.lost_tick_policy=delay",
+        "-no-hpet",
+        "-global ICH9-LPC.disable_s3=1",
+    ] {
+        assert!(args.contains(want), "{want} not in {args}");
+    }
+    assert!(args.ends_with("-rtc base=utc"), "{args}");
     let named: Vec<&str> = unmapped.iter().map(|u| u.element.as_str()).collect();
     for want in [
         "devices/disk[sdb]",
@@ -295,15 +307,18 @@ fn libvirt_domain_as_written_by_virt_install() {
         "devices/graphics[vnc]",
         "devices/video",
         "devices/channel[unix]",
-        "clock",
         "features/vmport",
-        "pm",
+        // Without an address (hand-written XML), the USB controller is not created, nor
+        // the tablet on it.
+        "devices/controller[usb,0]/address",
+        "devices/input[tablet,usb]",
     ] {
         assert!(named.contains(&want), "{want} not named in {named:?}");
     }
-    // Nothing dropped silently: the disk behind a PCIe root port (bus 4) is named.
+    // Nothing dropped silently: the disk behind a PCIe root port (bus 4) that the XML does
+    // not define is named, and goes on the root bus.
     assert!(
-        named.contains(&"devices/disk[vda]/address[bus 0x04]"),
+        named.contains(&"devices/disk[/var/lib/libvirt/images/web.qcow2]/address[04:00.0]"),
         "{named:?}"
     );
     assert_eq!(f.disk[0].pci, None);
@@ -450,5 +465,49 @@ fn a_block_device_is_a_raw_disk() {
     assert!(
         e.contains("neither a regular file nor a block device"),
         "{e}"
+    );
+}
+
+#[test]
+fn libvirt_live_q35_domain_keeps_its_whole_device_tree() {
+    // `virsh dumpxml` of a running domain that virt-install defined (q35 with libvirt's
+    // defaults), recorded from the libvirt adoption test.
+    let (f, unmapped) = import(&fixture("virt-install-q35-live.xml")).unwrap();
+    assert_eq!(f.machine.as_deref(), Some("pc-q35-7.2"));
+    assert_eq!(f.topology.as_deref(), Some("sockets=2,cores=1,threads=1"));
+    assert_eq!(f.vnet_hdr, Some(true));
+    // Disk and NIC keep their places behind root ports 4 and 1.
+    assert_eq!(f.disk[0].pci.as_deref(), Some("04:00.0"));
+    assert_eq!(f.nic[0].pci.as_deref(), Some("01:00.0"));
+    let args = &f.extra_args;
+    // The 14 root ports come first (the buses exist before the devices on them).
+    let ports = args
+        .iter()
+        .take(28)
+        .filter(|a| a.starts_with("pcie-root-port,id=pci."))
+        .count();
+    assert_eq!(ports, 14, "{args:?}");
+    let text = args.join(" ");
+    for want in [
+        "qemu-xhci,id=usb,bus=pci.2,addr=0x0.0x0,p2=15,p3=15",
+        "virtio-serial-pci,id=virtio-serial0,bus=pci.3",
+        "-chardev null,id=charchannel0",
+        "virtserialport,bus=virtio-serial0.0,nr=1,chardev=charchannel0",
+        "virtio-balloon-pci,id=balloon0,bus=pci.5",
+        "rng-random,id=objrng0,filename=/dev/urandom",
+        "virtio-rng-pci,rng=objrng0,id=rng0,bus=pci.6",
+        "-cpu qemu64,+hypervisor,+lahf_lm",
+        "-no-hpet",
+    ] {
+        assert!(text.contains(want), "{want} not in {text}");
+    }
+    // Everything passes the allow-list, and only the serial port's host end and the guest
+    // agent's channel are named.
+    tandem_vm::desc::check_extra_args(args).unwrap();
+    let named: Vec<&str> = unmapped.iter().map(|u| u.element.as_str()).collect();
+    assert_eq!(
+        named,
+        ["devices/serial", "devices/channel[unix]/source"],
+        "{unmapped:#?}"
     );
 }

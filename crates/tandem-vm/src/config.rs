@@ -17,6 +17,9 @@ pub struct VmConfig {
     pub vcpus: u32,
     /// QEMU machine type (q35, pc).
     pub machine: String,
+    /// How the vCPUs are laid out (`sockets=2,cores=1,threads=1`; None: QEMU's default for
+    /// the machine type). The guest sees it in CPUID: an adopted guest keeps its own.
+    pub topology: Option<String>,
     /// The id of the guest RAM's memory backend, which is also the name of its RAM block in
     /// QEMU's migration stream (`ram0`; a QEMU started with plain `-m`, and libvirt, name it
     /// `pc.ram`). A guest adopted from a running QEMU keeps that QEMU's name, and its standby
@@ -89,6 +92,7 @@ impl VmConfig {
             mem_mib: 256,
             vcpus: 1,
             machine: "q35".into(),
+            topology: None,
             ram_block: "ram0".into(),
             boot: Boot::Firmware,
             vnet_hdr: false,
@@ -132,6 +136,9 @@ impl VmConfig {
             return Err(VmError::ScratchDisk(self.scratch_disk_mib));
         }
         desc::check_ram_block(&self.ram_block)?;
+        if let Some(t) = &self.topology {
+            desc::check_topology(t, self.vcpus)?;
+        }
         let host = std::thread::available_parallelism()
             .map(|n| n.get() as u32)
             .unwrap_or(1);

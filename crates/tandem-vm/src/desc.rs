@@ -88,44 +88,63 @@ pub struct DiskDesc {
     pub pci: Option<PciAddr>,
 }
 
-/// A PCI address on the machine's root bus: the slot and function a device keeps, so that
-/// the guest sees the layout it was installed with (libvirt's `<address type='pci'>`).
+/// A PCI address: the slot and function a device keeps, so that the guest sees the layout it
+/// was installed with (libvirt's `<address type='pci'>`), on the machine's root bus or behind
+/// a PCIe root port or bridge that the description's `extra_args` create with libvirt's id
+/// (`pci.N`, as `tandem vm import` writes them).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct PciAddr {
-    /// Slot, 1..=0x1f.
+    /// The bus: 0 the root bus, N the bus of the controller with QEMU id `pci.N`.
+    pub bus: u8,
+    /// Slot, 1..=0x1f on the root bus, 0..=0x1f behind a controller.
     pub slot: u8,
     /// Function, 0..=7.
     pub function: u8,
 }
 
 impl PciAddr {
-    /// Parses `SLOT[.FUNCTION]` in hex (`0x05`, `5`, `05.0`, `0x1f.7`).
+    /// Parses `[BUS:]SLOT[.FUNCTION]` in hex (`0x05`, `5`, `05.0`, `0x1f.7`, `04:00.0`).
     pub fn parse(s: &str) -> Result<PciAddr, DescError> {
         let bad = || {
             invalid(format!(
-                "PCI address {s:?}: SLOT[.FUNCTION] in hex on the root bus, slot 1..1f and function 0..7 (e.g. \"0x05\" or \"05.0\")"
+                "PCI address {s:?}: [BUS:]SLOT[.FUNCTION] in hex, slot 1..1f on the root bus (0..1f behind bus pci.N) and function 0..7 (e.g. \"0x05\", \"05.0\" or \"04:00.0\")"
             ))
         };
+        let hex = |v: &str| u8::from_str_radix(v.trim().trim_start_matches("0x"), 16);
         let t = s.trim();
-        let t = t.strip_prefix("0x").unwrap_or(t);
+        let (bus, t) = match t.split_once(':') {
+            Some((b, rest)) => (hex(b).map_err(|_| bad())?, rest),
+            None => (0, t),
+        };
         let (slot, function) = t.split_once('.').unwrap_or((t, "0"));
-        let slot = u8::from_str_radix(slot.trim_start_matches("0x"), 16).map_err(|_| bad())?;
-        let function =
-            u8::from_str_radix(function.trim_start_matches("0x"), 16).map_err(|_| bad())?;
-        if !(1..=0x1f).contains(&slot) || function > 7 {
+        let slot = hex(slot).map_err(|_| bad())?;
+        let function = hex(function).map_err(|_| bad())?;
+        let first = if bus == 0 { 1 } else { 0 };
+        if !(first..=0x1f).contains(&slot) || function > 7 {
             return Err(bad());
         }
-        Ok(PciAddr { slot, function })
+        Ok(PciAddr {
+            bus,
+            slot,
+            function,
+        })
     }
 
-    /// QEMU's `addr=` value.
+    /// QEMU's `bus=` (behind a controller) and `addr=` values, as `-device` options.
     pub fn qemu(&self) -> String {
-        format!("0x{:x}.{:x}", self.slot, self.function)
+        let addr = format!("addr=0x{:x}.{:x}", self.slot, self.function);
+        match self.bus {
+            0 => addr,
+            b => format!("bus=pci.{b},{addr}"),
+        }
     }
 }
 
 impl std::fmt::Display for PciAddr {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.bus != 0 {
+            write!(f, "{:02x}:", self.bus)?;
+        }
         write!(f, "{:02x}.{}", self.slot, self.function)
     }
 }
@@ -272,6 +291,34 @@ pub enum DescError {
 
 fn invalid(msg: impl Into<String>) -> DescError {
     DescError::Invalid(msg.into())
+}
+
+/// A vCPU topology (`sockets=2,cores=1,threads=1`) of `vcpus` vCPUs: `sockets`, `dies`,
+/// `cores` and `threads`, each a number, whose product is `vcpus`.
+pub fn check_topology(t: &str, vcpus: u32) -> Result<(), DescError> {
+    let bad = |why: &str| {
+        invalid(format!(
+            "topology {t:?}: {why} (e.g. \"sockets=2,cores=1,threads=1\" for 2 vCPUs)"
+        ))
+    };
+    let mut product: u64 = 1;
+    for part in t.split(',') {
+        let (k, v) = part.split_once('=').ok_or_else(|| bad("KEY=N items"))?;
+        if !["sockets", "dies", "cores", "threads"].contains(&k.trim()) {
+            return Err(bad("keys are sockets, dies, cores and threads"));
+        }
+        let n: u64 = v.trim().parse().map_err(|_| bad("each value a number"))?;
+        if n == 0 {
+            return Err(bad("each value at least 1"));
+        }
+        product = product.saturating_mul(n);
+    }
+    if product != u64::from(vcpus) {
+        return Err(bad(&format!(
+            "it lays out {product} vCPUs, vcpus is {vcpus}"
+        )));
+    }
+    Ok(())
 }
 
 /// A memory backend id QEMU accepts as the guest RAM's name (`ram_block`): a letter, then
@@ -603,9 +650,29 @@ mod tests {
             let a = PciAddr::parse(text).unwrap();
             assert_eq!((a.slot, a.function), (slot, f), "{text}");
         }
-        assert_eq!(PciAddr::parse("0x0a.1").unwrap().qemu(), "0xa.1");
-        for bad in ["0", "0x20", "5.8", "x", "", "1:2"] {
+        assert_eq!(PciAddr::parse("0x0a.1").unwrap().qemu(), "addr=0xa.1");
+        let behind = PciAddr::parse("04:00.0").unwrap();
+        assert_eq!((behind.bus, behind.slot, behind.function), (4, 0, 0));
+        assert_eq!(behind.qemu(), "bus=pci.4,addr=0x0.0");
+        assert_eq!(behind.to_string(), "04:00.0");
+        assert_eq!(PciAddr::parse(&behind.to_string()).unwrap(), behind);
+        for bad in ["0", "0x20", "5.8", "x", "", "1:x", "0:0.0", "100:1.0"] {
             assert!(PciAddr::parse(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn topologies_must_lay_out_every_vcpu() {
+        assert!(check_topology("sockets=2,cores=1,threads=1", 2).is_ok());
+        assert!(check_topology("sockets=1,dies=1,cores=2,threads=2", 4).is_ok());
+        for (bad, n) in [
+            ("sockets=2,cores=2", 2),
+            ("sockets=2,cpus=1", 2),
+            ("sockets=two", 2),
+            ("sockets=0", 0),
+            ("", 1),
+        ] {
+            assert!(check_topology(bad, n).is_err(), "{bad}");
         }
     }
 }

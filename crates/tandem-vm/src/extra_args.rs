@@ -7,7 +7,9 @@
 //! `-chardev`, `-device vhost-vsock-pci`, a virtio-serial port), a shared host directory
 //! (`-virtfs`, `-fsdev`), a display or audio device. What remains are options that shape the
 //! machine the guest sees (CPU model, clock, SMBIOS, boot order, firmware file, watchdog, a few
-//! devices without a backend) — which is what libvirt domains typically pass.
+//! devices without a backend) — which is what libvirt domains typically pass. A virtio-serial
+//! port is allowed only with a `null` character device behind it: the guest keeps the port it
+//! was started with (a migration needs it), and nothing it writes there leaves the host.
 
 use crate::desc::DescError;
 
@@ -92,6 +94,7 @@ const WITH_VALUE: &[&str] = &[
     "-device",
     "-object",
     "-msg",
+    "-chardev",
 ];
 
 /// Options allowed without a value.
@@ -119,6 +122,7 @@ const DEVICE_MODELS: &[&str] = &[
     "pci-bridge",
     "pcie-pci-bridge",
     "ioh3420",
+    "virtio-serial-pci",
     "VGA",
     "cirrus-vga",
     "bochs-display",
@@ -151,6 +155,14 @@ fn refuse(arg: &str, why: impl Into<String>) -> DescError {
 /// Refuses extra QEMU arguments that collide with what tandem owns or are not on the
 /// allow-list.
 pub fn check_extra_args(args: &[String]) -> Result<(), DescError> {
+    // The null character devices, by id: the only host end a serial port may have.
+    let nulls: Vec<&str> = args
+        .windows(2)
+        .filter(|w| w[0] == "-chardev")
+        .filter_map(|w| w[1].strip_prefix("null,"))
+        .flat_map(|rest| rest.split(','))
+        .filter_map(|p| p.strip_prefix("id="))
+        .collect();
     let mut it = args.iter();
     while let Some(a) = it.next() {
         let opt = a.split_once('=').map_or(a.as_str(), |(o, _)| o);
@@ -183,13 +195,13 @@ pub fn check_extra_args(args: &[String]) -> Result<(), DescError> {
         let Some(v) = it.next() else {
             return Err(refuse(a, "it needs a value"));
         };
-        check_value(opt, v).map_err(|why| refuse(&format!("{a} {v}"), why))?;
+        check_value(opt, v, &nulls).map_err(|why| refuse(&format!("{a} {v}"), why))?;
     }
     Ok(())
 }
 
 /// The value of an allowed option: devices and objects by model, no backend properties.
-fn check_value(opt: &str, v: &str) -> Result<(), String> {
+fn check_value(opt: &str, v: &str, nulls: &[&str]) -> Result<(), String> {
     if v.contains("memory-backend") {
         return Err("guest RAM is tandem's shared memory backend; remove it".into());
     }
@@ -200,6 +212,16 @@ fn check_value(opt: &str, v: &str) -> Result<(), String> {
     match opt {
         "-device" => {
             let model = first.strip_prefix("driver=").unwrap_or(first);
+            if ["virtserialport", "virtconsole"].contains(&model) {
+                let chardev = props.iter().find(|(k, _)| *k == "chardev").map(|(_, v)| *v);
+                return match chardev {
+                    Some(c) if nulls.contains(&c) => Ok(()),
+                    _ => Err(format!(
+                        "{model} with chardev {}: a serial port's host end must be a `-chardev null` (what the guest writes there would leave unheld)",
+                        chardev.unwrap_or("(none)")
+                    )),
+                };
+            }
             if !DEVICE_MODELS.contains(&model) {
                 return Err(format!(
                     "device {model:?} is not on the allow-list of devices without a host backend ({}); disks and NICs go in [[disk]] and [[nic]]",
@@ -220,6 +242,11 @@ fn check_value(opt: &str, v: &str) -> Result<(), String> {
                     OBJECT_TYPES.join(", ")
                 ));
             }
+        }
+        "-chardev" if first != "null" => {
+            return Err(format!(
+                "character device {first:?}: only `null` ones (no host end) are on the allow-list; a socket, file or pty would carry guest I/O past output commit"
+            ));
         }
         "-global" => {
             let prop = first.split_once('=').map_or(first, |(k, _)| k);
@@ -306,10 +333,18 @@ mod tests {
                 &["-device", "vhost-vsock-pci,guest-cid=3"][..],
                 "vhost-vsock-pci",
             ),
-            (&["-device", "virtio-serial-pci"][..], "virtio-serial-pci"),
             (
                 &["-device", "virtserialport,chardev=c"][..],
                 "virtserialport",
+            ),
+            (
+                &[
+                    "-chardev",
+                    "socket,id=c,path=/s",
+                    "-device",
+                    "virtconsole,chardev=c",
+                ][..],
+                "allow-list",
             ),
             (&["-device", "usb-tablet,chardev=c"][..], "chardev="),
             (&["-device", "e1000,netdev=n"][..], "e1000"),
@@ -326,5 +361,26 @@ mod tests {
             let e = check_extra_args(&args(bad)).unwrap_err().to_string();
             assert!(e.contains(says), "{bad:?}: {e}");
         }
+    }
+
+    #[test]
+    fn a_serial_port_with_a_null_host_end_passes() {
+        check_extra_args(&args(&[
+            "-device",
+            "virtio-serial-pci,id=virtio-serial0,bus=pci.3,addr=0x0",
+            "-chardev",
+            "null,id=charchannel0",
+            "-device",
+            "virtserialport,bus=virtio-serial0.0,nr=1,chardev=charchannel0,id=channel0,name=org.qemu.guest_agent.0",
+        ]))
+        .unwrap();
+        let e = check_extra_args(&args(&[
+            "-chardev",
+            "null,id=n",
+            "-device",
+            "virtserialport,chardev=other",
+        ]))
+        .unwrap_err();
+        assert!(e.to_string().contains("chardev other"), "{e}");
     }
 }

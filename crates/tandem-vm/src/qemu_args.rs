@@ -44,7 +44,10 @@ pub fn qemu_args(
         "-m".into(),
         mem,
         "-smp".into(),
-        config.vcpus.to_string(),
+        match &config.topology {
+            Some(t) => format!("{},{t}", config.vcpus),
+            None => config.vcpus.to_string(),
+        },
         "-nodefaults".into(),
         "-no-user-config".into(),
         "-display".into(),
@@ -68,6 +71,9 @@ pub fn qemu_args(
         }
         a.extend(["-append".into(), cmdline.clone()]);
     }
+    // PCI buses first: disks and NICs may sit behind them (`pci = "BUS:SLOT.FN"`).
+    let (buses, rest) = split_buses(&config.extra_args);
+    a.extend(buses);
     disks(config, &mut a);
     nics(config, &mut a);
     a.extend([
@@ -94,8 +100,32 @@ pub fn qemu_args(
     if start != Start::Paused {
         a.extend(["-incoming".into(), "defer".into()]);
     }
-    a.extend(config.extra_args.iter().cloned());
+    a.extend(rest);
     a
+}
+
+/// The `-device` arguments of `extra` that create PCI buses, and the rest, in order.
+fn split_buses(extra: &[String]) -> (Vec<String>, Vec<String>) {
+    const BUSES: &[&str] = &["pcie-root-port", "ioh3420", "pci-bridge", "pcie-pci-bridge"];
+    let (mut buses, mut rest) = (Vec::new(), Vec::new());
+    let mut it = extra.iter();
+    while let Some(a) = it.next() {
+        if a == "-device" {
+            if let Some(v) = it.next() {
+                let model = v.split(',').next().unwrap_or("");
+                let model = model.strip_prefix("driver=").unwrap_or(model);
+                let to = if BUSES.contains(&model) {
+                    &mut buses
+                } else {
+                    &mut rest
+                };
+                to.extend([a.clone(), v.clone()]);
+                continue;
+            }
+        }
+        rest.push(a.clone());
+    }
+    (buses, rest)
 }
 
 /// `-drive` + `-device` per disk; one virtio-scsi controller if any disk needs it. With
@@ -129,7 +159,7 @@ fn disks(config: &VmConfig, a: &mut Vec<String>) {
             dev.push_str(",bootindex=0");
         }
         if let (Some(p), DiskBus::VirtioBlk) = (d.pci, d.bus) {
-            dev.push_str(&format!(",addr={}", p.qemu()));
+            dev.push_str(&format!(",{}", p.qemu()));
         }
         a.extend(["-drive".into(), drive, "-device".into(), dev]);
     }
@@ -159,7 +189,7 @@ fn nics(config: &VmConfig, a: &mut Vec<String>) {
         };
         let mut dev = format!("{},netdev=n{i},mac={}", n.model, n.mac);
         if let Some(p) = n.pci {
-            dev.push_str(&format!(",addr={}", p.qemu()));
+            dev.push_str(&format!(",{}", p.qemu()));
         }
         a.extend(["-netdev".into(), netdev, "-device".into(), dev]);
     }
@@ -302,5 +332,45 @@ mod tests {
         assert!(a.contains("memory-backend-file,id=pc.ram,size=256M,mem-path=/r,share=on"));
         assert!(a.contains("-incoming defer"), "{a}");
         assert!(!a.contains(" -S"), "{a}");
+    }
+
+    #[test]
+    fn buses_come_before_the_devices_behind_them() {
+        let mut c = VmConfig::custom("lv");
+        c.vcpus = 2;
+        c.topology = Some("sockets=2,cores=1,threads=1".into());
+        c.disks = vec![DiskDesc {
+            path: "/img/a.qcow2".into(),
+            format: DiskFormat::Qcow2,
+            bus: DiskBus::VirtioBlk,
+            cache: None,
+            aio: None,
+            readonly: false,
+            slice: None,
+            pci: Some(crate::desc::PciAddr::parse("04:00.0").unwrap()),
+        }];
+        c.extra_args = [
+            "-rtc",
+            "base=utc",
+            "-device",
+            "pcie-root-port,id=pci.4,bus=pcie.0,addr=0x1.0x3,chassis=4",
+        ]
+        .map(String::from)
+        .to_vec();
+        let a = qemu_args(
+            &c,
+            "/r".as_ref(),
+            "/q".as_ref(),
+            "/s".as_ref(),
+            Start::Paused,
+        )
+        .join(" ");
+        let port = a.find("pcie-root-port").unwrap();
+        let disk = a
+            .find("virtio-blk-pci,drive=disk0,bootindex=0,bus=pci.4,addr=0x0.0")
+            .unwrap();
+        assert!(port < disk, "{a}");
+        assert!(a.ends_with("-rtc base=utc"), "{a}");
+        assert!(a.contains("-smp 2,sockets=2,cores=1,threads=1"), "{a}");
     }
 }

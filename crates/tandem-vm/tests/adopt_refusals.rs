@@ -85,7 +85,12 @@ fn raw_disk(path: PathBuf) -> DiskDesc {
 fn try_adopt(c: &VmConfig, s: &Source) -> AdoptError {
     // Wait for the source's socket like the adoption would.
     drop(Qmp::connect(&s.qmp, Duration::from_secs(10)).unwrap());
-    match adopt(c, &s.qmp, &AdoptOptions::default(), &mut |_| {}) {
+    match adopt(
+        c,
+        &tandem_vm::adopt::Source::Qmp(s.qmp.clone()),
+        &AdoptOptions::default(),
+        &mut |_| {},
+    ) {
         Ok(_) => panic!("adopted a VM it should have refused"),
         Err(e) => e,
     }

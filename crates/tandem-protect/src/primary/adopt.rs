@@ -9,7 +9,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use tandem_vm::adopt::AdoptOptions;
+use tandem_vm::adopt::{AdoptOptions, Source};
 use tandem_vm::{Vm, VmConfig};
 
 use super::fence::Fencing;
@@ -22,8 +22,8 @@ use crate::Status;
 #[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct AdoptConfig {
-    /// The QMP socket of the QEMU that runs the guest now.
-    pub qmp: PathBuf,
+    /// The QEMU that runs the guest now: its QMP socket, or the libvirt domain.
+    pub source: Source,
     /// The longest the guest may stop for the switch (QEMU's `downtime-limit`).
     #[serde(with = "humantime_serde", default = "default_downtime")]
     pub downtime_limit: Duration,
@@ -47,8 +47,13 @@ fn default_timeout() -> Duration {
 impl AdoptConfig {
     /// Adopting the guest of the QEMU behind `qmp`, with the default limits.
     pub fn new(qmp: impl Into<PathBuf>) -> Self {
+        Self::from(Source::Qmp(qmp.into()))
+    }
+
+    /// Adopting the guest of `source`, with the default limits.
+    pub fn from(source: Source) -> Self {
         AdoptConfig {
-            qmp: qmp.into(),
+            source,
             downtime_limit: default_downtime(),
             timeout: default_timeout(),
             keep_source: false,
@@ -74,8 +79,8 @@ pub(super) fn adopt(
             .map_err(|e| PrimaryError::AdoptRefused(format!("letting its output pass: {e}")))?,
     }
     status.info(format!(
-        "adopting the guest of the QEMU at {}: live migration into tandem's QEMU (downtime limit {} ms)",
-        a.qmp.display(),
+        "adopting the guest of {}: live migration into tandem's QEMU (downtime limit {} ms)",
+        a.source,
         a.downtime_limit.as_millis()
     ));
     let opts = AdoptOptions {
@@ -87,7 +92,7 @@ pub(super) fn adopt(
     // The migration's pre-copy rounds are progress for systemd's watchdog, not a hang.
     fe.beat.allow(a.timeout + Duration::from_secs(30));
     let mut bar = None;
-    let (vm, done) = tandem_vm::adopt::adopt(vmc, &a.qmp, &opts, &mut |p| {
+    let (vm, done) = tandem_vm::adopt::adopt(vmc, &a.source, &opts, &mut |p| {
         if p.total > 0 {
             bar.get_or_insert_with(|| {
                 crate::progress::Progress::new("adoption", p.total, status, &fe.registry)
@@ -118,6 +123,23 @@ pub(super) fn adopt(
             "the old QEMU is left in postmigrate for its manager to end"
         }
     ));
+    if let Source::Libvirt(l) = &a.source {
+        // libvirt keeps the domain, marked: it shows who runs the guest and its hook refuses
+        // to start a second QEMU on the same disks.
+        let node = std::fs::read_to_string("/proc/sys/kernel/hostname")
+            .map(|h| h.trim().to_string())
+            .unwrap_or_else(|_| "?".into());
+        match crate::libvirt::inloop::mark_protected(l, &l.domain, &node) {
+            Ok(()) => status.info(format!(
+                "libvirt domain {} marked as protected by tandem (autostart off, metadata, title); its hook refuses to start it",
+                l.domain
+            )),
+            Err(e) => status.warn(format!(
+                "{}: libvirt could start the domain again; mark it by hand (docs/VM_DESCRIPTION.md, \"libvirt\")",
+                crate::chain(&e)
+            )),
+        }
+    }
     Ok(vm)
 }
 

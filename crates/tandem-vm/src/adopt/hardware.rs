@@ -1,7 +1,7 @@
 //! What the guest sees must not change when it moves: QEMU's migration refuses a stream with a
 //! device the new QEMU lacks, but not a new QEMU with a device more, another CPU model or other
 //! MACs (the guest would find them under its feet). Both QEMUs are asked before anything
-//! moves: PCI functions (address, vendor, device, subsystem, class), vCPUs (count, model,
+//! moves: PCI functions (address or path behind bridges, vendor, device, subsystem, class; model behind bridges), vCPUs (count, model,
 //! every CPUID feature word), NIC MACs, and the features each virtio device offers (which also
 //! depend on its backend: a virtio NIC on a tap with virtio-net headers offers checksum and
 //! segmentation offloads, one on a backend without them does not, and QEMU would refuse to
@@ -9,7 +9,8 @@
 
 use serde_json::{json, Value};
 
-use crate::qmp::{Qmp, QmpError};
+use super::Monitor;
+use crate::qmp::QmpError;
 
 /// The hardware a QEMU shows its guest, as comparable lines.
 #[derive(Debug, PartialEq, Eq)]
@@ -22,7 +23,7 @@ pub(super) struct Hardware {
 
 impl Hardware {
     /// Asks `q`.
-    pub(super) fn of(q: &mut Qmp) -> Result<Hardware, QmpError> {
+    pub(super) fn of(q: &mut dyn Monitor) -> Result<Hardware, QmpError> {
         let mut pci = Vec::new();
         for bus in q
             .execute("query-pci", None)?
@@ -32,12 +33,13 @@ impl Hardware {
         {
             pci_devices(&bus["devices"], &mut pci);
         }
+        pci.extend(pci_behind_bridges(q)?);
         pci.sort();
         let cpus = q.execute("query-cpus-fast", None)?;
         let list = cpus.as_array().cloned().unwrap_or_default();
         let mut c = vec![format!("{} vCPU(s)", list.len())];
         if let Some(path) = list.first().and_then(|c| c["qom-path"].as_str()) {
-            let get = |q: &mut Qmp, p: &str| {
+            let get = |q: &mut dyn Monitor, p: &str| {
                 q.execute("qom-get", Some(json!({ "path": path, "property": p })))
             };
             c.push(format!("model {}", get(q, "type")?.as_str().unwrap_or("?")));
@@ -100,7 +102,7 @@ impl Hardware {
 
 /// One line per virtio device: its kind and the features it offers, in QEMU's words
 /// (`x-query-virtio`; an older QEMU without it compares none).
-fn virtio_features(q: &mut Qmp) -> Vec<String> {
+fn virtio_features(q: &mut dyn Monitor) -> Vec<String> {
     let Ok(list) = q.execute("x-query-virtio", None) else {
         return Vec::new();
     };
@@ -128,6 +130,7 @@ fn virtio_features(q: &mut Qmp) -> Vec<String> {
     out
 }
 
+/// One line per PCI function on the root bus (`query-pci`).
 fn pci_devices(devices: &Value, out: &mut Vec<String>) {
     for d in devices.as_array().into_iter().flatten() {
         let id = &d["id"];
@@ -143,8 +146,76 @@ fn pci_devices(devices: &Value, out: &mut Vec<String>) {
             d["class_info"]["class"].as_u64().unwrap_or(0),
             d["class_info"]["desc"].as_str().unwrap_or(""),
         ));
-        pci_devices(&d["pci_bridge"]["devices"], out);
     }
+}
+
+/// One line per PCI function behind a bridge or root port, named by its path
+/// (`00:01.3/00.0 virtio-blk-pci`) from QOM: `query-pci` finds such functions by the bus
+/// numbers the guest's firmware gave, and a QEMU that has not run its guest has none.
+fn pci_behind_bridges(q: &mut dyn Monitor) -> Result<Vec<String>, QmpError> {
+    let mut devices = Vec::new();
+    for base in ["/machine/peripheral", "/machine/peripheral-anon"] {
+        let list = q.execute("qom-list", Some(json!({ "path": base })))?;
+        for c in list.as_array().into_iter().flatten() {
+            let (Some(name), Some(ty)) = (c["name"].as_str(), c["type"].as_str()) else {
+                continue;
+            };
+            if let Some(ty) = ty.strip_prefix("child<").and_then(|t| t.strip_suffix('>')) {
+                devices.push((format!("{base}/{name}"), ty.to_string()));
+            }
+        }
+    }
+    let mut paths = std::collections::HashMap::new();
+    let mut out = Vec::new();
+    for (dev, ty) in devices {
+        if let Some(p) = pci_path(q, &dev, &mut paths)? {
+            if p.contains('/') {
+                out.push(format!("{p} {ty}"));
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// The PCI path of the QOM device `dev` (None: not a PCI function), through its buses' owners.
+fn pci_path(
+    q: &mut dyn Monitor,
+    dev: &str,
+    known: &mut std::collections::HashMap<String, Option<String>>,
+) -> Result<Option<String>, QmpError> {
+    if let Some(p) = known.get(dev) {
+        return Ok(p.clone());
+    }
+    let get = |q: &mut dyn Monitor, p: &str| {
+        q.execute("qom-get", Some(json!({ "path": dev, "property": p })))
+    };
+    let devfn = match get(q, "addr") {
+        Ok(v) => v.as_u64(),
+        // No such property: not a PCI function (the machine, an ISA or USB device).
+        Err(QmpError::Command { .. }) => None,
+        Err(e) => return Err(e),
+    };
+    let path = match devfn {
+        None => None,
+        Some(devfn) => {
+            let here = format!("{:02x}.{}", devfn >> 3, devfn & 7);
+            let bus = get(q, "parent_bus")?;
+            let owner = bus
+                .as_str()
+                .and_then(|b| b.rsplit_once('/'))
+                .map(|(o, _)| o.to_string());
+            let parent = match owner {
+                Some(o) if !o.is_empty() => pci_path(q, &o, known)?,
+                _ => None,
+            };
+            Some(match parent {
+                Some(p) => format!("{p}/{here}"),
+                None => format!("00:{here}"),
+            })
+        }
+    };
+    known.insert(dev.to_string(), path.clone());
+    Ok(path)
 }
 
 /// Lines only one side has, at most 8 per kind.
@@ -174,7 +245,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn pci_lines_include_devices_behind_bridges() {
+    fn pci_lines_name_root_bus_functions() {
         let devs = json!([{"bus": 0, "slot": 2, "function": 0,
             "id": {"vendor": 0x1af4, "device": 0x1000, "subsystem-vendor": 0x1af4, "subsystem": 1},
             "class_info": {"class": 0x200, "desc": "Ethernet controller"},
@@ -183,9 +254,9 @@ mod tests {
                 "class_info": {"class": 0x100}}]}}]);
         let mut out = Vec::new();
         pci_devices(&devs, &mut out);
-        assert_eq!(out.len(), 2);
+        // Functions behind the bridge come from QOM (pci_behind_bridges).
+        assert_eq!(out.len(), 1);
         assert!(out[0].starts_with("00:02.0 1af4:1000"), "{out:?}");
-        assert!(out[1].starts_with("01:00.0 1af4:1001"), "{out:?}");
     }
 
     #[test]

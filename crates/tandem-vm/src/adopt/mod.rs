@@ -18,8 +18,10 @@
 //! does not run in the new QEMU resumes the source (`cont`, which takes its disks back).
 
 mod hardware;
+mod monitor;
 
-use std::path::{Path, PathBuf};
+pub use monitor::{Libvirt, Monitor, Source};
+
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
@@ -96,9 +98,9 @@ impl Adopted {
 /// running in its own QEMU.
 #[derive(Debug, thiserror::Error)]
 pub enum AdoptError {
-    /// The source's QMP socket did not answer.
-    #[error("connecting to the running QEMU's QMP socket {0} (QEMU serves one client at a time: is libvirt or another tool connected to it?)")]
-    Connect(PathBuf, #[source] QmpError),
+    /// The source's monitor did not answer.
+    #[error("reaching {0} (a QMP socket serves one client at a time: is libvirt or another tool connected to it? A libvirt domain is adopted with --libvirt)")]
+    Connect(String, #[source] QmpError),
     /// A query of the source failed.
     #[error("asking the running QEMU")]
     Source(#[from] QmpError),
@@ -146,20 +148,27 @@ pub enum AdoptError {
     },
 }
 
-/// Puts the guest that the QEMU behind the QMP socket `source` runs into a new QEMU started
-/// from `config` (the same devices and disk files; RAM in tandem's shared file), by a live
+/// Puts the guest that the QEMU at `source` runs into a new QEMU started from `config` (the same devices and disk files; RAM in tandem's shared file), by a live
 /// migration over a unix socket. `progress` is called while the pre-copy rounds run. The
 /// returned VM runs the guest, its dirty log armed and device-state capture prepared.
 pub fn adopt(
     config: &VmConfig,
-    source: &Path,
+    source: &Source,
     opts: &AdoptOptions,
     progress: &mut dyn FnMut(&Progress),
 ) -> Result<(Vm, Adopted), AdoptError> {
     let t0 = Instant::now();
-    let mut src = Qmp::connect(source, Duration::from_secs(5))
-        .map_err(|e| AdoptError::Connect(source.to_path_buf(), e))?;
-    check_source(&mut src, config)?;
+    let connect = |e| AdoptError::Connect(source.to_string(), e);
+    let mut src: Box<dyn Monitor> = match source {
+        Source::Qmp(path) => Box::new(Qmp::connect(path, Duration::from_secs(5)).map_err(connect)?),
+        Source::Libvirt(l) => {
+            let mut l = l.clone();
+            l.status().map_err(connect)?;
+            Box::new(l)
+        }
+    };
+    let src = src.as_mut();
+    check_source(src, config)?;
     let caps: Vec<String> = src
         .execute("query-migrate-capabilities", None)?
         .as_array()
@@ -175,7 +184,7 @@ pub fn adopt(
     });
 
     let mut vm = Vm::adopting(config).map_err(AdoptError::Start)?;
-    let running = hardware::Hardware::of(&mut src)?;
+    let running = hardware::Hardware::of(src)?;
     let new =
         hardware::Hardware::of(&mut vm.qmp).map_err(|e| AdoptError::Start(vm.explain(e.into())))?;
     let differences = running.differences(&new);
@@ -203,7 +212,7 @@ pub fn adopt(
     )?;
     let migrated = (|| {
         src.execute("migrate", Some(json!({ "uri": uri })))?;
-        follow(&mut src, &mut vm, opts, progress)
+        follow(src, &mut vm, opts, progress)
     })();
     let (qemu_downtime, last) = match migrated {
         Ok(done) => done,
@@ -221,7 +230,7 @@ pub fn adopt(
         // tandem's QEMU goes first: its disk locks must be gone before the old QEMU takes
         // its disks back (`cont` re-activates them).
         drop(vm);
-        let source_state = resume_source(&mut src);
+        let source_state = resume_source(src);
         let _ = src.execute("migrate-set-parameters", Some(restore));
         return Err(AdoptError::Resume { why, source_state });
     }
@@ -239,7 +248,7 @@ pub fn adopt(
         // The guest runs here, the source is stopped: its stopped copy is the one to keep.
         let why = format!("preparing device-state capture: {e}");
         drop(vm);
-        let source_state = resume_source(&mut src);
+        let source_state = resume_source(src);
         let _ = src.execute("migrate-set-parameters", Some(restore));
         return Err(AdoptError::Resume { why, source_state });
     }
@@ -258,7 +267,7 @@ pub fn adopt(
 
 /// Runs the guest in the old QEMU again after a completed migration whose guest did not run
 /// in tandem's (already gone); says what became of it.
-fn resume_source(src: &mut Qmp) -> String {
+fn resume_source(src: &mut dyn Monitor) -> String {
     match src.execute("cont", None) {
         Ok(_) => "the guest runs on in its own QEMU again (resumed there)".to_string(),
         Err(e) => format!(
@@ -268,7 +277,7 @@ fn resume_source(src: &mut Qmp) -> String {
 }
 
 /// The source runs a guest this description can take.
-fn check_source(src: &mut Qmp, config: &VmConfig) -> Result<(), AdoptError> {
+fn check_source(src: &mut dyn Monitor, config: &VmConfig) -> Result<(), AdoptError> {
     let status = src.status()?;
     if status != "running" {
         return Err(AdoptError::NotRunning(status));
@@ -315,7 +324,7 @@ impl From<QmpError> for Followed {
 /// Polls the source's migration until it completes (QEMU's downtime and the last progress),
 /// fails, or times out (then cancels it).
 fn follow(
-    src: &mut Qmp,
+    src: &mut dyn Monitor,
     vm: &mut Vm,
     opts: &AdoptOptions,
     progress: &mut dyn FnMut(&Progress),
@@ -363,7 +372,7 @@ fn follow(
 }
 
 /// Waits for a cancelled migration to end: `Some(downtime)` if it completed after all.
-fn wait_ended(src: &mut Qmp) -> Result<Option<Duration>, QmpError> {
+fn wait_ended(src: &mut dyn Monitor) -> Result<Option<Duration>, QmpError> {
     let t = Instant::now();
     while t.elapsed() < Duration::from_secs(30) {
         let r = src.execute("query-migrate", None)?;

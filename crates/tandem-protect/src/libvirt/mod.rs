@@ -1,9 +1,14 @@
 //! `tandem vm import`: a libvirt domain XML (`virsh dumpxml NAME`) as a tandem VM description.
-//! What maps: memory, vCPUs, machine, the CPU model and its flags (`-cpu`), direct kernel boot,
-//! file and block-device disks (qcow2/raw on virtio or virtio-scsi with their cache and io
-//! modes), bridged and user NICs (MAC, model), the emulator and `<qemu:commandline>` arguments;
-//! a UEFI domain is described as `firmware = "ovmf"`, which `tandem vm check` refuses. Every other element is named with the reason it is not
-//! mapped, so the operator sees what the protected VM will lack.
+//! What maps: memory, vCPUs and their topology, machine, the CPU model and its flags (`-cpu`),
+//! the UUID, direct kernel boot, file and block-device disks (qcow2/raw on virtio or
+//! virtio-scsi with their cache and io modes), bridged and user NICs (MAC, model), PCI
+//! addresses, controllers, balloon, RNG, channels, clock and power management
+//! ([`devices`]), the emulator and `<qemu:commandline>` arguments; a UEFI domain is described
+//! as `firmware = "ovmf"`, which `tandem vm check` refuses. Every other element is named with
+//! the reason it is not mapped, so the operator sees what the protected VM will lack.
+
+mod devices;
+pub mod inloop;
 
 use std::path::PathBuf;
 
@@ -51,10 +56,31 @@ pub fn import(xml: &str) -> Result<(VmFile, Vec<Unmapped>), ImportError> {
     let mut im = Importer {
         file: VmFile::default(),
         unmapped: Vec::new(),
+        buses_made: Vec::new(),
+        bridges: Vec::new(),
+        buses_used: Vec::new(),
+        channels: 0,
+        rngs: 0,
+        serial: false,
+        usb: false,
+        sockets_only: true,
     };
     im.file.accel = Some(if kind == "kvm" { "kvm" } else { "tcg" }.into());
     for n in dom.children().filter(Node::is_element) {
         im.top(n)?;
+    }
+    im.check_buses();
+    // Buses exist before the devices on them: parents (lower indexes) first.
+    im.bridges.sort_by_key(|(i, _)| *i);
+    let mut args: Vec<String> = std::mem::take(&mut im.bridges)
+        .into_iter()
+        .flat_map(|(_, a)| ["-device".to_string(), a])
+        .collect();
+    args.append(&mut im.file.extra_args);
+    im.file.extra_args = args;
+    // libvirt lays out vCPUs without a <topology> as one socket each.
+    if let (Some(n), true) = (im.file.vcpus, im.sockets_only) {
+        im.file.topology = Some(format!("sockets={n},cores=1,threads=1"));
     }
     Ok((im.file, im.unmapped))
 }
@@ -62,12 +88,26 @@ pub fn import(xml: &str) -> Result<(VmFile, Vec<Unmapped>), ImportError> {
 struct Importer {
     file: VmFile,
     unmapped: Vec<Unmapped>,
+    /// Indexes of the PCI controllers created (their buses are `pci.N`).
+    buses_made: Vec<u32>,
+    /// The `-device` values of the PCI controllers created, by index.
+    bridges: Vec<(u32, String)>,
+    /// Buses that created controllers sit on.
+    buses_used: Vec<u32>,
+    /// Channels and RNGs so far (their ids).
+    channels: u32,
+    rngs: u32,
+    /// The first serial port was seen.
+    serial: bool,
+    /// The first USB controller was created.
+    usb: bool,
+    /// No `<cpu><topology>`.
+    sockets_only: bool,
 }
 
 /// Top-level elements that need no mapping (tandem or QEMU's defaults cover them).
 const QUIET: &[&str] = &[
     "name",
-    "uuid",
     "title",
     "description",
     "metadata",
@@ -141,10 +181,16 @@ impl Importer {
                 }
             }
             "cpu" => self.cpu(n),
-            "clock" => self.skip(
-                "clock",
-                "QEMU's default clock is used; add `-rtc base=...` to extra_args if needed",
-            ),
+            "clock" => self.clock(n),
+            "pm" => self.pm(n),
+            "uuid" => {
+                // The guest reads it from SMBIOS (cloud-init, licences).
+                if let Some(u) = n.text() {
+                    self.file
+                        .extra_args
+                        .extend(["-uuid".to_string(), u.trim().to_string()]);
+                }
+            }
             n if QUIET.contains(&n) => {}
             other => self.skip(other, "no tandem equivalent"),
         }
@@ -166,7 +212,7 @@ impl Importer {
                     .map(str::trim)
                 else {
                     // <cpu> with topology only: QEMU's default model, as libvirt runs it.
-                    return;
+                    return self.topology(n);
                 };
                 let mut arg = model.to_string();
                 for f in n.children().filter(|c| c.tag_name().name() == "feature") {
@@ -183,6 +229,7 @@ impl Importer {
             }
         };
         self.file.extra_args.extend(["-cpu".to_string(), arg]);
+        self.topology(n);
         if n.children().any(|c| c.tag_name().name() == "numa") {
             self.skip(
                 "cpu/numa",
@@ -237,23 +284,18 @@ impl Importer {
             }
             "disk" => self.disk(d),
             "interface" => self.interface(d),
-            "controller" => {
-                let t = d.attribute("type").unwrap_or("");
-                let model = d.attribute("model").unwrap_or("");
-                let known = (t == "scsi" && model == "virtio-scsi")
-                    || ["pci", "usb", "sata", "virtio-serial"].contains(&t);
-                if !known {
-                    self.skip(
-                        format!("devices/controller[{t}]"),
-                        "not created (disks on virtio-blk or virtio-scsi only)",
-                    );
-                }
-            }
-            "serial" | "console" => self.skip(
-                format!("devices/{}", d.tag_name().name()),
-                "tandem owns the first serial port (its console log)",
-            ),
-            "memballoon" if d.attribute("model") == Some("none") => {}
+            "controller" => self.controller(d),
+            "serial" => self.serial(d),
+            // The serial port again, as libvirt lists it.
+            "console"
+                if d.children().any(|c| {
+                    c.tag_name().name() == "target" && c.attribute("type") == Some("serial")
+                }) => {}
+            "channel" => self.channel(d),
+            "memballoon" => self.memballoon(d),
+            "rng" => self.rng(d),
+            "input" => self.input(d),
+            "audio" if d.attribute("type") == Some("none") => {}
             other => {
                 let kind = d
                     .attribute("type")
@@ -404,8 +446,23 @@ impl Importer {
 }
 
 impl Importer {
-    /// A device's PCI `<address>`: kept when it is on the root bus (the guest sees the same
-    /// slot), named when it is behind a bridge or root port, which tandem does not create.
+    /// `<cpu><topology>` as QEMU's `-smp` layout.
+    fn topology(&mut self, n: Node<'_, '_>) {
+        let Some(t) = n.children().find(|c| c.tag_name().name() == "topology") else {
+            return;
+        };
+        let parts: Vec<String> = ["sockets", "dies", "cores", "threads"]
+            .iter()
+            .filter_map(|k| t.attribute(*k).map(|v| format!("{k}={v}")))
+            .collect();
+        if !parts.is_empty() {
+            self.sockets_only = false;
+            self.file.topology = Some(parts.join(","));
+        }
+    }
+
+    /// A disk's or NIC's PCI `<address>` (`SLOT.FN` on the root bus, `BUS:SLOT.FN` behind
+    /// the controller libvirt calls `pci.BUS`): the guest sees the same layout.
     fn pci_address(&mut self, d: Node<'_, '_>, here: &str) -> Option<String> {
         let a = d
             .children()
@@ -414,25 +471,20 @@ impl Importer {
             let v = a.attribute(k).unwrap_or("0");
             u32::from_str_radix(v.trim_start_matches("0x"), 16).ok()
         };
-        match (num("domain"), num("bus"), num("slot"), num("function")) {
-            (Some(0), Some(0), Some(slot), Some(f)) => {
-                let kept = format!("0x{slot:02x}.{f}");
-                if tandem_vm::PciAddr::parse(&kept).is_ok() {
-                    return Some(kept);
-                }
+        if let (Some(0), Some(bus), Some(slot), Some(f)) =
+            (num("domain"), num("bus"), num("slot"), num("function"))
+        {
+            let kept = match bus {
+                0 => format!("0x{slot:02x}.{f}"),
+                b => format!("{b:02x}:{slot:02x}.{f}"),
+            };
+            if tandem_vm::PciAddr::parse(&kept).is_ok() {
+                return Some(kept);
             }
-            (_, Some(bus), _, _) if bus != 0 => {
-                self.skip(
-                    format!("{here}/address[bus {bus:#04x}]"),
-                    "behind a PCI bridge or PCIe root port, which tandem does not create: the device goes on the root bus (tandem adopt compares both QEMUs and refuses a difference)",
-                );
-                return None;
-            }
-            _ => {}
         }
         self.skip(
             format!("{here}/address"),
-            "not a usable root-bus address: QEMU places the device",
+            "not a usable PCI address: QEMU places the device",
         );
         None
     }
