@@ -8,8 +8,11 @@
 //! - `tandem demo --vm debian`: a host failure of the primary while a client commits; every
 //!   acknowledged commit is there afterwards, the postmaster was not restarted, the psql and
 //!   SSH sessions survive, `pg_amcheck` is clean and the primary's copy let nothing out.
-//! - `tandem demo --vm debian --adopt`: the same VM booted by hand (a plain QEMU), adopted by
-//!   `tandem adopt` while psql commits, then failed over: no reboot, no commit lost.
+//! - `tandem demo --vm debian --adopt --libvirt`: the same VM run by a real libvirtd
+//!   (virt-install, q35 with libvirt's default devices), described by `tandem vm import` from
+//!   its live XML, adopted by `tandem adopt --libvirt` while psql commits, then failed over:
+//!   no reboot, no commit lost; libvirt shows the domain marked and refuses to start it.
+//!   (A QEMU started by hand is adopted in tests/adopt.rs.)
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -232,11 +235,32 @@ fn demo_debian_a_host_failure_loses_no_acknowledged_commit() {
 }
 
 #[test]
-fn demo_debian_adopted_without_a_reboot_then_failed_over_loses_no_commit() {
-    // The VM booted by hand was adopted while psql committed: the postmaster of that boot
-    // served until after the failover, the sessions survived and no commit was lost.
-    let r = debian_round(&["--adopt", "--before", "6", "--after", "3"]);
+fn demo_debian_adopted_from_libvirt_without_a_reboot_then_failed_over_loses_no_commit() {
+    // The VM libvirt ran was adopted while psql committed: the postmaster of that boot served
+    // until after the failover, the sessions survived and no commit was lost.
+    let r = debian_round(&["--adopt", "--libvirt", "--before", "6", "--after", "3"]);
     let a = &r["adoption"];
     assert_eq!(a["source_quit"], true, "{r:#}");
     assert!(a["downtime_ms"].as_f64().unwrap() >= 0.0, "{r:#}");
+    // libvirt still knows the domain: shut off, autostart off, titled by tandem, and its
+    // hook refuses a second QEMU on the guest's disks.
+    let l = &a["libvirt"];
+    assert_eq!(l["state_after"], "shut off", "{r:#}");
+    assert_eq!(l["start_refused"], true, "{r:#}");
+    assert_eq!(l["autostart"], "disable", "{r:#}");
+    assert!(
+        l["title"].as_str().unwrap().contains("protected by tandem"),
+        "{r:#}"
+    );
+    // What import could not carry over is named: the serial port's host end and the guest
+    // agent's channel, nothing else of virt-install's default q35 domain.
+    let unmapped: Vec<&str> = l["unmapped"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|u| u.as_str().unwrap())
+        .collect();
+    assert_eq!(unmapped.len(), 2, "{unmapped:#?}");
+    assert!(unmapped[0].starts_with("devices/serial"), "{unmapped:#?}");
+    assert!(unmapped[1].starts_with("devices/channel"), "{unmapped:#?}");
 }

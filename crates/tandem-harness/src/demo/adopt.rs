@@ -2,6 +2,7 @@
 //! plain QEMU in the clients' namespace with anonymous RAM and a tap of its own on the clients'
 //! bridge, as a libvirt-less operator would run it — and `tandem adopt` takes it over while
 //! PostgreSQL commits and an SSH session ticks, then protects it until the host is killed.
+//! With `--libvirt` a real libvirtd runs it instead ([`super::libvirt`]).
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -11,22 +12,51 @@ use anyhow::{bail, Context};
 use serde::Serialize;
 
 use super::daemon::Daemon;
+use super::libvirt::{Libvirtd, DOMAIN};
 use super::pg::{self, Committer, Pgbench, Ticker};
 use crate::netlab::{BRIDGE, GUEST_IP};
 
 /// The source QEMU's tap on the clients' bridge.
 const TAP: &str = "tsrc0";
 
-/// The QEMU started by hand, and its tap (removed on drop).
+/// The QEMU that runs the VM before the adoption: started by hand (with its tap, removed on
+/// drop), or by libvirt.
 pub struct Source {
-    pub qemu: Daemon,
-    pub qmp: PathBuf,
+    run: Runner,
     console: PathBuf,
     ns: String,
 }
 
+enum Runner {
+    ByHand { qemu: Daemon, qmp: PathBuf },
+    Libvirt(Libvirtd),
+}
+
+/// Who runs the VM before the adoption.
+pub enum Via<'a> {
+    /// A plain QEMU started by hand.
+    Hand,
+    /// A libvirtd of the round's own; its qemu hook runs `tandem`.
+    Libvirt { tandem: &'a Path },
+}
+
+/// What libvirt showed of the adopted domain.
+#[derive(Serialize, Debug, Clone)]
+pub struct LibvirtView {
+    /// What `tandem vm import` named as not carried over.
+    pub unmapped: Vec<String>,
+    /// The domain's state after the adoption.
+    pub state_after: String,
+    /// `virsh start` was refused by tandem's hook.
+    pub start_refused: bool,
+    /// The domain's title after the adoption (tandem's mark).
+    pub title: String,
+    /// Its autostart after the adoption.
+    pub autostart: String,
+}
+
 /// What the adoption did, as the demo saw it.
-#[derive(Serialize, Debug, Clone, Copy)]
+#[derive(Serialize, Debug, Clone)]
 pub struct Adoption {
     /// The hand-started QEMU's boot to the guest's ready marker.
     pub boot_s: f64,
@@ -40,6 +70,8 @@ pub struct Adoption {
     pub commit_gap_ms: f64,
     /// The hand-started QEMU quit after the migration.
     pub source_quit: bool,
+    /// With --libvirt: what libvirt showed.
+    pub libvirt: Option<LibvirtView>,
 }
 
 impl Source {
@@ -82,11 +114,46 @@ impl Source {
         )
         .context("starting the VM by hand")?;
         Ok(Source {
-            qemu,
-            qmp,
+            run: Runner::ByHand { qemu, qmp },
             console,
             ns: ns.into(),
         })
+    }
+
+    /// Starts the VM in a libvirtd of its own in namespace `ns` (virt-install from the
+    /// round's disk), then writes the description `tandem vm import` makes of it to `desc`.
+    pub fn libvirt(
+        ns: &str,
+        desc: &Path,
+        rdir: &Path,
+        tandem: &Path,
+        mem_mib: u64,
+    ) -> anyhow::Result<(Source, Vec<String>)> {
+        let l = Libvirtd::start(ns, &rdir.join("libvirt"), tandem)?;
+        let console = rdir.join("source-console.log");
+        l.install(
+            &rdir.join("disk.qcow2"),
+            mem_mib,
+            tandem_labguest::MAC,
+            &console,
+        )?;
+        let unmapped = l.import(desc)?;
+        Ok((
+            Source {
+                run: Runner::Libvirt(l),
+                console,
+                ns: ns.into(),
+            },
+            unmapped,
+        ))
+    }
+
+    /// Whether the VM's old QEMU is gone.
+    fn exited(&mut self) -> bool {
+        match &mut self.run {
+            Runner::ByHand { qemu, .. } => qemu.exited(),
+            Runner::Libvirt(l) => l.state() == "shut off",
+        }
     }
 
     /// Waits for the guest's ready marker on its console.
@@ -100,6 +167,9 @@ impl Source {
 
 impl Drop for Source {
     fn drop(&mut self) {
+        if matches!(self.run, Runner::Libvirt(_)) {
+            return;
+        }
         let _ = Command::new("ip")
             .args(["-n", &self.ns, "link", "del", TAP])
             .stderr(std::process::Stdio::null())
@@ -116,11 +186,14 @@ pub struct ByHand {
     postmaster_start: String,
     boot_s: f64,
     pgbench: Option<std::thread::JoinHandle<anyhow::Result<Pgbench>>>,
+    unmapped: Vec<String>,
 }
 
 impl ByHand {
-    /// Boots the VM of `desc` by hand in namespace `ns`, waits for PostgreSQL and starts the
-    /// clients (`pgbench`: its seconds and scale), then lets them run 3 s.
+    /// Boots the VM of `desc` by hand in namespace `ns` (or libvirt does, and `desc` becomes
+    /// its import), waits for PostgreSQL and starts the clients (`pgbench`: its seconds and
+    /// scale), then lets them run 3 s.
+    #[allow(clippy::too_many_arguments)]
     pub fn start(
         ns: &str,
         desc: &Path,
@@ -128,9 +201,14 @@ impl ByHand {
         key: &Path,
         round: u64,
         pgbench: Option<(u64, u32)>,
+        via: Via<'_>,
+        mem_mib: u64,
     ) -> anyhow::Result<ByHand> {
         let t = Instant::now();
-        let mut source = Source::start(ns, desc, rdir)?;
+        let (mut source, unmapped) = match via {
+            Via::Hand => (Source::start(ns, desc, rdir)?, Vec::new()),
+            Via::Libvirt { tandem } => Source::libvirt(ns, desc, rdir, tandem, mem_mib)?,
+        };
         source.wait_ready("TANDEM-READY", Duration::from_secs(400))?;
         let boot_s = t.elapsed().as_secs_f64();
         pg::wait_ready(ns, GUEST_IP, Duration::from_secs(60))?;
@@ -156,12 +234,21 @@ impl ByHand {
             postmaster_start,
             boot_s,
             pgbench,
+            unmapped,
         })
     }
 
-    /// The QMP socket of the QEMU started by hand.
-    pub fn qmp(&self) -> String {
-        self.source.qmp.display().to_string()
+    /// How `tandem adopt` reaches the VM's QEMU.
+    pub fn adopt_args(&self) -> Vec<String> {
+        match &self.source.run {
+            Runner::ByHand { qmp, .. } => vec!["--qmp".into(), qmp.display().to_string()],
+            Runner::Libvirt(l) => vec![
+                "--libvirt".into(),
+                DOMAIN.into(),
+                "--connect".into(),
+                l.uri.clone(),
+            ],
+        }
     }
 
     /// Waits for `tandem adopt` (`primary`, started at `started`) to say the guest moved;
@@ -184,15 +271,42 @@ impl ByHand {
             .clone();
         let commit_gap_ms = gap_ms(&acked, started, moved + Duration::from_secs(1));
         let quit = Instant::now();
-        while !self.source.qemu.exited() && quit.elapsed() < Duration::from_secs(10) {
+        while !self.source.exited() && quit.elapsed() < Duration::from_secs(10) {
             std::thread::sleep(Duration::from_millis(50));
         }
+        let libvirt = match &self.source.run {
+            Runner::Libvirt(l) => {
+                // tandem marks the domain just after the line; give it a moment.
+                let _ = primary.wait_line("marked as protected by tandem", Duration::from_secs(30));
+                let start = l.virsh(&["start", DOMAIN]);
+                Some(LibvirtView {
+                    unmapped: self.unmapped.clone(),
+                    state_after: l.state(),
+                    start_refused: matches!(&start, Err(e) if e.to_string().contains("protected by tandem")),
+                    title: l
+                        .virsh(&["desc", DOMAIN, "--title"])
+                        .unwrap_or_default()
+                        .trim()
+                        .to_string(),
+                    autostart: l
+                        .virsh(&["dominfo", DOMAIN])
+                        .unwrap_or_default()
+                        .lines()
+                        .find_map(|x| x.strip_prefix("Autostart:"))
+                        .unwrap_or("?")
+                        .trim()
+                        .to_string(),
+                })
+            }
+            Runner::ByHand { .. } => None,
+        };
         let a = Adoption {
             boot_s: self.boot_s,
             adopt_s,
             downtime_ms: downtime_ms(&line).unwrap_or(f64::NAN),
             commit_gap_ms,
-            source_quit: self.source.qemu.exited(),
+            source_quit: self.source.exited(),
+            libvirt,
         };
         Ok((line, a))
     }

@@ -90,7 +90,10 @@ impl DebianRound {
             && self.primary_frames_after_failover == 0
             && self.primary_copy_stopped
             && self.leftovers.is_empty()
-            && self.adoption.is_none_or(|a| a.source_quit)
+            && self
+                .adoption
+                .as_ref()
+                .is_none_or(|a| a.source_quit && a.libvirt.as_ref().is_none_or(|l| l.start_refused))
     }
 }
 
@@ -120,6 +123,8 @@ pub struct DebianOpts<'a> {
     /// Boot the VM by hand (a plain QEMU) and `tandem adopt` it instead of booting it under
     /// the primary.
     pub adopt: bool,
+    /// With `adopt`: libvirt runs the VM before.
+    pub libvirt: bool,
 }
 
 /// The round's description: the image as a fresh overlay, no forwards (the NIC goes on the
@@ -161,6 +166,27 @@ pub fn round(r: usize, o: &DebianOpts<'_>, pb: &ProgressBar) -> anyhow::Result<D
     let desc = describe(o, &rdir)?;
     let report = rdir.join("failover.json");
     let jsonl = rdir.join("epochs.jsonl");
+    // With --adopt the VM is booted by hand (or by libvirt, which also describes it), and a
+    // client commits while it moves; the backup starts from that description.
+    let ns = o.lab.clients.as_str();
+    let mut by_hand = if o.adopt {
+        pb.set_message(if o.libvirt {
+            format!("round {r}: libvirtd and virt-install boot Debian (q35, libvirt's defaults; TCG is slow)")
+        } else {
+            format!("round {r}: booting Debian by hand (a plain QEMU, its own tap on the bridge; TCG is slow)")
+        });
+        let via = if o.libvirt {
+            adopt::Via::Libvirt { tandem: &o.exe }
+        } else {
+            adopt::Via::Hand
+        };
+        let pgbench = o.pgbench.map(|secs| (secs, o.pgbench_scale));
+        Some(adopt::ByHand::start(
+            ns, &desc, &rdir, &o.vm.key, r as u64, pgbench, via, o.mem,
+        )?)
+    } else {
+        None
+    };
     let mut bargs: Vec<String> = vec!["backup".into(), "--listen".into()];
     bargs.push(format!("{BACKUP_IP}:7000"));
     bargs.extend([
@@ -180,22 +206,13 @@ pub fn round(r: usize, o: &DebianOpts<'_>, pb: &ProgressBar) -> anyhow::Result<D
     )?;
     backup.wait_line("listening on", Duration::from_secs(60))?;
     let backup_addr: SocketAddr = format!("{BACKUP_IP}:7000").parse()?;
-    let ns = o.lab.clients.as_str();
-    // With --adopt the VM is booted by hand, and a client commits while it moves.
-    // With --adopt the VM is booted by hand, and a client commits while it moves.
-    let mut by_hand = if o.adopt {
-        pb.set_message(format!(
-            "round {r}: booting Debian by hand (a plain QEMU, its own tap on the bridge; TCG is slow)"
-        ));
-        let pgbench = o.pgbench.map(|secs| (secs, o.pgbench_scale));
-        Some(adopt::ByHand::start(
-            ns, &desc, &rdir, &o.vm.key, r as u64, pgbench,
-        )?)
-    } else {
-        None
-    };
     let mut pargs: Vec<String> = match &by_hand {
-        Some(b) => vec!["adopt".into(), "--qmp".into(), b.qmp(), "--backup".into()],
+        Some(b) => [
+            vec!["adopt".to_string()],
+            b.adopt_args(),
+            vec!["--backup".into()],
+        ]
+        .concat(),
         None => vec!["primary".into(), "--backup".into()],
     };
     pargs.push(backup_addr.to_string());
@@ -435,12 +452,13 @@ pub fn round(r: usize, o: &DebianOpts<'_>, pb: &ProgressBar) -> anyhow::Result<D
 
 /// One line per round for the operator.
 pub fn line(pb: &ProgressBar, d: &DebianRound) {
-    if let Some(a) = d.adoption {
+    if let Some(a) = &d.adoption {
         say(
             pb,
             format!(
-                "round {}: booted by hand in {:.0} s; `tandem adopt` had the guest running in its QEMU {:.1} s after it started; guest stopped {:.0} ms; longest wait for a commit while it moved {:.0} ms; old QEMU {}",
+                "round {}: booted {} in {:.0} s; `tandem adopt` had the guest running in its QEMU {:.1} s after it started; guest stopped {:.0} ms; longest wait for a commit while it moved {:.0} ms; old QEMU {}",
                 d.round,
+                if a.libvirt.is_some() { "by libvirt (virt-install)" } else { "by hand" },
                 a.boot_s,
                 a.adopt_s,
                 a.downtime_ms,
@@ -448,6 +466,20 @@ pub fn line(pb: &ProgressBar, d: &DebianRound) {
                 if a.source_quit { "quit" } else { "STILL RUNNING" }
             ),
         );
+        if let Some(l) = &a.libvirt {
+            say(
+                pb,
+                format!(
+                    "round {}: libvirt after the adoption: domain {}, autostart {}, title {:?}; `virsh start` {}; import named {} element(s) not carried over",
+                    d.round,
+                    l.state_after,
+                    l.autostart,
+                    l.title,
+                    if l.start_refused { "refused by tandem's hook" } else { "NOT REFUSED" },
+                    l.unmapped.len()
+                ),
+            );
+        }
         if let Some(p) = d.pgbench_during_adoption {
             say(
                 pb,

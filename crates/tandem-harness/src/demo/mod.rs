@@ -15,6 +15,7 @@ pub(crate) mod double;
 pub(crate) mod etcdlab;
 pub(crate) mod fault;
 pub(crate) mod history;
+mod libvirt;
 pub(crate) mod memsample;
 mod pg;
 pub use pg::{pgbench_init, DebianVm, PgAt};
@@ -139,6 +140,12 @@ pub struct Args {
     /// of booting it under the primary.
     #[arg(long)]
     pub adopt: bool,
+    /// With --adopt: a real libvirtd runs the VM (defined and started by virt-install, its
+    /// NIC on the clients' bridge), `tandem vm import` describes it from its live XML and
+    /// `tandem adopt --libvirt` takes it over; libvirt then shows it marked and refuses to
+    /// start it.
+    #[arg(long, requires = "adopt")]
+    pub libvirt: bool,
     /// With --vm debian: the VM's RAM in MiB.
     #[arg(long, default_value_t = 1024, value_parser = clap::value_parser!(u64).range(512..=65536))]
     pub debian_mem: u64,
@@ -450,6 +457,7 @@ fn run_debian(a: Args) -> anyhow::Result<()> {
             pgbench_scale: a.pgbench_scale,
             mem: a.debian_mem,
             adopt: a.adopt,
+            libvirt: a.libvirt,
         };
         let res = match debian::round(r, &o, &pb) {
             Ok(res) => res,

@@ -38,6 +38,11 @@ pub const PACKAGES: &[&str] = &[
     "fdisk",
     "openssh-client",
     "postgresql-client",
+    // A real libvirtd for the adoption tests (`demo --vm debian --adopt --libvirt`); the
+    // tests run their own in a private mount namespace, never the host's.
+    "libvirt-daemon-system",
+    "libvirt-clients",
+    "virtinst",
     // promtool: the metrics endpoint, alert rules and their unit tests (dist/prometheus).
     "prometheus",
 ];

@@ -1,0 +1,195 @@
+//! `tandem demo --vm debian --adopt --libvirt`: the Debian VM run by a real libvirtd (Debian's
+//! libvirt-daemon-system), defined and started by virt-install, then adopted with `tandem
+//! adopt --libvirt` from the description `tandem vm import` made of its live XML.
+//!
+//! The libvirtd is the round's own: it runs in the clients' network namespace (its domain's
+//! NIC goes on the clients' bridge, `<interface type='bridge'>`) and in a mount namespace of
+//! its own where /etc/libvirt, /run/libvirt, /var/lib/libvirt, /var/log/libvirt and
+//! /var/cache/libvirt are directories of the round: the host's libvirt is not touched, and
+//! tandem's hook (`tandem vm libvirt-hook`) is installed only there.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+
+use crate::netlab::BRIDGE;
+
+/// The domain's name.
+pub const DOMAIN: &str = "tandem-debian";
+
+/// qemu.conf for a libvirtd in a container: QEMU as root, no cgroups, namespaces or
+/// security labels (none of which a CI container offers), logs in files.
+const QEMU_CONF: &str =
+    "user = \"root\"\ngroup = \"root\"\ndynamic_ownership = 0\nremember_owner = 0\n\
+security_driver = \"none\"\nnamespaces = [ ]\ncgroup_controllers = [ ]\nstdio_handler = \"file\"\n";
+
+const LIBVIRTD_CONF: &str =
+    "unix_sock_group = \"root\"\nunix_sock_rw_perms = \"0700\"\nauth_unix_rw = \"none\"\nlog_outputs = \"3:stderr\"\n";
+
+/// A libvirtd of the round's own (killed on drop, with its domain).
+pub struct Libvirtd {
+    child: Child,
+    /// `virsh -c` for it.
+    pub uri: String,
+    dir: PathBuf,
+}
+
+impl Libvirtd {
+    /// Starts libvirtd in network namespace `ns`, its state under `dir`, with tandem's qemu
+    /// hook calling `tandem` (the product binary).
+    pub fn start(ns: &str, dir: &Path, tandem: &Path) -> anyhow::Result<Libvirtd> {
+        if Command::new("libvirtd").arg("--version").output().is_err() {
+            bail!("libvirtd is not installed: `tandem-lab setup --debian` installs libvirt-daemon-system, libvirt-clients and virtinst");
+        }
+        for d in ["etc/hooks", "run", "lib", "log", "cache"] {
+            std::fs::create_dir_all(dir.join(d))?;
+        }
+        std::fs::write(dir.join("etc/qemu.conf"), QEMU_CONF)?;
+        std::fs::write(dir.join("etc/libvirtd.conf"), LIBVIRTD_CONF)?;
+        let hook = dir.join("etc/hooks/qemu");
+        std::fs::write(
+            &hook,
+            format!(
+                "#!/bin/sh\nexec {} vm libvirt-hook \"$@\"\n",
+                tandem.display()
+            ),
+        )?;
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&hook, std::fs::Permissions::from_mode(0o755))?;
+        let mounts: Vec<String> = [
+            ("etc", "/etc/libvirt"),
+            ("run", "/run/libvirt"),
+            ("lib", "/var/lib/libvirt"),
+            ("log", "/var/log/libvirt"),
+            ("cache", "/var/cache/libvirt"),
+        ]
+        .iter()
+        .map(|(from, to)| {
+            format!(
+                "mkdir -p {to} && mount --bind '{}' {to}",
+                dir.join(from).display()
+            )
+        })
+        .collect();
+        let script = format!(
+            "mount --make-rprivate / && {} && exec libvirtd",
+            mounts.join(" && ")
+        );
+        let log = std::fs::File::create(dir.join("libvirtd.log"))?;
+        let child = Command::new("ip")
+            .args(["netns", "exec", ns, "unshare", "-m", "sh", "-c", &script])
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            .spawn()
+            .context("starting libvirtd")?;
+        let sock = dir.join("run/libvirt-sock");
+        let uri = format!("qemu+unix:///system?socket={}", sock.display());
+        let mut l = Libvirtd {
+            child,
+            uri,
+            dir: dir.to_path_buf(),
+        };
+        let t = Instant::now();
+        while l.virsh(&["version"]).is_err() {
+            if t.elapsed() > Duration::from_secs(30) || l.child.try_wait()?.is_some() {
+                bail!(
+                    "libvirtd did not start; its log is {}",
+                    dir.join("libvirtd.log").display()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        Ok(l)
+    }
+
+    /// `virsh -c URI ARGS`: its output, or its error.
+    pub fn virsh(&self, args: &[&str]) -> anyhow::Result<String> {
+        let out = Command::new("virsh")
+            .args(["-c", &self.uri, "-q"])
+            .args(args)
+            .output()
+            .context("running virsh")?;
+        if !out.status.success() {
+            bail!(
+                "virsh {}: {}",
+                args.join(" "),
+                String::from_utf8_lossy(&out.stderr).trim()
+            );
+        }
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    }
+
+    /// Defines and starts the Debian VM with virt-install from `disk` (its serial port to
+    /// `console`): q35 with libvirt's defaults (PCIe root ports, USB, balloon, RNG, the guest
+    /// agent's channel), its NIC on the clients' bridge.
+    pub fn install(
+        &self,
+        disk: &Path,
+        mem_mib: u64,
+        mac: &str,
+        console: &Path,
+    ) -> anyhow::Result<()> {
+        let out = Command::new("virt-install")
+            .args(["--connect", &self.uri, "--name", DOMAIN])
+            .args(["--memory", &mem_mib.to_string(), "--vcpus", "2", "--import"])
+            .args(["--virt-type", "qemu", "--osinfo", "debian11"])
+            .arg("--disk")
+            .arg(format!(
+                "path={},format=qcow2,bus=virtio,cache=writeback",
+                disk.display()
+            ))
+            .arg("--network")
+            .arg(format!("bridge={BRIDGE},model=virtio,mac={mac}"))
+            .args(["--graphics", "none", "--noautoconsole"])
+            .arg("--serial")
+            .arg(format!("file,path={}", console.display()))
+            .output()
+            .context("running virt-install")?;
+        if !out.status.success() {
+            bail!(
+                "virt-install: {}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        Ok(())
+    }
+
+    /// The domain's live XML imported as a tandem description at `path`, its NIC left to
+    /// the daemons' `--tap-netns` (the clients' bridge in their namespace). Returns what
+    /// import named as not carried over.
+    pub fn import(&self, path: &Path) -> anyhow::Result<Vec<String>> {
+        let xml = self.virsh(&["dumpxml", DOMAIN])?;
+        std::fs::write(self.dir.join("domain.xml"), &xml)?;
+        let (mut f, unmapped) = tandem_protect::libvirt::import(&xml)?;
+        for n in &mut f.nic {
+            n.bridge = None;
+            n.netns = None;
+        }
+        f.ready = Some("TANDEM-READY".into());
+        std::fs::write(path, f.to_toml())?;
+        Ok(unmapped
+            .into_iter()
+            .map(|u| format!("{}: {}", u.element, u.why))
+            .collect())
+    }
+
+    /// The domain's state (`running`, `shut off`, ...).
+    pub fn state(&self) -> String {
+        self.virsh(&["domstate", DOMAIN])
+            .map(|s| s.trim().to_string())
+            .unwrap_or_else(|e| e.to_string())
+    }
+}
+
+impl Drop for Libvirtd {
+    fn drop(&mut self) {
+        let _ = self.virsh(&["destroy", DOMAIN]);
+        let _ = self.child.kill();
+        // `ip netns exec` ends with libvirtd (exec'd in the same process).
+        let _ = self.child.wait();
+    }
+}
