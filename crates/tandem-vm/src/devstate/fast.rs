@@ -9,16 +9,22 @@
 //! ```text
 //!  migrate fd:  | magic | version | 07 configuration | 01 "ram" start … | 04 device … | 00 EOF | 06 vmdesc |
 //!  xen-save:    | magic | version |                                      | 04 device … | 00 EOF |
-//!  framed:      | magic | version | 07 configuration |                    | 04 device … | 00 EOF | 06 vmdesc |
+//!  framed:      | magic | version | 07 configuration | 01 "ram" … (ROMs)  | 04 device … | 00 EOF | 06 vmdesc |
 //! ```
 //!
 //! The configuration section (machine type, the capabilities the destination must share —
-//! `x-ignore-shared`) is required by `migrate-incoming`; the RAM section is not (with
-//! `x-ignore-shared` it carries no pages, and the standby's RAM file already holds them); the
-//! trailing description is read and ignored. So the first capture of a VM goes through
-//! `migrate` and [`Frame::learn`] keeps its configuration section and description; every later
-//! capture is `xen-save-devices-state` between them. Anything unexpected (a command QEMU does
-//! not have, a stream that does not parse) falls back to `migrate` for good, with the reason.
+//! `x-ignore-shared`) is required by `migrate-incoming`; the trailing description is read and
+//! ignored. The RAM sections carry no page of guest RAM (shared: the standby's RAM file holds
+//! it) but every page of the machine's other RAM blocks — firmware, option ROMs, ACPI tables.
+//! A QEMU waiting for a migration frees its own copy of those ROMs and takes them from the
+//! stream: without them a guest restored or failed over runs, but cannot reboot (its reset
+//! vector would be zeros). They do not change while the guest runs, so the first capture of a
+//! VM goes through `migrate`, and [`StreamFrame::learn`] keeps its configuration section and
+//! description, and [`StreamFrame::with_rom`] its RAM sections, found by an
+//! `xen-save-devices-state` of the same stopped guest (the stream's device sections are that
+//! file's); every later capture is `xen-save-devices-state` between them. Anything unexpected
+//! (a command QEMU does not have, a stream that does not parse, device sections that differ)
+//! falls back to `migrate` for good, with the reason.
 
 use std::fs::File;
 use std::io::{Read, Seek, SeekFrom};
@@ -37,12 +43,15 @@ const SECTION_FULL: u8 = 0x04;
 const SUBSECTION: u8 = 0x05;
 const VMDESCRIPTION: u8 = 0x06;
 const CONFIGURATION: u8 = 0x07;
+const SECTION_FOOTER: u8 = 0x7e;
 
 /// What a `migrate` device-state stream has around its device sections.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StreamFrame {
     /// Magic, version and the configuration section.
     head: Vec<u8>,
+    /// The RAM sections: the pages of the RAM blocks that are not guest RAM (ROMs).
+    rom: Vec<u8>,
     /// The VM description after the end-of-stream byte (may be empty).
     tail: Vec<u8>,
 }
@@ -117,8 +126,53 @@ impl StreamFrame {
         let head = stream[..at].to_vec();
         Ok(StreamFrame {
             head,
+            rom: Vec::new(),
             tail: description(stream),
         })
+    }
+
+    /// Keeps the RAM sections of `stream` (the one the frame was learned from): what lies
+    /// between its configuration and its first device section, whose header is the first one
+    /// of `saved` (an `xen-save-devices-state` file of the same guest). The RAM sections must
+    /// start there with a section start and end with the RAM section's footer.
+    pub fn with_rom(mut self, stream: &[u8], saved: &[u8]) -> Result<StreamFrame, String> {
+        if saved.len() < 9 || saved[..4] != MAGIC || saved[4..8] != VERSION {
+            return Err("xen-save-devices-state wrote no stream header".into());
+        }
+        // The first device section's header: type, id, name, instance, version.
+        let mut at = 8;
+        if take(saved, &mut at, 1)?[0] != SECTION_FULL {
+            return Err("xen-save-devices-state wrote no device section".into());
+        }
+        be32(saved, &mut at)?;
+        let n = take(saved, &mut at, 1)?[0] as usize;
+        take(saved, &mut at, n + 8)?;
+        let header = &saved[8..at];
+        let end = stream.len().saturating_sub(self.tail.len());
+        let region = stream.get(self.head.len()..end).unwrap_or_default();
+        // The last occurrence: the device sections follow all RAM pages.
+        let Some(pos) = region.windows(header.len()).rposition(|w| w == header) else {
+            return Err(
+                "the migrate stream has no device section xen-save-devices-state has".into(),
+            );
+        };
+        let rom = &region[..pos];
+        if !rom.is_empty() {
+            let id = rom.get(1..5).ok_or("a cut RAM section")?;
+            let footer = [&[SECTION_FOOTER][..], id].concat();
+            if rom[0] != SECTION_START || !rom.ends_with(&footer) {
+                return Err(
+                    "no whole RAM section between the configuration and the devices".into(),
+                );
+            }
+        }
+        self.rom = rom.to_vec();
+        Ok(self)
+    }
+
+    /// Bytes of ROM pages the frame carries.
+    pub fn rom_len(&self) -> usize {
+        self.rom.len()
     }
 
     /// Frames a `xen-save-devices-state` file into a loadable stream in `out` (cleared).
@@ -146,6 +200,7 @@ impl StreamFrame {
         }
         out.clear();
         out.extend_from_slice(&self.head);
+        out.extend_from_slice(&self.rom);
         let body = out.len();
         r.read_to_end(out)?;
         if out.get(body) != Some(&SECTION_FULL) || out.last() != Some(&VM_EOF) {
@@ -236,18 +291,9 @@ impl Capturer {
         if !self.fast || self.fallback.is_some() || self.frame.is_none() {
             return None;
         }
-        if self.file.is_none() {
-            let made = tempfile::Builder::new()
-                .prefix("tandem-devstate-")
-                .tempfile_in(&self.dir)
-                .and_then(|f| f.keep().map_err(|e| e.error));
-            match made {
-                Ok((file, path)) => self.file = Some((path, file)),
-                Err(e) => {
-                    self.fall_back(format!("state file in {}: {e}", self.dir.display()));
-                    return None;
-                }
-            }
+        if let Err(e) = self.ensure_file() {
+            self.fall_back(e);
+            return None;
         }
         let path = &self.file.as_ref().expect("set above").0;
         let args = json!({ "filename": path.to_string_lossy(), "live": false });
@@ -279,12 +325,50 @@ impl Capturer {
         }
         super::capture(qmp, out)?;
         if self.fast && self.frame.is_none() && self.fallback.is_none() {
-            match StreamFrame::learn(out) {
+            match StreamFrame::learn(out).and_then(|f| self.rom_of(qmp, f, out)) {
                 Ok(f) => self.frame = Some(f),
                 Err(e) => self.fall_back(e),
             }
         }
         Ok(Method::Migrate)
+    }
+
+    /// The frame `f` of the `migrate` stream `stream` just captured, with its RAM sections
+    /// (the ROMs), found by an `xen-save-devices-state` of the same stopped guest.
+    fn rom_of(
+        &mut self,
+        qmp: &mut Qmp,
+        f: StreamFrame,
+        stream: &[u8],
+    ) -> Result<StreamFrame, String> {
+        self.ensure_file()?;
+        let (path, file) = self.file.as_mut().expect("made above");
+        let args = json!({ "filename": path.to_string_lossy(), "live": false });
+        qmp.execute("xen-save-devices-state", Some(args))
+            .map_err(|e| e.to_string())?;
+        let mut saved = Vec::new();
+        file.seek(SeekFrom::Start(0))
+            .and_then(|_| file.read_to_end(&mut saved))
+            .map_err(|e| format!("reading the state file: {e}"))?;
+        let f = f.with_rom(stream, &saved)?;
+        tracing::debug!(
+            "device state: {} bytes of ROM pages framed with every capture",
+            f.rom_len()
+        );
+        Ok(f)
+    }
+
+    /// The state file `xen-save-devices-state` writes (made once, in `dir`).
+    fn ensure_file(&mut self) -> Result<(), String> {
+        if self.file.is_none() {
+            let (file, path) = tempfile::Builder::new()
+                .prefix("tandem-devstate-")
+                .tempfile_in(&self.dir)
+                .and_then(|f| f.keep().map_err(|e| e.error))
+                .map_err(|e| format!("state file in {}: {e}", self.dir.display()))?;
+            self.file = Some((path, file));
+        }
+        Ok(())
     }
 
     fn fall_back(&mut self, why: String) {
@@ -333,6 +417,8 @@ pub fn fuzz_frame(data: &[u8]) -> bool {
     let at = (rest.len() * split as usize / 255).min(rest.len());
     let (stream, saved) = rest.split_at(at);
     if let Ok(f) = StreamFrame::learn(stream) {
+        // With the ROM pages, when `saved` holds the stream's device sections.
+        let f = f.clone().with_rom(stream, saved).unwrap_or(f);
         let mut out = Vec::new();
         if f.wrap(saved, &mut out).is_ok() {
             assert!(out.len() >= saved.len() - 8 + f.head.len());
@@ -361,7 +447,27 @@ mod tests {
             s.extend_from_slice(c.as_bytes());
         }
         s.extend_from_slice(&[SECTION_START, 0, 0, 0, 2, 3, b'r', b'a', b'm', 1, 2, 3]);
-        s.extend_from_slice(&[SECTION_FULL, 0, 0, 0, 9, 1, b'x', 7, 7, VM_EOF]);
+        s.extend_from_slice(&[SECTION_FOOTER, 0, 0, 0, 2]);
+        s.extend_from_slice(&[
+            SECTION_FULL,
+            0,
+            0,
+            0,
+            9,
+            1,
+            b'x',
+            0,
+            0,
+            0,
+            0,
+            0,
+            0,
+            0,
+            1,
+            7,
+            7,
+        ]);
+        s.push(VM_EOF);
         let json = br#"{"page_size":4096}"#;
         s.push(VMDESCRIPTION);
         s.extend_from_slice(&(json.len() as u32).to_be_bytes());
@@ -389,6 +495,94 @@ mod tests {
         assert_eq!(out[head_len..head_len + 9], saved[8..]);
         assert!(out.ends_with(br#"{"page_size":4096}"#));
         assert_eq!(out[head_len + 9], VMDESCRIPTION);
+    }
+
+    #[test]
+    fn keeps_the_rom_pages_between_configuration_and_devices() {
+        let m = migrate_stream(&["x-ignore-shared"]);
+        let same = [
+            &b"QEVM\0\0\0\x03"[..],
+            &[
+                SECTION_FULL,
+                0,
+                0,
+                0,
+                9,
+                1,
+                b'x',
+                0,
+                0,
+                0,
+                0,
+                0,
+                0,
+                0,
+                1,
+                6,
+                6,
+                VM_EOF,
+            ],
+        ]
+        .concat();
+        // Its device state differs from the stream's (a later moment): the boundary is the
+        // first device section's header.
+        let f = StreamFrame::learn(&m).unwrap().with_rom(&m, &same).unwrap();
+        let ram = [
+            SECTION_START,
+            0,
+            0,
+            0,
+            2,
+            3,
+            b'r',
+            b'a',
+            b'm',
+            1,
+            2,
+            3,
+            SECTION_FOOTER,
+            0,
+            0,
+            0,
+            2,
+        ];
+        assert_eq!(f.rom_len(), ram.len());
+        // A later save is framed with them: loading it restores the ROMs too.
+        let later = [
+            &b"QEVM\0\0\0\x03"[..],
+            &[
+                SECTION_FULL,
+                0,
+                0,
+                0,
+                9,
+                1,
+                b'y',
+                0,
+                0,
+                0,
+                0,
+                0,
+                0,
+                0,
+                1,
+                8,
+                VM_EOF,
+            ],
+        ]
+        .concat();
+        let mut out = Vec::new();
+        f.wrap(&later, &mut out).unwrap();
+        let head_len = find(&m, &ram);
+        assert_eq!(out[..head_len + ram.len()], m[..head_len + ram.len()]);
+        assert_eq!(out[head_len + ram.len()..][..17], later[8..]);
+        // A device the stream does not have: refused, never a guessed boundary.
+        let other = StreamFrame::learn(&m).unwrap().with_rom(&m, &later);
+        assert!(other.unwrap_err().contains("no device section"));
+        assert!(StreamFrame::learn(&m)
+            .unwrap()
+            .with_rom(&m, b"QEVM")
+            .is_err());
     }
 
     #[test]
