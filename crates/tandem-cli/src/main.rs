@@ -2,6 +2,7 @@
 
 mod assets;
 mod checkpoint;
+mod console;
 mod daemons;
 mod doctor;
 mod doctor_site;
@@ -71,6 +72,9 @@ pub(crate) enum Cmd {
     /// VM descriptions: import from libvirt, show, check.
     #[command(subcommand)]
     Vm(vm::Cmd),
+    /// Attach the terminal to a running guest's serial console (ttyS0), as `virsh console`
+    /// does; Ctrl-] detaches. Everything it prints is also in DIR/guest-console.log.
+    Console(console::Args),
     /// Print a shell completion script (the package installs them).
     Completions(assets::CompletionArgs),
     /// Write man pages (tandem(1), tandem-primary(1), ...) into a directory.
@@ -120,6 +124,7 @@ fn main() {
         Cmd::Watch(a) => watch::run(a),
         Cmd::Checkpoint(c) => checkpoint::run(c),
         Cmd::Vm(c) => vm::run(c),
+        Cmd::Console(a) => console::run(a),
         Cmd::Run(a) => run::run(a),
         Cmd::Primary(a) => daemons::primary(a),
         Cmd::Adopt(a) => daemons::adopt(a),

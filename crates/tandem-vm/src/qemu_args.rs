@@ -1,6 +1,7 @@
 //! The QEMU command line of a tandem guest: guest RAM in a shared file (so tandem maps it
-//! too), the described boot, disks and NICs, optional NBD data disk, serial console to a file,
-//! QMP on a unix socket, then the description's extra arguments.
+//! too), the described boot, disks and NICs, optional NBD data disk, the serial console on a
+//! unix socket an operator attaches to (`tandem console`) and logged whole to a file, QMP on a
+//! unix socket, then the description's extra arguments.
 
 use std::path::Path;
 
@@ -71,16 +72,32 @@ pub fn qemu_args(
         }
         a.extend(["-append".into(), cmdline.clone()]);
     }
-    // PCI buses first: disks and NICs may sit behind them (`pci = "BUS:SLOT.FN"`).
-    let (buses, rest) = split_buses(&config.extra_args);
+    // PCI buses first when disks or NICs sit behind them (`pci = "BUS:SLOT.FN"`); otherwise
+    // the order stays as it was (devices without an address keep their slots).
+    let behind = config
+        .disks
+        .iter()
+        .filter_map(|d| d.pci)
+        .chain(config.nics.iter().filter_map(|n| n.pci))
+        .any(|p| p.bus != 0);
+    let (buses, rest) = if behind {
+        split_buses(&config.extra_args)
+    } else {
+        (Vec::new(), config.extra_args.clone())
+    };
     a.extend(buses);
     disks(config, &mut a);
     nics(config, &mut a);
     a.extend([
         "-chardev".into(),
-        // append=on: QEMU opens it O_APPEND, so a rotation that truncates it
-        // (tandem-protect's console follower) leaves no hole.
-        format!("file,id=ser0,path={},append=on", serial.display()),
+        // The console: a socket an operator attaches to, everything logged to the file
+        // (also while nobody is attached). logappend=on: QEMU opens the log O_APPEND, so a
+        // rotation that truncates it (tandem-protect's console follower) leaves no hole.
+        format!(
+            "socket,id=ser0,path={},server=on,wait=off,logfile={},logappend=on",
+            console_socket(qmp).display(),
+            serial.display()
+        ),
         "-serial".into(),
         "chardev:ser0".into(),
         "-qmp".into(),
@@ -104,17 +121,22 @@ pub fn qemu_args(
     a
 }
 
+/// The serial console's socket: next to the QMP socket `qmp` (in the VM's runtime directory,
+/// whose short path fits a unix socket's).
+pub fn console_socket(qmp: &Path) -> std::path::PathBuf {
+    qmp.with_file_name("console.sock")
+}
+
 /// The `-device` arguments of `extra` that create PCI buses, and the rest, in order.
 fn split_buses(extra: &[String]) -> (Vec<String>, Vec<String>) {
-    const BUSES: &[&str] = &["pcie-root-port", "ioh3420", "pci-bridge", "pcie-pci-bridge"];
     let (mut buses, mut rest) = (Vec::new(), Vec::new());
     let mut it = extra.iter();
     while let Some(a) = it.next() {
-        if a == "-device" {
+        if a.trim_start_matches('-') == "device" {
             if let Some(v) = it.next() {
                 let model = v.split(',').next().unwrap_or("");
                 let model = model.strip_prefix("driver=").unwrap_or(model);
-                let to = if BUSES.contains(&model) {
+                let to = if crate::desc::PCI_BUS_MODELS.contains(&model) {
                     &mut buses
                 } else {
                     &mut rest

@@ -218,6 +218,19 @@ impl Vm {
         // A console file kept from an earlier guest must not be read as this one's (its
         // ready marker above all).
         let _ = fs::remove_file(&serial);
+        if let Some(c) = &config.console {
+            // The console's socket, where operators look: next to its log (`tandem console`).
+            let link = c.with_extension("sock");
+            let _ = fs::remove_file(&link);
+            if let Err(e) =
+                std::os::unix::fs::symlink(crate::qemu_args::console_socket(&qmp_path), &link)
+            {
+                tracing::warn!(
+                    "linking the guest's console socket at {}: {e}",
+                    link.display()
+                );
+            }
+        }
         let status = runtime.path().join("uffd.status");
         let log = fs::File::create(runtime.path().join("qemu.log"))?;
         let mut cmd = Command::new(&config.qemu);
@@ -405,6 +418,12 @@ impl Vm {
     /// (its console, say) ends with it, whatever happens to QEMU's pid.
     pub fn lifetime(&self) -> std::sync::Weak<()> {
         Arc::downgrade(&self.life)
+    }
+
+    /// The guest's serial console: a unix socket that `tandem console` (or `socat -,raw
+    /// UNIX-CONNECT:PATH`) attaches to.
+    pub fn console_socket(&self) -> PathBuf {
+        crate::qemu_args::console_socket(&self.runtime.path().join("qmp.sock"))
     }
 
     /// Path of the guest's serial console log.

@@ -85,3 +85,91 @@ fn uffd_dirty_log_is_exact_sqlite() {
 fn hash_dirty_log_is_exact_memtouch() {
     exactness("memtouch", DirtyMode::Hash, 10);
 }
+
+/// The serial console is a socket an operator attaches to (`tandem console`), and whatever
+/// the guest prints there is in the console log too.
+#[test]
+fn the_console_socket_shows_what_the_log_keeps() {
+    use std::io::Read;
+    let image = GuestImage::default();
+    let cfg = tandem_labguest::config("test-console", "memtouch", &image);
+    let mut vm = Vm::launch(&cfg).unwrap_or_else(|e| panic!("launch: {e}"));
+    let mut sock = std::os::unix::net::UnixStream::connect(vm.console_socket())
+        .expect("connect to the console socket");
+    sock.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut seen = Vec::new();
+    let t = std::time::Instant::now();
+    let mut buf = [0u8; 4096];
+    // A complete line the guest printed while attached.
+    let line = loop {
+        assert!(
+            t.elapsed() < Duration::from_secs(120),
+            "nothing on the console socket: {seen:?}"
+        );
+        if let Ok(n) = sock.read(&mut buf) {
+            seen.extend_from_slice(&buf[..n]);
+        }
+        let text = String::from_utf8_lossy(&seen);
+        let lines: Vec<&str> = text.split('\n').collect();
+        if let Some(l) = lines[..lines.len().saturating_sub(1)]
+            .iter()
+            .skip(1)
+            .map(|l| l.trim())
+            .find(|l| l.len() > 10)
+        {
+            break l.to_string();
+        }
+    };
+    vm.wait_ready(Duration::from_secs(120)).unwrap();
+    let log = std::fs::read_to_string(vm.serial_path()).unwrap();
+    assert!(log.contains(&line), "{line:?} not in the console log");
+}
+
+/// A guest restored from a fast (`xen-save-devices-state`) device state can reboot: the
+/// restored QEMU gets the firmware and option ROMs from the stream, which a QEMU waiting for a
+/// migration does not keep of its own.
+#[test]
+fn a_guest_restored_from_a_fast_device_state_reboots() {
+    let mut vm = boot("memtouch", DirtyMode::Auto);
+    let mut state = Vec::new();
+    // The first capture learns the frame (migrate), the second is the fast path.
+    for _ in 0..2 {
+        vm.stop().unwrap();
+        vm.capture_device_state(&mut state).unwrap();
+        vm.cont().unwrap();
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    vm.stop().unwrap();
+    vm.capture_device_state(&mut state).unwrap();
+    assert_eq!(
+        vm.devstate_method().0,
+        Some(tandem_vm::devstate::Method::Fast),
+        "{:?}",
+        vm.devstate_method()
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let image = dir.path().join("ram.img");
+    vm.save_ram(&image).unwrap();
+    let cfg = vm.config().clone();
+    vm.kill();
+    let mut restored = Vm::restore(&cfg, &image, &state).expect("restore");
+    restored.cont().unwrap();
+    let log = restored.serial_path();
+    let boots = |log: &std::path::Path| {
+        std::fs::read_to_string(log)
+            .unwrap_or_default()
+            .matches("TANDEM-READY")
+            .count()
+    };
+    let before = boots(&log);
+    restored.qmp.execute("system_reset", None).unwrap();
+    let t = std::time::Instant::now();
+    while boots(&log) <= before {
+        assert!(
+            t.elapsed() < Duration::from_secs(120),
+            "the restored guest did not boot again after a reset: {}",
+            std::fs::read_to_string(&log).unwrap_or_default()
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    }
+}
