@@ -51,6 +51,9 @@ install -m 644 dist/systemd/tandem.env.example dist/systemd/tandem.toml.example 
 install -m 644 README.md docs/*.md "$root/usr/share/doc/tandem/"
 install -D -m 644 dist/prometheus/tandem.rules.yml "$root/usr/share/tandem/prometheus/tandem.rules.yml"
 install -D -m 644 dist/grafana/tandem.json "$root/usr/share/tandem/grafana/tandem.json"
+# libvirt's qemu hook (not installed into /etc/libvirt/hooks by the package: a host may have
+# its own hook; docs/OPERATIONS.md says how to install or chain it).
+install -D -m 755 dist/libvirt/qemu "$root/usr/share/tandem/libvirt/qemu-hook"
 "$bin" manpages "$stage/man"
 install -d -m 755 "$root/usr/share/man/man1"
 for m in "$stage"/man/*.1; do gzip -9n <"$m" >"$root/usr/share/man/man1/$(basename "$m").gz"; done

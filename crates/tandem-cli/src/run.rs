@@ -436,6 +436,18 @@ mod tests {
         assert!(p.starts_with("primary ") && !p.contains("--qmp"), "{p}");
         let b = line_new(&a, Role::Backup, true);
         assert!(b.starts_with("backup ") && !b.contains("--qmp"), "{b}");
+        // A libvirt domain, through libvirt's monitor.
+        let text = format!("{FILE}[adopt]\nlibvirt = \"web\"\nconnect = \"qemu:///system\"\n");
+        let (_dir, a) = args(&text, "a", &[]);
+        let p = line_new(&a, Role::Primary, true);
+        assert!(
+            p.starts_with("adopt ")
+                && p.contains("--libvirt web")
+                && p.contains("--connect qemu:///system"),
+            "{p}"
+        );
+        let b = line_new(&a, Role::Backup, true);
+        assert!(!b.contains("--libvirt"), "{b}");
     }
 
     #[test]

@@ -11,9 +11,17 @@ use tandem_args::VmArgs;
 pub enum Cmd {
     /// Turn a libvirt domain XML (`virsh dumpxml NAME`) into a tandem VM description; every
     /// element that is not mapped is named on stderr with the reason.
+    #[command(group(clap::ArgGroup::new("domain").required(true).args(["xml", "libvirt"])))]
     Import {
         /// The domain XML.
-        xml: PathBuf,
+        xml: Option<PathBuf>,
+        /// Ask libvirt for the domain's live XML instead (`virsh dumpxml DOMAIN`).
+        #[arg(long, value_name = "DOMAIN")]
+        libvirt: Option<String>,
+        /// libvirt's connection URI (virsh -c). With it or --libvirt, NICs on a libvirt
+        /// network are put on that network's bridge (`virsh net-dumpxml`).
+        #[arg(long, value_name = "URI")]
+        connect: Option<String>,
         /// Write the description here (default: stdout).
         #[arg(short = 'o', long)]
         output: Option<PathBuf>,
@@ -43,11 +51,36 @@ pub enum Cmd {
 
 pub fn run(c: Cmd) -> anyhow::Result<()> {
     match c {
-        Cmd::Import { xml, output, json } => {
-            let text = std::fs::read_to_string(&xml)
-                .with_context(|| format!("reading {}", xml.display()))?;
-            let (file, unmapped) = tandem_protect::libvirt::import(&text)
-                .with_context(|| format!("importing {}", xml.display()))?;
+        Cmd::Import {
+            xml,
+            libvirt,
+            connect,
+            output,
+            json,
+        } => {
+            let lv = (libvirt.is_some() || connect.is_some()).then(|| tandem_vm::adopt::Libvirt {
+                domain: libvirt.clone().unwrap_or_default(),
+                uri: connect,
+            });
+            let (text, from) = match (&xml, &lv) {
+                (Some(p), _) => (
+                    std::fs::read_to_string(p)
+                        .with_context(|| format!("reading {}", p.display()))?,
+                    p.display().to_string(),
+                ),
+                (None, Some(l)) => (
+                    l.run(["dumpxml", &l.domain])
+                        .with_context(|| format!("asking libvirt for domain {}", l.domain))?,
+                    format!("libvirt domain {}", l.domain),
+                ),
+                (None, None) => unreachable!("clap requires XML or --libvirt"),
+            };
+            let bridge_of = |net: &str| {
+                lv.as_ref()
+                    .and_then(|l| tandem_protect::libvirt::inloop::network_bridge(l, net))
+            };
+            let (file, unmapped) = tandem_protect::libvirt::import_with(&text, &bridge_of)
+                .with_context(|| format!("importing {from}"))?;
             if json {
                 let v = serde_json::json!({"description": file, "unmapped": unmapped});
                 println!("{}", serde_json::to_string_pretty(&v)?);
@@ -57,8 +90,7 @@ pub fn run(c: Cmd) -> anyhow::Result<()> {
                 eprintln!("not mapped: {}: {}", u.element, u.why);
             }
             let text = format!(
-                "# imported by `tandem vm import` from {}\n{}",
-                xml.display(),
+                "# imported by `tandem vm import` from {from}\n{}",
                 file.to_toml()
             );
             match output {
@@ -76,9 +108,11 @@ pub fn run(c: Cmd) -> anyhow::Result<()> {
         }
         Cmd::LibvirtHook { args } => {
             use std::io::Read;
+            // Only a domain about to start is looked at; every other operation passes.
+            if args.get(1).map(String::as_str) != Some("prepare") {
+                return Ok(());
+            }
             let mut xml = String::new();
-            // libvirt gives the XML for every operation; a hook that cannot read it lets the
-            // domain through only if it is not starting.
             std::io::stdin()
                 .read_to_string(&mut xml)
                 .context("reading the domain XML libvirt passes on stdin")?;

@@ -9,9 +9,11 @@
 //!   acknowledged commit is there afterwards, the postmaster was not restarted, the psql and
 //!   SSH sessions survive, `pg_amcheck` is clean and the primary's copy let nothing out.
 //! - `tandem demo --vm debian --adopt --libvirt`: the same VM run by a real libvirtd
-//!   (virt-install, q35 with libvirt's default devices), described by `tandem vm import` from
-//!   its live XML, adopted by `tandem adopt --libvirt` while psql commits, then failed over:
-//!   no reboot, no commit lost; libvirt shows the domain marked and refuses to start it.
+//!   (virt-install, q35 with libvirt's default devices, its NIC on a libvirt network),
+//!   described by `tandem vm import` from its defined XML (the network resolved to its bridge
+//!   through libvirt), adopted by `tandem adopt --libvirt` while psql commits, then failed
+//!   over: no reboot, no commit lost; libvirt shows the domain marked and refuses to start
+//!   it; rebooted under tandem, the guest finds the hardware libvirt gave it.
 //!   (A QEMU started by hand is adopted in tests/adopt.rs.)
 
 use std::io::{BufRead, BufReader};
@@ -246,6 +248,8 @@ fn demo_debian_adopted_from_libvirt_without_a_reboot_then_failed_over_loses_no_c
     // hook refuses a second QEMU on the guest's disks.
     let l = &a["libvirt"];
     assert_eq!(l["state_after"], "shut off", "{r:#}");
+    // The NIC on a libvirt network was put on that network's bridge, asking libvirt.
+    assert_eq!(l["nic_bridge"], "br0", "{r:#}");
     assert_eq!(l["start_refused"], true, "{r:#}");
     assert_eq!(l["autostart"], "disable", "{r:#}");
     assert!(
@@ -263,4 +267,18 @@ fn demo_debian_adopted_from_libvirt_without_a_reboot_then_failed_over_loses_no_c
     assert_eq!(unmapped.len(), 2, "{unmapped:#?}");
     assert!(unmapped[0].starts_with("devices/serial"), "{unmapped:#?}");
     assert!(unmapped[1].starts_with("devices/channel"), "{unmapped:#?}");
+    // The import's round trip: rebooted under tandem's QEMU, the guest finds the PCI
+    // functions, NICs (names and MACs), vCPUs and CPU flags libvirt gave it.
+    let h = &r["hardware"];
+    assert_eq!(h["rebooted"], true, "{h:#}");
+    assert_eq!(h["differences"].as_array().unwrap().len(), 0, "{h:#}");
+    let before = h["before"].as_array().unwrap();
+    assert!(
+        before
+            .iter()
+            .filter(|l| l.as_str().unwrap().starts_with("pci "))
+            .count()
+            > 20,
+        "{h:#}"
+    );
 }

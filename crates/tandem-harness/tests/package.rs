@@ -46,6 +46,7 @@ fn the_deb_installs_into_a_fresh_debian_root_and_doctor_passes_there() {
         "./usr/share/doc/tandem/OPERATIONS.md",
         "./usr/share/tandem/prometheus/tandem.rules.yml",
         "./usr/share/tandem/grafana/tandem.json",
+        "./usr/share/tandem/libvirt/qemu-hook",
     ] {
         assert!(
             list.contains(want),

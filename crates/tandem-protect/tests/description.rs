@@ -282,9 +282,12 @@ fn libvirt_domain_as_written_by_virt_install() {
     assert_eq!(f.disk[0].cache.as_deref(), Some("none"));
     assert_eq!(f.disk[0].aio.as_deref(), Some("native"));
     assert_eq!(f.disk[1].bus.as_deref(), Some("virtio-scsi"));
-    assert_eq!(f.nic.len(), 1);
+    // Both NICs, in order: the one on libvirt's network on the bridge its live XML names.
+    assert_eq!(f.nic.len(), 2);
     assert_eq!(f.nic[0].mac, "52:54:00:6b:3c:58");
     assert_eq!(f.nic[0].bridge.as_deref(), Some("br0"));
+    assert_eq!(f.nic[1].bridge.as_deref(), Some("virbr0"));
+    assert_eq!(f.nic[1].model.as_deref(), Some("e1000e"));
     // The CPU the guest runs with (host-passthrough), its UUID, clock and power management
     // are kept; the domain's own <qemu:commandline> comes last.
     let args = f.extra_args.join(" ");
@@ -302,7 +305,6 @@ fn libvirt_domain_as_written_by_virt_install() {
     let named: Vec<&str> = unmapped.iter().map(|u| u.element.as_str()).collect();
     for want in [
         "devices/disk[sdb]",
-        "devices/interface[network=default]",
         "devices/serial",
         "devices/graphics[vnc]",
         "devices/video",
@@ -322,11 +324,6 @@ fn libvirt_domain_as_written_by_virt_install() {
         "{named:?}"
     );
     assert_eq!(f.disk[0].pci, None);
-    let net = unmapped
-        .iter()
-        .find(|u| u.element.contains("network"))
-        .unwrap();
-    assert!(net.why.contains("virsh net-info default"), "{}", net.why);
     // It renders as a description file.
     let text = f.to_toml();
     assert!(
@@ -510,4 +507,60 @@ fn libvirt_live_q35_domain_keeps_its_whole_device_tree() {
         ["devices/serial", "devices/channel[unix]/source"],
         "{unmapped:#?}"
     );
+}
+
+#[test]
+fn libvirt_network_interfaces_go_on_the_networks_bridge_when_libvirt_is_asked() {
+    // A running domain's XML names the network's bridge.
+    let live = fixture("web-virt-install.xml");
+    let (f, _) = import(&live).unwrap();
+    assert!(f.nic.iter().any(|n| n.bridge.as_deref() == Some("virbr0")));
+    // A defined domain's does not: offline, named with what to do.
+    let xml = live.replace(" bridge='virbr0'", "");
+    let (_, unmapped) = import(&xml).unwrap();
+    let net = unmapped
+        .iter()
+        .find(|u| u.element == "devices/interface[network=default]")
+        .expect("named");
+    assert!(net.why.contains("virsh net-info default"), "{}", net.why);
+    // With libvirt asked (`tandem vm import --libvirt/--connect`): on the network's bridge.
+    let bridge_of = |net: &str| (net == "default").then(|| "virbr0".to_string());
+    let (f, unmapped) = tandem_protect::libvirt::import_with(&xml, &bridge_of).unwrap();
+    assert!(
+        !unmapped.iter().any(|u| u.element.contains("network=")),
+        "{unmapped:?}"
+    );
+    let nic = f
+        .nic
+        .iter()
+        .find(|n| n.bridge.as_deref() == Some("virbr0"))
+        .expect("the network's NIC on virbr0");
+    assert!(nic.mac.starts_with("52:54:00:"), "{}", nic.mac);
+}
+
+#[test]
+fn libvirt_numbers_are_read_as_libvirt_reads_them() {
+    // Controller 10 written in decimal, the disk's bus in hex: the same bus, pci.10.
+    let xml = "<domain type='kvm'><memory unit='MiB'>512</memory>\
+        <os><type machine='pc-q35-7.2'>hvm</type><kernel>/k</kernel></os><devices>\
+        <disk type='file' device='disk'><source file='/d.raw'/><target dev='vda' bus='virtio'/>\
+        <address type='pci' domain='0x0000' bus='0x0a' slot='0x00' function='0x0'/></disk>\
+        <controller type='pci' index='10' model='pcie-root-port'><model name='pcie-root-port'/>\
+        <target chassis='10' port='0x19'/>\
+        <address type='pci' domain='0x0000' bus='0x00' slot='03' function='0'/></controller>\
+        </devices></domain>";
+    let (f, unmapped) = import(xml).unwrap();
+    assert_eq!(f.disk[0].pci.as_deref(), Some("0a:00.0"));
+    let args = f.extra_args.join(" ");
+    // slot='03': octal, as libvirt reads it.
+    assert!(
+        args.contains("pcie-root-port,id=pci.10,bus=pcie.0,addr=0x3.0x0"),
+        "{args}"
+    );
+    assert!(unmapped.is_empty(), "{unmapped:?}");
+    tandem_vm::desc::check_pci_buses(
+        &[tandem_vm::PciAddr::parse("0a:00.0").unwrap()],
+        &f.extra_args,
+    )
+    .unwrap();
 }

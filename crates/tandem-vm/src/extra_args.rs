@@ -7,9 +7,11 @@
 //! `-chardev`, `-device vhost-vsock-pci`, a virtio-serial port), a shared host directory
 //! (`-virtfs`, `-fsdev`), a display or audio device. What remains are options that shape the
 //! machine the guest sees (CPU model, clock, SMBIOS, boot order, firmware file, watchdog, a few
-//! devices without a backend) — which is what libvirt domains typically pass. A virtio-serial
-//! port is allowed only with a `null` character device behind it: the guest keeps the port it
-//! was started with (a migration needs it), and nothing it writes there leaves the host.
+//! devices without a backend) — which is what libvirt domains typically pass. The one
+//! exception to "no character devices": a virtio-serial port on a `null,id=ID` character
+//! device, so that the guest keeps the port it was started with (a migration needs it) while
+//! nothing it writes there leaves the host. A value that repeats a key, or names its model
+//! twice (`usb-tablet,driver=...`), is refused: QEMU would take the last.
 
 use crate::desc::DescError;
 
@@ -155,22 +157,16 @@ fn refuse(arg: &str, why: impl Into<String>) -> DescError {
 /// Refuses extra QEMU arguments that collide with what tandem owns or are not on the
 /// allow-list.
 pub fn check_extra_args(args: &[String]) -> Result<(), DescError> {
-    // The null character devices, by id: the only host end a serial port may have.
+    // The null character devices, by id: the only host end a serial port may have
+    // (exactly `null,id=ID`: nothing else that could give it a host end, like a logfile).
     let nulls: Vec<&str> = args
         .windows(2)
-        .filter(|w| w[0] == "-chardev")
-        .filter_map(|w| w[1].strip_prefix("null,"))
-        .flat_map(|rest| rest.split(','))
-        .filter_map(|p| p.strip_prefix("id="))
+        .filter(|w| opt_name(&w[0]) == "-chardev")
+        .filter_map(|w| null_chardev(&w[1]))
         .collect();
     let mut it = args.iter();
     while let Some(a) = it.next() {
-        let opt = a.split_once('=').map_or(a.as_str(), |(o, _)| o);
-        let opt = if opt.starts_with("--") {
-            &opt[1..]
-        } else {
-            opt
-        };
+        let opt = opt_name(a);
         if let Some((_, why)) = OWNED.iter().find(|(o, _)| *o == opt) {
             return Err(DescError::Owned {
                 arg: a.clone(),
@@ -200,6 +196,23 @@ pub fn check_extra_args(args: &[String]) -> Result<(), DescError> {
     Ok(())
 }
 
+/// An option's name as QEMU reads it (`--device` is `-device`).
+fn opt_name(a: &str) -> &str {
+    let opt = a.split_once('=').map_or(a, |(o, _)| o);
+    match opt.strip_prefix("--") {
+        Some(rest) => &opt[opt.len() - rest.len() - 1..],
+        None => opt,
+    }
+}
+
+/// The id of a character device that is exactly `null,id=ID`.
+fn null_chardev(v: &str) -> Option<&str> {
+    match v.split(',').collect::<Vec<_>>().as_slice() {
+        ["null", id] | ["backend=null", id] => id.strip_prefix("id="),
+        _ => None,
+    }
+}
+
 /// The value of an allowed option: devices and objects by model, no backend properties.
 fn check_value(opt: &str, v: &str, nulls: &[&str]) -> Result<(), String> {
     if v.contains("memory-backend") {
@@ -208,6 +221,29 @@ fn check_value(opt: &str, v: &str, nulls: &[&str]) -> Result<(), String> {
     let mut parts = v.split(',');
     let first = parts.next().unwrap_or("");
     let props: Vec<(&str, &str)> = parts.filter_map(|p| p.split_once('=')).collect();
+    // QEMU takes the last of a repeated key: a second `driver=` (or `qom-type=`,
+    // `backend=`) would replace the model checked here.
+    let mut keys: Vec<&str> = props.iter().map(|(k, _)| *k).collect();
+    if let Some((k, _)) = first.split_once('=') {
+        keys.push(k);
+    }
+    keys.sort_unstable();
+    if let Some(w) = keys.windows(2).find(|w| w[0] == w[1]) {
+        return Err(format!(
+            "it sets {}= twice (QEMU would take the last)",
+            w[0]
+        ));
+    }
+    if !first.contains('=') {
+        if let Some((k, _)) = props
+            .iter()
+            .find(|(k, _)| ["driver", "qom-type", "backend", "type"].contains(k))
+        {
+            return Err(format!(
+                "{k}= would replace the model {first:?} checked here"
+            ));
+        }
+    }
     let backend = |key: &str| BACKEND_PROPERTIES.contains(&key);
     match opt {
         "-device" => {
@@ -243,9 +279,9 @@ fn check_value(opt: &str, v: &str, nulls: &[&str]) -> Result<(), String> {
                 ));
             }
         }
-        "-chardev" if first != "null" => {
+        "-chardev" if null_chardev(v).is_none() => {
             return Err(format!(
-                "character device {first:?}: only `null` ones (no host end) are on the allow-list; a socket, file or pty would carry guest I/O past output commit"
+                "character device {v:?}: only `null,id=ID` ones (no host end) are on the allow-list; a socket, file, pty or logfile would carry guest I/O past output commit"
             ));
         }
         "-global" => {
@@ -382,5 +418,39 @@ mod tests {
         ]))
         .unwrap_err();
         assert!(e.to_string().contains("chardev other"), "{e}");
+    }
+
+    #[test]
+    fn a_model_or_backend_cannot_be_replaced_later_in_the_value() {
+        for (bad, says) in [
+            (
+                &["-chardev", "null,id=c,backend=socket,path=/tmp/x,server=on"][..],
+                "backend=",
+            ),
+            (
+                &["-chardev", "null,id=c,logfile=/etc/passwd"][..],
+                "logfile",
+            ),
+            (
+                &["-device", "usb-tablet,driver=vhost-vsock-pci,guest-cid=3"][..],
+                "driver=",
+            ),
+            (&["-device", "virtio-rng-pci,id=a,id=b"][..], "twice"),
+            (
+                &["-object", "rng-random,id=r,qom-type=filter-dump"][..],
+                "qom-type=",
+            ),
+        ] {
+            let e = check_extra_args(&args(bad)).unwrap_err().to_string();
+            assert!(e.contains(says), "{bad:?}: {e}");
+        }
+        // --chardev is -chardev.
+        check_extra_args(&args(&[
+            "--chardev",
+            "null,id=n",
+            "-device",
+            "virtserialport,chardev=n",
+        ]))
+        .unwrap();
     }
 }

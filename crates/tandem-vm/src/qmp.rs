@@ -48,6 +48,9 @@ pub enum QmpError {
     /// Timed out waiting for something.
     #[error("timed out after {0:?} waiting for {1}")]
     Timeout(Duration, String),
+    /// libvirt (virsh) failed to pass a command to the domain's QEMU.
+    #[error("libvirt: {0}")]
+    Libvirt(String),
 }
 
 /// A connected QMP session in command mode.

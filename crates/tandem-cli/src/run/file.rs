@@ -130,8 +130,9 @@ pub struct Config {
     pub state_dir: PathBuf,
     /// The flag sections' flags.
     pub flags: Vec<(String, Option<String>)>,
-    /// `[adopt] qmp = ...`: a new VM that runs already (in a QEMU at that QMP socket) is
-    /// adopted by the node that would boot it, instead of booted.
+    /// `[adopt] qmp = ...` or `libvirt = ...`: a new VM that runs already (in a QEMU at that
+    /// QMP socket, or as that libvirt domain) is adopted by the node that would boot it,
+    /// instead of booted.
     pub adopt: bool,
 }
 
@@ -222,10 +223,10 @@ pub fn read(a: &Args) -> anyhow::Result<Config> {
     let adopt = t
         .get("adopt")
         .and_then(|v| v.as_table())
-        .is_some_and(|a| a.contains_key("qmp"));
+        .is_some_and(|a| a.contains_key("qmp") || a.contains_key("libvirt"));
     if t.get("adopt").is_some() && !adopt {
         bail!(
-            "{}: [adopt] needs qmp = \"SOCKET\" (the running QEMU's QMP socket)",
+            "{}: [adopt] needs qmp = \"SOCKET\" (the running QEMU's QMP socket) or libvirt = \"DOMAIN\" (a libvirt domain)",
             f.display()
         );
     }

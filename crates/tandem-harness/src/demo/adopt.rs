@@ -12,7 +12,7 @@ use anyhow::{bail, Context};
 use serde::Serialize;
 
 use super::daemon::Daemon;
-use super::libvirt::{Libvirtd, DOMAIN};
+use super::libvirt::{Imported, Libvirtd, DOMAIN};
 use super::pg::{self, Committer, Pgbench, Ticker};
 use crate::netlab::{BRIDGE, GUEST_IP};
 
@@ -45,6 +45,8 @@ pub enum Via<'a> {
 pub struct LibvirtView {
     /// What `tandem vm import` named as not carried over.
     pub unmapped: Vec<String>,
+    /// The bridge import found for the NIC on a libvirt network.
+    pub nic_bridge: Option<String>,
     /// The domain's state after the adoption.
     pub state_after: String,
     /// `virsh start` was refused by tandem's hook.
@@ -128,7 +130,7 @@ impl Source {
         rdir: &Path,
         tandem: &Path,
         mem_mib: u64,
-    ) -> anyhow::Result<(Source, Vec<String>)> {
+    ) -> anyhow::Result<(Source, Imported)> {
         let l = Libvirtd::start(ns, &rdir.join("libvirt"), tandem)?;
         let console = rdir.join("source-console.log");
         l.install(
@@ -137,14 +139,14 @@ impl Source {
             tandem_labguest::MAC,
             &console,
         )?;
-        let unmapped = l.import(desc)?;
+        let imported = l.import(desc)?;
         Ok((
             Source {
                 run: Runner::Libvirt(l),
                 console,
                 ns: ns.into(),
             },
-            unmapped,
+            imported,
         ))
     }
 
@@ -186,7 +188,9 @@ pub struct ByHand {
     postmaster_start: String,
     boot_s: f64,
     pgbench: Option<std::thread::JoinHandle<anyhow::Result<Pgbench>>>,
-    unmapped: Vec<String>,
+    /// With --libvirt: what import made of the domain.
+    imported: Imported,
+    hardware_before: Option<Vec<String>>,
 }
 
 impl ByHand {
@@ -205,14 +209,20 @@ impl ByHand {
         mem_mib: u64,
     ) -> anyhow::Result<ByHand> {
         let t = Instant::now();
-        let (mut source, unmapped) = match via {
-            Via::Hand => (Source::start(ns, desc, rdir)?, Vec::new()),
+        let (mut source, imported) = match via {
+            Via::Hand => (Source::start(ns, desc, rdir)?, Imported::default()),
             Via::Libvirt { tandem } => Source::libvirt(ns, desc, rdir, tandem, mem_mib)?,
         };
         source.wait_ready("TANDEM-READY", Duration::from_secs(400))?;
         let boot_s = t.elapsed().as_secs_f64();
         pg::wait_ready(ns, GUEST_IP, Duration::from_secs(60))?;
         let postmaster_start = pg::query(ns, GUEST_IP, "SELECT pg_postmaster_start_time()")?;
+        // What the guest sees of its hardware under libvirt, to compare after a reboot under
+        // tandem (the import's round trip).
+        let hardware_before = match source.run {
+            Runner::Libvirt(_) => Some(guest_hardware(ns, key)?),
+            Runner::ByHand { .. } => None,
+        };
         let ticker = Ticker::start(ns, key, GUEST_IP)?;
         let committer = Committer::start(ns, GUEST_IP, round)?;
         // With --pgbench the move happens under pgbench's load too.
@@ -234,7 +244,8 @@ impl ByHand {
             postmaster_start,
             boot_s,
             pgbench,
-            unmapped,
+            imported,
+            hardware_before,
         })
     }
 
@@ -280,7 +291,8 @@ impl ByHand {
                 let _ = primary.wait_line("marked as protected by tandem", Duration::from_secs(30));
                 let start = l.virsh(&["start", DOMAIN]);
                 Some(LibvirtView {
-                    unmapped: self.unmapped.clone(),
+                    unmapped: self.imported.unmapped.clone(),
+                    nic_bridge: self.imported.nic_bridge.clone(),
                     state_after: l.state(),
                     start_refused: matches!(&start, Err(e) if e.to_string().contains("protected by tandem")),
                     title: l
@@ -324,6 +336,7 @@ impl ByHand {
             ticker: self.ticker,
             committer: self.committer,
             postmaster_start: self.postmaster_start,
+            hardware_before: self.hardware_before,
         };
         Ok((pgbench, clients))
     }
@@ -334,6 +347,88 @@ pub struct Clients {
     pub ticker: Ticker,
     pub committer: Committer,
     pub postmaster_start: String,
+    /// With --libvirt: the guest's view of its hardware under libvirt.
+    pub hardware_before: Option<Vec<String>>,
+}
+
+/// The hardware the guest sees, read inside it: every PCI function (address, vendor, device,
+/// subsystem, class, as `lspci -n` shows them), every NIC (name, which follows its PCI path,
+/// and MAC), the vCPU count and the first vCPU's flags.
+pub fn guest_hardware(ns: &str, key: &Path) -> anyhow::Result<Vec<String>> {
+    const SCRIPT: &str = "for d in /sys/bus/pci/devices/*; do echo \"pci $(basename $d) $(cat $d/vendor $d/device $d/subsystem_vendor $d/subsystem_device $d/class | tr '\\n' ' ')\"; done; \
+        for n in /sys/class/net/*; do echo \"nic $(basename $n) $(cat $n/address)\"; done; \
+        echo \"cpus $(nproc)\"; grep -m1 '^flags' /proc/cpuinfo";
+    let out = pg::ssh(ns, key, GUEST_IP)
+        .arg(SCRIPT)
+        .output()
+        .context("running ssh")?;
+    if !out.status.success() {
+        bail!(
+            "reading the guest's hardware over ssh: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    Ok(String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| l.trim().to_string())
+        .filter(|l| !l.is_empty())
+        .collect())
+}
+
+/// The import's round trip: the guest's hardware under libvirt, and after a reboot under
+/// tandem's QEMU built from the imported description.
+#[derive(Serialize, Debug, Clone)]
+pub struct HardwareRoundTrip {
+    /// Under libvirt (PCI functions, NICs, vCPUs and flags).
+    pub before: Vec<String>,
+    /// After the reboot under tandem.
+    pub after_reboot: Vec<String>,
+    /// Lines only one side has.
+    pub differences: Vec<String>,
+    /// The guest came back with another postmaster (it did reboot).
+    pub rebooted: bool,
+}
+
+impl HardwareRoundTrip {
+    /// Reboots the guest (running under tandem) and reads its hardware again.
+    pub fn after_reboot(
+        ns: &str,
+        key: &Path,
+        before: Vec<String>,
+        postmaster_before: &str,
+    ) -> anyhow::Result<HardwareRoundTrip> {
+        // systemd answers and then reboots; ssh may see the connection drop.
+        let _ = pg::ssh(ns, key, GUEST_IP).arg("systemctl reboot").output();
+        // Until PostgreSQL answers with another start time: the old postmaster may still
+        // answer for a moment while the guest shuts down.
+        let t = Instant::now();
+        let postmaster = loop {
+            std::thread::sleep(Duration::from_secs(2));
+            if let Ok(p) = pg::query(ns, GUEST_IP, "SELECT pg_postmaster_start_time()") {
+                if p != postmaster_before {
+                    break p;
+                }
+            }
+            if t.elapsed() > Duration::from_secs(400) {
+                bail!("the guest did not come back with a new PostgreSQL within 400 s of its reboot under tandem");
+            }
+        };
+        let after_reboot = guest_hardware(ns, key)?;
+        let only = |a: &[String], b: &[String], side: &str| -> Vec<String> {
+            a.iter()
+                .filter(|x| !b.contains(x))
+                .map(|x| format!("{side}: {x}"))
+                .collect()
+        };
+        let mut differences = only(&before, &after_reboot, "only under libvirt");
+        differences.extend(only(&after_reboot, &before, "only under tandem"));
+        Ok(HardwareRoundTrip {
+            before,
+            after_reboot,
+            differences,
+            rebooted: postmaster != postmaster_before,
+        })
+    }
 }
 
 /// tandem's report of the adoption: the guest's downtime in ms.

@@ -72,6 +72,9 @@ pub struct DebianRound {
     pub pgbench_after_failover: Option<pg::Pgbench>,
     /// With --adopt: the VM was booted by hand and adopted (then `boot_s` is the adoption).
     pub adoption: Option<adopt::Adoption>,
+    /// With --adopt --libvirt: the guest's hardware under libvirt and after a reboot under
+    /// tandem.
+    pub hardware: Option<adopt::HardwareRoundTrip>,
     /// With --adopt and --pgbench: pgbench while the guest moved (from just before `tandem
     /// adopt` started, for --pgbench seconds).
     pub pgbench_during_adoption: Option<pg::Pgbench>,
@@ -278,6 +281,7 @@ pub fn round(r: usize, o: &DebianOpts<'_>, pb: &ProgressBar) -> anyhow::Result<D
         }
         None => (None, None),
     };
+    let hardware_before = early.as_ref().and_then(|c| c.hardware_before.clone());
     let postmaster_start_before = match &early {
         Some(c) => c.postmaster_start.clone(),
         None => {
@@ -376,6 +380,22 @@ pub fn round(r: usize, o: &DebianOpts<'_>, pb: &ProgressBar) -> anyhow::Result<D
         Ok(()) => "ok".to_string(),
         Err(e) => e,
     };
+    // With --libvirt: the import's round trip — the guest reboots under tandem's QEMU (built
+    // from the description import made) and must find the hardware libvirt gave it.
+    let hardware = match hardware_before {
+        Some(before) => {
+            pb.set_message(format!(
+                "round {r}: rebooting the guest under tandem to compare its hardware with libvirt's"
+            ));
+            Some(adopt::HardwareRoundTrip::after_reboot(
+                ns,
+                &o.vm.key,
+                before,
+                &postmaster_start_after,
+            )?)
+        }
+        None => None,
+    };
     // Latency: time between consecutive acknowledgements before the kill (one session, one
     // commit at a time); the gap: the longest pause in acknowledgements around the kill.
     let lat: Vec<f64> = acked
@@ -447,6 +467,7 @@ pub fn round(r: usize, o: &DebianOpts<'_>, pb: &ProgressBar) -> anyhow::Result<D
         pgbench_after_failover,
         adoption,
         pgbench_during_adoption,
+        hardware,
     })
 }
 
@@ -477,6 +498,19 @@ pub fn line(pb: &ProgressBar, d: &DebianRound) {
                     l.title,
                     if l.start_refused { "refused by tandem's hook" } else { "NOT REFUSED" },
                     l.unmapped.len()
+                ),
+            );
+        }
+        if let Some(h) = &d.hardware {
+            say(
+                pb,
+                format!(
+                    "round {}: after a reboot under tandem the guest sees {} ({} PCI functions, {} NICs, vCPUs and flags compared){}",
+                    d.round,
+                    if h.differences.is_empty() { "the hardware libvirt gave it" } else { "OTHER HARDWARE" },
+                    h.before.iter().filter(|l| l.starts_with("pci ")).count(),
+                    h.before.iter().filter(|l| l.starts_with("nic ")).count(),
+                    if h.differences.is_empty() { String::new() } else { format!(": {}", h.differences.join("; ")) }
                 ),
             );
         }

@@ -1,6 +1,7 @@
 //! `tandem demo --vm debian --adopt --libvirt`: the Debian VM run by a real libvirtd (Debian's
 //! libvirt-daemon-system), defined and started by virt-install, then adopted with `tandem
-//! adopt --libvirt` from the description `tandem vm import` made of its live XML.
+//! adopt --libvirt` from the description `tandem vm import` made of its defined XML (asking
+//! libvirt for its network's bridge).
 //!
 //! The libvirtd is the round's own: it runs in the clients' network namespace (its domain's
 //! NIC goes on the clients' bridge, `<interface type='bridge'>`) and in a mount namespace of
@@ -19,14 +20,30 @@ use crate::netlab::BRIDGE;
 /// The domain's name.
 pub const DOMAIN: &str = "tandem-debian";
 
+/// The libvirt network the domain's NIC is on: the clients' bridge, in bridge mode (what
+/// virt-install's `--network network=NAME` uses; import resolves it through libvirt).
+pub const NETWORK: &str = "tandem-lab";
+
 /// qemu.conf for a libvirtd in a container: QEMU as root, no cgroups, namespaces or
 /// security labels (none of which a CI container offers), logs in files.
 const QEMU_CONF: &str =
     "user = \"root\"\ngroup = \"root\"\ndynamic_ownership = 0\nremember_owner = 0\n\
 security_driver = \"none\"\nnamespaces = [ ]\ncgroup_controllers = [ ]\nstdio_handler = \"file\"\n";
 
+/// dist/libvirt/qemu, the hook the package ships.
+const HOOK: &str = include_str!("../../../../dist/libvirt/qemu");
+
 const LIBVIRTD_CONF: &str =
     "unix_sock_group = \"root\"\nunix_sock_rw_perms = \"0700\"\nauth_unix_rw = \"none\"\nlog_outputs = \"3:stderr\"\n";
+
+/// What `tandem vm import` made of the domain.
+#[derive(Debug, Clone, Default)]
+pub struct Imported {
+    /// What it named as not carried over (`element: why`).
+    pub unmapped: Vec<String>,
+    /// The bridge it found for the NIC on a libvirt network.
+    pub nic_bridge: Option<String>,
+}
 
 /// A libvirtd of the round's own (killed on drop, with its domain).
 pub struct Libvirtd {
@@ -43,18 +60,16 @@ impl Libvirtd {
         if Command::new("libvirtd").arg("--version").output().is_err() {
             bail!("libvirtd is not installed: `tandem-lab setup --debian` installs libvirt-daemon-system, libvirt-clients and virtinst");
         }
-        for d in ["etc/hooks", "run", "lib", "log", "cache"] {
+        for d in ["etc/hooks/qemu.d", "run", "lib", "log", "cache"] {
             std::fs::create_dir_all(dir.join(d))?;
         }
         std::fs::write(dir.join("etc/qemu.conf"), QEMU_CONF)?;
         std::fs::write(dir.join("etc/libvirtd.conf"), LIBVIRTD_CONF)?;
-        let hook = dir.join("etc/hooks/qemu");
+        // tandem's hook as the package ships it, calling this build's binary.
+        let hook = dir.join("etc/hooks/qemu.d/tandem");
         std::fs::write(
             &hook,
-            format!(
-                "#!/bin/sh\nexec {} vm libvirt-hook \"$@\"\n",
-                tandem.display()
-            ),
+            HOOK.replace("/usr/bin/tandem", &format!("'{}'", tandem.display())),
         )?;
         use std::os::unix::fs::PermissionsExt;
         std::fs::set_permissions(&hook, std::fs::Permissions::from_mode(0o755))?;
@@ -107,24 +122,20 @@ impl Libvirtd {
 
     /// `virsh -c URI ARGS`: its output, or its error.
     pub fn virsh(&self, args: &[&str]) -> anyhow::Result<String> {
-        let out = Command::new("virsh")
-            .args(["-c", &self.uri, "-q"])
-            .args(args)
-            .output()
-            .context("running virsh")?;
-        if !out.status.success() {
-            bail!(
-                "virsh {}: {}",
-                args.join(" "),
-                String::from_utf8_lossy(&out.stderr).trim()
-            );
+        Ok(self.libvirt().run(args)?)
+    }
+
+    /// The round's domain, as tandem reaches it.
+    pub fn libvirt(&self) -> tandem_vm::adopt::Libvirt {
+        tandem_vm::adopt::Libvirt {
+            domain: DOMAIN.into(),
+            uri: Some(self.uri.clone()),
         }
-        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
     }
 
     /// Defines and starts the Debian VM with virt-install from `disk` (its serial port to
     /// `console`): q35 with libvirt's defaults (PCIe root ports, USB, balloon, RNG, the guest
-    /// agent's channel), its NIC on the clients' bridge.
+    /// agent's channel), its NIC on libvirt network [`NETWORK`], the clients' bridge.
     pub fn install(
         &self,
         disk: &Path,
@@ -132,6 +143,13 @@ impl Libvirtd {
         mac: &str,
         console: &Path,
     ) -> anyhow::Result<()> {
+        let net = self.dir.join("network.xml");
+        std::fs::write(
+            &net,
+            format!("<network><name>{NETWORK}</name><forward mode='bridge'/><bridge name='{BRIDGE}'/></network>\n"),
+        )?;
+        self.virsh(&["net-define", &net.display().to_string()])?;
+        self.virsh(&["net-start", NETWORK])?;
         let out = Command::new("virt-install")
             .args(["--connect", &self.uri, "--name", DOMAIN])
             .args(["--memory", &mem_mib.to_string(), "--vcpus", "2", "--import"])
@@ -142,7 +160,7 @@ impl Libvirtd {
                 disk.display()
             ))
             .arg("--network")
-            .arg(format!("bridge={BRIDGE},model=virtio,mac={mac}"))
+            .arg(format!("network={NETWORK},model=virtio,mac={mac}"))
             .args(["--graphics", "none", "--noautoconsole"])
             .arg("--serial")
             .arg(format!("file,path={}", console.display()))
@@ -158,23 +176,33 @@ impl Libvirtd {
         Ok(())
     }
 
-    /// The domain's live XML imported as a tandem description at `path`, its NIC left to
-    /// the daemons' `--tap-netns` (the clients' bridge in their namespace). Returns what
-    /// import named as not carried over.
-    pub fn import(&self, path: &Path) -> anyhow::Result<Vec<String>> {
-        let xml = self.virsh(&["dumpxml", DOMAIN])?;
+    /// The domain's defined XML imported as a tandem description at `path` (its NIC's libvirt
+    /// network resolved to its bridge through libvirt, as `tandem vm import --libvirt`
+    /// does), then the NIC left to the daemons' `--tap-netns` (the clients' bridge in their
+    /// namespace). Returns what import named as not carried over, and the NIC's bridge.
+    pub fn import(&self, path: &Path) -> anyhow::Result<Imported> {
+        // The defined XML (the live one names its network's bridge): import asks libvirt for
+        // the bridge of the NIC's network, as `tandem vm import --libvirt` does.
+        let xml = self.virsh(&["dumpxml", "--inactive", DOMAIN])?;
         std::fs::write(self.dir.join("domain.xml"), &xml)?;
-        let (mut f, unmapped) = tandem_protect::libvirt::import(&xml)?;
+        let lv = self.libvirt();
+        let bridge_of = |net: &str| tandem_protect::libvirt::inloop::network_bridge(&lv, net);
+        let (mut f, unmapped) = tandem_protect::libvirt::import_with(&xml, &bridge_of)?;
+        let bridge = f.nic.first().and_then(|n| n.bridge.clone());
         for n in &mut f.nic {
             n.bridge = None;
             n.netns = None;
         }
         f.ready = Some("TANDEM-READY".into());
         std::fs::write(path, f.to_toml())?;
-        Ok(unmapped
+        let unmapped = unmapped
             .into_iter()
             .map(|u| format!("{}: {}", u.element, u.why))
-            .collect())
+            .collect();
+        Ok(Imported {
+            unmapped,
+            nic_bridge: bridge,
+        })
     }
 
     /// The domain's state (`running`, `shut off`, ...).

@@ -10,13 +10,7 @@ use roxmltree::Node;
 
 use super::Importer;
 
-/// Controllers whose bus tandem creates, as libvirt's `<model name>` and QEMU's driver.
-const BRIDGES: &[(&str, &str)] = &[
-    ("pcie-root-port", "pcie-root-port"),
-    ("ioh3420", "ioh3420"),
-    ("pci-bridge", "pci-bridge"),
-    ("pcie-pci-bridge", "pcie-pci-bridge"),
-];
+use tandem_vm::desc::PCI_BUS_MODELS;
 
 /// libvirt's USB controller models and QEMU's drivers.
 const USB: &[(&str, &str)] = &[
@@ -29,15 +23,20 @@ fn child<'a, 'i>(n: Node<'a, 'i>, name: &str) -> Option<Node<'a, 'i>> {
     n.children().find(|c| c.tag_name().name() == name)
 }
 
-fn hex(v: &str) -> Option<u32> {
+/// A number as libvirt reads its attributes (`strtoul` base 0): `0x..` hex, a leading `0`
+/// octal, else decimal.
+pub(super) fn hex(v: &str) -> Option<u32> {
     let v = v.trim();
-    match v.strip_prefix("0x") {
-        Some(h) => u32::from_str_radix(h, 16).ok(),
-        None => v.parse().ok(),
+    if let Some(h) = v.strip_prefix("0x").or_else(|| v.strip_prefix("0X")) {
+        u32::from_str_radix(h, 16).ok()
+    } else if v.len() > 1 && v.starts_with('0') {
+        u32::from_str_radix(&v[1..], 8).ok()
+    } else {
+        v.parse().ok()
     }
 }
 
-impl Importer {
+impl Importer<'_> {
     /// The name of the machine's root PCI bus.
     fn root_bus(&self) -> &'static str {
         match &self.file.machine {
@@ -60,7 +59,7 @@ impl Importer {
             return None;
         };
         let num = |k: &str| a.attribute(k).map_or(Some(0), hex);
-        let (Some(0), Some(bus), Some(slot), Some(f)) =
+        let (Some(0), Some(bus @ 0..=255), Some(slot @ 0..=0x1f), Some(f @ 0..=7)) =
             (num("domain"), num("bus"), num("slot"), num("function"))
         else {
             self.skip(format!("{here}/address"), "not a usable PCI address");
@@ -98,7 +97,8 @@ impl Importer {
                 let name = child(d, "model")
                     .and_then(|m| m.attribute("name"))
                     .unwrap_or(model);
-                let Some((_, driver)) = BRIDGES.iter().find(|(m, _)| *m == name) else {
+                // libvirt's `<model name>` is QEMU's driver for all of them.
+                let Some(driver) = PCI_BUS_MODELS.iter().find(|m| **m == name) else {
                     return self.skip(
                         here,
                         format!("PCI controller {model} ({name}) is not created: devices behind it are named too"),
@@ -155,12 +155,27 @@ impl Importer {
                 let Some(addr) = self.device_pci(d, &here) else {
                     return;
                 };
-                self.device_arg(format!("virtio-serial-pci,id=virtio-serial{index},{addr}"));
+                let mut arg = format!("virtio-serial-pci,id=virtio-serial{index},{addr}");
+                if let Some(p) = d.attribute("ports").and_then(hex) {
+                    arg.push_str(&format!(",max_ports={p}"));
+                }
+                if let Some(v) = d.attribute("vectors").and_then(hex) {
+                    arg.push_str(&format!(",vectors={v}"));
+                }
+                self.serial_controllers.push(index);
+                self.device_arg(arg);
             }
             // The machine's own: q35's AHCI, i440fx's IDE.
             "sata" | "ide" if index == 0 => {}
-            // tandem creates the virtio-scsi controller of its scsi disks.
-            "scsi" if model == "virtio-scsi" => {}
+            // tandem creates the virtio-scsi controller of its scsi disks, where QEMU places it.
+            "scsi" if model == "virtio-scsi" => {
+                if child(d, "address").is_some() {
+                    self.skip(
+                        format!("{here}/address"),
+                        "tandem creates the virtio-scsi controller where QEMU places it (tandem adopt compares both QEMUs and refuses a difference)",
+                    );
+                }
+            }
             _ => self.skip(
                 here,
                 "not created (disks on virtio-blk or virtio-scsi only)",
@@ -181,6 +196,9 @@ impl Importer {
             return self.skip(here, "only virtio-serial channels are kept");
         };
         let get = |k: &str| a.attribute(k).and_then(hex).unwrap_or(0);
+        if !self.serial_controllers.contains(&get("controller")) {
+            return self.skip(here, "its virtio-serial controller is not created");
+        }
         let k = self.channels;
         self.channels += 1;
         self.file.extra_args.extend([
@@ -188,10 +206,12 @@ impl Importer {
             format!("null,id=charchannel{k}"),
             "-device".to_string(),
             format!(
-                "virtserialport,bus=virtio-serial{}.{},nr={},chardev=charchannel{k},id=channel{k},name={name}",
+                "virtserialport,bus=virtio-serial{}.{},nr={},chardev=charchannel{k},id=channel{k},name={}",
                 get("controller"),
                 get("bus"),
-                get("port").max(1)
+                get("port").max(1),
+                // QEMU's option syntax doubles commas inside values.
+                name.replace(',', ",,")
             ),
         ]);
         self.skip(
@@ -206,7 +226,15 @@ impl Importer {
             Some("none") => {}
             Some("virtio") => {
                 if let Some(addr) = self.device_pci(d, "devices/memballoon") {
-                    self.device_arg(format!("virtio-balloon-pci,id=balloon0,{addr}"));
+                    let mut arg = format!("virtio-balloon-pci,id=balloon0,{addr}");
+                    // Features the guest sees.
+                    if d.attribute("autodeflate") == Some("on") {
+                        arg.push_str(",deflate-on-oom=on");
+                    }
+                    if d.attribute("freePageReporting") == Some("on") {
+                        arg.push_str(",free-page-reporting=on");
+                    }
+                    self.device_arg(arg);
                 }
             }
             m => self.skip(
@@ -264,15 +292,23 @@ impl Importer {
                     "keyboard" => "usb-kbd",
                     _ => return self.skip(format!("devices/input[{kind}]"), "not created"),
                 };
-                let port = d
-                    .children()
-                    .find(|c| {
-                        c.tag_name().name() == "address" && c.attribute("type") == Some("usb")
-                    })
+                let a = d.children().find(|c| {
+                    c.tag_name().name() == "address" && c.attribute("type") == Some("usb")
+                });
+                let port = a
                     .and_then(|a| a.attribute("port"))
                     .map(|p| format!(",port={p}"))
                     .unwrap_or_default();
-                self.device_arg(format!("{driver},bus=usb.0{port}"));
+                // libvirt's USB controller N has id usb (N = 0) or usbN.
+                let bus = match a
+                    .and_then(|a| a.attribute("bus"))
+                    .and_then(hex)
+                    .unwrap_or(0)
+                {
+                    0 => "usb.0".to_string(),
+                    n => format!("usb{n}.0"),
+                };
+                self.device_arg(format!("{driver},bus={bus}{port}"));
             }
             Some(b) => self.skip(
                 format!("devices/input[{kind},{b}]"),
@@ -291,7 +327,7 @@ impl Importer {
             return self.skip(
                 "devices/serial",
                 format!(
-                    "kept as the guest's ttyS0; its host end ({}) becomes tandem's console log (console.log in the daemon's --dir)",
+                    "kept as the guest's ttyS0; its host end ({}) becomes tandem's console: `tandem console DIR` attaches to it (as `virsh console`), DIR/guest-console.log keeps all it prints",
                     d.attribute("type").unwrap_or("?")
                 ),
             );

@@ -1,9 +1,9 @@
 //! libvirt stays in the loop (docs/VM_DESCRIPTION.md, "libvirt"): a domain tandem adopted
 //! stays defined in libvirt, marked — its autostart off, a `<tandem:vm>` element in its
-//! metadata and a title saying where the guest runs now — and libvirt's `qemu` hook
-//! (`tandem vm libvirt-hook`, installed as /etc/libvirt/hooks/qemu) refuses to start a marked
-//! domain: two QEMUs would run one guest on the same disks. `virsh list --all --title` shows
-//! every protected VM; `virsh start` of one says who runs it and how to take it back.
+//! metadata and a title saying that tandem runs it — and libvirt's `qemu` hook
+//! (dist/libvirt/qemu, which runs `tandem vm libvirt-hook`) refuses to start a marked domain:
+//! two QEMUs would run one guest on the same disks. `virsh list --all --title` shows every
+//! adopted domain; `virsh start` of one says who runs it and how to take it back.
 
 use roxmltree::Document;
 use tandem_vm::adopt::Libvirt;
@@ -49,7 +49,7 @@ pub fn mark_protected(l: &Libvirt, vm: &str, node: &str) -> Result<(), MarkError
         "--title",
         "--new-desc",
         &format!(
-            "protected by tandem as VM {vm} (adopted on {node}; `tandem list` says where it runs)"
+            "protected by tandem (adopted on {node}; `tandem list` says where it runs; the hook refuses to start it here)"
         ),
     ])
     .map_err(err("setting its title"))?;
@@ -61,6 +61,23 @@ fn xml_escape(s: &str) -> String {
         .replace('<', "&lt;")
         .replace('>', "&gt;")
         .replace('"', "&quot;")
+}
+
+/// The bridge of libvirt network `net` (`virsh net-dumpxml`: its `<bridge name>`), asked
+/// through `l`'s connection; None if libvirt does not know it or it has no bridge.
+pub fn network_bridge(l: &Libvirt, net: &str) -> Option<String> {
+    let xml = l.run(["net-dumpxml", net]).ok()?;
+    let doc = Document::parse(&xml).ok()?;
+    let b = doc
+        .descendants()
+        .find(|n| {
+            n.tag_name().name() == "bridge"
+                && n.parent_element()
+                    .is_some_and(|p| p.tag_name().name() == "network")
+        })?
+        .attribute("name")?
+        .to_string();
+    Some(b)
 }
 
 /// The tandem VM a domain XML is marked with (its name and the node that adopted it).
@@ -86,13 +103,14 @@ pub fn hook(args: &[String], xml: &str) -> Result<(), String> {
     }
     match marked(xml) {
         None => Ok(()),
-        Some((vm, node)) => Err(format!(
-            "domain {} is protected by tandem as VM {vm} (adopted on {node}); its guest runs under tandem, and a second QEMU on its disks would corrupt them. \
-             See where it runs with `tandem list`; to give it back to libvirt, stop tandem@{vm} on the node that runs it (the guest shuts down cleanly), then remove the mark: \
-             virsh metadata {} --config --uri {XMLNS} --remove",
-            args.first().map(String::as_str).unwrap_or("?"),
-            args.first().map(String::as_str).unwrap_or("?"),
-        )),
+        Some((vm, node)) => {
+            let domain = args.first().map(String::as_str).unwrap_or("?");
+            Err(format!(
+                "domain {domain} is protected by tandem (adopted as {vm} on {node}); its guest runs under tandem, and a second QEMU on its disks would corrupt them. \
+                 `tandem list` says where it runs. To give it back to libvirt: end protection and shut the guest down where it runs (`systemctl kill -s SIGUSR1 tandem@VM`; a plain stop would hand it over to the backup instead), \
+                 then remove the mark (virsh metadata {domain} --config --uri {XMLNS} --remove) and start it"
+            ))
+        }
     }
 }
 
@@ -113,7 +131,7 @@ mod tests {
         assert_eq!(marked(MARKED), Some(("web".into(), "a".into())));
         let e = hook(&args(&["web", "prepare", "begin", "-"]), MARKED).unwrap_err();
         assert!(
-            e.contains("protected by tandem as VM web") && e.contains("--remove"),
+            e.contains("protected by tandem (adopted as web on a)") && e.contains("--remove"),
             "{e}"
         );
         for other in [

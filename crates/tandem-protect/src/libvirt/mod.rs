@@ -44,6 +44,15 @@ pub enum ImportError {
 
 /// Converts a domain XML to a description; also returns what was not mapped.
 pub fn import(xml: &str) -> Result<(VmFile, Vec<Unmapped>), ImportError> {
+    import_with(xml, &|_| None)
+}
+
+/// [`import`], with `<interface type='network'>` resolved to its bridge by `bridge_of` (the
+/// network's name → its bridge; [`inloop::network_bridge`] asks libvirt).
+pub fn import_with(
+    xml: &str,
+    bridge_of: &dyn Fn(&str) -> Option<String>,
+) -> Result<(VmFile, Vec<Unmapped>), ImportError> {
     let doc = Document::parse(xml)?;
     let dom = doc.root_element();
     if dom.tag_name().name() != "domain" {
@@ -54,6 +63,7 @@ pub fn import(xml: &str) -> Result<(VmFile, Vec<Unmapped>), ImportError> {
         return Err(ImportError::DomainType(kind.into()));
     }
     let mut im = Importer {
+        bridge_of,
         file: VmFile::default(),
         unmapped: Vec::new(),
         buses_made: Vec::new(),
@@ -62,6 +72,7 @@ pub fn import(xml: &str) -> Result<(VmFile, Vec<Unmapped>), ImportError> {
         channels: 0,
         rngs: 0,
         serial: false,
+        serial_controllers: Vec::new(),
         usb: false,
         sockets_only: true,
     };
@@ -85,7 +96,9 @@ pub fn import(xml: &str) -> Result<(VmFile, Vec<Unmapped>), ImportError> {
     Ok((im.file, im.unmapped))
 }
 
-struct Importer {
+struct Importer<'r> {
+    /// A libvirt network's bridge.
+    bridge_of: &'r dyn Fn(&str) -> Option<String>,
     file: VmFile,
     unmapped: Vec<Unmapped>,
     /// Indexes of the PCI controllers created (their buses are `pci.N`).
@@ -101,6 +114,8 @@ struct Importer {
     serial: bool,
     /// The first USB controller was created.
     usb: bool,
+    /// The virtio-serial controllers created, by index.
+    serial_controllers: Vec<u32>,
     /// No `<cpu><topology>`.
     sockets_only: bool,
 }
@@ -119,7 +134,7 @@ const QUIET: &[&str] = &[
     "seclabel",
 ];
 
-impl Importer {
+impl Importer<'_> {
     fn skip(&mut self, element: impl Into<String>, why: impl Into<String>) {
         self.unmapped.push(Unmapped {
             element: element.into(),
@@ -139,6 +154,12 @@ impl Importer {
                 let t = n.text().unwrap_or("").trim();
                 let v = t.parse().map_err(|_| ImportError::Number("vcpu", t.into()))?;
                 self.file.vcpus = Some(v);
+                if n.attribute("current").is_some_and(|c| c.trim() != t) {
+                    self.skip(
+                        "vcpu[current]",
+                        format!("all {v} vCPUs are online under tandem (libvirt starts fewer and hotplugs the rest)"),
+                    );
+                }
             }
             "os" => self.os(n),
             "devices" => {
@@ -201,9 +222,16 @@ impl Importer {
     fn cpu(&mut self, n: Node<'_, '_>) {
         let mode = n.attribute("mode").unwrap_or("custom");
         let arg = match mode {
-            // What libvirt runs for both with KVM; under TCG QEMU refuses `host` (vm check
-            // and the adoption's CPU comparison say so).
-            "host-passthrough" | "host-model" => "host".to_string(),
+            // What libvirt runs for host-passthrough with KVM; under TCG QEMU refuses `host`
+            // (vm check and the adoption's CPU comparison say so).
+            "host-passthrough" => "host".to_string(),
+            "host-model" => {
+                self.skip(
+                    "cpu[host-model]",
+                    "described as -cpu host: libvirt runs host-model as a named model expanded from this host's CPU, which can differ; import the running domain's XML (`virsh dumpxml` of a running domain shows that model)",
+                );
+                "host".to_string()
+            }
             _ => {
                 let Some(model) = n
                     .children()
@@ -409,10 +437,18 @@ impl Importer {
             "user" => None,
             "network" => {
                 let net = source.and_then(|s| s.attribute("network")).unwrap_or("?");
-                return self.skip(
-                    format!("devices/interface[network={net}]"),
-                    format!("libvirt networks are not managed by tandem: add a [[nic]] with mac = \"{mac}\" and bridge = the network's bridge (`virsh net-info {net}`)"),
-                );
+                // A running domain's XML names the network's bridge; else libvirt is asked.
+                let live = source.and_then(|s| s.attribute("bridge")).map(String::from);
+                match live.or_else(|| (self.bridge_of)(net)) {
+                    // tandem's tap goes on the network's bridge, as libvirt's does.
+                    Some(b) => Some(b),
+                    None => {
+                        return self.skip(
+                            format!("devices/interface[network={net}]"),
+                            format!("libvirt network {net} was not resolved to its bridge (import with --connect or --libvirt to ask libvirt): add a [[nic]] with mac = \"{mac}\" and bridge = the network's bridge (`virsh net-info {net}`)"),
+                        )
+                    }
+                }
             }
             other => {
                 return self.skip(
@@ -423,6 +459,15 @@ impl Importer {
         };
         let here = format!("devices/interface[{mac}]");
         let pci = self.pci_address(i, &here);
+        if let Some(q) = child("driver")
+            .and_then(|d| d.attribute("queues"))
+            .filter(|q| *q != "1")
+        {
+            self.skip(
+                format!("{here}/driver[queues={q}]"),
+                "one queue pair under tandem (its relay's tap has one): the guest sees a NIC without multiqueue",
+            );
+        }
         if let Some(v) = child("virtualport") {
             self.skip(
                 format!("{here}/virtualport[{}]", v.attribute("type").unwrap_or("?")),
@@ -445,7 +490,7 @@ impl Importer {
     }
 }
 
-impl Importer {
+impl Importer<'_> {
     /// `<cpu><topology>` as QEMU's `-smp` layout.
     fn topology(&mut self, n: Node<'_, '_>) {
         let Some(t) = n.children().find(|c| c.tag_name().name() == "topology") else {
@@ -467,10 +512,7 @@ impl Importer {
         let a = d
             .children()
             .find(|c| c.tag_name().name() == "address" && c.attribute("type") == Some("pci"))?;
-        let num = |k: &str| {
-            let v = a.attribute(k).unwrap_or("0");
-            u32::from_str_radix(v.trim_start_matches("0x"), 16).ok()
-        };
+        let num = |k: &str| a.attribute(k).map_or(Some(0), devices::hex);
         if let (Some(0), Some(bus), Some(slot), Some(f)) =
             (num("domain"), num("bus"), num("slot"), num("function"))
         {

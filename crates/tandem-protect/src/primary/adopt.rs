@@ -49,9 +49,11 @@ impl AdoptConfig {
     pub fn new(qmp: impl Into<PathBuf>) -> Self {
         Self::from(Source::Qmp(qmp.into()))
     }
+}
 
+impl From<Source> for AdoptConfig {
     /// Adopting the guest of `source`, with the default limits.
-    pub fn from(source: Source) -> Self {
+    fn from(source: Source) -> Self {
         AdoptConfig {
             source,
             downtime_limit: default_downtime(),
@@ -83,10 +85,15 @@ pub(super) fn adopt(
         a.source,
         a.downtime_limit.as_millis()
     ));
+    let libvirt = match &a.source {
+        Source::Libvirt(l) => Some(l),
+        Source::Qmp(_) => None,
+    };
     let opts = AdoptOptions {
         downtime_limit: a.downtime_limit,
         timeout: a.timeout,
-        quit_source: !a.keep_source,
+        // A libvirt domain is marked before its old QEMU ends (below).
+        quit_source: !a.keep_source && libvirt.is_none(),
         ..AdoptOptions::default()
     };
     // The migration's pre-copy rounds are progress for systemd's watchdog, not a hang.
@@ -102,6 +109,10 @@ pub(super) fn adopt(
     })?;
     drop(bar);
     fe.beat.beat();
+    let source_quit = match libvirt {
+        Some(l) => mark_and_end(l, status),
+        None => done.source_quit,
+    };
     status.event(crate::Event::Adopted {
         qemu_pid: vm.pid(),
         downtime_ms: done.downtime().as_millis() as u64,
@@ -117,30 +128,42 @@ pub(super) fn adopt(
         done.qemu_downtime.as_millis(),
         done.switch.as_millis(),
         vm.pid(),
-        if done.source_quit {
+        if source_quit {
             "the old QEMU quit"
         } else {
             "the old QEMU is left in postmigrate for its manager to end"
         }
     ));
-    if let Source::Libvirt(l) = &a.source {
-        // libvirt keeps the domain, marked: it shows who runs the guest and its hook refuses
-        // to start a second QEMU on the same disks.
-        let node = std::fs::read_to_string("/proc/sys/kernel/hostname")
-            .map(|h| h.trim().to_string())
-            .unwrap_or_else(|_| "?".into());
-        match crate::libvirt::inloop::mark_protected(l, &l.domain, &node) {
-            Ok(()) => status.info(format!(
-                "libvirt domain {} marked as protected by tandem (autostart off, metadata, title); its hook refuses to start it",
-                l.domain
-            )),
-            Err(e) => status.warn(format!(
-                "{}: libvirt could start the domain again; mark it by hand (docs/VM_DESCRIPTION.md, \"libvirt\")",
-                crate::chain(&e)
-            )),
+    Ok(vm)
+}
+
+/// A libvirt domain whose guest runs in tandem's QEMU now: marked in libvirt (its hook then
+/// refuses to start it) while its old QEMU is still there, paused, then that QEMU ended
+/// (`virsh destroy`: libvirt sees the domain shut off). Whether it ended.
+fn mark_and_end(l: &tandem_vm::adopt::Libvirt, status: &Status) -> bool {
+    let node = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_string())
+        .unwrap_or_else(|_| "?".into());
+    match crate::libvirt::inloop::mark_protected(l, &l.domain, &node) {
+        Ok(()) => status.info(format!(
+            "libvirt domain {} marked as protected by tandem (autostart off, metadata, title); its hook refuses to start it",
+            l.domain
+        )),
+        Err(e) => status.warn(format!(
+            "{}: libvirt could start the domain again; mark it by hand (docs/VM_DESCRIPTION.md, \"libvirt\")",
+            crate::chain(&e)
+        )),
+    }
+    match l.run(["destroy", &l.domain]) {
+        Ok(_) => true,
+        Err(e) => {
+            status.warn(format!(
+                "ending the old QEMU of libvirt domain {} (virsh destroy): {e}; it is paused, its guest gone: end it with `virsh destroy {}`",
+                l.domain, l.domain
+            ));
+            false
         }
     }
-    Ok(vm)
 }
 
 /// With fencing: etcd records that the guest runs without a replica before its output may

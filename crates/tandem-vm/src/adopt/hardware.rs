@@ -1,7 +1,8 @@
 //! What the guest sees must not change when it moves: QEMU's migration refuses a stream with a
 //! device the new QEMU lacks, but not a new QEMU with a device more, another CPU model or other
 //! MACs (the guest would find them under its feet). Both QEMUs are asked before anything
-//! moves: PCI functions (address or path behind bridges, vendor, device, subsystem, class; model behind bridges), vCPUs (count, model,
+//! moves: PCI functions on the root bus (address, vendor, device, subsystem, class) and
+//! behind bridges (path and device model), vCPUs (count, model,
 //! every CPUID feature word), NIC MACs, and the features each virtio device offers (which also
 //! depend on its backend: a virtio NIC on a tap with virtio-net headers offers checksum and
 //! segmentation offloads, one on a backend without them does not, and QEMU would refuse to
@@ -192,7 +193,7 @@ fn pci_path(
     let devfn = match get(q, "addr") {
         Ok(v) => v.as_u64(),
         // No such property: not a PCI function (the machine, an ISA or USB device).
-        Err(QmpError::Command { .. }) => None,
+        Err(QmpError::Command { desc, .. }) if desc.contains("not found") => None,
         Err(e) => return Err(e),
     };
     let path = match devfn {

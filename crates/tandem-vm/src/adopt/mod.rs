@@ -24,10 +24,15 @@ pub use monitor::{Libvirt, Monitor, Source};
 
 use std::time::{Duration, Instant};
 
+use std::os::fd::AsFd;
+
 use serde_json::{json, Value};
 
 use crate::qmp::{Qmp, QmpError};
 use crate::vm::{Vm, VmConfig, VmError};
+
+/// The name the migration's connection has in the source QEMU (`getfd`).
+const FD_NAME: &str = "tandem-adopt";
 
 /// How an adoption migrates.
 #[derive(Debug, Clone)]
@@ -99,8 +104,8 @@ impl Adopted {
 #[derive(Debug, thiserror::Error)]
 pub enum AdoptError {
     /// The source's monitor did not answer.
-    #[error("reaching {0} (a QMP socket serves one client at a time: is libvirt or another tool connected to it? A libvirt domain is adopted with --libvirt)")]
-    Connect(String, #[source] QmpError),
+    #[error("reaching {0} ({1})")]
+    Connect(String, &'static str, #[source] QmpError),
     /// A query of the source failed.
     #[error("asking the running QEMU")]
     Source(#[from] QmpError),
@@ -158,7 +163,7 @@ pub fn adopt(
     progress: &mut dyn FnMut(&Progress),
 ) -> Result<(Vm, Adopted), AdoptError> {
     let t0 = Instant::now();
-    let connect = |e| AdoptError::Connect(source.to_string(), e);
+    let connect = |e| AdoptError::Connect(source.to_string(), source.hint(), e);
     let mut src: Box<dyn Monitor> = match source {
         Source::Qmp(path) => Box::new(Qmp::connect(path, Duration::from_secs(5)).map_err(connect)?),
         Source::Libvirt(l) => {
@@ -210,8 +215,18 @@ pub fn adopt(
             "max-bandwidth": opts.max_bandwidth,
         })),
     )?;
+    // The source gets the connection as a descriptor: a QEMU libvirt runs (its own user,
+    // confined) cannot open a socket in tandem's private runtime directory.
+    let conn = std::os::unix::net::UnixStream::connect(&sock).map_err(|e| {
+        let _ = src.execute("migrate-set-parameters", Some(restore.clone()));
+        AdoptError::Start(vm.explain(VmError::Io(e)))
+    })?;
     let migrated = (|| {
-        src.execute("migrate", Some(json!({ "uri": uri })))?;
+        src.send_fd(FD_NAME, conn.as_fd())?;
+        src.execute("migrate", Some(json!({ "uri": format!("fd:{FD_NAME}") })))
+            .inspect_err(|_| {
+                let _ = src.execute("closefd", Some(json!({ "fdname": FD_NAME })));
+            })?;
         follow(src, &mut vm, opts, progress)
     })();
     let (qemu_downtime, last) = match migrated {

@@ -4,10 +4,16 @@
 //! "tainted: custom-monitor" in its log).
 //!
 //! Adoption asks the source a few dozen questions and polls its migration; a `virsh` process
-//! per command (~20–50 ms) is far inside what a live migration of seconds needs.
+//! per command (~20–50 ms) is far inside what a live migration of seconds needs. The
+//! migration's connection is handed to the source as a file descriptor (`getfd`, through
+//! libvirt with `--pass-fds`): a QEMU libvirt runs as its own user, confined, could not open a
+//! socket in tandem's private runtime directory.
 
+use std::io::Read;
+use std::os::fd::{AsRawFd, BorrowedFd};
 use std::path::PathBuf;
-use std::process::Command;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
@@ -17,6 +23,9 @@ use crate::qmp::{Qmp, QmpError};
 pub trait Monitor {
     /// Runs `command` with `args`; QEMU's `return` value.
     fn execute(&mut self, command: &str, args: Option<Value>) -> Result<Value, QmpError>;
+
+    /// Hands `fd` to QEMU under `name` (QMP `getfd`).
+    fn send_fd(&mut self, name: &str, fd: BorrowedFd<'_>) -> Result<(), QmpError>;
 
     /// The guest's run state (`running`, `paused`, `postmigrate`, ...).
     fn status(&mut self) -> Result<String, QmpError> {
@@ -28,6 +37,10 @@ pub trait Monitor {
 impl Monitor for Qmp {
     fn execute(&mut self, command: &str, args: Option<Value>) -> Result<Value, QmpError> {
         Qmp::execute(self, command, args)
+    }
+
+    fn send_fd(&mut self, name: &str, fd: BorrowedFd<'_>) -> Result<(), QmpError> {
+        self.getfd(name, fd)
     }
 }
 
@@ -50,6 +63,16 @@ impl std::fmt::Display for Source {
     }
 }
 
+impl Source {
+    /// What to check when the source cannot be reached.
+    pub fn hint(&self) -> &'static str {
+        match self {
+            Source::Qmp(_) => "a QMP socket serves one client at a time: is libvirt or another tool connected to it? A libvirt domain is adopted with --libvirt",
+            Source::Libvirt(_) => "is the domain running (`virsh list`), and does --connect name the libvirt that runs it?",
+        }
+    }
+}
+
 /// A libvirt domain, reached through `virsh`.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Libvirt {
@@ -61,8 +84,14 @@ pub struct Libvirt {
     pub uri: Option<String>,
 }
 
+/// The longest a virsh call may take (a hung libvirtd must not hang an adoption).
+const VIRSH_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// The fd number a passed descriptor has in virsh.
+const PASSED_FD: i32 = 3;
+
 impl Libvirt {
-    /// `virsh [-c URI] ARGS...`, ready to run.
+    /// `virsh [-c URI] -q ARGS...`, ready to run.
     pub fn virsh<I, S>(&self, args: I) -> Command
     where
         I: IntoIterator<Item = S>,
@@ -76,42 +105,107 @@ impl Libvirt {
         c
     }
 
-    /// Runs `virsh ARGS...`; its standard output, or an error carrying its message.
+    /// Runs `virsh ARGS...` (at most 30 s); its standard output, or its error message.
     pub fn run<I, S>(&self, args: I) -> Result<String, QmpError>
     where
         I: IntoIterator<Item = S>,
         S: AsRef<std::ffi::OsStr>,
     {
-        let mut c = self.virsh(args);
-        let out = c.output().map_err(|e| QmpError::Connect {
-            path: format!("virsh (libvirt's client; install libvirt-clients): {e}"),
-            source: e,
-        })?;
-        if !out.status.success() {
-            let what: Vec<String> = c
-                .get_args()
-                .map(|a| a.to_string_lossy().into_owned())
-                .collect();
-            return Err(QmpError::Command {
-                command: format!("virsh {}", what.join(" ")),
-                class: "libvirt".into(),
-                desc: String::from_utf8_lossy(&out.stderr).trim().to_string(),
-            });
+        self.run_with(self.virsh(args), None)
+    }
+
+    /// Runs the virsh command `c`, `fd` open in it as descriptor 3.
+    fn run_with(&self, mut c: Command, fd: Option<BorrowedFd<'_>>) -> Result<String, QmpError> {
+        let what: Vec<String> = c
+            .get_args()
+            .map(|a| a.to_string_lossy().into_owned())
+            .collect();
+        let what = format!("virsh {}", what.join(" "));
+        if let Some(fd) = fd {
+            let raw = fd.as_raw_fd();
+            use std::os::unix::process::CommandExt;
+            // SAFETY: runs in the child between fork and exec and only calls dup2(2) and
+            // fcntl(2), both async-signal-safe, on descriptors of this process (raw stays
+            // open: the caller borrows it for the whole call).
+            unsafe {
+                c.pre_exec(move || {
+                    let r = if raw == PASSED_FD {
+                        libc::fcntl(PASSED_FD, libc::F_SETFD, 0)
+                    } else {
+                        libc::dup2(raw, PASSED_FD)
+                    };
+                    if r < 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    Ok(())
+                })
+            };
         }
-        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+        let mut child = c
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .map_err(|e| {
+                QmpError::Libvirt(format!(
+                    "running virsh (libvirt's client; install libvirt-clients): {e}"
+                ))
+            })?;
+        let t = Instant::now();
+        let status = loop {
+            if let Some(s) = child.try_wait()? {
+                break s;
+            }
+            if t.elapsed() > VIRSH_TIMEOUT {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(QmpError::Timeout(VIRSH_TIMEOUT, what));
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        };
+        let (mut out, mut err) = (String::new(), String::new());
+        if let Some(mut o) = child.stdout.take() {
+            o.read_to_string(&mut out)?;
+        }
+        if let Some(mut e) = child.stderr.take() {
+            e.read_to_string(&mut err)?;
+        }
+        if !status.success() {
+            return Err(QmpError::Libvirt(format!("{what}: {}", err.trim())));
+        }
+        Ok(out)
+    }
+
+    fn monitor(
+        &self,
+        command: &str,
+        args: Option<Value>,
+        fd: Option<BorrowedFd<'_>>,
+    ) -> Result<Value, QmpError> {
+        let mut cmd = json!({ "execute": command });
+        if let Some(a) = args {
+            cmd["arguments"] = a;
+        }
+        let mut v = vec!["qemu-monitor-command".to_string(), self.domain.clone()];
+        if fd.is_some() {
+            v.extend(["--pass-fds".to_string(), PASSED_FD.to_string()]);
+        }
+        v.push(cmd.to_string());
+        let out = self.run_with(self.virsh(&v), fd)?;
+        let reply: Value = serde_json::from_str(out.trim())
+            .map_err(|e| QmpError::Protocol(format!("virsh qemu-monitor-command: {e}: {out}")))?;
+        reply_value(command, reply)
     }
 }
 
 impl Monitor for Libvirt {
     fn execute(&mut self, command: &str, args: Option<Value>) -> Result<Value, QmpError> {
-        let mut cmd = json!({ "execute": command });
-        if let Some(a) = args {
-            cmd["arguments"] = a;
-        }
-        let out = self.run(["qemu-monitor-command", &self.domain, &cmd.to_string()])?;
-        let reply: Value = serde_json::from_str(out.trim())
-            .map_err(|e| QmpError::Protocol(format!("virsh qemu-monitor-command: {e}: {out}")))?;
-        reply_value(command, reply)
+        self.monitor(command, args, None)
+    }
+
+    fn send_fd(&mut self, name: &str, fd: BorrowedFd<'_>) -> Result<(), QmpError> {
+        self.monitor("getfd", Some(json!({ "fdname": name })), Some(fd))
+            .map(|_| ())
     }
 }
 
