@@ -220,6 +220,25 @@ fn nics(config: &VmConfig, a: &mut Vec<String>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A raw virtio-blk disk at `path`, writable, QEMU's defaults otherwise.
+    fn blk(path: &str) -> DiskDesc {
+        DiskDesc {
+            path: path.into(),
+            format: DiskFormat::Raw,
+            bus: DiskBus::VirtioBlk,
+            cache: None,
+            aio: None,
+            readonly: false,
+            slice: None,
+            pci: None,
+        }
+    }
+
+    /// The command line of `c`, as one string.
+    fn line(c: &VmConfig, start: Start) -> String {
+        qemu_args(c, "/r".as_ref(), "/q".as_ref(), "/s".as_ref(), start).join(" ")
+    }
     use crate::desc::{DiskDesc, DiskFormat, NicDesc};
 
     #[test]
@@ -258,14 +277,7 @@ mod tests {
             pci: Some(crate::desc::PciAddr::parse("03.0").unwrap()),
         }];
         c.extra_args = vec!["-rtc".into(), "base=utc".into()];
-        let a = qemu_args(
-            &c,
-            "/r".as_ref(),
-            "/q".as_ref(),
-            "/s".as_ref(),
-            Start::Paused,
-        )
-        .join(" ");
+        let a = line(&c, Start::Paused);
         for want in [
             "-machine pc,memory-backend=ram0",
             "-smp 2",
@@ -289,7 +301,7 @@ mod tests {
 
     #[test]
     fn a_kernel_boot_with_legacy_virtio() {
-        use crate::desc::{DiskBus, DiskDesc, DiskFormat, NicDesc};
+        use crate::desc::{DiskDesc, NicDesc};
         let mut c = VmConfig::custom("k");
         c.legacy_virtio = true;
         c.boot = Boot::Kernel {
@@ -298,14 +310,8 @@ mod tests {
             cmdline: "console=ttyS0 app=kv".into(),
         };
         c.disks = vec![DiskDesc {
-            path: "/img/apps.img".into(),
-            format: DiskFormat::Raw,
-            bus: DiskBus::VirtioBlk,
-            cache: None,
-            aio: None,
             readonly: true,
-            slice: None,
-            pci: None,
+            ..blk("/img/apps.img")
         }];
         c.nics = vec![NicDesc {
             mac: "52:54:00:12:34:56".into(),
@@ -315,14 +321,7 @@ mod tests {
             },
             pci: None,
         }];
-        let a = qemu_args(
-            &c,
-            "/r".as_ref(),
-            "/q".as_ref(),
-            "/s".as_ref(),
-            Start::Incoming,
-        )
-        .join(" ");
+        let a = line(&c, Start::Incoming);
         for want in [
             "-smp 1",
             "-kernel /img/vmlinuz -initrd /img/initrd -append console=ttyS0 app=kv",
@@ -342,14 +341,7 @@ mod tests {
     fn an_adopting_qemu_runs_the_guest_once_loaded_under_the_sources_ram_block_name() {
         let mut c = VmConfig::custom("a");
         c.ram_block = "pc.ram".into();
-        let a = qemu_args(
-            &c,
-            "/r".as_ref(),
-            "/q".as_ref(),
-            "/s".as_ref(),
-            Start::IncomingRun,
-        )
-        .join(" ");
+        let a = line(&c, Start::IncomingRun);
         assert!(a.contains("-machine q35,memory-backend=pc.ram"), "{a}");
         assert!(a.contains("memory-backend-file,id=pc.ram,size=256M,mem-path=/r,share=on"));
         assert!(a.contains("-incoming defer"), "{a}");
@@ -362,14 +354,9 @@ mod tests {
         c.vcpus = 2;
         c.topology = Some("sockets=2,cores=1,threads=1".into());
         c.disks = vec![DiskDesc {
-            path: "/img/a.qcow2".into(),
             format: DiskFormat::Qcow2,
-            bus: DiskBus::VirtioBlk,
-            cache: None,
-            aio: None,
-            readonly: false,
-            slice: None,
             pci: Some(crate::desc::PciAddr::parse("04:00.0").unwrap()),
+            ..blk("/img/a.qcow2")
         }];
         c.extra_args = [
             "-rtc",
@@ -379,14 +366,7 @@ mod tests {
         ]
         .map(String::from)
         .to_vec();
-        let a = qemu_args(
-            &c,
-            "/r".as_ref(),
-            "/q".as_ref(),
-            "/s".as_ref(),
-            Start::Paused,
-        )
-        .join(" ");
+        let a = line(&c, Start::Paused);
         let port = a.find("pcie-root-port").unwrap();
         let disk = a
             .find("virtio-blk-pci,drive=disk0,bootindex=0,bus=pci.4,addr=0x0.0")

@@ -24,20 +24,23 @@ impl Drop for Source {
     }
 }
 
+/// The machine of every QEMU started by hand here: q35, plain `-m 128`, no default devices.
+const PLAIN: [&str; 7] = [
+    "-machine",
+    "q35",
+    "-m",
+    "128",
+    "-nodefaults",
+    "-display",
+    "none",
+];
+
 /// A QEMU started by hand: plain `-m 128`, no devices.
 fn source() -> Source {
     let dir = tempfile::tempdir().unwrap();
     let qmp = dir.path().join("qmp.sock");
     let child = Command::new("qemu-system-x86_64")
-        .args([
-            "-machine",
-            "q35",
-            "-m",
-            "128",
-            "-nodefaults",
-            "-display",
-            "none",
-        ])
+        .args(PLAIN)
         .args(["-accel", "tcg", "-qmp"])
         .arg(format!("unix:{},server=on,wait=off", qmp.display()))
         .stdin(Stdio::null())
@@ -186,15 +189,7 @@ fn a_nic_backend_without_virtio_net_headers_is_refused_before_anything_moves() {
     std::fs::write(&disk, vec![0u8; 1 << 20]).unwrap();
     let child = Command::new("ip")
         .args(["netns", "exec", &ns, "qemu-system-x86_64"])
-        .args([
-            "-machine",
-            "q35",
-            "-m",
-            "128",
-            "-nodefaults",
-            "-display",
-            "none",
-        ])
+        .args(PLAIN)
         .arg("-drive")
         .arg(format!(
             "file={},format=raw,if=none,id=disk0,readonly=on",
