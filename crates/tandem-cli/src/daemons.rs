@@ -179,6 +179,19 @@ pub struct BackupArgs {
     /// gone with the host if that is a tmpfs).
     #[arg(long, help_heading = "Service and monitoring")]
     pub disk_dir: Option<PathBuf>,
+    /// The libvirt domain the VM was adopted from (`tandem adopt --libvirt`): with --etcd,
+    /// this host's libvirt is given its marked definition (the hook refuses to start it), its
+    /// disks on this node's copy (docs/VM_DESCRIPTION.md, "libvirt").
+    #[arg(long, value_name = "DOMAIN", help_heading = "Service and monitoring")]
+    pub libvirt: Option<String>,
+    /// libvirt's connection URI for --libvirt (virsh -c; default: virsh's own).
+    #[arg(
+        long,
+        value_name = "URI",
+        requires = "libvirt",
+        help_heading = "Service and monitoring"
+    )]
+    pub connect: Option<String>,
     /// The VM as the primary runs it (the standby uses the same command line).
     #[command(flatten)]
     pub vm: VmArgs,
@@ -507,6 +520,10 @@ pub fn backup_config(
     b.control = a.control.clone();
     b.tls = a.tls.files("backup")?;
     b.consolidate = consolidate;
+    b.libvirt = a.libvirt.clone().map(|domain| tandem_vm::adopt::Libvirt {
+        domain,
+        uri: a.connect.clone(),
+    });
     Ok(b)
 }
 

@@ -446,8 +446,14 @@ mod tests {
                 && p.contains("--connect qemu:///system"),
             "{p}"
         );
-        let b = line_new(&a, Role::Backup, true);
-        assert!(!b.contains("--libvirt"), "{b}");
+        // The backup gives its host's libvirt the domain (whatever the record says).
+        for new_vm in [true, false] {
+            let b = line_new(&a, Role::Backup, new_vm);
+            assert!(
+                b.contains("--libvirt web") && b.contains("--connect qemu:///system"),
+                "{b}"
+            );
+        }
     }
 
     #[test]

@@ -81,6 +81,12 @@ impl FenceConfig {
     pub fn report_key(&self) -> String {
         format!("{}/vm/{}/node/{}", self.prefix, self.vm_id, self.node)
     }
+
+    /// The libvirt domain the VM was adopted from (its marked definition, which each node's
+    /// libvirt is given): `PREFIX/vm/ID/libvirt`.
+    pub fn libvirt_key(&self) -> String {
+        format!("{}/vm/{}/libvirt", self.prefix, self.vm_id)
+    }
 }
 
 /// Fencing failed.
@@ -232,6 +238,19 @@ impl Fence {
         let put = crate::etcd::Op::Put(self.cfg.report_key(), doc.to_vec(), 0);
         self.client.txn(&[], &[put], &[])?;
         Ok(())
+    }
+
+    /// Writes the definition of the libvirt domain the VM was adopted from (unconditionally:
+    /// the adopting node alone writes it, once; the record alone decides who runs the guest).
+    pub fn put_libvirt(&self, doc: &[u8]) -> Result<(), FenceError> {
+        let put = crate::etcd::Op::Put(self.cfg.libvirt_key(), doc.to_vec(), 0);
+        self.client.txn(&[], &[put], &[])?;
+        Ok(())
+    }
+
+    /// The definition of the libvirt domain the VM was adopted from, if it was.
+    pub fn libvirt(&self) -> Result<Option<Vec<u8>>, FenceError> {
+        Ok(self.client.get(&self.cfg.libvirt_key())?.map(|kv| kv.value))
     }
 
     /// Reads the record.

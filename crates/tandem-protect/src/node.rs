@@ -100,6 +100,7 @@ pub fn run(start: Start, cfg: NodeConfig, status: Status) -> Result<(), NodeErro
         &status,
     )
     .map_err(|e| NodeError::Metrics(format!("{:?}", cfg.primary.metrics_listen), e))?;
+    let _libvirt = backup::keep_libvirt(&cfg.backup, &status);
     let listener = Mutex::new(backup::listen(&cfg.backup, &status)?);
     let mut next = match start {
         Start::Primary => Next::Boot,

@@ -72,6 +72,9 @@ pub struct BackupConfig {
     pub tls: Option<crate::tls::TlsFiles>,
     /// Keep the mirror's cold pages consolidated (shared, patched, compressed; seed 001).
     pub consolidate: Option<Consolidate>,
+    /// The libvirt domain the VM was adopted from: with `fence`, this host's libvirt is given
+    /// its marked definition, its disks on this node's copy ([`crate::libvirt::keeper`]).
+    pub libvirt: Option<tandem_vm::adopt::Libvirt>,
 }
 
 /// How a backup consolidates its mirror (docs/CONSOLIDATION.md).
@@ -136,6 +139,7 @@ impl BackupConfig {
             control: None,
             tls: None,
             consolidate: None,
+            libvirt: None,
         }
     }
 }
@@ -497,8 +501,37 @@ pub fn run(cfg: BackupConfig, status: Status) -> Result<(), BackupError> {
         &status,
     )
     .map_err(io(format!("serving metrics on {:?}", cfg.metrics_listen)))?;
+    let _libvirt = keep_libvirt(&cfg, &status);
     let listener = listen(&cfg, &status)?;
     serve(&cfg, &fe, &listener, false, status).map(|_| ())
+}
+
+/// With `libvirt` and `fence`: gives this host's libvirt the adopted domain, in a thread that
+/// ends when the returned token is dropped.
+pub(crate) fn keep_libvirt(cfg: &BackupConfig, status: &Status) -> Option<std::sync::Arc<()>> {
+    let (Some(l), Some(fence)) = (&cfg.libvirt, &cfg.fence) else {
+        if let Some(l) = &cfg.libvirt {
+            status.warn(format!(
+                "libvirt domain {}: not defined on this host: its definition comes through etcd, and this backup has no --etcd",
+                l.domain
+            ));
+        }
+        return None;
+    };
+    let disks = match cfg.vm.config("libvirt") {
+        Ok(c) => c.disks.iter().map(|d| d.path.clone()).collect(),
+        Err(_) => return None, // the backup reports a bad description itself
+    };
+    let alive = std::sync::Arc::new(());
+    crate::libvirt::keeper::spawn(
+        fence.clone(),
+        l.clone(),
+        disks,
+        cfg.disk_dir.clone().unwrap_or_else(|| cfg.dir.clone()),
+        status.clone(),
+        std::sync::Arc::downgrade(&alive),
+    );
+    Some(alive)
 }
 
 /// Serves as the backup on `listener`, reporting through `fe`. Without `reprotect` it runs

@@ -9,6 +9,7 @@
 
 mod devices;
 pub mod inloop;
+pub mod keeper;
 
 use std::path::PathBuf;
 

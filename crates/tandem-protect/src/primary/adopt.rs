@@ -73,6 +73,7 @@ pub(super) fn adopt(
     fe: &Frontend,
     status: &Status,
 ) -> Result<Vm, PrimaryError> {
+    let fence = fencing.as_ref().map(|f| f.owner().fence().clone());
     match fencing {
         Some(f) => unprotected(f, site, status)?,
         None => site
@@ -110,7 +111,7 @@ pub(super) fn adopt(
     drop(bar);
     fe.beat.beat();
     let source_quit = match libvirt {
-        Some(l) => mark_and_end(l, status),
+        Some(l) => mark_and_end(l, fence.as_deref(), status),
         None => done.source_quit,
     };
     status.event(crate::Event::Adopted {
@@ -139,16 +140,28 @@ pub(super) fn adopt(
 
 /// A libvirt domain whose guest runs in tandem's QEMU now: marked in libvirt (its hook then
 /// refuses to start it) while its old QEMU is still there, paused, then that QEMU ended
-/// (`virsh destroy`: libvirt sees the domain shut off). Whether it ended.
-fn mark_and_end(l: &tandem_vm::adopt::Libvirt, status: &Status) -> bool {
-    let node = std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .map(|h| h.trim().to_string())
-        .unwrap_or_else(|_| "?".into());
+/// (`virsh destroy`: libvirt sees the domain shut off). With fencing its marked definition
+/// is recorded in etcd for the backups' libvirt ([`crate::libvirt::keeper`]). Whether it ended.
+fn mark_and_end(
+    l: &tandem_vm::adopt::Libvirt,
+    fence: Option<&tandem_fence::Fence>,
+    status: &Status,
+) -> bool {
+    let node = fence.map(|f| f.config().node.clone()).unwrap_or_else(|| {
+        std::fs::read_to_string("/proc/sys/kernel/hostname")
+            .map(|h| h.trim().to_string())
+            .unwrap_or_else(|_| "?".into())
+    });
     match crate::libvirt::inloop::mark_protected(l, &l.domain, &node) {
-        Ok(()) => status.info(format!(
-            "libvirt domain {} marked as protected by tandem (autostart off, metadata, title); its hook refuses to start it",
-            l.domain
-        )),
+        Ok(()) => {
+            status.info(format!(
+                "libvirt domain {} marked as protected by tandem (autostart off, metadata, title); its hook refuses to start it",
+                l.domain
+            ));
+            if let Some(f) = fence {
+                record(l, f, &node, status);
+            }
+        }
         Err(e) => status.warn(format!(
             "{}: libvirt could start the domain again; mark it by hand (docs/VM_DESCRIPTION.md, \"libvirt\")",
             crate::chain(&e)
@@ -162,6 +175,50 @@ fn mark_and_end(l: &tandem_vm::adopt::Libvirt, status: &Status) -> bool {
                 l.domain, l.domain
             ));
             false
+        }
+    }
+}
+
+/// Records the marked definition in etcd (`PREFIX/vm/ID/libvirt`), where every backup of the
+/// VM finds it. Tried for up to 30 s; without it the backups' libvirt does not learn the
+/// domain (a warning says so), the guest is not affected.
+fn record(l: &tandem_vm::adopt::Libvirt, fence: &tandem_fence::Fence, node: &str, status: &Status) {
+    let xml = match l.run(["dumpxml", "--inactive", &l.domain]) {
+        Ok(x) => x,
+        Err(e) => {
+            status.warn(format!("libvirt domain {}: reading its definition for the backups' libvirt: {e}; their libvirt will not know it", l.domain));
+            return;
+        }
+    };
+    let doc = crate::libvirt::keeper::Recorded {
+        domain: l.domain.clone(),
+        node: node.to_string(),
+        at_unix_ms: crate::unix_ms(),
+        xml,
+    };
+    let Ok(bytes) = serde_json::to_vec(&doc) else {
+        return;
+    };
+    let t = std::time::Instant::now();
+    loop {
+        match fence.put_libvirt(&bytes) {
+            Ok(()) => {
+                status.info(format!(
+                    "libvirt domain {}: its marked definition recorded in etcd ({}) for the backups' libvirt",
+                    l.domain,
+                    fence.config().libvirt_key()
+                ));
+                return;
+            }
+            Err(e) if t.elapsed() > Duration::from_secs(30) => {
+                status.warn(format!(
+                    "libvirt domain {}: recording its definition in etcd: {}; the backups' libvirt will not know it",
+                    l.domain,
+                    crate::chain(&e)
+                ));
+                return;
+            }
+            Err(_) => std::thread::sleep(Duration::from_millis(500)),
         }
     }
 }
