@@ -13,7 +13,8 @@
 //!   described by `tandem vm import` from its defined XML (the network resolved to its bridge
 //!   through libvirt), adopted by `tandem adopt --libvirt` while psql commits, then failed
 //!   over: no reboot, no commit lost; libvirt shows the domain marked and refuses to start
-//!   it; rebooted under tandem, the guest finds the hardware libvirt gave it.
+//!   it, on the adopting host and (defined there by the backup) on the backup host;
+//!   rebooted under tandem, the guest finds the hardware libvirt gave it.
 //!   (A QEMU started by hand is adopted in tests/adopt.rs.)
 
 use std::io::{BufRead, BufReader};
@@ -256,6 +257,19 @@ fn demo_debian_adopted_from_libvirt_without_a_reboot_then_failed_over_loses_no_c
         l["title"].as_str().unwrap().contains("protected by tandem"),
         "{r:#}"
     );
+    // The backup host's libvirt knows the domain too, from the definition the adopting node
+    // recorded in etcd: defined by the backup, marked, shut off after the failover (the guest
+    // runs under tandem there), its disk a slice of the backup's copy, a start refused.
+    let b = &r["libvirt_backup"];
+    assert_eq!(b["defined"], true, "{r:#}");
+    assert_eq!(b["state"], "shut off", "{r:#}");
+    assert_eq!(b["marked"], true, "{r:#}");
+    assert_eq!(b["disk_on_copy"], true, "{r:#}");
+    assert_eq!(b["start_refused"], true, "{r:#}");
+    // Given back to that libvirt once protection ended (the guest shut down under tandem, the
+    // mark removed), `virsh start` boots it from the backup's copy with every commit.
+    assert_eq!(b["given_back"], true, "{r:#}");
+    assert_eq!(b["given_back_lost"], 0, "{r:#}");
     // What import could not carry over is named: the serial port's host end and the guest
     // agent's channel, nothing else of virt-install's default q35 domain.
     let unmapped: Vec<&str> = l["unmapped"]

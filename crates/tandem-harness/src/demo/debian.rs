@@ -23,10 +23,10 @@ use tandem_types::stats::quantile;
 use super::adopt;
 use super::capture::Capture;
 use super::daemon::{qemu_pid, Daemon};
+use super::libvirt;
 use super::pg::{self, Committer, DebianVm, Ticker};
 use super::phases::{copy_stopped, field, Clock};
 use super::round::{Epochs, MIB};
-use super::say;
 use super::steps::{leftovers, read_report};
 
 /// What a Debian round found.
@@ -78,6 +78,8 @@ pub struct DebianRound {
     /// With --adopt and --pgbench: pgbench while the guest moved (from just before `tandem
     /// adopt` started, for --pgbench seconds).
     pub pgbench_during_adoption: Option<pg::Pgbench>,
+    /// With --adopt --libvirt: what the backup host's libvirt showed after the failover.
+    pub libvirt_backup: Option<libvirt::BackupView>,
 }
 
 impl DebianRound {
@@ -97,6 +99,7 @@ impl DebianRound {
                 .adoption
                 .as_ref()
                 .is_none_or(|a| a.source_quit && a.libvirt.as_ref().is_none_or(|l| l.start_refused))
+            && self.libvirt_backup.as_ref().is_none_or(|b| b.ok())
     }
 }
 
@@ -126,8 +129,11 @@ pub struct DebianOpts<'a> {
     /// Boot the VM by hand (a plain QEMU) and `tandem adopt` it instead of booting it under
     /// the primary.
     pub adopt: bool,
-    /// With `adopt`: libvirt runs the VM before.
+    /// With `adopt`: libvirt runs the VM before (and the daemons are fenced with `etcd`,
+    /// through which the backup host's libvirt learns the domain).
     pub libvirt: bool,
+    /// Fence the daemons with this etcd cluster (each round another VM id).
+    pub etcd: Option<&'a super::etcdlab::EtcdLab>,
 }
 
 /// The round's description: the image as a fresh overlay, no forwards (the NIC goes on the
@@ -157,9 +163,12 @@ fn describe(o: &DebianOpts<'_>, rdir: &Path) -> anyhow::Result<PathBuf> {
     Ok(path)
 }
 
-fn daemon_args(o: &DebianOpts<'_>, desc: &Path, v: &mut Vec<String>) {
+fn daemon_args(o: &DebianOpts<'_>, r: usize, desc: &Path, v: &mut Vec<String>) {
     v.extend(["--vm-config".into(), desc.display().to_string()]);
     v.extend(["--tap-netns", &o.lab.clients].map(String::from));
+    if let Some(e) = o.etcd {
+        v.extend(e.daemon_args(r as u64));
+    }
 }
 
 /// One round: boot, protect, commit, kill, fail over, check.
@@ -198,7 +207,23 @@ pub fn round(r: usize, o: &DebianOpts<'_>, pb: &ProgressBar) -> anyhow::Result<D
     ]);
     bargs.extend(["--timeout-ms".into(), o.timeout_ms.to_string()]);
     bargs.extend(["--report".into(), report.display().to_string()]);
-    daemon_args(o, &desc, &mut bargs);
+    daemon_args(o, r, &desc, &mut bargs);
+    // With --libvirt the backup host has a libvirtd too (with the same network): the backup
+    // gives it the domain. (It runs where the domain's NIC reaches the clients' bridge.)
+    let backup_libvirt = match o.libvirt {
+        true => {
+            let l = libvirt::Libvirtd::start(ns, &rdir.join("libvirt-backup"), &o.exe)?;
+            l.define_network()?;
+            bargs.extend([
+                "--libvirt".into(),
+                libvirt::DOMAIN.into(),
+                "--connect".into(),
+                l.uri.clone(),
+            ]);
+            Some(l)
+        }
+        false => None,
+    };
     pb.set_message(format!("round {r}: starting the backup"));
     let mut backup = Daemon::spawn(
         "backup",
@@ -230,7 +255,7 @@ pub fn round(r: usize, o: &DebianOpts<'_>, pb: &ProgressBar) -> anyhow::Result<D
     pargs.extend(["--epoch-ms".into(), o.epoch_ms.to_string()]);
     pargs.extend(["--schedule".into(), o.schedule.clone()]);
     pargs.extend(["--metrics-jsonl".into(), jsonl.display().to_string()]);
-    daemon_args(o, &desc, &mut pargs);
+    daemon_args(o, r, &desc, &mut pargs);
     pb.set_message(if o.adopt {
         format!("round {r}: tandem adopt: live migration into tandem's QEMU while psql commits")
     } else {
@@ -380,6 +405,10 @@ pub fn round(r: usize, o: &DebianOpts<'_>, pb: &ProgressBar) -> anyhow::Result<D
         Ok(()) => "ok".to_string(),
         Err(e) => e,
     };
+    // With --libvirt: the backup host's libvirt knows the domain, guarded, on its copy.
+    let mut libvirt_backup = backup_libvirt
+        .as_ref()
+        .map(|l| l.backup_view(Duration::from_secs(30)));
     // With --libvirt: the import's round trip — the guest reboots under tandem's QEMU (built
     // from the description import made) and must find the hardware libvirt gave it.
     let hardware = match hardware_before {
@@ -412,6 +441,18 @@ pub fn round(r: usize, o: &DebianOpts<'_>, pb: &ProgressBar) -> anyhow::Result<D
     let after_failover = capture.after(running + Duration::from_millis(200)) as u64;
     drop(capture);
     backup.terminate(Duration::from_secs(15));
+    // With --libvirt: protection ended (the guest shut down under tandem), the domain is given
+    // back to the backup host's libvirt and boots from the backup's copy with every commit.
+    if let (Some(l), Some(view)) = (backup_libvirt, libvirt_backup.as_mut()) {
+        pb.set_message(format!(
+            "round {r}: giving the domain back to the backup host's libvirt (virsh start)"
+        ));
+        view.given_back = l.give_back().is_ok();
+        if view.given_back {
+            pg::wait_ready(ns, GUEST_IP, Duration::from_secs(240))?;
+            view.given_back_lost = Some(pg::missing(ns, GUEST_IP, &ids)?.len() as u64);
+        }
+    }
     std::thread::sleep(Duration::from_millis(300));
     let mut left = leftovers(&rdir, &[backup.pid(), primary.pid()]);
     for side in ["backup", "primary"] {
@@ -468,97 +509,6 @@ pub fn round(r: usize, o: &DebianOpts<'_>, pb: &ProgressBar) -> anyhow::Result<D
         adoption,
         pgbench_during_adoption,
         hardware,
+        libvirt_backup,
     })
-}
-
-/// One line per round for the operator.
-pub fn line(pb: &ProgressBar, d: &DebianRound) {
-    if let Some(a) = &d.adoption {
-        say(
-            pb,
-            format!(
-                "round {}: booted {} in {:.0} s; `tandem adopt` had the guest running in its QEMU {:.1} s after it started; guest stopped {:.0} ms; longest wait for a commit while it moved {:.0} ms; old QEMU {}",
-                d.round,
-                if a.libvirt.is_some() { "by libvirt (virt-install)" } else { "by hand" },
-                a.boot_s,
-                a.adopt_s,
-                a.downtime_ms,
-                a.commit_gap_ms,
-                if a.source_quit { "quit" } else { "STILL RUNNING" }
-            ),
-        );
-        if let Some(l) = &a.libvirt {
-            say(
-                pb,
-                format!(
-                    "round {}: libvirt after the adoption: domain {}, autostart {}, title {:?}; `virsh start` {}; import named {} element(s) not carried over",
-                    d.round,
-                    l.state_after,
-                    l.autostart,
-                    l.title,
-                    if l.start_refused { "refused by tandem's hook" } else { "NOT REFUSED" },
-                    l.unmapped.len()
-                ),
-            );
-        }
-        if let Some(h) = &d.hardware {
-            say(
-                pb,
-                format!(
-                    "round {}: after a reboot under tandem the guest sees {} ({} PCI functions, {} NICs, vCPUs and flags compared){}",
-                    d.round,
-                    if h.differences.is_empty() { "the hardware libvirt gave it" } else { "OTHER HARDWARE" },
-                    h.before.iter().filter(|l| l.starts_with("pci ")).count(),
-                    h.before.iter().filter(|l| l.starts_with("nic ")).count(),
-                    if h.differences.is_empty() { String::new() } else { format!(": {}", h.differences.join("; ")) }
-                ),
-            );
-        }
-        if let Some(p) = d.pgbench_during_adoption {
-            say(
-                pb,
-                format!(
-                    "round {}: pgbench (4 clients) while it moved: {:.1} TPS (latency {:.0} ms)",
-                    d.round, p.tps, p.latency_ms
-                ),
-            );
-        }
-    }
-    if let (Some(a), Some(b)) = (d.pgbench_replicated, d.pgbench_after_failover) {
-        say(
-            pb,
-            format!(
-                "round {}: pgbench (4 clients) {:.1} TPS replicated (latency {:.0} ms) vs {:.1} TPS on the same VM after failover, unprotected (latency {:.0} ms): {:.0} %",
-                d.round,
-                a.tps,
-                a.latency_ms,
-                b.tps,
-                b.latency_ms,
-                100.0 * a.tps / b.tps
-            ),
-        );
-    }
-    say(
-        pb,
-        format!(
-            "round {}: booted in {:.0} s, protected {:.0} s later; killed {:.1} s into replication; guest running on the backup {:.0} ms after the kill ({:.0} ms detection + {:.1} ms resume); {} commits acknowledged, {} lost; psql session {}, SSH session {} ({} ticks after failover); postmaster start {}; pg_amcheck {}; primary frames after failover {}; leftovers {}  =>  {}",
-            d.round,
-            d.boot_s,
-            d.protect_s,
-            d.kill_after_s,
-            d.kill_to_running_ms,
-            d.detection_ms,
-            d.resume_after_detection_ms,
-            d.commits_acked,
-            d.commits_lost,
-            if d.psql_session_survived { "survived" } else { "LOST" },
-            if d.ssh_session_survived { "survived" } else { "LOST" },
-            d.ssh_ticks_after_failover,
-            if d.postmaster_start_before == d.postmaster_start_after { "unchanged" } else { "CHANGED" },
-            d.amcheck,
-            d.primary_frames_after_failover,
-            if d.leftovers.is_empty() { "none".to_string() } else { d.leftovers.join(", ") },
-            if d.ok() { "OK" } else { "FAILED" }
-        ),
-    );
 }

@@ -82,6 +82,25 @@ impl EtcdLab {
         v
     }
 
+    /// The fencing flags a daemon of VM `vm_id` gets (endpoints, client TLS, VM id).
+    pub fn daemon_args(&self, vm_id: u64) -> Vec<String> {
+        let mut v = Vec::new();
+        if let Some(t) = self.client_tls() {
+            v.extend(["--etcd-ca".to_string(), t.ca.display().to_string()]);
+            if let (Some(cert), Some(key)) = (&t.cert, &t.key) {
+                v.extend(["--etcd-cert".to_string(), cert.display().to_string()]);
+                v.extend(["--etcd-key".to_string(), key.display().to_string()]);
+            }
+        }
+        v.extend([
+            "--etcd".to_string(),
+            self.endpoints().join(","),
+            "--vm-id".into(),
+            vm_id.to_string(),
+        ]);
+        v
+    }
+
     /// What a client needs for the members' TLS.
     pub fn client_tls(&self) -> Option<tandem_fence::EtcdTls> {
         self.cluster().client_tls().cloned()

@@ -45,6 +45,41 @@ pub struct Imported {
     pub nic_bridge: Option<String>,
 }
 
+/// What the backup host's libvirt shows of the adopted domain (defined there by the backup
+/// from the definition the adopting node recorded in etcd).
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct BackupView {
+    /// The domain is defined there.
+    pub defined: bool,
+    /// Its state (`shut off`: the guest runs under tandem).
+    pub state: String,
+    /// It carries tandem's mark.
+    pub marked: bool,
+    /// Its disk is a slice of the backup's copy (`guest-disks.raw`).
+    pub disk_on_copy: bool,
+    /// `virsh start` there was refused by tandem's hook.
+    pub start_refused: bool,
+    /// Given back to libvirt once protection ended (the guest shut down under tandem, the
+    /// mark removed): `virsh start` there booted it from the backup's copy.
+    pub given_back: bool,
+    /// Of the commits acknowledged under tandem, how many the guest booted by libvirt from the
+    /// backup's copy lacks (None: not checked).
+    pub given_back_lost: Option<u64>,
+}
+
+impl BackupView {
+    /// All as it should be.
+    pub fn ok(&self) -> bool {
+        self.defined
+            && self.state == "shut off"
+            && self.marked
+            && self.disk_on_copy
+            && self.start_refused
+            && self.given_back
+            && self.given_back_lost == Some(0)
+    }
+}
+
 /// A libvirtd of the round's own (killed on drop, with its domain).
 pub struct Libvirtd {
     child: Child,
@@ -88,9 +123,12 @@ impl Libvirtd {
             )
         })
         .collect();
+        // Its own pid file: two rounds' libvirtds (the adopting and the backup host's) run at
+        // once, and /run/libvirtd.pid would be the same file.
         let script = format!(
-            "mount --make-rprivate / && {} && exec libvirtd",
-            mounts.join(" && ")
+            "mount --make-rprivate / && {} && exec libvirtd --pid-file '{}'",
+            mounts.join(" && "),
+            dir.join("libvirtd.pid").display()
         );
         let log = std::fs::File::create(dir.join("libvirtd.log"))?;
         let child = Command::new("ip")
@@ -143,13 +181,7 @@ impl Libvirtd {
         mac: &str,
         console: &Path,
     ) -> anyhow::Result<()> {
-        let net = self.dir.join("network.xml");
-        std::fs::write(
-            &net,
-            format!("<network><name>{NETWORK}</name><forward mode='bridge'/><bridge name='{BRIDGE}'/></network>\n"),
-        )?;
-        self.virsh(&["net-define", &net.display().to_string()])?;
-        self.virsh(&["net-start", NETWORK])?;
+        self.define_network()?;
         let out = Command::new("virt-install")
             .args(["--connect", &self.uri, "--name", DOMAIN])
             .args(["--memory", &mem_mib.to_string(), "--vcpus", "2", "--import"])
@@ -173,6 +205,28 @@ impl Libvirtd {
                 String::from_utf8_lossy(&out.stderr)
             );
         }
+        Ok(())
+    }
+
+    /// Defines and starts libvirt network [`NETWORK`] on the clients' bridge (each host's
+    /// libvirt needs it to run the domain).
+    pub fn define_network(&self) -> anyhow::Result<()> {
+        let net = self.dir.join("network.xml");
+        std::fs::write(
+            &net,
+            format!("<network><name>{NETWORK}</name><forward mode='bridge'/><bridge name='{BRIDGE}'/></network>\n"),
+        )?;
+        self.virsh(&["net-define", &net.display().to_string()])?;
+        self.virsh(&["net-start", NETWORK])?;
+        Ok(())
+    }
+
+    /// Gives the domain back to libvirt as docs/VM_DESCRIPTION.md says, once protection ended
+    /// and the guest is shut down: its mark removed, `virsh start`.
+    pub fn give_back(&self) -> anyhow::Result<()> {
+        let ns = tandem_protect::libvirt::inloop::XMLNS;
+        self.virsh(&["metadata", DOMAIN, "--config", "--uri", ns, "--remove"])?;
+        self.virsh(&["start", DOMAIN])?;
         Ok(())
     }
 
@@ -203,6 +257,28 @@ impl Libvirtd {
             unmapped,
             nic_bridge: bridge,
         })
+    }
+
+    /// As the backup host's libvirt: what it shows of the domain, once the backup defined it
+    /// (waiting up to `timeout` for that).
+    pub fn backup_view(&self, timeout: Duration) -> BackupView {
+        let t = Instant::now();
+        let xml = loop {
+            match self.virsh(&["dumpxml", "--inactive", DOMAIN]) {
+                Ok(x) => break x,
+                Err(_) if t.elapsed() < timeout => std::thread::sleep(Duration::from_millis(500)),
+                Err(_) => return BackupView::default(),
+            }
+        };
+        let start = self.virsh(&["start", DOMAIN]);
+        BackupView {
+            defined: true,
+            state: self.state(),
+            marked: tandem_protect::libvirt::inloop::marked(&xml).is_some(),
+            disk_on_copy: xml.contains(tandem_protect::disk_copy::FILE) && xml.contains("<slice "),
+            start_refused: matches!(&start, Err(e) if e.to_string().contains("protected by tandem")),
+            ..BackupView::default()
+        }
     }
 
     /// The domain's state (`running`, `shut off`, ...).

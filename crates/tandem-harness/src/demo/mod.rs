@@ -11,6 +11,7 @@ mod client;
 mod cycle;
 mod daemon;
 mod debian;
+mod debian_run;
 pub(crate) mod double;
 pub(crate) mod etcdlab;
 pub(crate) mod fault;
@@ -199,7 +200,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
 fn run_demo(a: Args) -> anyhow::Result<()> {
     match a.vm.as_str() {
         "lab" => {}
-        "debian" => return run_debian(a),
+        "debian" => return debian_run::run(a),
         other => bail!("--vm {other:?}: use lab or debian"),
     }
     if a.pgbench.is_some() {
@@ -393,120 +394,6 @@ fn run_demo(a: Args) -> anyhow::Result<()> {
     }
     if !s.ok {
         bail!("the checks failed (see the summary above)");
-    }
-    Ok(())
-}
-
-#[derive(Serialize)]
-struct DebianSummary {
-    ok: bool,
-    rounds: Vec<debian::DebianRound>,
-    commits_acked: u64,
-    commits_lost: u64,
-    link: String,
-    epoch_ms: u64,
-}
-
-/// `tandem demo --vm debian`: rounds of boot, protect, commit, kill, fail over, check.
-fn run_debian(a: Args) -> anyhow::Result<()> {
-    let rounds = a.rounds.unwrap_or(5);
-    if rounds == 0 {
-        bail!("--rounds must be at least 1");
-    }
-    if a.disk_capture != "nbd" || !a.faults.is_empty() || a.backup_tmpfs {
-        bail!("--vm debian always captures its disk by mirroring and kills the primary host; --disk-capture, --faults and --backup-tmpfs are for the lab guest");
-    }
-    let vm = pg::DebianVm::cached()?;
-    let exe = crate::product_exe()?;
-    let lab = NetLab::create(&format!("td{}", std::process::id() % 100_000), a.rate_mbit)
-        .context("creating the network lab (tandem demo needs root for network namespaces)")?;
-    // On disk, not /dev/shm: the overlay and the backup's disk copy grow with the guest's writes.
-    // Earlier runs' logs stay, the last ten of them.
-    tandem_vm::stale::prune_kept(&vm.dir, "tandem-demo-debian-", 10);
-    let dir = tempfile::Builder::new()
-        .prefix("tandem-demo-debian-")
-        .tempdir_in(&vm.dir)?;
-    tandem_vm::stale::mark_owned(dir.path())?;
-    let shm = tempfile::Builder::new()
-        .prefix("tandem-demo-debian-")
-        .tempdir_in("/dev/shm")?;
-    tandem_vm::stale::mark_owned(shm.path())?;
-    let mut seed = a.seed.unwrap_or_else(tandem_protect::unix_ms) | 1;
-    eprintln!(
-        "tandem demo --vm debian: {rounds} round(s); clients on bridge br0 in netns {}, primary host {}, backup host {} (link {}); logs in {}",
-        lab.clients, lab.primary, lab.backup, lab.shaping, dir.path().display()
-    );
-    let pb = indicatif::ProgressBar::new_spinner();
-    pb.enable_steady_tick(Duration::from_millis(200));
-    let mut out = Vec::new();
-    for r in 1..=rounds {
-        let jitter = next(&mut seed) % (a.before * 500 + 1);
-        let o = debian::DebianOpts {
-            exe: exe.clone(),
-            lab: &lab,
-            vm: vm.clone(),
-            dir: dir.path().to_path_buf(),
-            shm: shm.path().to_path_buf(),
-            epoch_ms: a.epoch_ms,
-            schedule: a.schedule.clone(),
-            timeout_ms: a.timeout_ms,
-            codec: a.codec.clone(),
-            before: Duration::from_millis(a.before * 1000 + jitter),
-            after: Duration::from_secs(a.after),
-            pgbench: a.pgbench,
-            pgbench_scale: a.pgbench_scale,
-            mem: a.debian_mem,
-            adopt: a.adopt,
-            libvirt: a.libvirt,
-        };
-        let res = match debian::round(r, &o, &pb) {
-            Ok(res) => res,
-            Err(e) => {
-                let kept = dir.keep();
-                return Err(e.context(format!("round {r} (logs kept in {})", kept.display())));
-            }
-        };
-        debian::line(&pb, &res);
-        // Each round's overlay and disk copy can go once it is checked (its logs stay).
-        let rdir = dir.path().join(format!("round{r}"));
-        let _ = std::fs::remove_file(rdir.join("disk.qcow2"));
-        out.push(res);
-    }
-    pb.finish_and_clear();
-    let kept = dir.keep();
-    eprintln!("logs of every round: {}", kept.display());
-    let s = DebianSummary {
-        ok: out.iter().all(|r| r.ok()),
-        commits_acked: out.iter().map(|r| r.commits_acked).sum(),
-        commits_lost: out.iter().map(|r| r.commits_lost).sum(),
-        link: lab.shaping.clone(),
-        epoch_ms: a.epoch_ms,
-        rounds: out,
-    };
-    if a.json {
-        println!("{}", serde_json::to_string_pretty(&s)?);
-    } else {
-        let med = |f: &dyn Fn(&debian::DebianRound) -> f64| {
-            quantile(&s.rounds.iter().map(f).collect::<Vec<f64>>(), 0.5)
-        };
-        println!(
-            "summary: Debian 12 + PostgreSQL, {} kill(s), link {}, {} ms epochs: {} commits acknowledged, {} lost; boot {:.0} s; pause p50 {:.1} ms p99 {:.1} ms; {:.1} commits/s replicated vs {:.1} after failover; kill -> guest running {:.0} ms (median)  =>  {}",
-            s.rounds.len(),
-            s.link,
-            s.epoch_ms,
-            s.commits_acked,
-            s.commits_lost,
-            med(&|r| r.boot_s),
-            med(&|r| r.pause_ms_p50),
-            med(&|r| r.pause_ms_p99),
-            med(&|r| r.commits_per_s_replicated),
-            med(&|r| r.commits_per_s_after_failover),
-            med(&|r| r.kill_to_running_ms),
-            if s.ok { "OK" } else { "FAILED" }
-        );
-    }
-    if !s.ok {
-        bail!("the checks failed (see the rounds above)");
     }
     Ok(())
 }

@@ -44,21 +44,8 @@ pub fn common(o: &Opts<'_>, v: &mut Vec<String>) -> anyhow::Result<()> {
         v.extend(["--tls-dir".to_string(), d.display().to_string()]);
     }
     if let Some(e) = o.etcd {
-        let eps = e.endpoints().join(",");
-        if let Some(t) = e.client_tls() {
-            v.extend(["--etcd-ca".to_string(), t.ca.display().to_string()]);
-            if let (Some(cert), Some(key)) = (&t.cert, &t.key) {
-                v.extend(["--etcd-cert".to_string(), cert.display().to_string()]);
-                v.extend(["--etcd-key".to_string(), key.display().to_string()]);
-            }
-        }
         // A VM id per round: each round's guest is another VM for etcd.
-        v.extend([
-            "--etcd".to_string(),
-            eps,
-            "--vm-id".into(),
-            o.vm_id.to_string(),
-        ]);
+        v.extend(e.daemon_args(o.vm_id));
     }
     let desc = match &o.vm_config {
         Some(d) => d.clone(),
