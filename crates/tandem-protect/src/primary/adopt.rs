@@ -140,8 +140,9 @@ pub(super) fn adopt(
 
 /// A libvirt domain whose guest runs in tandem's QEMU now: marked in libvirt (its hook then
 /// refuses to start it) while its old QEMU is still there, paused, then that QEMU ended
-/// (`virsh destroy`: libvirt sees the domain shut off). With fencing its marked definition
-/// is recorded in etcd for the backups' libvirt ([`crate::libvirt::keeper`]). Whether it ended.
+/// (`virsh destroy`: libvirt sees the domain shut off); then, with fencing, its marked
+/// definition recorded in etcd for the backups' libvirt ([`crate::libvirt::keeper`]). Whether
+/// the old QEMU ended.
 fn mark_and_end(
     l: &tandem_vm::adopt::Libvirt,
     fence: Option<&tandem_fence::Fence>,
@@ -152,22 +153,28 @@ fn mark_and_end(
             .map(|h| h.trim().to_string())
             .unwrap_or_else(|_| "?".into())
     });
-    match crate::libvirt::inloop::mark_protected(l, &l.domain, &node) {
+    let marked = match crate::libvirt::inloop::mark_protected(l, &l.domain, &node) {
         Ok(()) => {
             status.info(format!(
                 "libvirt domain {} marked as protected by tandem (autostart off, metadata, title); its hook refuses to start it",
                 l.domain
             ));
-            if let Some(f) = fence {
-                record(l, f, &node, status);
-            }
+            true
         }
-        Err(e) => status.warn(format!(
-            "{}: libvirt could start the domain again; mark it by hand (docs/VM_DESCRIPTION.md, \"libvirt\")",
-            crate::chain(&e)
-        )),
+        Err(e) => {
+            status.warn(format!(
+                "{}: libvirt could start the domain again; mark it by hand (docs/VM_DESCRIPTION.md, \"libvirt\")",
+                crate::chain(&e)
+            ));
+            false
+        }
+    };
+    let ended = l.run(["destroy", &l.domain]);
+    // Once the old QEMU is gone (etcd may take a while): the backups' libvirt learns it.
+    if let (true, Some(f)) = (marked, fence) {
+        record(l, f, &node, status);
     }
-    match l.run(["destroy", &l.domain]) {
+    match ended {
         Ok(_) => true,
         Err(e) => {
             status.warn(format!(
