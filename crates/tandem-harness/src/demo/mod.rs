@@ -113,7 +113,8 @@ pub struct Args {
     /// Fence with a real 3-member etcd cluster in its own namespace (docs/FENCING.md): the
     /// backup takes over only by changing the VM's ownership record. Implied by the etcd faults
     /// and by the default plan (no --rounds, no --faults: round 1 kills the primary's host,
-    /// round 2 isolates it from the backup and from etcd for 6 s).
+    /// round 2 isolates it from the backup and from etcd for 6 s); with --vm debian, by
+    /// --libvirt.
     #[arg(long)]
     pub etcd: bool,
     /// Do not fence with etcd in the default plan (host kills only).
@@ -144,7 +145,9 @@ pub struct Args {
     /// With --adopt: a real libvirtd runs the VM (defined and started by virt-install, its
     /// NIC on the clients' bridge), `tandem vm import` describes it from its live XML and
     /// `tandem adopt --libvirt` takes it over; libvirt then shows it marked and refuses to
-    /// start it.
+    /// start it. The daemons are fenced with etcd (implies --etcd), through which a second
+    /// libvirtd, the backup host's, is given the domain; after the failover it is given back
+    /// to that libvirt and booted from the backup's copy.
     #[arg(long, requires = "adopt")]
     pub libvirt: bool,
     /// With --vm debian: the VM's RAM in MiB.
