@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Installs a tandem .deb into a fresh Debian 12 root and runs it there:
-#   dist/deb/test-install.sh target/deb/tandem_*.deb
+#   dist/deb/test-install.sh target/deb/tandem_*.deb [GUEST_DIR]
 # The root is made with debootstrap (minbase bookworm plus the package's dependencies, as the
 # Debian test VM is built) once and cached as a tarball in $TANDEM_CACHE (~/.cache/tandem);
 # every run unpacks a fresh copy, installs the package with dpkg (which checks its
 # dependencies), and in a private mount namespace runs `tandem --help`, a man page, the
-# completions and `tandem doctor --json` (whose JSON is printed on stdout). Needs root.
+# completions and `tandem doctor --json` (whose JSON is printed on stdout). With GUEST_DIR (the
+# lab guest's kernel and initramfs) it then boots the root under systemd and follows
+# OPERATIONS.md's "One unit per VM" there (dist/deb/test-systemd.sh). Needs root.
 set -euo pipefail
 deb=$(realpath "${1:?usage: $0 PACKAGE.deb}")
 cache=${TANDEM_CACHE:-$HOME/.cache/tandem}/package-root
@@ -20,13 +22,15 @@ done
 # The package's own dependencies go into the cached root (its Depends line, version bounds
 # dropped), so the install below needs no network; dpkg still checks them.
 depends=$(dpkg-deb -f "$deb" Depends | sed 's/([^)]*)//g; s/ //g')
-stamp="bookworm minbase $depends man-db bash-completion"
+# systemd, dbus and etcd: the root boots under systemd-nspawn for the unit's runbook test.
+extra="man-db,bash-completion,systemd,systemd-sysv,dbus,etcd-server"
+stamp="bookworm minbase $depends $extra"
 if [ ! -f "$tarball" ] || [ "$(cat "$cache/stamp" 2>/dev/null)" != "$stamp" ]; then
   say "building a fresh Debian 12 root with debootstrap (once; cached in $cache)"
   mkdir -p "$cache"
   work=$(mktemp -d)
   trap 'rm -rf "$work"' EXIT
-  if ! debootstrap --variant=minbase --include="$depends,man-db,bash-completion" \
+  if ! debootstrap --variant=minbase --include="$depends,$extra" \
       bookworm "$work/root" "$mirror" >"$cache/debootstrap.log" 2>&1; then
     tail -20 "$cache/debootstrap.log" >&2
     echo "error: debootstrap failed (log: $cache/debootstrap.log); check the network and MIRROR=$mirror" >&2
@@ -71,3 +75,7 @@ unshare --mount --fork sh -c '
     tandem doctor --json
   "
 ' sh "$root"
+
+if [ -n "${2:-}" ]; then
+  "$(dirname "$0")/test-systemd.sh" "$root" "$(realpath "$2")"
+fi

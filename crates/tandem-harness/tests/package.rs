@@ -1,7 +1,11 @@
 //! The Debian package: dist/deb/build.sh builds it (the product alone), and
 //! dist/deb/test-install.sh installs it into a fresh Debian 12 root made by debootstrap and runs
 //! `tandem --help`, a man page, the completions and `tandem doctor` there — whose self-test
-//! boots QEMU with the preload library from the package's fixed path.
+//! boots QEMU with the preload library from the package's fixed path. Then the root boots under
+//! a real systemd (systemd-nspawn) and OPERATIONS.md's "One unit per VM" is followed there
+//! (dist/deb/test-systemd.sh): `systemctl enable --now tandem@web1` runs the lab guest, `tandem
+//! status` and `journalctl -p warning` answer, `systemctl stop` records it stopped in etcd,
+//! `systemctl start` runs it again.
 
 use std::path::Path;
 use std::process::Command;
@@ -53,8 +57,14 @@ fn the_deb_installs_into_a_fresh_debian_root_and_doctor_passes_there() {
             "{want} missing from the package:\n{list}"
         );
     }
+    let guest = tandem_labguest::GuestImage::default();
+    guest
+        .check()
+        .expect("the lab guest (tandem-lab setup builds it)");
+    let guest_dir = guest.kernel().parent().unwrap().to_path_buf();
     let run = Command::new(repo.join("dist/deb/test-install.sh"))
         .arg(&deb)
+        .arg(&guest_dir)
         .output()
         .expect("run dist/deb/test-install.sh");
     let stderr = String::from_utf8_lossy(&run.stderr);
@@ -76,4 +86,7 @@ fn the_deb_installs_into_a_fresh_debian_root_and_doctor_passes_there() {
         "/usr/lib/tandem/libtandem_preload.so"
     );
     assert_eq!(check("self-test")["status"], "ok", "{doctor:#}");
+    // The unit's runbook under systemd passed every check (test-systemd.sh exits non-zero,
+    // and so test-install.sh, on the first that fails).
+    assert!(stderr.contains("==> systemd: OK"), "{stderr}");
 }

@@ -45,6 +45,9 @@ pub const PACKAGES: &[&str] = &[
     "virtinst",
     // promtool: the metrics endpoint, alert rules and their unit tests (dist/prometheus).
     "prometheus",
+    // systemd-nspawn: the package's root boots under a real systemd for the unit's runbook
+    // test (dist/deb/test-systemd.sh).
+    "systemd-container",
 ];
 
 const DEBIAN_BUILDER: &str = include_str!("../../../../../guest/debian/build-debian.sh");

@@ -1,0 +1,141 @@
+#!/usr/bin/env bash
+# OPERATIONS.md's "One unit per VM", followed under a real systemd:
+#   dist/deb/test-systemd.sh ROOT GUEST_DIR
+# ROOT is a Debian 12 root with the tandem package installed (dist/deb/test-install.sh makes
+# it, with systemd, dbus and etcd-server). It boots under systemd-nspawn (its own network
+# namespace: loopback only; etcd-server's own unit serves on localhost:2379), and there the
+# runbook's commands run as an operator types them: the example configuration copied to
+# /etc/tandem and edited (this host's node, a backup address nobody answers, the lab guest of
+# GUEST_DIR (bound read-only) booted by its kernel, etcd without TLS), `tandem run --dry-run`, `systemctl
+# daemon-reload`, `systemctl enable --now tandem@web1`. Then it checks what the runbook
+# promises: the unit is active (READY=1 once the guest runs), `tandem status` answers on the
+# unit's control socket, the journal carries the daemon's lines with priorities (`journalctl
+# -p warning` finds the missing backup), `systemctl stop` shuts the guest down and etcd's
+# record says stopped, and `systemctl start` runs it again. Needs root. Prints its steps on
+# stderr; exit status 0 when every check passes.
+set -euo pipefail
+root=$(realpath "${1:?usage: $0 ROOT GUEST_DIR}")
+guest=$(realpath "${2:?usage: $0 ROOT GUEST_DIR}")
+say() { printf '==> systemd: %s\n' "$*" >&2; }
+fail() { echo "error: $*" >&2; exit 1; }
+command -v systemd-nspawn >/dev/null || fail "systemd-nspawn is missing: run tandem-lab setup (systemd-container)"
+[ -x "$root/lib/systemd/systemd" ] || fail "$root has no systemd (dist/deb/test-install.sh builds the root with it)"
+for f in vmlinuz initramfs.cpio.gz; do
+  [ -f "$guest/$f" ] || fail "$guest/$f missing: run tandem-lab setup (the lab guest)"
+done
+
+for f in apps.img; do
+  [ -f "$guest/$f" ] || fail "$guest/$f missing: run tandem-lab setup (the lab guest)"
+done
+
+# A host's own names (debootstrap leaves /etc/hosts empty; etcd-server listens on localhost).
+printf '127.0.0.1 localhost\n::1 localhost ip6-localhost\n' >"$root/etc/hosts"
+
+machine=tandem-runbook-$$
+log=$(mktemp /tmp/tandem-nspawn-XXXXXX.log)
+say "booting the root under systemd-nspawn (log $log)"
+# --keep-unit/--register=no: no host systemd or machined to talk to; userfaultfd for the
+# dirty log (nspawn's default system-call filter leaves it out).
+systemd-nspawn --quiet --keep-unit --register=no --private-network -M "$machine" \
+  --system-call-filter=userfaultfd --bind-ro="$guest:/var/lib/tandem-guest" \
+  -D "$root" --boot --console=pipe >"$log" 2>&1 &
+nspawn=$!
+cleanup() {
+  kill -TERM "$nspawn" 2>/dev/null || true
+  for _ in $(seq 100); do kill -0 "$nspawn" 2>/dev/null || break; sleep 0.2; done
+  kill -KILL "$nspawn" 2>/dev/null || true
+  wait "$nspawn" 2>/dev/null || true
+  rm -f "$log"
+}
+trap cleanup EXIT
+
+# The container's PID 1 (systemd) is nspawn's child.
+leader=
+for _ in $(seq 100); do
+  leader=$(pgrep -P "$nspawn" -x systemd || true)
+  [ -n "$leader" ] && break
+  sleep 0.2
+done
+[ -n "$leader" ] || { cat "$log" >&2; fail "systemd did not start in the container"; }
+inside() { nsenter -t "$leader" -m -u -i -n -p -r -w -- "$@"; }
+# Until systemd has booted (degraded is fine: a container lacks some hardware units).
+for _ in $(seq 150); do
+  state=$(inside systemctl is-system-running 2>/dev/null || true)
+  case $state in running|degraded) break ;; esac
+  sleep 0.2
+done
+case $state in running|degraded) ;; *) fail "systemd in the container did not finish booting (state: $state)" ;; esac
+for _ in $(seq 50); do inside systemctl is-active --quiet etcd && break; sleep 0.2; done
+inside systemctl is-active --quiet etcd || { inside systemctl status etcd >&2 || true; fail "etcd-server's unit is not active in the container"; }
+say "systemd booted ($state); etcd active"
+
+say "OPERATIONS.md, One unit per VM: config, dry run, daemon-reload, enable --now"
+inside sh -euc '
+  mkdir -p /etc/tandem
+  cp /usr/share/doc/tandem/examples/tandem.toml.example /etc/tandem/web1.toml
+  # edit: nodes, VM, etcd (as the example file says)
+  cat > /etc/tandem/web1.toml <<EOF
+vm_id = 1
+primary = "host-a"
+node = "host-a"
+[nodes]
+host-a = "127.0.0.1:7000"
+host-b = "127.0.0.2:7000"
+[paths]
+mirror_dir = "/dev/shm/tandem-web1"
+state_dir = "/var/lib/tandem/web1"
+[vm]
+mem = 256
+ready = "TANDEM-READY"
+shutdown_timeout_s = 5
+[vm.boot]
+kernel = "/var/lib/tandem-guest/vmlinuz"
+initrd = "/var/lib/tandem-guest/initramfs.cpio.gz"
+cmdline = "console=ttyS0 quiet panic=-1 tandem.workload=idle"
+[[vm.disk]]
+path = "/var/lib/tandem-guest/apps.img"
+format = "raw"
+readonly = true
+[fencing]
+etcd = ["http://127.0.0.1:2379"]
+[replication]
+timeout_ms = 500
+epoch_ms = 100
+[metrics]
+listen = "127.0.0.1:9471"
+[control]
+socket = "/run/tandem/web1.sock"
+EOF
+  tandem run --config /etc/tandem/web1.toml --dry-run
+  systemctl daemon-reload
+  systemctl enable --now tandem@web1
+' >&2 || fail "the runbook's commands failed"
+
+say "the unit is active, tandem status answers"
+inside systemctl is-active --quiet tandem@web1 ||
+  { inside journalctl -u tandem@web1 --no-pager -n 50 >&2 || true; fail "tandem@web1 is not active after enable --now"; }
+status=$(inside tandem status --socket /run/tandem/web1.sock --json) ||
+  fail "tandem status on /run/tandem/web1.sock failed"
+echo "$status" | grep -q '"role": *"primary"' || fail "tandem status does not say primary: $status"
+
+say "journald: the daemon's lines, with priorities"
+for _ in $(seq 50); do
+  warnings=$(inside journalctl -u tandem@web1 -p warning --no-pager -o cat 2>/dev/null || true)
+  [ -n "$warnings" ] && break
+  sleep 0.2
+done
+[ -n "$warnings" ] || { inside journalctl -u tandem@web1 --no-pager -n 40 >&2 || true; fail "journalctl -p warning finds no line of tandem@web1 (the backup is unreachable)"; }
+printf '%s\n' "$warnings" | head -3 >&2
+inside journalctl -u tandem@web1 --no-pager -o cat | grep -q $'\e\[' && fail "ANSI escapes in the journal"
+
+say "systemctl stop: the guest shut down, etcd's record stopped"
+inside systemctl stop tandem@web1
+record=$(inside tandem fence show --etcd http://127.0.0.1:2379 --vm-id 1 --json) ||
+  fail "tandem fence show failed"
+echo "$record" | grep -q '"stopped"' || fail "etcd's record is not stopped after systemctl stop: $record"
+
+say "systemctl start: the node runs the guest again"
+inside systemctl start tandem@web1
+inside systemctl is-active --quiet tandem@web1 || fail "tandem@web1 did not start again"
+inside systemctl stop tandem@web1
+say "OK"
