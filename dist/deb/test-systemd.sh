@@ -138,4 +138,90 @@ say "systemctl start: the node runs the guest again"
 inside systemctl start tandem@web1
 inside systemctl is-active --quiet tandem@web1 || fail "tandem@web1 did not start again"
 inside systemctl stop tandem@web1
+
+# Both roles under systemd: the two nodes of VM 2 are two units of this one container (their
+# own files, directories, sockets and loopback addresses), as two hosts would run them.
+say "two nodes (tandem@web2-a, tandem@web2-b): protect, restart the running node, SIGKILL it"
+for n in a b; do
+  inside sh -euc "
+    cat > /etc/tandem/web2-$n.toml <<EOF
+vm_id = 2
+primary = \"host-a\"
+node = \"host-$n\"
+[nodes]
+host-a = \"127.0.0.1:7100\"
+host-b = \"127.0.0.2:7100\"
+[paths]
+mirror_dir = \"/dev/shm/tandem-web2-$n\"
+state_dir = \"/var/lib/tandem/web2-$n\"
+[vm]
+mem = 256
+ready = \"TANDEM-READY\"
+shutdown_timeout_s = 5
+[vm.boot]
+kernel = \"/var/lib/tandem-guest/vmlinuz\"
+initrd = \"/var/lib/tandem-guest/initramfs.cpio.gz\"
+cmdline = \"console=ttyS0 quiet panic=-1 tandem.workload=idle\"
+[[vm.disk]]
+path = \"/var/lib/tandem-guest/apps.img\"
+format = \"raw\"
+readonly = true
+[fencing]
+etcd = [\"http://127.0.0.1:2379\"]
+[replication]
+timeout_ms = 500
+epoch_ms = 100
+[control]
+socket = \"/run/tandem/web2-$n.sock\"
+EOF"
+done
+# Until etcd's record of VM 2 says STATE on NODE (and the record's generation, for a check
+# that the guest did not start anew).
+record() { inside tandem fence show --etcd http://127.0.0.1:2379 --vm-id 2 --json 2>/dev/null || true; }
+wait_record() {
+  local state=$1 node=$2 r=
+  for _ in $(seq 600); do
+    r=$(record)
+    if printf '%s' "$r" | grep -q "\"state\": \"$state\"" &&
+       printf '%s' "$r" | grep -q "\"node\": \"$node\""; then
+      return 0
+    fi
+    sleep 0.2
+  done
+  inside journalctl -u 'tandem@web2-*' --no-pager -n 60 -o cat >&2 || true
+  fail "etcd's record of VM 2 is not '$state' on $node after 120 s: $r"
+}
+gen() { record | grep -o '"gen": [0-9]*' | grep -o '[0-9]*$'; }
+# Until node N, the backup, says it can take the guest over (it committed an epoch of the
+# current session: etcd's record names the session from its start, before that).
+wait_backup() {
+  local st=
+  for _ in $(seq 600); do
+    st=$(inside tandem status --socket "/run/tandem/web2-$1.sock" --json 2>/dev/null || true)
+    printf '%s' "$st" | grep -q '"state": "protecting:' && return 0
+    sleep 0.2
+  done
+  inside journalctl -u 'tandem@web2-*' --no-pager -n 60 -o cat >&2 || true
+  fail "host-$1 is not a backup ready to take the guest over after 120 s: $st"
+}
+inside systemctl enable --now tandem@web2-a tandem@web2-b >&2
+wait_record protected host-a
+say "recorded protected on host-a (generation $(gen)); systemctl restart tandem@web2-a hands it over"
+# At once: a restart during the initial copy finishes it and then hands the guest over.
+inside systemctl restart tandem@web2-a
+wait_record protected host-b
+wait_backup a
+say "protected on host-b (generation $(gen)), host-a its backup; SIGKILL to host-b's daemon"
+g=$(gen)
+inside systemctl kill -s SIGKILL tandem@web2-b
+# host-a fails over (a takeover: one more generation), systemd restarts host-b's unit
+# (Restart=on-failure) and it comes back as the backup: protected again on host-a.
+wait_record protected host-a
+wait_backup b
+[ "$(gen)" -gt "$g" ] || fail "no takeover recorded after the SIGKILL (generation $(gen))"
+inside systemctl is-active --quiet tandem@web2-b || fail "systemd did not restart tandem@web2-b"
+n=$(inside systemctl show -p NRestarts --value tandem@web2-b)
+[ "$n" -ge 1 ] || fail "tandem@web2-b was not restarted by systemd (NRestarts=$n)"
+say "failed over to host-a (generation $(gen)); host-b restarted by systemd ($n restart), its backup again"
+inside systemctl stop tandem@web2-b tandem@web2-a
 say "OK"
