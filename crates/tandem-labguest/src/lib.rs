@@ -15,7 +15,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use tandem_vm::console::{Console, ConsoleError};
-use tandem_vm::{Boot, DiskBus, DiskDesc, DiskFormat, NicDesc, NicNet, VmConfig};
+use tandem_vm::{Boot, DiskDesc, DiskFormat, NicDesc, NicNet, VmConfig};
 
 /// The workloads the guest image can run (`tandem.workload=` on the kernel command line).
 pub const WORKLOADS: &[&str] = &[
@@ -144,14 +144,8 @@ pub fn config(name: &str, workload: &str, image: &GuestImage) -> VmConfig {
         cmdline: cmdline(workload),
     };
     c.disks = vec![DiskDesc {
-        path: image.apps(),
-        format: DiskFormat::Raw,
-        bus: DiskBus::VirtioBlk,
-        cache: None,
-        aio: None,
         readonly: true,
-        slice: None,
-        pci: None,
+        ..DiskDesc::new(image.apps(), DiskFormat::Raw)
     }];
     c.nics = vec![NicDesc {
         mac: MAC.into(),

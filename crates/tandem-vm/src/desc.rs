@@ -91,6 +91,23 @@ pub struct DiskDesc {
     pub pci: Option<PciAddr>,
 }
 
+impl DiskDesc {
+    /// A writable virtio-blk disk at `path` in `format`, QEMU's cache and aio modes, the next
+    /// free PCI slot.
+    pub fn new(path: impl Into<PathBuf>, format: DiskFormat) -> Self {
+        DiskDesc {
+            path: path.into(),
+            format,
+            bus: DiskBus::VirtioBlk,
+            cache: None,
+            aio: None,
+            readonly: false,
+            slice: None,
+            pci: None,
+        }
+    }
+}
+
 /// What a NIC attaches to.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum NicNet {
@@ -479,16 +496,7 @@ mod tests {
         std::fs::write(&qcow, q).unwrap();
         assert_eq!(DiskFormat::detect(&raw).unwrap(), DiskFormat::Raw);
         assert_eq!(DiskFormat::detect(&qcow).unwrap(), DiskFormat::Qcow2);
-        let disk = |path: &Path, format| DiskDesc {
-            path: path.into(),
-            format,
-            bus: DiskBus::VirtioBlk,
-            cache: None,
-            aio: None,
-            readonly: false,
-            slice: None,
-            pci: None,
-        };
+        let disk = |path: &Path, format| DiskDesc::new(path, format);
         let ok = |d: DiskDesc| check("q35", 1, 2, &Boot::Firmware, &[d], &[], &[]);
         ok(disk(&raw, DiskFormat::Raw)).unwrap();
         let e = ok(disk(&raw, DiskFormat::Qcow2)).unwrap_err();

@@ -223,16 +223,7 @@ mod tests {
 
     /// A raw virtio-blk disk at `path`, writable, QEMU's defaults otherwise.
     fn blk(path: &str) -> DiskDesc {
-        DiskDesc {
-            path: path.into(),
-            format: DiskFormat::Raw,
-            bus: DiskBus::VirtioBlk,
-            cache: None,
-            aio: None,
-            readonly: false,
-            slice: None,
-            pci: None,
-        }
+        DiskDesc::new(path, DiskFormat::Raw)
     }
 
     /// The command line of `c`, as one string.
@@ -258,14 +249,10 @@ mod tests {
                 pci: None,
             },
             DiskDesc {
-                path: "/img/data.raw".into(),
-                format: DiskFormat::Raw,
-                bus: DiskBus::VirtioBlk,
-                cache: None,
-                aio: None,
                 readonly: true,
                 slice: Some((1 << 20, 1 << 30)),
                 pci: Some(crate::desc::PciAddr::parse("0x07").unwrap()),
+                ..DiskDesc::new("/img/data.raw", DiskFormat::Raw)
             },
         ];
         c.nics = vec![NicDesc {

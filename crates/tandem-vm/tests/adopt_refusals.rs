@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use tandem_vm::adopt::{adopt, AdoptError, AdoptOptions};
 use tandem_vm::qmp::Qmp;
-use tandem_vm::{DirtyMode, DiskBus, DiskDesc, DiskFormat, NicDesc, NicNet, VmConfig};
+use tandem_vm::{DirtyMode, DiskDesc, DiskFormat, NicDesc, NicNet, VmConfig};
 
 struct Source {
     child: Child,
@@ -74,14 +74,8 @@ fn config(mem_mib: u64, ram_block: &str) -> VmConfig {
 /// `virtio-blk-pci` has it.
 fn raw_disk(path: PathBuf) -> DiskDesc {
     DiskDesc {
-        path,
-        format: DiskFormat::Raw,
-        bus: DiskBus::VirtioBlk,
-        cache: None,
-        aio: None,
         readonly: true,
-        slice: None,
-        pci: None,
+        ..DiskDesc::new(path, DiskFormat::Raw)
     }
 }
 
