@@ -11,8 +11,11 @@
 # promises: the unit is active (READY=1 once the guest runs), `tandem status` answers on the
 # unit's control socket, the journal carries the daemon's lines with priorities (`journalctl
 # -p warning` finds the missing backup), `systemctl stop` shuts the guest down and etcd's
-# record says stopped, and `systemctl start` runs it again. Needs root. Prints its steps on
-# stderr; exit status 0 when every check passes.
+# record says stopped, and `systemctl start` runs it again. Then two nodes of one VM as two
+# units: a restart of the running node hands the guest over, SIGKILL fails it over and systemd
+# restarts the killed unit as the backup, and a SIGKILL during the backup's first copy ends in
+# exit status 3 (nobody can take over) and the operator's override. Needs root. Prints its
+# steps on stderr; exit status 0 when every check passes.
 set -euo pipefail
 root=$(realpath "${1:?usage: $0 ROOT GUEST_DIR}")
 guest=$(realpath "${2:?usage: $0 ROOT GUEST_DIR}")
@@ -223,5 +226,50 @@ inside systemctl is-active --quiet tandem@web2-b || fail "systemd did not restar
 n=$(inside systemctl show -p NRestarts --value tandem@web2-b)
 [ "$n" -ge 1 ] || fail "tandem@web2-b was not restarted by systemd (NRestarts=$n)"
 say "failed over to host-a (generation $(gen)); host-b restarted by systemd ($n restart), its backup again"
+
+# The node running the guest dies while its backup still receives the first copy: the backup
+# cannot take over, and the restarted node must not wait as a backup forever (nor boot a
+# fresh guest): it exits 3 and a human decides. The replication link to host-b is slowed
+# (1 Mbit/s in the container's network namespace) so that the copy is still running.
+session() { record | grep -o '"session": "[0-9a-f]*"' || true; }
+s0=$(session)
+nsenter -t "$leader" -n sh -euc '
+  tc qdisc add dev lo root handle 1: htb
+  tc class add dev lo parent 1: classid 1:10 htb rate 1mbit
+  tc filter add dev lo parent 1: protocol ip u32 match ip dst 127.0.0.2/32 match ip dport 7100 0xffff flowid 1:10
+' || fail "cannot slow the replication link with tc (htb, u32)"
+say "restart host-b (the backup): host-a copies the guest to it anew, slowly"
+inside systemctl restart tandem@web2-b
+for _ in $(seq 600); do
+  s1=$(session)
+  [ -n "$s1" ] && [ "$s1" != "$s0" ] && break
+  sleep 0.2
+done
+[ -n "$s1" ] && [ "$s1" != "$s0" ] || fail "host-a did not begin a new session with host-b: $(record)"
+st=$(inside tandem status --socket /run/tandem/web2-b.sock --json 2>/dev/null || true)
+printf '%s' "$st" | grep -q '"state": "protecting:' && fail "host-b committed an epoch of the slowed copy already: $st"
+g=$(gen)
+say "session $s1 recorded, host-b still copying; SIGKILL to host-a's daemon"
+inside systemctl kill -s SIGKILL tandem@web2-a
+# systemd restarts it (5 s); it waits for a takeover that cannot come (10 s), then exits 3.
+for _ in $(seq 300); do
+  inside systemctl is-failed --quiet tandem@web2-a && break
+  sleep 0.2
+done
+inside systemctl is-failed --quiet tandem@web2-a ||
+  { inside journalctl -u tandem@web2-a --no-pager -n 30 -o cat >&2 || true; fail "tandem@web2-a did not stop with a refusal after dying during the first copy"; }
+code=$(inside systemctl show -p ExecMainStatus --value tandem@web2-a)
+[ "$code" = 3 ] || fail "tandem@web2-a exited with status $code, not 3"
+inside journalctl -u tandem@web2-a --no-pager -o cat | grep -q 'did not take the guest over' ||
+  fail "the journal of tandem@web2-a does not say why it refused"
+inside systemctl is-active --quiet tandem@web2-b || fail "tandem@web2-b (the backup) ended"
+[ "$(gen)" = "$g" ] || fail "the record changed although nobody could take over: $(record)"
+say "host-a refused with status 3 (nobody runs the guest); the operator declares it gone and starts host-a"
+nsenter -t "$leader" -n tc qdisc del dev lo root
+inside tandem fence stop --etcd http://127.0.0.1:2379 --vm-id 2 --generation "$g" >&2
+inside systemctl start tandem@web2-a
+wait_record protected host-a
+wait_backup b
+say "host-a runs the guest again (generation $(gen)), host-b its backup"
 inside systemctl stop tandem@web2-b tandem@web2-a
 say "OK"

@@ -27,6 +27,7 @@
 
 use std::ffi::OsString;
 use std::path::PathBuf;
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use clap::CommandFactory;
@@ -86,9 +87,15 @@ pub fn decide(
             by_preference
         }),
         Some(r) if r.node != me => Ok(Role::Backup),
-        // This node ran a protected guest and its daemon ended: the backup takes over and
-        // protects the guest onto this node.
-        Some(r) if r.state == State::Protected => Ok(Role::Backup),
+        // This node ran a protected guest, its daemon ended, and the backup did not take the
+        // guest over while `run` waited ([`await_takeover`]): its session never committed an
+        // epoch (the node died during the first copy), or the backup is down or cut off from
+        // etcd too. Nobody runs the guest: a human decides.
+        Some(r) if r.state == State::Protected => Err(format!(
+            "etcd still says this node ({me}) runs the VM protected by {peer}'s session ({}), but {peer} did not take the guest over: it had no complete copy yet (its first epoch had not committed), or it is down or cut off from etcd too. Nobody runs the guest now. If {peer} takes it over later, start this unit again (it then serves as the backup); otherwise declare the guest gone with `tandem fence stop --vm-id ID --generation {}` and start the unit of the node whose disks are newest (this one: it ran the guest last)",
+            r.describe(),
+            r.gen
+        )),
         Some(r) => Err(format!(
             "etcd says this node ({me}) ran the VM's only copy ({}) and its daemon ended: no other copy can take over. If the guest cannot come back, declare it gone with `tandem fence stop --vm-id ID --generation {}` (what it did since is lost), then start this unit again",
             r.describe(),
@@ -242,6 +249,75 @@ fn fence_args(a: &Args, cfg: &Config) -> anyhow::Result<tandem_args::FenceArgs> 
     Ok(f)
 }
 
+/// How long a node that ran a protected guest waits, when its daemon starts again, for the
+/// backup to take the guest over: the backup declares its primary lost after `timeout_ms`
+/// (`stall_ms` for one that hangs) and then writes etcd; four times that, at least 10 s.
+fn takeover_wait(cfg: &Config) -> Duration {
+    let ms = |flag: &str| {
+        cfg.flags
+            .iter()
+            .find(|(f, _)| f == flag)
+            .and_then(|(_, v)| v.as_deref()?.parse::<u64>().ok())
+    };
+    let timeout = ms("timeout-ms").unwrap_or(500);
+    let stall = ms("stall-ms").unwrap_or(3 * timeout);
+    Duration::from_millis(4 * timeout.max(stall)).max(Duration::from_secs(10))
+}
+
+/// While etcd's record says this node runs a protected guest — its daemon ended (a crash, a
+/// kill, its host lost), so the guest it ran is gone — waits up to `wait` for the backup to
+/// take the guest over, and returns the record then. A record that does not change means the
+/// backup could not take over, which [`decide`] refuses.
+fn await_takeover(
+    f: &tandem_fence::Fence,
+    mut record: Option<tandem_fence::Record>,
+    me: &str,
+    peer: &str,
+    wait: Duration,
+) -> Option<tandem_fence::Record> {
+    let ours = |r: &Option<tandem_fence::Record>| {
+        r.as_ref()
+            .is_some_and(|r| r.state == tandem_fence::State::Protected && r.node == me)
+    };
+    if !ours(&record) {
+        return record;
+    }
+    tracing::warn!(
+        "etcd says this node ran the guest protected by {peer} and its daemon ended: waiting up to {} s for {peer} to take the guest over",
+        wait.as_secs()
+    );
+    let until = Instant::now() + wait;
+    while ours(&record) && Instant::now() < until {
+        std::thread::sleep(Duration::from_millis(250));
+        match f.read() {
+            Ok(r) => record = r,
+            Err(e) => tracing::warn!("reading etcd's record: {e}; retrying"),
+        }
+    }
+    record
+}
+
+/// What `peer` last reported into etcd (its role, state and the report's age), for a refusal.
+fn peer_said(f: &tandem_fence::Fence, peer: &str) -> String {
+    let doc = match f.report_of(peer) {
+        Ok(Some(d)) => d,
+        Ok(None) => return format!(" ({peer} has written no status report)"),
+        Err(_) => return String::new(),
+    };
+    let Ok(v) = serde_json::from_slice::<serde_json::Value>(&doc) else {
+        return String::new();
+    };
+    let age = v["updated_unix_ms"]
+        .as_u64()
+        .map(|t| tandem_protect::unix_ms().saturating_sub(t) / 1000);
+    format!(
+        " ({peer} last reported, {} s ago: {} {})",
+        age.map_or("?".into(), |a| a.to_string()),
+        v["role"].as_str().unwrap_or("?"),
+        v["state"].as_str().unwrap_or("?")
+    )
+}
+
 /// `tandem run`: decide the role, then run that daemon.
 pub fn run(a: Args) -> anyhow::Result<()> {
     let cfg = read(&a)?;
@@ -265,8 +341,11 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                 }
             };
             let peer = cfg.nodes.keys().find(|n| **n != cfg.me).cloned().unwrap_or_default();
-            let role = decide(record.as_ref(), &cfg.me, &peer, &cfg.preferred)
-                .map_err(|why| anyhow::Error::new(crate::Fenced(why)))?;
+            let record = await_takeover(&f, record, &cfg.me, &peer, takeover_wait(&cfg));
+            let role = decide(record.as_ref(), &cfg.me, &peer, &cfg.preferred).map_err(|why| {
+                let said = peer_said(&f, &peer);
+                anyhow::Error::new(crate::Fenced(format!("{why}{said}")))
+            })?;
             let new_vm = record.is_none();
             eprintln!(
                 "tandem run: VM {} on node {}: {} ({})",
@@ -342,8 +421,13 @@ mod tests {
         for s in [State::Protected, State::Unprotected] {
             assert_eq!(d(Some(&rec(s, "b")), "a"), Ok(Backup));
         }
-        // Restarted after running a protected guest: the backup takes over; this node serves it.
-        assert_eq!(d(Some(&rec(State::Protected, "a")), "a"), Ok(Backup));
+        // Restarted after running a protected guest, and the backup did not take it over
+        // (`run` waited for that): nobody runs the guest; the operator decides.
+        let e = d(Some(&rec(State::Protected, "a")), "a").unwrap_err();
+        assert!(
+            e.contains("did not take the guest over") && e.contains("--generation 3"),
+            "{e}"
+        );
         // Restarted after running the only copy: nothing to resume; the operator decides.
         let e = d(Some(&rec(State::Unprotected, "a")), "a").unwrap_err();
         assert!(

@@ -79,7 +79,12 @@ impl FenceConfig {
 
     /// This node's status report (`tandem list`): `PREFIX/vm/ID/node/NODE`.
     pub fn report_key(&self) -> String {
-        format!("{}/vm/{}/node/{}", self.prefix, self.vm_id, self.node)
+        self.report_key_of(&self.node)
+    }
+
+    /// Node `node`'s status report: `PREFIX/vm/ID/node/NODE`.
+    pub fn report_key_of(&self, node: &str) -> String {
+        format!("{}/vm/{}/node/{node}", self.prefix, self.vm_id)
     }
 
     /// The libvirt domain the VM was adopted from (its marked definition, which each node's
@@ -238,6 +243,14 @@ impl Fence {
         let put = crate::etcd::Op::Put(self.cfg.report_key(), doc.to_vec(), 0);
         self.client.txn(&[], &[put], &[])?;
         Ok(())
+    }
+
+    /// Node `node`'s last status report, if it wrote one.
+    pub fn report_of(&self, node: &str) -> Result<Option<Vec<u8>>, FenceError> {
+        Ok(self
+            .client
+            .get(&self.cfg.report_key_of(node))?
+            .map(|kv| kv.value))
     }
 
     /// Writes the definition of the libvirt domain the VM was adopted from (unconditionally:

@@ -5,7 +5,9 @@
 //! a real systemd (systemd-nspawn) and OPERATIONS.md's "One unit per VM" is followed there
 //! (dist/deb/test-systemd.sh): `systemctl enable --now tandem@web1` runs the lab guest, `tandem
 //! status` and `journalctl -p warning` answer, `systemctl stop` records it stopped in etcd,
-//! `systemctl start` runs it again.
+//! `systemctl start` runs it again; two units of one VM hand the guest over on a restart,
+//! fail it over on SIGKILL, and refuse with status 3 when the running node dies during the
+//! backup's first copy.
 
 use std::path::Path;
 use std::process::Command;
