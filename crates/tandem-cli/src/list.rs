@@ -71,7 +71,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         let n = |k: &str| d[k].as_u64().map_or("-".into(), |v| v.to_string());
         println!(
             "{:<5} {:<22} {:<22} {:<10} {:>9} {:>5}  {}",
-            d["vm_id"],
+            d["vm_id"].as_u64().unwrap_or(0),
             s("runs_on"),
             s("backup"),
             match d["protected"].as_bool() {

@@ -344,6 +344,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             let record = await_takeover(&f, record, &cfg.me, &peer, takeover_wait(&cfg));
             let role = decide(record.as_ref(), &cfg.me, &peer, &cfg.preferred).map_err(|why| {
                 let said = peer_said(&f, &peer);
+                let why = why.replace("--vm-id ID", &format!("--vm-id {}", cfg.vm_id));
                 anyhow::Error::new(crate::Fenced(format!("{why}{said}")))
             })?;
             let new_vm = record.is_none();

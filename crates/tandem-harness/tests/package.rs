@@ -2,12 +2,14 @@
 //! dist/deb/test-install.sh installs it into a fresh Debian 12 root made by debootstrap and runs
 //! `tandem --help`, a man page, the completions and `tandem doctor` there — whose self-test
 //! boots QEMU with the preload library from the package's fixed path. Then the root boots under
-//! a real systemd (systemd-nspawn) and OPERATIONS.md's "One unit per VM" is followed there
-//! (dist/deb/test-systemd.sh): `systemctl enable --now tandem@web1` runs the lab guest, `tandem
-//! status` and `journalctl -p warning` answer, `systemctl stop` records it stopped in etcd,
-//! `systemctl start` runs it again; two units of one VM hand the guest over on a restart,
-//! fail it over on SIGKILL, and refuse with status 3 when the running node dies during the
-//! backup's first copy.
+//! a real systemd (systemd-nspawn) on two hosts joined by a veth link, and OPERATIONS.md's "One
+//! unit per VM" is followed there (dist/deb/test-systemd.sh): `systemctl enable --now
+//! tandem@web1` runs the lab guest, `tandem status` and `journalctl -p warning` answer,
+//! `systemctl stop` records it stopped in etcd, `systemctl start` runs it again; the units of
+//! one VM on both hosts hand the guest over on a restart and on `tandem switchover`, fail it
+//! over when its host is lost (and protect it onto that host when it boots again) or its
+//! daemon is killed, and refuse with status 3 when the running node dies during the backup's
+//! first copy.
 
 use std::path::Path;
 use std::process::Command;
@@ -91,4 +93,6 @@ fn the_deb_installs_into_a_fresh_debian_root_and_doctor_passes_there() {
     // The unit's runbook under systemd passed every check (test-systemd.sh exits non-zero,
     // and so test-install.sh, on the first that fails).
     assert!(stderr.contains("==> systemd: OK"), "{stderr}");
+    // The steps, for `cargo test -- --nocapture`.
+    eprintln!("{stderr}");
 }
