@@ -224,7 +224,7 @@ pub enum DescError {
     #[error("extra QEMU argument {0}: guest RAM is tandem's shared memory backend; remove it")]
     MemoryBackend(String),
     /// A file is missing or unreadable.
-    #[error("{what} {path}: {source}")]
+    #[error("{what} {path}")]
     File {
         /// What the file is for.
         what: &'static str,
