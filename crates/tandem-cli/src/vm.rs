@@ -34,6 +34,24 @@ pub enum Cmd {
         #[command(flatten)]
         vm: VmArgs,
     },
+    /// Print the QEMU command line that runs the VM the flags (and --vm-config) describe as
+    /// a person would start it, to be adopted later (`tandem adopt`, or `[adopt] qmp` of
+    /// `tandem run`): plain `-m` RAM (describe it with `ram_block = "pc.ram"`), QMP and the
+    /// console log where given. One line, quoted for a POSIX shell.
+    QemuCommand {
+        #[command(flatten)]
+        vm: VmArgs,
+        /// The QMP socket tandem adopts the VM through.
+        #[arg(long)]
+        qmp: PathBuf,
+        /// Where the guest's console is logged.
+        #[arg(long)]
+        serial: PathBuf,
+        /// NIC i's QEMU backend instead of the description's (`-netdev` value with
+        /// `id=n<i>`, e.g. `tap,id=n0,ifname=tap0,script=no,downscript=no`), once per NIC.
+        #[arg(long)]
+        netdev: Vec<String>,
+    },
     /// Check a description: files, formats, machine, vCPUs, MACs, extra arguments.
     Check {
         #[command(flatten)]
@@ -101,6 +119,20 @@ pub fn run(c: Cmd) -> anyhow::Result<()> {
             }
             Ok(())
         }
+        Cmd::QemuCommand {
+            vm,
+            qmp,
+            serial,
+            netdev,
+        } => {
+            let c = vm.spec().config("by-hand")?;
+            let netdevs: Vec<&str> = netdev.iter().map(String::as_str).collect();
+            let mut line = vec![c.qemu.display().to_string()];
+            line.extend(tandem_vm::qemu_args::by_hand(&c, &qmp, &serial, &netdevs));
+            let quoted: Vec<String> = line.iter().map(|a| shell_quote(a)).collect();
+            println!("{}", quoted.join(" "));
+            Ok(())
+        }
         Cmd::Show { vm } => {
             let c = vm.spec().config("show")?;
             print!("{}", VmFile::from_config(&c).to_toml());
@@ -134,5 +166,27 @@ pub fn run(c: Cmd) -> anyhow::Result<()> {
             );
             Ok(())
         }
+    }
+}
+
+/// `a` as one word of a POSIX shell.
+fn shell_quote(a: &str) -> String {
+    let plain = |c: char| c.is_ascii_alphanumeric() || "_,./=:@%+-".contains(c);
+    if !a.is_empty() && a.chars().all(plain) {
+        a.to_string()
+    } else {
+        format!("'{}'", a.replace('\'', "'\\''"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn shell_quote_keeps_plain_words_and_quotes_the_rest() {
+        use super::shell_quote as q;
+        assert_eq!(q("-m"), "-m");
+        assert_eq!(q("file=/a b,if=none"), "'file=/a b,if=none'");
+        assert_eq!(q("it's"), "'it'\\''s'");
+        assert_eq!(q(""), "''");
     }
 }

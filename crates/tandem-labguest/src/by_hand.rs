@@ -5,42 +5,12 @@
 
 use std::path::Path;
 
-use tandem_vm::qemu_args::{qemu_args, Start};
 use tandem_vm::VmConfig;
 
-/// The command line (without the binary) of a QEMU running `c` by hand: its QMP socket at
-/// `qmp`, its console in `serial`, and NIC `i`'s backend `-netdev` replaced by `netdevs[i]`
-/// (e.g. `tap,id=n0,ifname=tap0,script=no,downscript=no`; the id must stay `n{i}`) where
-/// given.
+/// The command line (without the binary) of a QEMU running `c` by hand:
+/// [`tandem_vm::qemu_args::by_hand`].
 pub fn qemu_command(c: &VmConfig, qmp: &Path, serial: &Path, netdevs: &[&str]) -> Vec<String> {
-    let mut out = Vec::new();
-    let mut it = qemu_args(c, "/unused".as_ref(), qmp, serial, Start::Paused).into_iter();
-    while let Some(a) = it.next() {
-        match a.as_str() {
-            "-S" => {}
-            // tandem's memory backend: plain -m names guest RAM pc.ram.
-            "-object" => drop(it.next()),
-            "-machine" => {
-                let m = it.next().unwrap_or_default();
-                let kept: Vec<&str> = m
-                    .split(',')
-                    .filter(|o| !o.starts_with("memory-backend="))
-                    .collect();
-                out.extend(["-machine".to_string(), kept.join(",")]);
-            }
-            "-netdev" => {
-                let n = it.next().unwrap_or_default();
-                let i: Option<usize> = n
-                    .split(',')
-                    .find_map(|o| o.strip_prefix("id=n"))
-                    .and_then(|i| i.parse().ok());
-                let given = i.and_then(|i| netdevs.get(i));
-                out.extend(["-netdev".to_string(), given.map_or(n, |g| g.to_string())]);
-            }
-            _ => out.push(a),
-        }
-    }
-    out
+    tandem_vm::qemu_args::by_hand(c, qmp, serial, netdevs)
 }
 
 #[cfg(test)]

@@ -217,6 +217,46 @@ fn nics(config: &VmConfig, a: &mut Vec<String>) {
     }
 }
 
+/// A VM started the way a person starts one, to be adopted later (`tandem adopt`): the
+/// command line tandem would use for `c`, with what tandem owns taken out — RAM from plain
+/// `-m` (QEMU's anonymous memory, whose RAM block is `pc.ram`: describe it with `ram_block =
+/// "pc.ram"`), no `-S`, and the NICs on whatever network the person gives them.
+///
+/// The command line (without the binary) of a QEMU running `c` by hand: its QMP socket at
+/// `qmp`, its console in `serial`, and NIC `i`'s backend `-netdev` replaced by `netdevs[i]`
+/// (e.g. `tap,id=n0,ifname=tap0,script=no,downscript=no`; the id must stay `n{i}`) where
+/// given.
+pub fn by_hand(c: &VmConfig, qmp: &Path, serial: &Path, netdevs: &[&str]) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut it = qemu_args(c, "/unused".as_ref(), qmp, serial, Start::Paused).into_iter();
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "-S" => {}
+            // tandem's memory backend: plain -m names guest RAM pc.ram.
+            "-object" => drop(it.next()),
+            "-machine" => {
+                let m = it.next().unwrap_or_default();
+                let kept: Vec<&str> = m
+                    .split(',')
+                    .filter(|o| !o.starts_with("memory-backend="))
+                    .collect();
+                out.extend(["-machine".to_string(), kept.join(",")]);
+            }
+            "-netdev" => {
+                let n = it.next().unwrap_or_default();
+                let i: Option<usize> = n
+                    .split(',')
+                    .find_map(|o| o.strip_prefix("id=n"))
+                    .and_then(|i| i.parse().ok());
+                let given = i.and_then(|i| netdevs.get(i));
+                out.extend(["-netdev".to_string(), given.map_or(n, |g| g.to_string())]);
+            }
+            _ => out.push(a),
+        }
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
