@@ -2,29 +2,35 @@
 # `halt`, `say`, `fail`): VM 2 on host-a and host-b, each host's unit tandem@web2 configured
 # by the same /etc/tandem/web2.toml. See test-systemd.sh's head for the steps.
 
-say "both hosts, OPERATIONS.md: the same /etc/tandem/web2.toml on each, enable --now tandem@web2"
+say "both hosts, OPERATIONS.md: the same /etc/tandem/web2.toml on each; the VM runs already"
 inside env etcd="$etcd" net="$net" sh -euc '
+  cat > /etc/tandem/web2.vm.toml <<EOF
+mem = 256
+ready = "TANDEM-READY"
+shutdown_timeout_s = 5
+# started by hand with plain -m RAM (tandem vm qemu-command)
+ram_block = "pc.ram"
+[boot]
+kernel = "/var/lib/tandem-guest/vmlinuz"
+initrd = "/var/lib/tandem-guest/initramfs.cpio.gz"
+cmdline = "console=ttyS0 quiet panic=-1 tandem.workload=idle"
+[[disk]]
+path = "/var/lib/tandem-guest/apps.img"
+format = "raw"
+readonly = true
+EOF
   cat > /etc/tandem/web2.toml <<EOF
 vm_id = 2
 primary = "host-a"
+vm_config = "/etc/tandem/web2.vm.toml"
 [nodes]
 host-a = "$net.1:7100"
 host-b = "$net.2:7100"
 [paths]
 mirror_dir = "/dev/shm/tandem-web2"
 state_dir = "/var/lib/tandem/web2"
-[vm]
-mem = 256
-ready = "TANDEM-READY"
-shutdown_timeout_s = 5
-[vm.boot]
-kernel = "/var/lib/tandem-guest/vmlinuz"
-initrd = "/var/lib/tandem-guest/initramfs.cpio.gz"
-cmdline = "console=ttyS0 quiet panic=-1 tandem.workload=idle"
-[[vm.disk]]
-path = "/var/lib/tandem-guest/apps.img"
-format = "raw"
-readonly = true
+[adopt]
+qmp = "/run/web2-by-hand/qmp.sock"
 [fencing]
 etcd = ["$etcd"]
 [replication]
@@ -33,8 +39,23 @@ epoch_ms = 100
 [control]
 socket = "/run/tandem/web2.sock"
 EOF'
-# The same file on host-b (as an operator copies it).
-inside cat /etc/tandem/web2.toml | on b sh -c 'mkdir -p /etc/tandem && cat > /etc/tandem/web2.toml'
+# The same files on host-b (as an operator copies them).
+for f in web2.toml web2.vm.toml; do
+  inside cat "/etc/tandem/$f" | on b sh -c "mkdir -p /etc/tandem && cat > /etc/tandem/$f"
+done
+# The VM as a person started it on host-a, before tandem: a plain QEMU under systemd.
+inside sh -euc '
+  mkdir -p /run/web2-by-hand
+  cmd=$(tandem vm qemu-command --vm-config /etc/tandem/web2.vm.toml \
+    --qmp /run/web2-by-hand/qmp.sock --serial /run/web2-by-hand/console.log)
+  systemd-run --quiet --unit=web2-by-hand --collect sh -c "exec $cmd"
+' >&2 || fail "cannot start the VM by hand on host-a"
+for _ in $(seq 600); do
+  inside grep -q TANDEM-READY /run/web2-by-hand/console.log 2>/dev/null && break
+  sleep 0.2
+done
+inside grep -q TANDEM-READY /run/web2-by-hand/console.log ||
+  { inside systemctl status web2-by-hand >&2 || true; fail "the VM started by hand on host-a did not boot"; }
 
 # etcd's record of VM 2 (JSON), its generation and its session.
 record() { on b tandem fence show --etcd http://127.0.0.1:2379 --vm-id 2 --json 2>/dev/null || true; }
@@ -73,10 +94,15 @@ wait_backup() {
   journals
   fail "host-$1 is not a backup ready to take the guest over after 120 s: $st"
 }
+say "the guest runs (started by hand); enable --now tandem@web2 on both hosts: host-a adopts it"
 on b systemctl enable --now tandem@web2 2>/dev/null
 inside systemctl enable --now tandem@web2 2>/dev/null
 wait_record protected host-a
-say "protected on host-a (generation $(gen)); systemctl restart on host-a hands it over"
+inside journalctl -u tandem@web2 --no-pager -o cat | grep -q 'adopts the running guest' ||
+  { journals; fail "host-a did not adopt the running VM"; }
+for _ in $(seq 100); do inside systemctl is-active --quiet web2-by-hand || break; sleep 0.2; done
+inside systemctl is-active --quiet web2-by-hand && fail "the QEMU started by hand still runs after the adoption"
+say "adopted and protected on host-a (generation $(gen)), the QEMU started by hand gone; systemctl restart on host-a hands it over"
 # At once: a restart during the initial copy finishes it and then hands the guest over.
 inside systemctl restart tandem@web2
 wait_record protected host-b
@@ -163,13 +189,19 @@ inside systemctl start tandem@web2
 wait_record protected host-a
 wait_backup b
 say "host-a runs the guest again (generation $(gen)), host-b its backup"
-# tandem list (from either host) says so: every VM of the cluster from etcd.
-on b tandem list --etcd http://127.0.0.1:2379 --json | python3 -c '
+# tandem list (from either host) says so once the daemons' reports (every 2 s) caught up:
+# every VM of the cluster from etcd.
+listed() {
+  on b tandem list --etcd http://127.0.0.1:2379 --json | python3 -c '
 import json, sys
 vm = {d["vm_id"]: d for d in json.load(sys.stdin)}
 assert vm[1]["runs_on"] is None, vm[1]
 assert (vm[2]["runs_on"], vm[2]["backup"], vm[2]["protected"]) == ("host-a", "host-b", True), vm[2]
-' || fail "tandem list does not show VM 2 protected on host-a with host-b its backup"
+' 2>"${log[a]}.list"
+}
+for _ in $(seq 50); do listed && break; sleep 0.2; done
+listed || { cat "${log[a]}.list" >&2; fail "tandem list does not show VM 2 protected on host-a with host-b its backup"; }
+rm -f "${log[a]}.list"
 inside tandem list --etcd "$etcd" >&2
 on b systemctl stop tandem@web2
 inside systemctl stop tandem@web2
