@@ -100,6 +100,12 @@ cp -a /usr/include/x86_64-linux-gnu/bits/. "$root/usr/include/x86_64-linux-gnu/b
 
 # memtouch: a static synthetic writer with a known pattern
 gcc -O2 -static -o "$root/usr/lib/tandem/memtouch" "$here/memtouch.c"
+# allocchurn (the alloc workload) and a Lua 5.4 interpreter for scripts (luatext, luagc)
+gcc -O2 -static -o "$root/usr/lib/tandem/allocchurn" "$here/allocchurn.c"
+lua54=$lua_src/lua-5.4.7
+[ -f "$lua54/lua.h" ] || { echo "error: $lua54 missing (Lua 5.4.7 of crates.io's lua-src)" >&2; exit 1; }
+gcc -O2 -static -w -DLUA_USE_LINUX -I"$lua54" -o "$root/usr/lib/tandem/luaexec" "$here/luaexec.c" "$lua54"/*.c -lm
+install -m 0644 "$here/luatext.lua" "$here/luagc.lua" "$root/usr/lib/tandem/"
 install -m 0755 "$here/tandem-init" "$root/sbin/tandem-init"
 install -m 0755 "$here/workload.sh" "$root/usr/lib/tandem/workload.sh"
 echo "root:x:0:0:root:/root:/bin/sh" > "$root/etc/passwd"

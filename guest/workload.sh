@@ -77,6 +77,66 @@ case "$wl" in
         echo "TANDEM-ERROR compile failed"; tail -5 /tmp/make.log; sleep 5
       fi
     done ;;
+  luatext)
+    # An interpreted-language text-processing job: log lines parsed into hash tables, sorted,
+    # reported and compressed each round (guest/luatext.lua).
+    ready
+    exec /usr/lib/tandem/luaexec /usr/lib/tandem/luatext.lua ;;
+  luagc)
+    # A garbage-collected runtime churning its heap (guest/luagc.lua).
+    ready
+    exec /usr/lib/tandem/luaexec /usr/lib/tandem/luagc.lua ;;
+  alloc)
+    # A memory-churning allocator test (guest/allocchurn.c; it prints the ready line).
+    exec /usr/lib/tandem/allocchurn ;;
+  awktext)
+    # Log aggregation with awk, sort and uniq: a log generated, counted by path and status,
+    # the top lines sorted and the report compressed, each round.
+    ready
+    n=0
+    while :; do
+      awk -v seed=$n 'BEGIN { srand(seed); for (i = 0; i < 20000; i++)
+        printf "10.0.%d.%d - - [27/Nov/2026] \"GET /item/%d HTTP/1.1\" %d %d\n",
+          int(rand()*8), int(rand()*250), int(rand()*700), (rand() < 0.9 ? 200 : 404), int(rand()*90000) }' >/tmp/access.log
+      awk '{ hits[$7]++; bytes[$7] += $10; st[$9]++ } END { for (p in hits) print hits[p], bytes[p], p; for (s in st) print "status", s, st[s] }' \
+        /tmp/access.log | sort -rn | gzip -1 >/tmp/report.gz
+      cut -d' ' -f1 /tmp/access.log | sort | uniq -c | sort -rn | head -50 >/tmp/clients.txt
+      n=$((n+1))
+      echo "awktext rounds=$n"
+    done ;;
+  archive)
+    # Compression and archiving: the apps disk's sources packed with tar and gzip, unpacked
+    # and compared, each round.
+    ready
+    n=0
+    while :; do
+      tar -C /usr/src -cf - . | gzip -6 >/tmp/src.tar.gz
+      rm -rf /tmp/unpacked && mkdir -p /tmp/unpacked
+      gzip -dc /tmp/src.tar.gz | tar -C /tmp/unpacked -xf -
+      n=$((n+1))
+      echo "archive rounds=$n bytes=$(wc -c </tmp/src.tar.gz)"
+    done ;;
+  httpd)
+    # A web server under load: busybox httpd serving 300 files of 2-60 KiB, four clients in
+    # the guest fetching them in a loop.
+    mkdir -p /tmp/www
+    i=0
+    while [ $i -lt 300 ]; do
+      head -c $(( (i * 7919) % 59000 + 2048 )) /dev/urandom >/tmp/www/f$i
+      i=$((i+1))
+    done
+    ip link set lo up 2>/dev/null || ifconfig lo 127.0.0.1 up
+    httpd -p 127.0.0.1:8080 -h /tmp/www
+    ready
+    for c in 1 2 3; do
+      ( while :; do wget -q -O /dev/null "http://127.0.0.1:8080/f$((RANDOM % 300))"; done ) &
+    done
+    n=0
+    while :; do
+      wget -q -O /dev/null "http://127.0.0.1:8080/f$((RANDOM % 300))"
+      n=$((n+1))
+      [ $((n % 200)) -eq 0 ] && echo "httpd gets=$n"
+    done ;;
   *)
     echo "TANDEM-ERROR unknown workload $wl" ;;
 esac

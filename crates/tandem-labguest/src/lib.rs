@@ -19,7 +19,8 @@ use tandem_vm::{Boot, DiskDesc, DiskFormat, NicDesc, NicNet, VmConfig};
 
 /// The workloads the guest image can run (`tandem.workload=` on the kernel command line).
 pub const WORKLOADS: &[&str] = &[
-    "idle", "memtouch", "memheavy", "compile", "sqlite", "kv", "kvheavy", "disk",
+    "idle", "memtouch", "memheavy", "compile", "sqlite", "kv", "kvheavy", "disk", "luatext",
+    "luagc", "alloc", "awktext", "archive", "httpd",
 ];
 
 /// Whether `workload` runs redis for a key-value client (`kv`, and `kvheavy` beside a
@@ -49,7 +50,7 @@ pub enum ImageError {
     Missing(String),
     /// The workload name is unknown.
     #[error(
-        "unknown workload {0:?}: choose one of idle, memtouch, memheavy, compile, sqlite, kv, kvheavy, disk"
+        "unknown workload {0:?}: choose one of idle, memtouch, memheavy, compile, sqlite, kv, kvheavy, disk, luatext, luagc, alloc, awktext, archive, httpd"
     )]
     UnknownWorkload(String),
 }

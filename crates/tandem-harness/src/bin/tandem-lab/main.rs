@@ -32,7 +32,7 @@ enum Cmd {
     Bench(Box<tandem_harness::bench::Args>),
     /// Record a memory trace of a real guest run.
     Record(record::RecordArgs),
-    /// Record the standard traces (idle, compile, sqlite, kv) into the cache.
+    /// Record traces of lab workloads into the cache (default: idle, compile, sqlite, kv).
     Traces(record::TracesArgs),
     /// Inspect traces.
     #[command(subcommand)]

@@ -20,8 +20,9 @@ use tandem_vm::VmConfig;
 /// `--vm-config`.
 #[derive(clap::Args, Clone, Debug)]
 pub struct LabVmArgs {
-    /// The lab guest's workload: idle, memtouch, compile, sqlite, kv or disk (ignored with
-    /// --vm-config).
+    /// The lab guest's workload (tandem_labguest::WORKLOADS: idle, memtouch, memheavy,
+    /// compile, sqlite, kv, kvheavy, disk, luatext, luagc, alloc, awktext, archive, httpd;
+    /// ignored with --vm-config).
     #[arg(long, default_value = "kv")]
     pub workload: String,
     /// The lab guest's image directory (default: the cache that `./tandem setup` fills).
@@ -94,7 +95,9 @@ pub struct TracesArgs {
     /// Guest RAM in MiB.
     #[arg(long, default_value_t = 256)]
     pub mem: u64,
-    /// Workloads to record: the lab guest's (idle, memtouch, compile, sqlite, kv, disk), or
+    /// Workloads to record: the lab guest's (see `record --workload`; the codec's split in
+    /// docs/CODEC.md: idle, compile, sqlite, kv, memtouch, disk, pgbench tuned on; luatext,
+    /// luagc, alloc, awktext, archive, httpd held out), or
     /// `pgbench`: PostgreSQL in the Debian VM (needs `tandem setup --debian`) under 4 pgbench
     /// clients, recorded after `pgbench -i` (its RAM is the VM description's, not --mem).
     #[arg(long, value_delimiter = ',', default_value = "idle,compile,sqlite,kv")]

@@ -75,6 +75,16 @@ const GUEST_FILES: &[(&str, &str)] = &[
         "memtouch.c",
         include_str!("../../../../../guest/memtouch.c"),
     ),
+    (
+        "allocchurn.c",
+        include_str!("../../../../../guest/allocchurn.c"),
+    ),
+    ("luaexec.c", include_str!("../../../../../guest/luaexec.c")),
+    (
+        "luatext.lua",
+        include_str!("../../../../../guest/luatext.lua"),
+    ),
+    ("luagc.lua", include_str!("../../../../../guest/luagc.lua")),
 ];
 const CODEBASE_MANIFEST: &str = include_str!("../../../../../guest/codebase/Cargo.toml");
 
