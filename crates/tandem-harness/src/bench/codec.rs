@@ -225,6 +225,8 @@ pub struct Summary {
     pub rows: Vec<CodecRow>,
     pub tandem_vs_remus_mean: Option<f64>,
     pub tandem_vs_best_baseline: Vec<(String, String, f64)>,
+    /// Issue 40's guarantee (workloads with tandem, tandem-v1 and xbzrle+zstd rows).
+    pub guarantee: super::guarantee::Guarantee,
 }
 
 pub fn run(traces: &[PathBuf], trials: &[Trial], cfg: &Config, json: bool) -> anyhow::Result<()> {
@@ -271,10 +273,12 @@ pub fn run(traces: &[PathBuf], trials: &[Trial], cfg: &Config, json: bool) -> an
             }
         }
     }
+    let rows_for_guarantee = rows.clone();
     let s = Summary {
         rows,
         tandem_vs_remus_mean: (!vs_remus.is_empty()).then(|| mean(&vs_remus)),
         tandem_vs_best_baseline: vs_best,
+        guarantee: super::guarantee::of(&rows_for_guarantee),
     };
     if json {
         println!("{}", serde_json::to_string_pretty(&s)?);
@@ -322,5 +326,6 @@ pub fn run(traces: &[PathBuf], trials: &[Trial], cfg: &Config, json: bool) -> an
             );
         }
     }
+    super::guarantee::print(&s.guarantee);
     Ok(())
 }

@@ -5,6 +5,7 @@ mod codec;
 mod consolidate;
 mod failover;
 mod faults;
+pub mod guarantee;
 mod host;
 mod ksm;
 mod link;
