@@ -188,6 +188,10 @@ echo "$record" | grep -q '"stopped"' || fail "etcd's record is not stopped after
 say "systemctl start: the node runs the guest again"
 inside systemctl start tandem@web1
 inside systemctl is-active --quiet tandem@web1 || fail "tandem@web1 did not start again"
+# A dry run while the unit runs the guest says so (and exits 0).
+dry=$(inside tandem run --config /etc/tandem/web1.toml --dry-run) ||
+  fail "tandem run --dry-run failed while the unit runs: $dry"
+echo "$dry" | grep -q 'etcd says this node runs the guest' || fail "tandem run --dry-run: $dry"
 inside systemctl disable --now tandem@web1 2>/dev/null
 
 . "$(dirname "$0")/test-systemd-two-hosts.sh"

@@ -341,6 +341,25 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                 }
             };
             let peer = cfg.nodes.keys().find(|n| **n != cfg.me).cloned().unwrap_or_default();
+            if let Some(r) = record.as_ref().filter(|r| {
+                a.dry_run && r.node == cfg.me && r.state != tandem_fence::State::Stopped
+            }) {
+                // The unit here may well be running: say what a start would do, not more.
+                let then = match r.state {
+                    tandem_fence::State::Protected => format!(
+                        "if its daemon has ended, a start here waits up to {} s for {peer} to take the guest over and then serves as its backup, or exits 3 when nobody did",
+                        takeover_wait(&cfg).as_secs()
+                    ),
+                    _ => "if its daemon has ended, a start here exits 3: it ran the only copy".into(),
+                };
+                println!(
+                    "tandem run: VM {} on node {}: etcd says this node runs the guest ({}); {then}",
+                    cfg.vm_id,
+                    cfg.me,
+                    r.describe()
+                );
+                return Ok(());
+            }
             let record = await_takeover(&f, record, &cfg.me, &peer, takeover_wait(&cfg));
             let role = decide(record.as_ref(), &cfg.me, &peer, &cfg.preferred).map_err(|why| {
                 let said = peer_said(&f, &peer);
