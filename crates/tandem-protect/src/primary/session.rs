@@ -286,6 +286,13 @@ impl Daemon<'_> {
             d.saturating_duration_since(Instant::now())
         });
         let first = self.epoch + 1;
+        // The first pause (vCPUs stopped, dirty log harvested, pages copied, device state
+        // captured) takes everything the guest wrote since the last pre-copy round, while the
+        // encoder's state was built: up to all of its RAM on a busy guest, about a
+        // millisecond per MiB of guest on a loaded host. Progress, not a hang, until the first
+        // checkpoint's own beat.
+        self.watchdog
+            .allow(Duration::from_millis((vm.ram().len() >> 20) as u64));
         let mut sink = self.sink(shared, tx, vm.pid());
         let mut schedule = tandem_vm::schedule::build(sink.st.opts.epoch, sink.st.opts.adaptive);
         let r = run_pipeline(vm, schedule.as_mut(), duration, first, &mut sink);
