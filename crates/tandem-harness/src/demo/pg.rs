@@ -23,12 +23,28 @@ fn psql(ns: &str, host: &str) -> Command {
     c
 }
 
-/// Runs one SQL command in a new session; its output, trimmed.
+/// Runs one SQL command in a new session; its output, trimmed. A session that cannot connect
+/// (psql's status 2) is tried again twice, 2 s apart: under TCG on two loaded cores a guest
+/// can miss the three ARP probes of one connection attempt ("No route to host", seen once
+/// after a failover of the libvirt round). An SQL error is not retried.
 pub fn query(ns: &str, host: &str, sql: &str) -> anyhow::Result<String> {
-    let out = psql(ns, host)
-        .args(["-v", "ON_ERROR_STOP=1", "-c", sql])
-        .output()
-        .context("running psql (install postgresql-client with `tandem setup`)")?;
+    let mut attempt = 0;
+    let out = loop {
+        let out = psql(ns, host)
+            .args(["-v", "ON_ERROR_STOP=1", "-c", sql])
+            .output()
+            .context("running psql (install postgresql-client with `tandem setup`)")?;
+        attempt += 1;
+        if out.status.code() == Some(2) && attempt < 3 {
+            eprintln!(
+                "psql could not connect to {host} (attempt {attempt}: {}); trying again in 2 s",
+                String::from_utf8_lossy(&out.stderr).trim()
+            );
+            std::thread::sleep(Duration::from_secs(2));
+            continue;
+        }
+        break out;
+    };
     if !out.status.success() {
         bail!(
             "psql -c {sql:?}: {}",
