@@ -28,6 +28,10 @@ fn psql(ns: &str, host: &str) -> Command {
 /// can miss the three ARP probes of one connection attempt ("No route to host", seen once
 /// after a failover of the libvirt round). An SQL error is not retried.
 pub fn query(ns: &str, host: &str, sql: &str) -> anyhow::Result<String> {
+    query_tries(ns, host, sql, 3)
+}
+
+fn query_tries(ns: &str, host: &str, sql: &str, tries: u32) -> anyhow::Result<String> {
     let mut attempt = 0;
     let out = loop {
         let out = psql(ns, host)
@@ -35,7 +39,7 @@ pub fn query(ns: &str, host: &str, sql: &str) -> anyhow::Result<String> {
             .output()
             .context("running psql (install postgresql-client with `tandem setup`)")?;
         attempt += 1;
-        if out.status.code() == Some(2) && attempt < 3 {
+        if out.status.code() == Some(2) && attempt < tries {
             eprintln!(
                 "psql could not connect to {host} (attempt {attempt}: {}); trying again in 2 s",
                 String::from_utf8_lossy(&out.stderr).trim()
@@ -58,7 +62,8 @@ pub fn query(ns: &str, host: &str, sql: &str) -> anyhow::Result<String> {
 pub fn wait_ready(ns: &str, host: &str, timeout: Duration) -> anyhow::Result<()> {
     let t = Instant::now();
     loop {
-        match query(ns, host, "SELECT 1") {
+        // It polls anyway: one attempt per round, no retry messages while the guest boots.
+        match query_tries(ns, host, "SELECT 1", 1) {
             Ok(_) => return Ok(()),
             Err(e) if t.elapsed() > timeout => {
                 return Err(e.context(format!("PostgreSQL at {host} does not answer")))
