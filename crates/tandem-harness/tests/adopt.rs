@@ -43,12 +43,7 @@ fn an_adopted_guest_is_fenced_protected_and_taken_over_without_a_reboot() {
     );
     let _source = Proc(
         Command::new("qemu-system-x86_64")
-            .args(tandem_labguest::by_hand::qemu_command(
-                &cfg,
-                &qmp,
-                &console,
-                &[],
-            ))
+            .args(tandem_vm::qemu_args::by_hand(&cfg, &qmp, &console, &[]))
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::null())

@@ -8,8 +8,6 @@
 
 #![warn(missing_docs)]
 
-pub mod by_hand;
-
 use std::path::{Path, PathBuf};
 
 use std::time::Duration;

@@ -32,12 +32,7 @@ fn start_by_hand(vm: &VmSpec, dir: &Path) -> (Source, PathBuf, PathBuf) {
     let c = vm.config("source").unwrap();
     let (qmp, serial) = (dir.join("source-qmp.sock"), dir.join("source-console.log"));
     let child = Command::new("qemu-system-x86_64")
-        .args(tandem_labguest::by_hand::qemu_command(
-            &c,
-            &qmp,
-            &serial,
-            &[],
-        ))
+        .args(tandem_vm::qemu_args::by_hand(&c, &qmp, &serial, &[]))
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(std::fs::File::create(dir.join("source-qemu.log")).unwrap())

@@ -217,15 +217,12 @@ fn nics(config: &VmConfig, a: &mut Vec<String>) {
     }
 }
 
-/// A VM started the way a person starts one, to be adopted later (`tandem adopt`): the
-/// command line tandem would use for `c`, with what tandem owns taken out — RAM from plain
-/// `-m` (QEMU's anonymous memory, whose RAM block is `pc.ram`: describe it with `ram_block =
-/// "pc.ram"`), no `-S`, and the NICs on whatever network the person gives them.
-///
-/// The command line (without the binary) of a QEMU running `c` by hand: its QMP socket at
-/// `qmp`, its console in `serial`, and NIC `i`'s backend `-netdev` replaced by `netdevs[i]`
-/// (e.g. `tap,id=n0,ifname=tap0,script=no,downscript=no`; the id must stay `n{i}`) where
-/// given.
+/// The command line (without the binary) of a QEMU running `c` the way a person starts it, to
+/// be adopted later (`tandem adopt`): tandem's own, with what tandem owns taken out — RAM from
+/// plain `-m` (QEMU's anonymous memory, whose RAM block is `pc.ram`: describe it with
+/// `ram_block = "pc.ram"`), no `-S` — its QMP socket at `qmp`, its console in `serial`, and
+/// NIC `i`'s backend `-netdev` replaced by `netdevs[i]` (e.g.
+/// `tap,id=n0,ifname=tap0,script=no,downscript=no`; the id must stay `n{i}`) where given.
 pub fn by_hand(c: &VmConfig, qmp: &Path, serial: &Path, netdevs: &[&str]) -> Vec<String> {
     let mut out = Vec::new();
     let mut it = qemu_args(c, "/unused".as_ref(), qmp, serial, Start::Paused).into_iter();
@@ -260,6 +257,35 @@ pub fn by_hand(c: &VmConfig, qmp: &Path, serial: &Path, netdevs: &[&str]) -> Vec
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn tandems_memory_backend_and_pause_go_and_the_nic_goes_on_the_given_network() {
+        let mut c = VmConfig::custom("h");
+        c.nics = vec![NicDesc {
+            mac: "52:54:00:00:00:09".into(),
+            model: "virtio-net-pci".into(),
+            net: NicNet::User {
+                forwards: Vec::new(),
+            },
+            pci: None,
+        }];
+        let a = by_hand(
+            &c,
+            "/q".as_ref(),
+            "/s".as_ref(),
+            &["tap,id=n0,ifname=t0,script=no,downscript=no"],
+        )
+        .join(" ");
+        assert!(a.contains("-machine q35 "), "{a}");
+        assert!(a.contains("-m 256M"), "{a}");
+        assert!(!a.contains("memory-backend"), "{a}");
+        assert!(!a.contains(" -S"), "{a}");
+        assert!(a.contains("-netdev tap,id=n0,ifname=t0"), "{a}");
+        assert!(
+            a.contains("virtio-net-pci,netdev=n0,mac=52:54:00:00:00:09"),
+            "{a}"
+        );
+    }
 
     /// A raw virtio-blk disk at `path`, writable, QEMU's defaults otherwise.
     fn blk(path: &str) -> DiskDesc {

@@ -102,7 +102,7 @@ impl Source {
             rdir.join("source-console.log"),
         );
         let netdev = format!("tap,id=n0,ifname={TAP},script=no,downscript=no");
-        let args = tandem_labguest::by_hand::qemu_command(&cfg, &qmp, &console, &[&netdev]);
+        let args = tandem_vm::qemu_args::by_hand(&cfg, &qmp, &console, &[&netdev]);
         std::fs::write(
             rdir.join("source-command.txt"),
             format!("qemu-system-x86_64 {}\n", args.join(" ")),
