@@ -23,6 +23,11 @@ pub struct EncodeStats {
     pub prefix_pages: usize,
     /// zstd level used for the record.
     pub level: i32,
+    /// tandem's per-epoch trial (trial.rs): what it measured (all zero when it did not run).
+    pub trial: crate::Trial,
+    /// tandem: the largest run patch taken this epoch (the trial's choice: `good_enough`, or
+    /// `trial::LONG_PATCH` when long run patches won); 0 for the other codecs.
+    pub patch_limit: usize,
     /// Microseconds spent in: pre-pass, reference resolution, page encoding, serialisation and
     /// record compression, state update. With a worker pool and an epoch large enough for it,
     /// the state update runs beside the record's compression: the fourth is then the wall
@@ -52,6 +57,8 @@ pub struct Encoder {
     /// A record failed after the state had advanced past its epoch (phase 5 runs beside the
     /// compression): every later epoch is refused.
     diverged: bool,
+    /// tandem: whether long run patches won the last trial that decided (trial.rs).
+    long_patches: bool,
 }
 
 fn block_hashes(page: &[u8], granule: usize, out: &mut [u64]) {
@@ -161,6 +168,7 @@ impl Encoder {
             pool: None,
             buf: Default::default(),
             diverged: false,
+            long_patches: false,
         };
         if cfg.threads > 1 {
             let pool = rayon::ThreadPoolBuilder::new()
@@ -291,8 +299,10 @@ impl Encoder {
         }
         let (mut pre, block_new) = self.prepass(pfns, data);
         lap(0, &mut t);
-        // 2. Sequential: entry numbers, intra-epoch identical pages and blocks.
+        // 2. Sequential: entry numbers, intra-epoch identical pages and blocks; tandem's trial
+        // of its two ways for pages of which much changed.
         let block_refs = self.number_entries(data, &mut pre);
+        let trial = self.trial(pfns, data, &pre)?;
         lap(1, &mut t);
         // 3. Parallel: encode every page that is not left out.
         let coded = self.code_pages(pfns, data, &pre, &block_refs);
@@ -342,6 +352,8 @@ impl Encoder {
             bytes: out.len() - start,
             prefix_pages,
             level: self.level,
+            trial,
+            patch_limit: self.patch_limit(),
             phase_us: phase,
         })
     }
@@ -488,6 +500,39 @@ impl Encoder {
         block_refs
     }
 
+    /// tandem (with `Budget::trial`): measures its two ways on a sample of this epoch's pages
+    /// and keeps the winner (trial.rs).
+    fn trial(
+        &mut self,
+        pfns: &[u64],
+        data: &[u8],
+        pre: &[Pre],
+    ) -> Result<crate::Trial, EncodeError> {
+        let Some(prev) = self.prev.as_ref() else {
+            return Ok(Default::default());
+        };
+        if self.codec.strategy() != Codec::Tandem || !self.cfg.budget.trial {
+            return Ok(Default::default());
+        }
+        let t = crate::trial::measure(prev, pfns, data, pre, &self.cfg.budget, self.level)
+            .map_err(EncodeError::Compress)?;
+        if let Some(w) = t.runs_win() {
+            self.long_patches = w;
+        }
+        Ok(t)
+    }
+
+    /// tandem: the largest run patch taken (the trial's choice); 0 for the other codecs.
+    fn patch_limit(&self) -> usize {
+        match self.codec.strategy() {
+            Codec::Tandem if self.long_patches => {
+                crate::trial::LONG_PATCH.max(self.cfg.budget.good_enough)
+            }
+            Codec::Tandem => self.cfg.budget.good_enough,
+            _ => 0,
+        }
+    }
+
     /// Phase 3, in parallel: each page that is not left out, coded by this codec's strategy,
     /// and whether its previous version is wanted in the record's reference prefix.
     fn code_pages(
@@ -518,7 +563,7 @@ impl Encoder {
                 return None;
             }
             Some(match strategy {
-                Codec::Tandem => st::tandem(&ctx, pfn, p, x, &budget),
+                Codec::Tandem => st::tandem(&ctx, pfn, p, x, &budget, self.long_patches),
                 s => (
                     match s {
                         Codec::Xbzrle => st::xbzrle(&ctx, pfn, p, x),

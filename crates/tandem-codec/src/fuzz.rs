@@ -80,3 +80,43 @@ pub fn roundtrip_structured(data: &[u8]) {
         }
     }
 }
+
+/// Structured, tandem over two epochs of every page of a 16-page guest: epoch 1 rewrites
+/// them all (the store then holds them), epoch 2 changes bytes all over each page at steps
+/// the input gives, so the per-epoch trial (trial.rs) measures and may take long run patches.
+/// Both records must decode back exactly. Returns whether epoch 2 took long run patches.
+pub fn roundtrip_trial(data: &[u8]) -> bool {
+    use crate::{Codec, Config, Encoder};
+    const P: usize = crate::format::PAGE;
+    const PAGES: usize = 16;
+    let base = vec![0u8; PAGES * P];
+    let Ok(mut enc) = Encoder::new(Codec::Tandem, &base, Config::default()) else {
+        return false;
+    };
+    let pfns: Vec<u64> = (0..PAGES as u64).collect();
+    let mut content: Vec<u8> = (0..PAGES * P).map(|i| (i / 16 % 251) as u8).collect();
+    let (mut mirror, mut plan, mut long) = (base, Plan::default(), false);
+    for epoch in 1..=2u64 {
+        if epoch == 2 && !data.is_empty() {
+            for (k, pg) in content.chunks_exact_mut(P).enumerate() {
+                let mut at = k % 7;
+                for &b in data.iter().cycle().skip(k).take(P) {
+                    at += 1 + (b as usize & 31);
+                    if at >= P {
+                        break;
+                    }
+                    pg[at] = pg[at].wrapping_add(b | 1);
+                }
+            }
+        }
+        let mut rec = Vec::new();
+        match enc.encode(epoch, &pfns, &content, &mut rec) {
+            Ok(s) => long = s.patch_limit == crate::trial::LONG_PATCH,
+            Err(_) => return false,
+        }
+        decode(&rec, &mirror, &mut plan).expect("own record must decode");
+        plan.commit(&mut mirror);
+        assert_eq!(mirror, content, "epoch {epoch}");
+    }
+    long
+}

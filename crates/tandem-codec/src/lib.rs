@@ -36,11 +36,13 @@ pub mod simhash;
 mod split;
 pub mod state;
 mod strategies;
+mod trial;
 pub mod wkdm;
 
 pub use decoder::{decode, pages_read, pages_read_with, Plan};
 pub use encoder::{Codec, Config, EncodeStats, Encoder};
 pub use strategies::Budget;
+pub use trial::Trial;
 
 /// Why a record was rejected. Nothing was applied.
 #[derive(Debug, thiserror::Error)]

@@ -302,6 +302,7 @@ pub fn tandem(
     new: &[u8],
     pre: &Pre,
     budget: &Budget,
+    long: bool,
 ) -> (Coded, Refs) {
     let none = Refs::default();
     if pre.zero {
@@ -312,44 +313,12 @@ pub fn tandem(
     }
     let old = c.prev.and_then(|p| p.get(pfn));
     if let Some(old) = old {
-        // The pre-pass compared the page with this version: `mask` is exact.
         let mut out = Vec::with_capacity(budget.good_enough.min(PAGE) + 32);
-        let mut ok = runs::encode_masked(
-            old,
-            new,
-            pre.mask,
-            budget.run_gap,
-            budget.good_enough,
-            budget.regular_up_to,
-            &mut out,
-        )
-        .is_some();
-        if !ok && budget.run_gap > 0 && budget.regular_up_to > budget.good_enough {
-            // Joining runs across short gaps turns a field changed in every element of an
-            // array of 8-byte elements (2 bytes changed, 6 not) into one run over the whole
-            // page; maximal runs keep it regular. Only a regular patch that repeats itself
-            // is taken (a field set to one value in every element): below 128 bytes an
-            // irregular one would have been under `good_enough` with the gaps joined, and
-            // where the changed bytes differ from element to element the prefix path costs
-            // about the same (measured on PostgreSQL's line pointers, docs/BENCHMARKS.md).
-            // `out` was left empty by the failed scan and is reused.
-            ok = runs::encode_masked_repeating(
-                old,
-                new,
-                pre.mask,
-                128.min(budget.good_enough),
-                budget.regular_up_to,
-                &mut out,
-            )
-            .is_some();
-        }
-        let mut small =
-            ok.then_some((Base::Mirror(pfn), Body::Runs { unit: 1 }, Payload::Own(out)));
-        if small.is_none() && budget.word_runs {
-            small = runs_vs(Base::Mirror(pfn), old, new, 8, budget.good_enough);
-        }
-        if let Some(s) = small {
-            return (s, none);
+        if let Some(unit) = patch(old, new, pre.mask, budget, long, &mut out) {
+            return (
+                (Base::Mirror(pfn), Body::Runs { unit }, Payload::Own(out)),
+                none,
+            );
         }
     }
     if let Some(s) = identical(c, new, pre) {
@@ -403,6 +372,67 @@ pub fn tandem(
     (best, refs)
 }
 
+/// The run patch tandem sends for a held page (`mask`: its exactly changed 64-byte blocks)
+/// under `budget`, written to `out`: a small one, or with `long` (the epoch's trial chose
+/// them, trial.rs) one of up to [`crate::trial::LONG_PATCH`] bytes. Returns its unit (1 or
+/// 8), or `None` (`out` left empty) when the page takes the prefix path.
+pub fn patch(
+    old: &[u8],
+    new: &[u8],
+    mask: u64,
+    budget: &Budget,
+    long: bool,
+    out: &mut Vec<u8>,
+) -> Option<u8> {
+    let limit = if long {
+        crate::trial::LONG_PATCH.max(budget.good_enough)
+    } else {
+        budget.good_enough
+    };
+    let gapped = runs::encode_masked(
+        old,
+        new,
+        mask,
+        budget.run_gap,
+        limit,
+        budget.regular_up_to,
+        out,
+    );
+    if gapped.is_some() {
+        return Some(1);
+    }
+    if budget.run_gap > 0 && long {
+        // Runs joined across short gaps may cover the page where maximal runs still fit.
+        if runs::encode_masked(old, new, mask, 0, limit, limit, out).is_some() {
+            return Some(1);
+        }
+    } else if budget.run_gap > 0 && budget.regular_up_to > budget.good_enough {
+        // Joining runs across short gaps turns a field changed in every element of an array
+        // of 8-byte elements (2 bytes changed, 6 not) into one run over the whole page;
+        // maximal runs keep it regular. Only a regular patch that repeats itself is taken (a
+        // field set to one value in every element): below 128 bytes an irregular one would
+        // have been under `good_enough` with the gaps joined, and where the changed bytes
+        // differ from element to element the prefix path costs about the same (measured on
+        // PostgreSQL's line pointers, docs/BENCHMARKS.md). `out` was left empty by the failed
+        // scan and is reused.
+        let repeating = runs::encode_masked_repeating(
+            old,
+            new,
+            mask,
+            128.min(budget.good_enough),
+            budget.regular_up_to,
+            out,
+        );
+        if repeating.is_some() {
+            return Some(1);
+        }
+    }
+    if budget.word_runs && runs::encode(old, new, 8, limit, out).is_some() {
+        return Some(8);
+    }
+    None
+}
+
 /// CPU budget knobs of the tandem strategy.
 #[derive(Debug, Clone, Copy)]
 pub struct Budget {
@@ -426,6 +456,10 @@ pub struct Budget {
     /// ... and with a held page of which at least this many 64-byte blocks changed (above 64:
     /// none; the encoder also skips them at negative zstd levels, see `Encoder::set_level`).
     pub held_anchors: usize,
+    /// Before coding an epoch, measure on a sample of its pages whether run patches of any
+    /// length or the prefix path send fewer bytes for held pages of which much changed, and
+    /// take the winner for the epoch (trial.rs); off: always the prefix path.
+    pub trial: bool,
     /// Without a prefix reference: look for similar held pages (DE 2,1 index) ...
     pub similarity: bool,
     /// ... when the page codes into more than this many bytes.
@@ -453,6 +487,7 @@ impl Default for Budget {
             prefix: true,
             anchors: true,
             held_anchors: 16,
+            trial: true,
             similarity: false,
             similar_above: 512,
             blocks: true,

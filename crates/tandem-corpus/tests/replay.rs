@@ -9,11 +9,13 @@ fn epoch_decode() {
 
 #[test]
 fn epoch_roundtrip() {
-    replay_corpus(
-        "epoch_roundtrip",
-        5,
-        tandem_codec::fuzz::roundtrip_structured,
-    );
+    // The trial's long run patches must be among what the corpus exercises.
+    let long = std::cell::Cell::new(0);
+    replay_corpus("epoch_roundtrip", 5, |d| {
+        tandem_codec::fuzz::roundtrip_structured(d);
+        long.set(long.get() + tandem_codec::fuzz::roundtrip_trial(d) as usize);
+    });
+    assert!(long.get() > 0, "no seed takes long run patches");
 }
 
 #[test]

@@ -1,0 +1,236 @@
+//! tandem's per-epoch choice, by measurement, of how a held page of which much changed is sent.
+//!
+//! tandem sends a held page as a run patch against its previous version when the patch is
+//! small (`Budget::good_enough`). A larger change has two ways, and which one is smaller depends
+//! on the workload and its phase, not on the page alone:
+//!
+//! - the **prefix path**: the changed 64-byte blocks raw, with the page's previous version in
+//!   the record's reference prefix (prefix.rs); zstd finds the new bytes in the old ones,
+//!   shifted or not. It wins where content moves (a B-tree split, a compiler's buffers): on
+//!   `sqlite` it sends 0.36× what run patches of the same pages do;
+//! - **long run patches**, up to three quarters of a page ([`LONG_PATCH`]): headers and
+//!   literals apart (split.rs), compressed by the same zstd pass. They win where many small
+//!   fields change in place, each a few bytes apart (a garbage collector's mark bits,
+//!   reference counts), where zstd's shortest match (6 bytes at level 1) does not fit between
+//!   the changed bytes.
+//!
+//! Before its pages are coded, the encoder tries both ways on a sample of this epoch's
+//! candidates (held pages with more changed blocks than a small patch can cover), taken as
+//! runs of consecutive candidates spread over the epoch: the sampled pages without a small
+//! patch but with a long one are compressed both ways at the record's level, the prefix
+//! way with their previous versions as the prefix. Run patches are taken for the whole epoch
+//! when they measure clearly smaller ([`RUNS_WIN_BY`]); an epoch with too few such pages to
+//! measure ([`MIN_DECIDING`]) keeps the previous epoch's choice. The trial is sequential and
+//! reads only the epoch's input, so the record does not depend on the thread count.
+
+use crate::format::PAGE;
+use crate::runs;
+use crate::state::PrevStore;
+use crate::strategies::{Budget, Pre};
+
+/// The largest long run patch. A longer one is mostly literal bytes, which the prefix path
+/// sends as raw blocks too while it can still find them in old content; and a run joined
+/// across gaps over a whole page (two bytes changed in every 8-byte element) fails here and
+/// is tried again with maximal runs, which keep it regular.
+pub const LONG_PATCH: usize = 3 * PAGE / 4;
+/// Most pages compressed both ways per epoch. A trial of 32 costs about 0.55 ms per epoch on
+/// `compile` (11 % of its encoding time), one of 64 about 1.05 ms (20 %).
+pub const SAMPLE: usize = 32;
+/// Run patches are taken when they measure below this fraction of the prefix path
+/// (numerator, denominator). The sample sees only part of what the prefix path finds in the
+/// whole record (content that moved in from pages outside the sample): on the tuned half's
+/// `sqlite`, epochs where the sample measured the two ways within 1 % sent 2.7–2.8× the
+/// bytes as run patches. Chosen on the tuned half only (docs/CODEC.md).
+pub const RUNS_WIN_BY: (usize, usize) = (3, 4);
+/// Consecutive candidates per piece of the sample (`SAMPLE / CHUNK` pieces at most).
+pub const CHUNK: usize = 8;
+/// Fewest sampled pages whose way differs before an epoch's trial decides.
+pub const MIN_DECIDING: usize = 8;
+
+/// What an epoch's trial measured.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Trial {
+    /// Sampled pages that go different ways: no small patch (`strategies::patch`), but a
+    /// long one.
+    pub pages: usize,
+    /// Their bytes compressed the prefix way.
+    pub prefix_bytes: usize,
+    /// ... and as run patches.
+    pub runs_bytes: usize,
+}
+
+impl Trial {
+    /// Whether long run patches won (`None`: too few pages to decide).
+    pub fn runs_win(&self) -> Option<bool> {
+        (self.pages >= MIN_DECIDING)
+            .then_some(self.runs_bytes * RUNS_WIN_BY.1 < self.prefix_bytes * RUNS_WIN_BY.0)
+    }
+}
+
+/// Measures both ways on a sample of the epoch's candidates (see the module documentation).
+pub fn measure(
+    prev: &PrevStore,
+    pfns: &[u64],
+    data: &[u8],
+    pre: &[Pre],
+    budget: &Budget,
+    level: i32,
+) -> std::io::Result<Trial> {
+    let page = |i: usize| &data[i * PAGE..(i + 1) * PAGE];
+    // A patch over fewer changed blocks than this stays under `good_enough` either way.
+    let min_blocks = (budget.good_enough / 64).max(1) as u32;
+    let candidates: Vec<usize> = (0..pfns.len())
+        .filter(|&i| {
+            let x = &pre[i];
+            !x.unchanged
+                && !x.zero
+                && x.dup_of.is_none()
+                && x.mask.count_ones() >= min_blocks
+                && prev.get(pfns[i]).is_some()
+        })
+        .collect();
+    let mut t = Trial::default();
+    if candidates.len() < MIN_DECIDING {
+        return Ok(t);
+    }
+    // Runs of CHUNK consecutive candidates, spread evenly: neighbouring pages often share
+    // content (an array across pages, a structure and its copy), which both ways exploit in
+    // the whole record and a sample of lone pages would hide.
+    let chunks = candidates.len().div_ceil(CHUNK);
+    let stride = chunks.div_ceil(SAMPLE / CHUNK);
+    let sample = candidates.chunks(CHUNK).step_by(stride).flatten().copied();
+    let (mut old, mut blocks, mut heads, mut lits, mut patch) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    for i in sample {
+        let (new, mask) = (page(i), pre[i].mask);
+        let Some(o) = prev.get(pfns[i]) else { continue };
+        patch.clear();
+        if crate::strategies::patch(o, new, mask, budget, false, &mut patch).is_some() {
+            continue; // a small patch either way
+        }
+        if crate::strategies::patch(o, new, mask, budget, true, &mut patch) != Some(1) {
+            continue; // the prefix path either way
+        }
+        t.pages += 1;
+        runs::split(&patch, &mut heads, &mut lits);
+        if budget.prefix {
+            old.extend_from_slice(o);
+        }
+        for b in (0..64).filter(|b| mask & (1 << b) != 0) {
+            blocks.extend_from_slice(&new[b * 64..(b + 1) * 64]);
+        }
+    }
+    if t.pages < MIN_DECIDING {
+        return Ok(t);
+    }
+    let mut out = Vec::new();
+    crate::prefix::compress_frame(&old, &blocks, level, &mut out)?;
+    t.prefix_bytes = out.len();
+    crate::prefix::compress_frame(&[], &lits, level, &mut out)?;
+    t.runs_bytes = out.len();
+    crate::prefix::compress_frame(&[], &heads, level, &mut out)?;
+    t.runs_bytes += out.len();
+    Ok(t)
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::format::PAGE;
+    use crate::{decode, test_bytes, Codec, Config, Encoder, Plan};
+
+    const PAGES: usize = 256;
+
+    /// Encodes epoch 1 (every page rewritten, so the store holds them all) and epoch 2 (each
+    /// page changed by `edit`), decodes both on a separate mirror and checks it; returns
+    /// epoch 2's stats.
+    fn run(edit: impl Fn(usize, &mut [u8])) -> crate::EncodeStats {
+        run_from(|_, _| {}, edit)
+    }
+
+    /// [`run`] with epoch 1's pages made by `first` from pseudo-random bytes.
+    fn run_from(
+        first: impl Fn(usize, &mut [u8]),
+        edit: impl Fn(usize, &mut [u8]),
+    ) -> crate::EncodeStats {
+        let base = vec![0u8; PAGES * PAGE];
+        let mut enc = Encoder::new(Codec::Tandem, &base, Config::default()).unwrap();
+        let (mut mirror, mut plan) = (base, Plan::default());
+        let pfns: Vec<u64> = (0..PAGES as u64).collect();
+        let mut data = test_bytes(7, PAGES * PAGE);
+        for (i, p) in data.chunks_exact_mut(PAGE).enumerate() {
+            first(i, p);
+        }
+        let mut stats = Default::default();
+        for epoch in 1..=2 {
+            if epoch == 2 {
+                for (i, p) in data.chunks_exact_mut(PAGE).enumerate() {
+                    edit(i, p);
+                }
+            }
+            let mut rec = Vec::new();
+            stats = enc.encode(epoch, &pfns, &data, &mut rec).unwrap();
+            decode(&rec, &mirror, &mut plan).unwrap();
+            plan.commit(&mut mirror);
+            assert_eq!(mirror, data, "epoch {epoch} round trip");
+        }
+        stats
+    }
+
+    /// A heap page: objects of 16 or 32 bytes, each an 8-byte header (type, mark byte, zero
+    /// padding, a reference count) and pointer-like words.
+    fn heap_page(i: usize, p: &mut [u8]) -> Vec<usize> {
+        let sizes = test_bytes(i as u64 + 99, 256);
+        let (mut at, mut heads) = (0, Vec::new());
+        for (k, s) in sizes.iter().enumerate() {
+            let len = 16 * (1 + *s as usize % 2);
+            if at + len > PAGE {
+                break;
+            }
+            p[at..at + len].fill(0);
+            p[at] = 1 + (k % 7) as u8;
+            for w in (at + 8..at + len).step_by(8) {
+                let v = 0x7f00_0000_0000u64 + ((i * 4096 + w) as u64 * 48) % (1 << 30);
+                p[w..w + 8].copy_from_slice(&v.to_le_bytes());
+            }
+            heads.push(at);
+            at += len;
+        }
+        heads
+    }
+
+    #[test]
+    fn scattered_small_changes_take_long_run_patches() {
+        // A collector's pass over every object: mark byte and reference count changed in
+        // each header of objects of varying sizes, all over each page (epoch 1 wrote the
+        // unmarked heap).
+        let base = |i: usize, p: &mut [u8]| {
+            heap_page(i, p);
+        };
+        let s = run_from(base, |i, p| {
+            for (k, h) in heap_page(i, &mut p.to_vec()).into_iter().enumerate() {
+                p[h + 1] = 1;
+                p[h + 4] = 2 + (k % 3) as u8;
+            }
+        });
+        assert!(s.trial.pages >= super::MIN_DECIDING, "{:?}", s.trial);
+        assert_eq!(s.trial.runs_win(), Some(true), "{:?}", s.trial);
+        assert_eq!(s.patch_limit, super::LONG_PATCH);
+    }
+
+    #[test]
+    fn shifted_content_keeps_the_prefix_path() {
+        // Half of each page moved by 5 bytes (an insertion in a sorted page): a run patch of
+        // about 2 KiB, which the prefix path finds in the previous version.
+        let s = run(|_, p| p.copy_within(2048..PAGE - 5, 2053));
+        assert!(s.trial.pages >= super::MIN_DECIDING, "{:?}", s.trial);
+        assert_eq!(s.trial.runs_win(), Some(false), "{:?}", s.trial);
+        assert_eq!(s.patch_limit, Config::default().budget.good_enough);
+    }
+
+    #[test]
+    fn an_epoch_without_large_changes_does_not_decide() {
+        let s = run(|_, p| p[100] ^= 1);
+        assert_eq!(s.trial.pages, 0);
+        assert_eq!(s.trial.runs_win(), None);
+    }
+}
