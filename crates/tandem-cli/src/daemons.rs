@@ -3,7 +3,7 @@
 
 use std::path::PathBuf;
 use std::time::Duration;
-use tandem_vm::schedule::AdaptiveConfig;
+use tandem_vm::schedule::{AdaptiveConfig, BudgetClock};
 
 use tandem_codec::Codec;
 use tandem_protect::backup::BackupConfig;
@@ -43,6 +43,11 @@ pub struct PrimaryArgs {
     /// of requests get short epochs); 0: no budget, only --run-per-pause bounds it.
     #[arg(long, default_value_t = 20.0, help_heading = "Checkpoint schedule")]
     pub time_budget_pct: f64,
+    /// With `--schedule adaptive`: what a pause costs the budget — `vcpu`: its length × the
+    /// share of the run before it that the guest's vCPUs were busy (pausing an idle guest
+    /// costs it little); `wall`: its whole length.
+    #[arg(long, default_value = "vcpu", help_heading = "Checkpoint schedule")]
+    pub time_budget_clock: BudgetClockArg,
     /// With `--schedule adaptive`: checkpoints in flight at most when output triggers the
     /// next (seed 002: 1, the next waits for the previous one's acknowledgement).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=8), help_heading = "Checkpoint schedule")]
@@ -371,6 +376,15 @@ pub fn stderr(who: &'static str) -> Status {
     })
 }
 
+/// `--time-budget-clock`.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BudgetClockArg {
+    /// The guest's vCPU time.
+    Vcpu,
+    /// Wall time.
+    Wall,
+}
+
 /// `--schedule`.
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ScheduleArg {
@@ -403,6 +417,10 @@ pub(crate) fn primary_with(
         s.stop_budget = (a.stop_budget_ms > 0).then(|| ms(a.stop_budget_ms));
         s.max_unacked = a.max_unacked;
         s.time_budget = (a.time_budget_pct > 0.0).then(|| (a.time_budget_pct / 100.0).min(1.0));
+        s.budget_clock = match a.time_budget_clock {
+            BudgetClockArg::Vcpu => BudgetClock::Vcpu,
+            BudgetClockArg::Wall => BudgetClock::Wall,
+        };
         s
     });
     cfg.fast_devstate = a.devstate == "xen-save";

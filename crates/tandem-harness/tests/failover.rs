@@ -141,11 +141,35 @@ fn primary_killed_backup_resumes_the_guest() {
         "released_frames",
         "disk_writes",
         "disk_bytes",
+        "lost_cpu_us",
     ] {
         assert!(
             first.get(k).is_some_and(|v| v.is_number()),
             "{k} missing in {first}"
         );
+    }
+    // The adaptive schedule (the default) read the real QEMU's vCPU threads: each epoch says
+    // how busy the guest was, and what its pause cost is that share of it.
+    let busy: Vec<(f64, u64, u64)> = lines
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter_map(|v| {
+            Some((
+                v.get("busy_pct")?.as_f64()?,
+                v.get("lost_cpu_us")?.as_u64()?,
+                v.get("pause_us")?.as_u64()? + v.get("suspended_us")?.as_u64()?,
+            ))
+        })
+        .collect();
+    assert!(
+        busy.len() * 2 >= lines.lines().count(),
+        "most epochs measured the guest's vCPU time: {} of {}",
+        busy.len(),
+        lines.lines().count()
+    );
+    for &(pct, lost, paused) in &busy {
+        assert!((0.0..=100.0).contains(&pct), "busy {pct} %");
+        assert!(lost <= paused, "charged {lost} µs for {paused} µs paused");
     }
     assert!(
         sample("tandem_role{vm=\"1\",", ",role=\"primary\"} 1"),

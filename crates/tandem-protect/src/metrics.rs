@@ -30,6 +30,12 @@ pub struct EpochMetrics {
     /// The guest was stopped this long before the pause (early suspend: output waited and
     /// the dirty set reached the stop threshold).
     pub suspended_us: u64,
+    /// The share of the epoch's run the guest's vCPUs were busy, in percent (`None`:
+    /// unknown: a fixed schedule, or QEMU or the kernel cannot tell).
+    pub busy_pct: Option<f64>,
+    /// The vCPU time the guest lost to this epoch's pause and suspension: their length ×
+    /// the busy share (their whole length when it is unknown).
+    pub lost_cpu_us: u64,
     /// Pages written in the epoch.
     pub dirty_pages: u64,
     /// Bytes before encoding.
@@ -165,6 +171,7 @@ struct State {
     encode_us: u64,
     transfer_us: u64,
     suspended_us: u64,
+    lost_cpu_us: u64,
     disk_writes: u64,
     disk_bytes: u64,
     released: u64,
@@ -197,6 +204,7 @@ impl Default for State {
             encode_us: 0,
             transfer_us: 0,
             suspended_us: 0,
+            lost_cpu_us: 0,
             disk_writes: 0,
             disk_bytes: 0,
             released: 0,
@@ -257,6 +265,7 @@ impl Registry {
         s.encode_us += m.encode_us;
         s.transfer_us += m.transfer_us;
         s.suspended_us += m.suspended_us;
+        s.lost_cpu_us += m.lost_cpu_us;
         s.disk_writes += m.disk_writes;
         s.disk_bytes += m.disk_bytes;
         s.pause.observe(m.pause_us as f64 / 1e6);
@@ -391,6 +400,8 @@ impl Registry {
                 "Time spent writing epochs to the link."),
             ("tandem_suspended_seconds_total", c, secs(s.suspended_us),
                 "Guest time lost to early suspend (output waited, dirty set at the stop threshold)."),
+            ("tandem_guest_cpu_lost_seconds_total", c, secs(s.lost_cpu_us),
+                "vCPU time the guest lost to pauses and early suspends (what the guest-time budget counts)."),
             ("tandem_disk_writes_total", c, s.disk_writes.to_string(),
                 "Guest disk writes shipped with epochs."),
             ("tandem_disk_bytes_total", c, s.disk_bytes.to_string(),

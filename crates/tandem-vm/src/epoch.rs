@@ -43,6 +43,12 @@ pub trait Guest {
         None
     }
 
+    /// Each of the guest's vCPUs' run time so far, into `out` (false: this guest cannot
+    /// tell). Between two readings, a vCPU's share of the wall time is how busy it was.
+    fn cpu_times(&mut self, _out: &mut Vec<Duration>) -> bool {
+        false
+    }
+
     /// Stops the guest ahead of its next pause (seed 002's early suspend); the next
     /// [`Guest::pause`] then skips its stop. `Ok(false)`: this guest cannot be suspended and
     /// runs on.
@@ -66,6 +72,9 @@ pub struct Checkpoint<'a> {
     pub timing: PauseTiming,
     /// How long the guest was suspended before the pause (early suspend), on top of it.
     pub suspended: Duration,
+    /// The share of the epoch's run (up to the pause or suspension) that the guest's vCPUs
+    /// were busy; `None` when the guest cannot tell or the schedule does not poll.
+    pub busy: Option<f64>,
     /// Dirty page numbers, ascending.
     pub pfns: &'a [u64],
     /// Their contents, one page per entry of `pfns`.
@@ -113,6 +122,9 @@ pub fn run_pipeline(
     let mut epoch = first.saturating_sub(1);
     let mut resumed = start;
     let mut sampled = start;
+    // The vCPUs' run time when the guest resumed: only a polling schedule uses it.
+    let (mut cpu_resumed, mut cpu_now) = (Vec::new(), Vec::new());
+    let mut cpu = schedule.polls() && guest.cpu_times(&mut cpu_resumed);
     while start.elapsed() < duration && !guest.finished() {
         let mut suspended_at = None;
         loop {
@@ -125,6 +137,11 @@ pub fn run_pipeline(
                 break;
             }
             let mut pending = sink.pending();
+            if pending.output_frames > 0 && suspended_at.is_none() {
+                pending.busy = cpu
+                    .then(|| busy_since(guest, &cpu_resumed, &mut cpu_now, now - resumed))
+                    .flatten();
+            }
             if let Some(every) = schedule.dirty_sample(&pending) {
                 if now - sampled.max(resumed) >= every {
                     sampled = now;
@@ -144,6 +161,11 @@ pub fn run_pipeline(
             std::thread::sleep((next - now).min(POLL));
         }
         let suspended = suspended_at.map_or(Duration::ZERO, |t| t.elapsed());
+        let ran = suspended_at.unwrap_or_else(Instant::now) - resumed;
+        let busy = cpu
+            .then(|| busy_since(guest, &cpu_resumed, &mut cpu_now, ran))
+            .flatten();
+        schedule.ran_busy(busy);
         let this = epoch + 1;
         let timing = guest.pause(
             &mut pfns,
@@ -155,12 +177,14 @@ pub fn run_pipeline(
         epoch = this;
         // The next epoch starts when the guest resumed.
         resumed = Instant::now();
+        cpu = cpu && guest.cpu_times(&mut cpu_resumed);
         next = resumed + schedule.next_interval(pfns.len(), &timing);
         let cp = Checkpoint {
             epoch,
             at: start.elapsed(),
             timing,
             suspended,
+            busy,
             pfns: &pfns,
             pages: &pages,
             device_state: &dev,
@@ -170,6 +194,18 @@ pub fn run_pipeline(
         }
     }
     Ok(epoch)
+}
+
+/// The share of `ran` the guest's busiest vCPU ran since they read `cpu_resumed`.
+fn busy_since(
+    guest: &mut dyn Guest,
+    cpu_resumed: &[Duration],
+    now: &mut Vec<Duration>,
+    ran: Duration,
+) -> Option<f64> {
+    guest
+        .cpu_times(now)
+        .then(|| crate::vcpu::busy_share(cpu_resumed, now, ran))
 }
 
 /// [`run_pipeline`] from epoch 1 with a closure as the sink; returns the number of epochs.

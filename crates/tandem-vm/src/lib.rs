@@ -18,6 +18,7 @@ pub mod qmp;
 pub mod ram;
 pub mod schedule;
 pub mod stale;
+pub mod vcpu;
 pub mod vm;
 
 pub use desc::{Boot, DiskBus, DiskDesc, DiskFormat, NicDesc, NicNet, PciAddr};

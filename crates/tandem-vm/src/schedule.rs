@@ -14,7 +14,7 @@ use std::time::Duration;
 use crate::vm::PauseTiming;
 
 /// What waits on the next checkpoint, as the epoch's sink sees it between checkpoints.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct Pending {
     /// Guest network frames held since the last checkpoint (released only after the next
     /// checkpoint is acknowledged).
@@ -30,6 +30,9 @@ pub struct Pending {
     /// apply and acknowledgement), as measured over the last checkpoints; `None` before a
     /// measurement (or for a sink that holds no output).
     pub ship_pages_per_s: Option<u64>,
+    /// The share of the time since the guest resumed that its vCPUs ran (set while output
+    /// is held, for a guest that can tell): what a pause now would take from it.
+    pub busy: Option<f64>,
 }
 
 /// What the guest does next, as [`Schedule::early`] decides while it runs.
@@ -68,6 +71,10 @@ pub trait Schedule {
     fn early(&mut self, _ran: Duration, _pending: &Pending) -> Cut {
         Cut::Run
     }
+
+    /// Called as the epoch's run ends, before its pause: the share of the run its vCPUs
+    /// were busy (`None`: unknown).
+    fn ran_busy(&mut self, _share: Option<f64>) {}
 }
 
 /// A fixed epoch length (Remus style).
@@ -134,6 +141,21 @@ pub struct AdaptiveConfig {
     /// within it pays for bursts of short epochs.
     #[serde(with = "humantime_serde")]
     pub budget_window: Duration,
+    /// What a pause costs the budget (default: the guest's vCPU time).
+    pub budget_clock: BudgetClock,
+}
+
+/// What the guest-time budget charges a pause or suspension by.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum BudgetClock {
+    /// The vCPU time the guest loses: a pause costs its length × the share of the run before
+    /// it that the guest's vCPUs were busy ([`Pending::busy`]), so pausing an idle guest costs
+    /// it little and a busy one the whole pause. A guest that cannot tell is charged wall time.
+    #[default]
+    Vcpu,
+    /// Wall time: every pause costs its whole length, however idle the guest was.
+    Wall,
 }
 
 impl Default for AdaptiveConfig {
@@ -152,6 +174,7 @@ impl Default for AdaptiveConfig {
             stop_floor: 256,
             time_budget: Some(0.2),
             budget_window: Duration::from_secs(1),
+            budget_clock: BudgetClock::Vcpu,
         }
     }
 }
@@ -188,6 +211,10 @@ pub struct Adaptive {
     /// How long the guest had run at the last call of `early`, and since when it is suspended.
     ran: Duration,
     suspended_at: Option<Duration>,
+    /// The guest's busy share in this epoch's run: as of the last call of `early`, and as
+    /// the run ended ([`Schedule::ran_busy`]).
+    busy_now: Option<f64>,
+    busy_run: Option<f64>,
 }
 
 /// The guest-time budget as a token bucket: every second that passes earns `budget` seconds
@@ -207,17 +234,19 @@ impl Budget {
         }
     }
 
-    /// An epoch ended: `total` passed, of which `lost` was paused or suspended.
+    /// An epoch ended: `total` passed, and its pause and suspension cost `lost` (by the
+    /// budget's clock).
     fn push(&mut self, lost: Duration, total: Duration, budget: f64, window: Duration) {
         let earned = budget * total.as_secs_f64() - lost.as_secs_f64();
         self.credit = (self.credit + earned).min(budget * window.as_secs_f64());
     }
 
-    /// The shortest run of the current epoch after which a pause of `pause` leaves the credit
-    /// at zero or more: credit + budget × (run + pause) − pause >= 0.
-    fn min_run(&self, pause: Duration, budget: f64) -> Duration {
+    /// The shortest run of the current epoch after which a pause of `pause` that costs
+    /// `charge` leaves the credit at zero or more: credit + budget × (run + pause) − charge
+    /// >= 0.
+    fn min_run(&self, pause: Duration, charge: Duration, budget: f64) -> Duration {
         let b = budget.clamp(0.01, 1.0);
-        let need = (pause.as_secs_f64() * (1.0 - b) - self.credit) / b;
+        let need = (charge.as_secs_f64() - b * pause.as_secs_f64() - self.credit) / b;
         Duration::from_secs_f64(need.max(0.0))
     }
 }
@@ -249,6 +278,16 @@ impl Adaptive {
             last_pause: Duration::ZERO,
             ran: Duration::ZERO,
             suspended_at: None,
+            busy_now: None,
+            busy_run: None,
+        }
+    }
+
+    /// What `time` paused or suspended costs the budget, with the guest `busy` that share.
+    fn charge(&self, time: Duration, busy: Option<f64>) -> Duration {
+        match (self.cfg.budget_clock, busy) {
+            (BudgetClock::Vcpu, Some(share)) => time.mul_f64(share.clamp(0.0, 1.0)),
+            _ => time,
         }
     }
 
@@ -259,9 +298,10 @@ impl Adaptive {
 
     /// Whether an optional cut (output, convergence, suspend) at `ran` fits the budget.
     fn within_budget(&self, ran: Duration) -> bool {
+        let charge = self.charge(self.last_pause, self.busy_now);
         self.cfg
             .time_budget
-            .is_none_or(|b| ran >= self.budget.min_run(self.last_pause, b))
+            .is_none_or(|b| ran >= self.budget.min_run(self.last_pause, charge, b))
     }
 
     /// Whether output waits on a checkpoint that cannot start yet (the previous ones are
@@ -277,12 +317,13 @@ impl Schedule for Adaptive {
         let suspended = self.suspended_at.map_or(Duration::ZERO, |at| self.ran - at);
         if let Some(b) = self.cfg.time_budget {
             self.budget.push(
-                pause + suspended,
+                self.charge(pause + suspended, self.busy_run),
                 self.ran + pause,
                 b,
                 self.cfg.budget_window,
             );
         }
+        (self.busy_now, self.busy_run) = (None, None);
         self.last_pause = pause;
         self.ran = Duration::ZERO;
         self.suspended_at = None;
@@ -313,8 +354,15 @@ impl Schedule for Adaptive {
         }
     }
 
+    fn ran_busy(&mut self, share: Option<f64>) {
+        self.busy_run = share;
+    }
+
     fn early(&mut self, ran: Duration, p: &Pending) -> Cut {
         self.ran = ran;
+        if !self.suspended && p.busy.is_some() {
+            self.busy_now = p.busy;
+        }
         if ran < self.min_run_now {
             return Cut::Run;
         }
@@ -460,6 +508,47 @@ mod tests {
         assert_eq!(s.early(ms(4), &disk), Cut::Checkpoint);
     }
 
+    /// The run an output-bound guest settles at with 4 ms pauses, its vCPUs `busy` that
+    /// share of each run, under `clock`.
+    fn steady_run(clock: BudgetClock, busy: Option<f64>) -> u64 {
+        let mut s = Adaptive::new(AdaptiveConfig {
+            budget_clock: clock,
+            ..AdaptiveConfig::default()
+        });
+        let out = Pending {
+            output_frames: 1,
+            busy,
+            ..Default::default()
+        };
+        s.next_interval(0, &pause(4));
+        let mut ran = 0;
+        // Two seconds of epochs spend the saved credit; the last run is the steady one.
+        for _ in 0..500 {
+            ran = 0;
+            while s.early(ms(ran), &out) == Cut::Run {
+                ran += 1;
+                assert!(ran < 100, "output never cuts: {:?}", s.budget);
+            }
+            s.ran_busy(busy);
+            s.next_interval(0, &pause(4));
+        }
+        ran
+    }
+
+    #[test]
+    fn the_budget_charges_pauses_by_how_busy_the_guest_was() {
+        // Busy throughout, or unknown: each 4 ms pause costs 4 ms, so 16 ms runs at 20 %.
+        assert!((15..=17).contains(&steady_run(BudgetClock::Vcpu, Some(1.0))));
+        assert!((15..=17).contains(&steady_run(BudgetClock::Vcpu, None)));
+        // A guest busy a quarter of the time loses 1 ms of vCPU time per pause: the budget
+        // would allow 1 ms runs, and the guest's half of the time (run ≥ pause) holds.
+        assert_eq!(steady_run(BudgetClock::Vcpu, Some(0.25)), 4);
+        // Half busy: 2 ms per pause needs 6 ms of run at 20 %.
+        assert!((5..=7).contains(&steady_run(BudgetClock::Vcpu, Some(0.5))));
+        // The wall clock charges the whole pause, however idle the guest.
+        assert!((15..=17).contains(&steady_run(BudgetClock::Wall, Some(0.25))));
+    }
+
     #[test]
     fn suspended_time_counts_against_the_budget() {
         let w = Duration::from_secs(1);
@@ -472,8 +561,12 @@ mod tests {
         b.push(ms(300), ms(400), 0.2, w);
         assert!((b.credit + 0.02).abs() < 1e-9, "{}", b.credit);
         // A 10 ms pause now needs (0.008 + 0.02) / 0.2 = 140 ms of run.
-        let need = b.min_run(ms(10), 0.2);
+        let need = b.min_run(ms(10), ms(10), 0.2);
         assert!((need.as_secs_f64() - 0.14).abs() < 1e-6, "{need:?}");
+        // The same pause of a guest busy a fifth of the time costs 2 ms: (0.002 - 0.002 +
+        // 0.02) / 0.2 = 100 ms.
+        let need = b.min_run(ms(10), ms(2), 0.2);
+        assert!((need.as_secs_f64() - 0.1).abs() < 1e-6, "{need:?}");
         let mut s = Adaptive::new(AdaptiveConfig::default());
         s.next_interval(0, &pause(0));
         assert_eq!(s.early(ms(10), &blocked(Some(5000))), Cut::Suspend);

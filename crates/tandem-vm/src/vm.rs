@@ -143,6 +143,9 @@ pub struct Vm {
     lazy: Option<LazyRam>,
     /// Dropped with the VM: helpers that follow it ([`Vm::lifetime`]) end then.
     life: Arc<()>,
+    /// The vCPU threads' clock, looked up on first use (`Some(None)`: QEMU or the kernel
+    /// cannot tell).
+    pub(crate) vcpu_clock: Option<Option<crate::vcpu::VcpuClock>>,
 }
 
 /// A standby's guest RAM registered for userfaultfd missing faults.
@@ -318,6 +321,7 @@ impl Vm {
             devstate,
             last_devstate: None,
             suspended: false,
+            vcpu_clock: None,
             lazy: None,
             life: Arc::new(()),
         };

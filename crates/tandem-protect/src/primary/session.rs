@@ -325,6 +325,7 @@ impl Daemon<'_> {
             at: Duration::ZERO,
             timing,
             suspended: Duration::ZERO,
+            busy: None,
             pfns: &pfns,
             pages: &pages,
             device_state: &dev,

@@ -147,6 +147,17 @@ impl crate::epoch::Guest for Vm {
         self.dirty.as_mut()?.count()?.ok()
     }
 
+    fn cpu_times(&mut self, out: &mut Vec<std::time::Duration>) -> bool {
+        if self.vcpu_clock.is_none() {
+            let pid = self.pid();
+            self.vcpu_clock = Some(crate::vcpu::VcpuClock::new(&mut self.qmp, pid));
+        }
+        self.vcpu_clock
+            .as_ref()
+            .and_then(|c| c.as_ref()?.read(out))
+            .is_some()
+    }
+
     fn initial_copy(&mut self, boundary: &mut dyn FnMut()) -> Result<Vec<u8>, VmError> {
         let r = (|| {
             self.stop()?;
