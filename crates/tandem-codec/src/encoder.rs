@@ -28,6 +28,9 @@ pub struct EncodeStats {
     /// tandem: the largest run patch taken this epoch (the trial's choice: `good_enough`, or
     /// `trial::LONG_PATCH` when long run patches won); 0 for the other codecs.
     pub patch_limit: usize,
+    /// tandem: whether this epoch took long run patches (the trial's choice), not the
+    /// prefix path.
+    pub long_patches: bool,
     /// Microseconds spent in: pre-pass, reference resolution, page encoding, serialisation and
     /// record compression, state update. With a worker pool and an epoch large enough for it,
     /// the state update runs beside the record's compression: the fourth is then the wall
@@ -354,6 +357,7 @@ impl Encoder {
             level: self.level,
             trial,
             patch_limit: self.patch_limit(),
+            long_patches: self.codec.strategy() == Codec::Tandem && self.long_patches,
             phase_us: phase,
         })
     }

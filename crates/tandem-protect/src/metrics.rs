@@ -46,6 +46,9 @@ pub struct EpochMetrics {
     pub encode_us: u64,
     /// zstd level the memory record was encoded at.
     pub level: i32,
+    /// Whether the memory record took long run patches (the codec's per-epoch trial chose
+    /// them over the prefix path; docs/CODEC.md).
+    pub long_patches: bool,
     /// Time to write the frame to the link.
     pub transfer_us: u64,
     /// From handing the epoch to the link to the backup's acknowledgement.
@@ -172,6 +175,7 @@ struct State {
     transfer_us: u64,
     suspended_us: u64,
     lost_cpu_us: u64,
+    long_patch_epochs: u64,
     disk_writes: u64,
     disk_bytes: u64,
     released: u64,
@@ -205,6 +209,7 @@ impl Default for State {
             transfer_us: 0,
             suspended_us: 0,
             lost_cpu_us: 0,
+            long_patch_epochs: 0,
             disk_writes: 0,
             disk_bytes: 0,
             released: 0,
@@ -266,6 +271,7 @@ impl Registry {
         s.transfer_us += m.transfer_us;
         s.suspended_us += m.suspended_us;
         s.lost_cpu_us += m.lost_cpu_us;
+        s.long_patch_epochs += u64::from(m.long_patches);
         s.disk_writes += m.disk_writes;
         s.disk_bytes += m.disk_bytes;
         s.pause.observe(m.pause_us as f64 / 1e6);
@@ -400,6 +406,8 @@ impl Registry {
                 "Time spent writing epochs to the link."),
             ("tandem_suspended_seconds_total", c, secs(s.suspended_us),
                 "Guest time lost to early suspend (output waited, dirty set at the stop threshold)."),
+            ("tandem_long_patch_epochs_total", c, s.long_patch_epochs.to_string(),
+                "Epochs whose memory record took long run patches (the codec's per-epoch trial)."),
             ("tandem_guest_cpu_lost_seconds_total", c, secs(s.lost_cpu_us),
                 "vCPU time the guest lost to pauses and early suspends (what the guest-time budget counts)."),
             ("tandem_disk_writes_total", c, s.disk_writes.to_string(),

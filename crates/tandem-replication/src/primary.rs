@@ -238,6 +238,8 @@ pub struct EpochSizes {
     pub disk_bytes: u64,
     /// The zstd level the memory record was encoded at.
     pub level: i32,
+    /// Whether the memory record took long run patches (the codec's per-epoch trial).
+    pub long_patches: bool,
 }
 
 /// The primary's protocol state: VM id, codec, the encoder's reference state and the
@@ -424,7 +426,7 @@ impl Primary {
             let data = &e.pages[pages.start * PAGE..pages.end * PAGE];
             let whole = last.then_some(e);
             let result = self.part_payload(e.seq, i as u32, pfns, data, disk.as_deref(), whole);
-            let (payload, level) = match result {
+            let (payload, level, long) = match result {
                 Ok(p) => p,
                 Err(err) => {
                     // The encoder's state may be past this epoch (EncodeError::Diverged, or
@@ -436,6 +438,7 @@ impl Primary {
             };
             sizes.sent += (payload.len() + HEADER_LEN) as u64;
             sizes.level = level;
+            sizes.long_patches |= long;
             if last {
                 return Ok((self.frame(Kind::Epoch, e.seq, payload), sizes));
             }
@@ -457,7 +460,7 @@ impl Primary {
         data: &[u8],
         disk: Option<&[(u64, Vec<u8>)]>,
         whole: Option<&EpochInput<'_>>,
-    ) -> Result<(Vec<u8>, i32), PrimaryError> {
+    ) -> Result<(Vec<u8>, i32, bool), PrimaryError> {
         let enc = self.enc.as_mut().ok_or(PrimaryError::NoSession)?;
         self.rec.clear();
         let stats = enc.encode(seq, pfns, data, &mut self.rec)?;
@@ -482,7 +485,7 @@ impl Primary {
                 bytes: payload.len(),
             });
         }
-        Ok((payload, stats.level))
+        Ok((payload, stats.level, stats.long_patches))
     }
 
     /// A heartbeat carrying `progress` (epochs completed by the primary's loop).

@@ -210,6 +210,7 @@ impl Step<'_> {
             sent_bytes: sizes.sent,
             encode_us: t.elapsed().as_micros() as u64,
             level: sizes.level,
+            long_patches: sizes.long_patches,
             held_frames: held.held_frames,
             held_bytes: held.held_bytes,
             disk_writes: sizes.disk_writes,
