@@ -100,10 +100,12 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         {
             n += 1;
             // `adaptive-nostop`: the adaptive schedule without its stop threshold;
-            // `adaptive-nobudget`: without its guest-time budget.
+            // `adaptive-nobudget`: without its guest-time budget; `adaptive-wall`: with the
+            // budget charging pauses in wall time rather than the guest's vCPU time.
             let (sched, stop, budget) = match schedule.as_str() {
                 "adaptive-nostop" => ("adaptive", Some(0), None),
                 "adaptive-nobudget" => ("adaptive", a.stop_budget_ms, Some(0.0)),
+                "adaptive-wall" => ("adaptive", a.stop_budget_ms, None),
                 s => (s, a.stop_budget_ms, None),
             };
             let o = Opts {
@@ -117,7 +119,12 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
                 stop_budget_ms: stop,
                 time_budget_pct: budget,
                 precopy_rounds: pre,
-                primary_args: a.primary_arg.clone(),
+                primary_args: a
+                    .primary_arg
+                    .iter()
+                    .cloned()
+                    .chain((schedule == "adaptive-wall").then(|| "--time-budget-clock=wall".into()))
+                    .collect(),
                 devstate: devstate.clone(),
                 conns,
                 batch,
@@ -155,7 +162,13 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
 }
 
 /// The primary schedules `--schedules` takes.
-const SCHEDULES: &[&str] = &["fixed", "adaptive", "adaptive-nostop", "adaptive-nobudget"];
+const SCHEDULES: &[&str] = &[
+    "fixed",
+    "adaptive",
+    "adaptive-nostop",
+    "adaptive-nobudget",
+    "adaptive-wall",
+];
 
 /// The kv client axis as (connections, requests in flight each): `latency` is
 /// `--latency-conns` connections with one request in flight, `pipelined` is `--conns` ×
@@ -198,7 +211,7 @@ fn line(r: &RoundResult) -> String {
         )
     };
     format!(
-        "{:<8} {:>15} {:>3} ms {:>6}{}{} | {thr}{lat} | link {:.2} MiB vs Remus {:.1} MiB ({:.3}x, zstd level {}..{} median {}) | pause p50 {:.1} ms p99 {:.1} ms ({:.0} % of the time{}; p50 stop/harvest/copy/devstate/cont {}) | encoder {:.0} % of a core | first epoch {} pages, pause {:.1} ms{}{} | daemons' memory peak primary {:.0} MiB backup {:.0} MiB | failover {:.0} ms after kill ({:.0} detection + {:.1} resume)",
+        "{:<8} {:>15} {:>3} ms {:>6}{}{} | {thr}{lat} | link {:.2} MiB vs Remus {:.1} MiB ({:.3}x, zstd level {}..{} median {}) | pause p50 {:.1} ms p99 {:.1} ms ({:.0} % of the time{}, vCPU time lost {:.0} %; p50 stop/harvest/copy/devstate/cont {}) | ack p50 {:.1} ms | encoder {:.0} % of a core | first epoch {} pages, pause {:.1} ms{}{} | daemons' memory peak primary {:.0} MiB backup {:.0} MiB | failover {:.0} ms after kill ({:.0} detection + {:.1} resume)",
         r.workload,
         r.schedule,
         r.epoch_ms,
@@ -223,11 +236,13 @@ fn line(r: &RoundResult) -> String {
         } else {
             String::new()
         },
+        100.0 * r.cpu_lost_share,
         r.pause_components_ms_p50
             .iter()
             .map(|c| format!("{c:.2}"))
             .collect::<Vec<_>>()
             .join("/"),
+        r.ack_ms_p50,
         100.0 * r.encoder_core_share,
         r.first_epoch_pages,
         r.first_epoch_pause_ms,

@@ -43,6 +43,10 @@ pub struct DebianRound {
     pub sent_mib: f64,
     pub pause_ms_p50: f64,
     pub pause_ms_p99: f64,
+    /// Shares of the time from protection to the kill that the guest spent paused or
+    /// suspended, and of the vCPU time it lost to them (what the guest-time budget counts).
+    pub paused_share: f64,
+    pub cpu_lost_share: f64,
     /// Commits per second acknowledged while replicated, and on the backup after failover
     /// (unprotected: the same VM's native rate in the same round).
     pub commits_per_s_replicated: f64,
@@ -115,6 +119,8 @@ pub struct DebianOpts<'a> {
     pub epoch_ms: u64,
     /// The primary's `--schedule`.
     pub schedule: String,
+    /// More flags for the primary (`--primary-arg`).
+    pub primary_args: Vec<String>,
     pub timeout_ms: u64,
     pub codec: String,
     pub before: Duration,
@@ -256,6 +262,7 @@ pub fn round(r: usize, o: &DebianOpts<'_>, pb: &ProgressBar) -> anyhow::Result<D
     pargs.extend(["--schedule".into(), o.schedule.clone()]);
     pargs.extend(["--metrics-jsonl".into(), jsonl.display().to_string()]);
     daemon_args(o, r, &desc, &mut pargs);
+    pargs.extend(o.primary_args.iter().cloned());
     pb.set_message(if o.adopt {
         format!("round {r}: tandem adopt: live migration into tandem's QEMU while psql commits")
     } else {
@@ -299,6 +306,7 @@ pub fn round(r: usize, o: &DebianOpts<'_>, pb: &ProgressBar) -> anyhow::Result<D
         ep.poll(&jsonl);
     }
     let protect_s = t.elapsed().as_secs_f64();
+    let protected_at = Instant::now();
     let (pgbench_during_adoption, early) = match by_hand {
         Some(b) => {
             let (pgbench, clients) = b.finish()?;
@@ -358,6 +366,7 @@ pub fn round(r: usize, o: &DebianOpts<'_>, pb: &ProgressBar) -> anyhow::Result<D
     }
     let commits_at_kill = committer.count();
     let kill_after_s = started.elapsed().as_secs_f64();
+    let replicated_s = protected_at.elapsed().as_secs_f64();
     pb.set_message(format!("round {r}: killing the primary host"));
     let (kill_at, kill_unix) = (Instant::now(), tandem_protect::unix_ms());
     primary.kill_host();
@@ -480,6 +489,8 @@ pub fn round(r: usize, o: &DebianOpts<'_>, pb: &ProgressBar) -> anyhow::Result<D
         sent_mib: ep.sent as f64 / MIB,
         pause_ms_p50: quantile(&ep.pauses, 0.5),
         pause_ms_p99: quantile(&ep.pauses, 0.99),
+        paused_share: (ep.pauses.iter().sum::<f64>() + ep.suspended_ms) / 1000.0 / replicated_s,
+        cpu_lost_share: ep.lost_cpu_ms / 1000.0 / replicated_s,
         commits_per_s_replicated: (commits_at_kill - commits_at_start) as f64 / kill_after_s,
         commits_per_s_after_failover: (ids.len() as u64 - commits_at_running) as f64 / after_s,
         commit_latency_ms_p50: quantile(&lat, 0.5),

@@ -73,6 +73,7 @@ pub(super) fn run(a: Args) -> anyhow::Result<()> {
             shm: shm.path().to_path_buf(),
             epoch_ms: a.epoch_ms,
             schedule: a.schedule.clone(),
+            primary_args: a.primary_arg.clone(),
             timeout_ms: a.timeout_ms,
             codec: a.codec.clone(),
             before: Duration::from_millis(a.before * 1000 + jitter),
@@ -115,7 +116,7 @@ pub(super) fn run(a: Args) -> anyhow::Result<()> {
             quantile(&s.rounds.iter().map(f).collect::<Vec<f64>>(), 0.5)
         };
         println!(
-            "summary: Debian 12 + PostgreSQL, {} kill(s), link {}, {} ms epochs: {} commits acknowledged, {} lost; boot {:.0} s; pause p50 {:.1} ms p99 {:.1} ms; {:.1} commits/s replicated vs {:.1} after failover; kill -> guest running {:.0} ms (median)  =>  {}",
+            "summary: Debian 12 + PostgreSQL, {} kill(s), link {}, {} ms epochs: {} commits acknowledged, {} lost; boot {:.0} s; pause p50 {:.1} ms p99 {:.1} ms; guest time lost {:.0} % (vCPU time {:.0} %); {:.1} commits/s replicated vs {:.1} after failover (commit latency p50 {:.0} ms); kill -> guest running {:.0} ms (median)  =>  {}",
             s.rounds.len(),
             s.link,
             s.epoch_ms,
@@ -124,8 +125,11 @@ pub(super) fn run(a: Args) -> anyhow::Result<()> {
             med(&|r| r.boot_s),
             med(&|r| r.pause_ms_p50),
             med(&|r| r.pause_ms_p99),
+            100.0 * med(&|r| r.paused_share),
+            100.0 * med(&|r| r.cpu_lost_share),
             med(&|r| r.commits_per_s_replicated),
             med(&|r| r.commits_per_s_after_failover),
+            med(&|r| r.commit_latency_ms_p50),
             med(&|r| r.kill_to_running_ms),
             if s.ok { "OK" } else { "FAILED" }
         );

@@ -442,7 +442,7 @@ fn print_summary(s: &Summary) {
         med(&|r| r.rate_after_failover.unwrap_or(f64::NAN)),
     );
     println!(
-        "  client ({})   {:.0} ops/s replicated vs {:.0} unprotected (the backup after failover): {:.0} %; latency p50 {:.0} ms, p99 {:.0} ms; guest time lost to pauses {:.1} % + suspends {:.1} %",
+        "  client ({})   {:.0} ops/s replicated vs {:.0} unprotected (the backup after failover): {:.0} %; latency p50 {:.0} ms, p99 {:.0} ms; guest time lost to pauses {:.1} % + suspends {:.1} % (vCPU time lost {:.1} %)",
         s.rounds.first().map_or("", |r| r.client.as_str()),
         rep,
         native,
@@ -450,7 +450,8 @@ fn print_summary(s: &Summary) {
         med(&|r| r.client_latency_ms_p50),
         med(&|r| r.client_latency_ms_p99),
         100.0 * med(&|r| r.pause_share),
-        100.0 * med(&|r| r.suspend_share)
+        100.0 * med(&|r| r.suspend_share),
+        100.0 * med(&|r| r.cpu_lost_share)
     );
     println!(
         "  failover         kill -> guest running {:.0} ms (median; detection {:.0} ms, resume {:.1} ms); client gap {:.0} ms",

@@ -132,11 +132,16 @@ pub struct RoundResult {
     pub sent_over_raw: f64,
     pub pause_ms_p50: f64,
     pub pause_ms_p99: f64,
+    /// From handing an epoch to the link to the backup's acknowledgement, median (ms).
+    pub ack_ms_p50: f64,
     /// Share of the replicated phase the guest spent paused for checkpoints.
     pub pause_share: f64,
     /// Share of the replicated phase the guest spent suspended early (the adaptive
     /// schedule's stop threshold), on top of `pause_share`.
     pub suspend_share: f64,
+    /// Share of the replicated phase's vCPU time the guest lost to pauses and suspends (what
+    /// the guest-time budget counts: their length × how busy the guest was before them).
+    pub cpu_lost_share: f64,
     /// The primary's `--precopy-rounds` (`None`: its default).
     pub precopy_rounds: Option<u32>,
     /// Median pause components (ms): stop, harvest, copy, device state, cont.
@@ -238,8 +243,12 @@ pub(crate) struct Epochs {
     pub raw: u64,
     pub sent: u64,
     pub pauses: Vec<f64>,
+    /// Each epoch's acknowledgement latency (ms).
+    pub acks: Vec<f64>,
     /// Milliseconds the guest was suspended early, summed.
     pub suspended_ms: f64,
+    /// Milliseconds of vCPU time the guest lost to pauses and suspends, summed.
+    pub lost_cpu_ms: f64,
     /// Milliseconds the primary spent encoding epochs, summed.
     pub encode_ms: f64,
     /// Epochs sent in more than one frame.
@@ -311,7 +320,9 @@ impl Epochs {
                 self.raw += g("raw_bytes");
                 self.sent += g("sent_bytes");
                 self.pauses.push(g("pause_us") as f64 / 1000.0);
+                self.acks.push(g("ack_latency_us") as f64 / 1000.0);
                 self.suspended_ms += g("suspended_us") as f64 / 1000.0;
+                self.lost_cpu_ms += g("lost_cpu_us") as f64 / 1000.0;
                 self.encode_ms += g("encode_us") as f64 / 1000.0;
                 self.in_parts += u64::from(g("parts") > 0);
                 let ms = |k: &str| g(k) as f64 / 1000.0;
