@@ -44,8 +44,8 @@ pub struct PrimaryArgs {
     #[arg(long, default_value_t = 20.0, help_heading = "Checkpoint schedule")]
     pub time_budget_pct: f64,
     /// With `--schedule adaptive`: what a pause costs the budget — `vcpu`: its length × the
-    /// share of the run before it that the guest's vCPUs were busy (pausing an idle guest
-    /// costs it little); `wall`: its whole length.
+    /// share of the run before it that the guest's busiest vCPU was busy (pausing an idle
+    /// guest costs it little); `wall`: its whole length.
     #[arg(long, default_value = "vcpu", help_heading = "Checkpoint schedule")]
     pub time_budget_clock: BudgetClockArg,
     /// With `--schedule adaptive`: checkpoints in flight at most when output triggers the

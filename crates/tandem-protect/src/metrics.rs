@@ -30,7 +30,7 @@ pub struct EpochMetrics {
     /// The guest was stopped this long before the pause (early suspend: output waited and
     /// the dirty set reached the stop threshold).
     pub suspended_us: u64,
-    /// The share of the epoch's run the guest's vCPUs were busy, in percent (`None`:
+    /// The share of the epoch's run the guest's busiest vCPU was busy, in percent (`None`:
     /// unknown: a fixed schedule, or QEMU or the kernel cannot tell).
     pub busy_pct: Option<f64>,
     /// The vCPU time the guest lost to this epoch's pause and suspension: their length ×
@@ -409,7 +409,7 @@ impl Registry {
             ("tandem_long_patch_epochs_total", c, s.long_patch_epochs.to_string(),
                 "Epochs whose memory record took long run patches (the codec's per-epoch trial)."),
             ("tandem_guest_cpu_lost_seconds_total", c, secs(s.lost_cpu_us),
-                "vCPU time the guest lost to pauses and early suspends (what the guest-time budget counts)."),
+                "vCPU time the guest lost to pauses and early suspends: their length x the busiest vCPU's busy share before them (what the budget's vcpu clock charges)."),
             ("tandem_disk_writes_total", c, s.disk_writes.to_string(),
                 "Guest disk writes shipped with epochs."),
             ("tandem_disk_bytes_total", c, s.disk_bytes.to_string(),

@@ -72,8 +72,8 @@ pub struct Checkpoint<'a> {
     pub timing: PauseTiming,
     /// How long the guest was suspended before the pause (early suspend), on top of it.
     pub suspended: Duration,
-    /// The share of the epoch's run (up to the pause or suspension) that the guest's vCPUs
-    /// were busy; `None` when the guest cannot tell or the schedule does not poll.
+    /// The share of the epoch's run (up to the pause or suspension) that the guest's busiest
+    /// vCPU was busy; `None` when the guest cannot tell or the schedule does not poll.
     pub busy: Option<f64>,
     /// Dirty page numbers, ascending.
     pub pfns: &'a [u64],

@@ -30,8 +30,8 @@ pub struct Pending {
     /// apply and acknowledgement), as measured over the last checkpoints; `None` before a
     /// measurement (or for a sink that holds no output).
     pub ship_pages_per_s: Option<u64>,
-    /// The share of the time since the guest resumed that its vCPUs ran (set while output
-    /// is held, for a guest that can tell): what a pause now would take from it.
+    /// The share of the time since the guest resumed that its busiest vCPU ran (set while
+    /// output is held, for a guest that can tell): what a pause now would take from it.
     pub busy: Option<f64>,
 }
 
@@ -72,8 +72,8 @@ pub trait Schedule {
         Cut::Run
     }
 
-    /// Called as the epoch's run ends, before its pause: the share of the run its vCPUs
-    /// were busy (`None`: unknown).
+    /// Called as the epoch's run ends, before its pause: the share of the run its busiest
+    /// vCPU was busy (`None`: unknown).
     fn ran_busy(&mut self, _share: Option<f64>) {}
 }
 
@@ -150,8 +150,9 @@ pub struct AdaptiveConfig {
 #[serde(rename_all = "lowercase")]
 pub enum BudgetClock {
     /// The vCPU time the guest loses: a pause costs its length × the share of the run before
-    /// it that the guest's vCPUs were busy ([`Pending::busy`]), so pausing an idle guest costs
-    /// it little and a busy one the whole pause. A guest that cannot tell is charged wall time.
+    /// it that the guest's busiest vCPU was busy ([`Pending::busy`]), so pausing an idle guest
+    /// costs it little and a busy one the whole pause. A guest that cannot tell is charged
+    /// wall time.
     #[default]
     Vcpu,
     /// Wall time: every pause costs its whole length, however idle the guest was.
