@@ -192,6 +192,15 @@ fn primary_killed_backup_resumes_the_guest() {
         .expect("primary reports its zstd level");
     assert!((-7..=19).contains(&level), "{p:#}");
     assert!(b["zstd_level"].is_null(), "{b:#}");
+    // The trial's choice and how busy the guest was, on the primary only.
+    assert!(p["long_patches"].is_boolean(), "{p:#}");
+    assert!(b["long_patches"].is_null(), "{b:#}");
+    assert!(
+        p["guest_busy_pct"]
+            .as_f64()
+            .is_some_and(|v| (0.0..=100.0).contains(&v)),
+        "{p:#}"
+    );
     assert!(sample("tandem_zstd_level{", "} "), "{text}");
     assert!(
         b["state"].as_str().unwrap().starts_with("protecting"),

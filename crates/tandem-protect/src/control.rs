@@ -235,6 +235,12 @@ pub fn describe(v: &serde_json::Value) -> String {
     }
     if let Some(l) = f("zstd_level").as_i64() {
         line += &format!(", zstd level {l}");
+        if f("long_patches").as_bool() == Some(true) {
+            line += " with long run patches";
+        }
+    }
+    if let Some(b) = f("guest_busy_pct").as_f64() {
+        line += &format!(", guest busy {b:.0} % of its last run");
     }
     if let Some(p) = f("progress").as_object() {
         line += &format!(

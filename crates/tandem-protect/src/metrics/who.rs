@@ -185,6 +185,8 @@ impl Registry {
             "committed_epoch": s.acked,
             "lag_epochs": (w.role == "primary").then(|| s.last.epoch.saturating_sub(s.acked)),
             "zstd_level": (s.epochs > 0).then_some(s.last.level),
+            "long_patches": (s.epochs > 0).then_some(s.last.long_patches),
+            "guest_busy_pct": s.last.busy_pct,
             "last_ack_ms_ago": (w.last_ack_ms > 0).then(|| now.saturating_sub(w.last_ack_ms)),
             "link": if s.link_up { "up" } else { "down" },
             "peer": w.peer,
