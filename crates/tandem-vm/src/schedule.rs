@@ -286,9 +286,9 @@ impl Adaptive {
 
     /// What `time` paused or suspended costs the budget, with the guest `busy` that share.
     fn charge(&self, time: Duration, busy: Option<f64>) -> Duration {
-        match (self.cfg.budget_clock, busy) {
-            (BudgetClock::Vcpu, Some(share)) => time.mul_f64(share.clamp(0.0, 1.0)),
-            _ => time,
+        match self.cfg.budget_clock {
+            BudgetClock::Vcpu => crate::vcpu::lost(time, busy),
+            BudgetClock::Wall => time,
         }
     }
 

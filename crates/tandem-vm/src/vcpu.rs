@@ -3,20 +3,23 @@
 //!
 //! A vCPU thread runs while its vCPU executes guest code (TCG or KVM) and sleeps while the
 //! guest idles (`hlt`), so the share of wall time a thread ran is the share of its time that
-//! vCPU wanted; the busiest vCPU's share is what a pause takes from the guest. QMP `query-cpus-fast` names the threads; `/proc/PID/task/TID/schedstat` gives
-//! each one's run time in nanoseconds (its first field, the scheduler's `sum_exec_runtime`).
+//! vCPU wanted; the busiest vCPU's share is what a pause takes from the guest. QMP
+//! `query-cpus-fast` names the threads; `/proc/PID/task/TID/schedstat` gives each one's run
+//! time in nanoseconds (its first field, the scheduler's `sum_exec_runtime`).
 
-use std::path::PathBuf;
+use std::fs::File;
+use std::os::unix::fs::FileExt;
 use std::time::Duration;
 
 use crate::qmp::Qmp;
 
 /// The vCPU threads of one QEMU.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct VcpuClock {
     /// `/proc/PID/task/TID/schedstat` of each distinct vCPU thread (one thread runs all
-    /// vCPUs under single-threaded TCG).
-    paths: Vec<PathBuf>,
+    /// vCPUs under single-threaded TCG), kept open: the epoch loop reads them every
+    /// millisecond while output is held, one `pread` each.
+    files: Vec<File>,
 }
 
 impl VcpuClock {
@@ -33,22 +36,25 @@ impl VcpuClock {
         tids.sort_unstable();
         tids.dedup();
         let clock = VcpuClock {
-            paths: tids
+            files: tids
                 .iter()
-                .map(|t| PathBuf::from(format!("/proc/{pid}/task/{t}/schedstat")))
-                .collect(),
+                .map(|t| File::open(format!("/proc/{pid}/task/{t}/schedstat")))
+                .collect::<Result<_, _>>()
+                .ok()?,
         };
         // A guest that booted has run: a zero total means the kernel keeps no run times
         // (schedstat without CONFIG_SCHED_INFO), so the clock would say it never runs.
-        (!clock.paths.is_empty() && clock.total().is_some_and(|t| !t.is_zero())).then_some(clock)
+        (!clock.files.is_empty() && clock.total().is_some_and(|t| !t.is_zero())).then_some(clock)
     }
 
     /// Each vCPU thread's run time so far, into `out` (cleared first), in thread order.
     pub fn read(&self, out: &mut Vec<Duration>) -> Option<()> {
         out.clear();
-        for p in &self.paths {
-            let s = std::fs::read_to_string(p).ok()?;
-            out.push(Duration::from_nanos(parse_schedstat(&s)?));
+        let mut buf = [0u8; 128];
+        for f in &self.files {
+            let n = f.read_at(&mut buf, 0).ok()?;
+            let line = std::str::from_utf8(&buf[..n]).ok()?;
+            out.push(Duration::from_nanos(parse_schedstat(line)?));
         }
         Some(())
     }
@@ -64,6 +70,12 @@ impl VcpuClock {
 /// The run time in nanoseconds from a `schedstat` line (`RUN_NS WAIT_NS SLICES`).
 fn parse_schedstat(s: &str) -> Option<u64> {
     s.split_ascii_whitespace().next()?.parse().ok()
+}
+
+/// What `time` paused or suspended took from a guest whose busiest vCPU was busy `busy` of
+/// the run before it: that share of it, or all of it when the share is unknown.
+pub fn lost(time: Duration, busy: Option<f64>) -> Duration {
+    busy.map_or(time, |b| time.mul_f64(b.clamp(0.0, 1.0)))
 }
 
 /// The share of `wall` that the busiest vCPU ran, between readings `before` and `after` of
@@ -105,17 +117,26 @@ mod tests {
     }
 
     #[test]
-    fn this_process_threads_run_time_is_read() {
-        let path = PathBuf::from("/proc/thread-self/schedstat");
-        let Ok(s) = std::fs::read_to_string(&path) else {
+    fn this_threads_run_time_is_read_again_from_the_open_file() {
+        let Ok(f) = File::open("/proc/thread-self/schedstat") else {
             return; // no schedstat in this kernel: VcpuClock::new says None there
         };
-        let before = parse_schedstat(&s).expect("a number");
+        let clock = VcpuClock { files: vec![f] };
+        let (mut before, mut after) = (Vec::new(), Vec::new());
+        clock.read(&mut before).expect("a number");
         let t = std::time::Instant::now();
         while t.elapsed() < Duration::from_millis(30) {
             std::hint::black_box(t.elapsed());
         }
-        let after = parse_schedstat(&std::fs::read_to_string(&path).unwrap()).unwrap();
-        assert!(after > before, "{before} → {after}");
+        clock.read(&mut after).expect("a number");
+        assert!(after[0] > before[0], "{before:?} → {after:?}");
+    }
+
+    #[test]
+    fn a_pause_takes_the_busy_share_of_its_length() {
+        let ms = Duration::from_millis;
+        assert_eq!(lost(ms(10), Some(0.5)), ms(5));
+        assert_eq!(lost(ms(10), Some(1.5)), ms(10));
+        assert_eq!(lost(ms(10), None), ms(10), "unknown is charged whole");
     }
 }

@@ -201,10 +201,11 @@ impl Step<'_> {
             pause_us: tm.total_us(),
             suspended_us: cp.suspended.as_micros() as u64,
             busy_pct: cp.busy.map(|b| (b * 1000.0).round() / 10.0),
-            lost_cpu_us: {
-                let lost = Duration::from_micros(tm.total_us().into()) + cp.suspended;
-                lost.mul_f64(cp.busy.unwrap_or(1.0)).as_micros() as u64
-            },
+            lost_cpu_us: tandem_vm::vcpu::lost(
+                Duration::from_micros(tm.total_us().into()) + cp.suspended,
+                cp.busy,
+            )
+            .as_micros() as u64,
             dirty_pages: cp.pfns.len() as u64,
             raw_bytes: sizes.raw,
             sent_bytes: sizes.sent,
