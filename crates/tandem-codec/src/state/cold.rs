@@ -14,8 +14,9 @@
 //! - Writing a page's new version drops any version held, staged or deferred.
 //! - Once the epoch is encoded, the store *settles*: the deferred pages are compressed (on
 //!   the encoder's threads) and taken in, in the order they were pushed out; the staged pages
-//!   the epoch left unchanged go back in; both buffers, the epoch's working memory like the
-//!   record and its prefix, are emptied for the next epoch.
+//!   the epoch left unchanged go back in as the frames they were (not compressed again); both
+//!   buffers, the epoch's working memory like the record and its prefix, are emptied for the
+//!   next epoch.
 //!
 //! What is held does not depend on the number of threads.
 //!
@@ -34,10 +35,10 @@ use super::FxMap;
 use crate::format::PAGE;
 use crate::prefix::Compressor;
 
-/// zstd level of the tier's frames. On this project's test machine a page takes 4–14 µs to
-/// compress (memtouch's to compile's) and 2–6 µs to decompress; on memtouch level −1 holds
-/// 95 % of the rewritten pages in the tier's bytes, level −5 87 %, LZ4 73 % (a replay of the
-/// trace's page sequence).
+/// zstd level of the tier's frames. On this project's test machine a page takes 11–20 µs to
+/// compress and 3–8 µs to decompress (memtouch's to compile's); LZ4 takes about half as long
+/// but keeps 1.1–2× the bytes, and on a page of integers (a counter per word) it keeps most
+/// of the page, where zstd's entropy coding shrinks it (docs/CODEC.md, "zstd, not LZ4").
 const LEVEL: i32 = -1;
 
 /// Bookkeeping charged against the budget per page held: the map's slot, the order's slot
@@ -105,6 +106,12 @@ pub(super) struct Cold {
     /// Staged pages: page number → index of the page in `staged_data`.
     staged: FxMap<u64, u32>,
     staged_data: Vec<u8>,
+    /// Per staged page, its frame: a page the epoch leaves unchanged goes back as it was,
+    /// not compressed again.
+    staged_frames: Vec<Option<Box<[u8]>>>,
+    /// Pages of the epoch being encoded: at most as many can be deferred, which the
+    /// deferral buffer is sized for once instead of growing page by page.
+    epoch_pages: usize,
     /// Deferred pages: page number → index of its latest copy in `deferred_data` (an entry
     /// of `deferred_pfns` whose page maps elsewhere, or nowhere, was superseded).
     deferred: FxMap<u64, u32>,
@@ -127,6 +134,8 @@ impl Cold {
             active: true,
             staged: FxMap::default(),
             staged_data: Vec::new(),
+            staged_frames: Vec::new(),
+            epoch_pages: 0,
             deferred: FxMap::default(),
             deferred_pfns: Vec::new(),
             deferred_data: Vec::new(),
@@ -203,6 +212,10 @@ impl Cold {
         }
         let i = self.deferred_pfns.len();
         self.deferred_pfns.push(pfn);
+        if self.deferred_data.capacity() == self.deferred_data.len() {
+            self.deferred_data
+                .reserve(self.epoch_pages.max(i + 1).saturating_sub(i) * PAGE);
+        }
         self.deferred_data.extend_from_slice(content);
         self.deferred.insert(pfn, i as u32);
     }
@@ -229,12 +242,15 @@ impl Cold {
         let ok = crate::record::par_chunks_map(pool, PER_THREAD, &mut data, PAGE, |i, d| {
             unpack(&frames[i].1, d)
         });
-        for (i, ((pfn, _), ok)) in frames.iter().zip(ok).enumerate() {
+        self.staged_frames.clear();
+        for (i, ((pfn, frame), ok)) in frames.into_iter().zip(ok).enumerate() {
             if ok {
-                self.staged.insert(*pfn, i as u32);
+                self.staged.insert(pfn, i as u32);
             }
+            self.staged_frames.push(Some(frame));
         }
         self.staged_data = data;
+        self.epoch_pages = pfns.len();
     }
 
     /// Ends the epoch (see the module's comment).
@@ -258,7 +274,7 @@ impl Cold {
         if self.taken > WINDOW {
             (self.taken, self.back) = (self.taken / 2, self.back / 2);
         }
-        keep(&mut data, pfns.len() * PAGE);
+        keep(&mut data, pfns.len().max(self.epoch_pages) * PAGE);
         pfns.clear();
         (self.deferred_pfns, self.deferred_data) = (pfns, data);
         let mut left: Vec<(u64, u32)> = self.staged.drain().collect();
@@ -266,10 +282,12 @@ impl Cold {
         if self.takes() {
             left.sort_unstable();
             for (pfn, i) in left {
-                let frame = pack(&staged[i as usize * PAGE..(i as usize + 1) * PAGE]);
-                self.insert(pfn, frame);
+                if let Some(frame) = self.staged_frames[i as usize].take() {
+                    self.insert(pfn, frame);
+                }
             }
         }
+        self.staged_frames.clear();
         let used = staged.len();
         keep(&mut staged, used);
         self.staged_data = staged;
@@ -306,6 +324,13 @@ impl Cold {
     /// and released after an epoch far smaller than the largest).
     pub(super) fn work_bytes(&self) -> usize {
         self.staged_data.capacity()
+            + self
+                .staged_frames
+                .iter()
+                .flatten()
+                .map(|f| f.len())
+                .sum::<usize>()
+            + self.staged_frames.capacity() * 16
             + self.deferred_data.capacity()
             + self.deferred_pfns.capacity() * 8
             + (self.staged.capacity() + self.deferred.capacity()) * 16
@@ -404,6 +429,7 @@ mod tests {
         for p in 0..10 {
             c.put(p, &page(p, true));
         }
+        let frame_1 = c.map[&1].data.clone();
         c.stage(&[1, 2, 3, 50], None);
         assert_eq!(c.staged(2).unwrap(), page(2, true));
         assert!(c.staged(50).is_none() && c.staged(4).is_none());
@@ -413,6 +439,11 @@ mod tests {
         assert!(c.staged(2).is_none());
         c.settle(None);
         assert!(c.staged(1).is_none() && c.staged_data.is_empty());
+        assert_eq!(
+            c.map[&1].data, frame_1,
+            "an unchanged page goes back as its frame"
+        );
+        assert!(c.staged_frames.is_empty());
         c.stage(&[4], None);
         assert!(c.staged(1).is_none() && c.staged(4).is_some());
         let mut dst = vec![0; PAGE];
