@@ -62,6 +62,8 @@ pub struct Encoder {
     diverged: bool,
     /// tandem: whether long run patches won the last trial that decided (trial.rs).
     long_patches: bool,
+    /// tandem: most pages the next epoch's trial samples (trial.rs, `Trial::next_sample`).
+    trial_sample: usize,
 }
 
 fn block_hashes(page: &[u8], granule: usize, out: &mut [u64]) {
@@ -172,6 +174,7 @@ impl Encoder {
             buf: Default::default(),
             diverged: false,
             long_patches: false,
+            trial_sample: crate::trial::SAMPLE,
         };
         if cfg.threads > 1 {
             let pool = rayon::ThreadPoolBuilder::new()
@@ -518,11 +521,21 @@ impl Encoder {
         if self.codec.strategy() != Codec::Tandem || !self.cfg.budget.trial {
             return Ok(Default::default());
         }
-        let t = crate::trial::measure(prev, pfns, data, pre, &self.cfg.budget, self.level)
-            .map_err(EncodeError::Compress)?;
+        let t = crate::trial::measure(
+            prev,
+            pfns,
+            data,
+            pre,
+            &self.cfg.budget,
+            self.level,
+            self.trial_sample,
+        )
+        .map_err(EncodeError::Compress)?;
+        let changed = t.runs_win().is_some_and(|w| w != self.long_patches);
         if let Some(w) = t.runs_win() {
             self.long_patches = w;
         }
+        self.trial_sample = t.next_sample(changed);
         Ok(t)
     }
 

@@ -22,6 +22,14 @@
 //! when they measure clearly smaller ([`RUNS_WIN_BY`]); an epoch with too few such pages to
 //! measure ([`MIN_DECIDING`]) keeps the previous epoch's choice. The trial is sequential and
 //! reads only the epoch's input, so the record does not depend on the thread count.
+//!
+//! The trial costs about 0.5 ms an epoch at [`SAMPLE`] pages, a quarter of the encoding time
+//! of a workload where it decides nothing (kv, disk). While its choice is clear (the two ways
+//! measure more than [`CLEAR_BY`] beyond the line [`RUNS_WIN_BY`] draws, the same way as
+//! before) each next epoch samples half as many pages, down to [`MIN_SAMPLE`]; a close
+//! measurement or a changed choice brings the next sample back to [`SAMPLE`], and an epoch
+//! with too few pages to decide keeps it. Every epoch is still measured, so a workload that changes phase is followed
+//! within an epoch or two.
 
 use crate::format::PAGE;
 use crate::runs;
@@ -36,6 +44,13 @@ pub const LONG_PATCH: usize = 3 * PAGE / 4;
 /// Most pages compressed both ways per epoch. A trial of 32 costs about 0.55 ms per epoch on
 /// `compile` (11 % of its encoding time), one of 64 about 1.05 ms (20 %).
 pub const SAMPLE: usize = 32;
+/// Fewest pages sampled, while the choice is clear: two pieces of [`CHUNK`], spread out.
+pub const MIN_SAMPLE: usize = 2 * CHUNK;
+/// A choice is clear when the run patches measure below the line of [`RUNS_WIN_BY`] divided
+/// by this factor, or above it times this factor (numerator, denominator): below 0.625 or
+/// above 0.9 of the prefix path. On the tuned half's kv most deciding epochs measure the
+/// two ways within 10 % of each other: the prefix path, clearly.
+pub const CLEAR_BY: (usize, usize) = (6, 5);
 /// Run patches are taken when they measure below this fraction of the prefix path
 /// (numerator, denominator). The sample sees only part of what the prefix path finds in the
 /// whole record (content that moved in from pages outside the sample): on the tuned half's
@@ -57,6 +72,8 @@ pub struct Trial {
     pub prefix_bytes: usize,
     /// ... and as run patches.
     pub runs_bytes: usize,
+    /// Most candidates the epoch sampled (between [`MIN_SAMPLE`] and [`SAMPLE`]).
+    pub sample: usize,
 }
 
 impl Trial {
@@ -64,6 +81,26 @@ impl Trial {
     pub fn runs_win(&self) -> Option<bool> {
         (self.pages >= MIN_DECIDING)
             .then_some(self.runs_bytes * RUNS_WIN_BY.1 < self.prefix_bytes * RUNS_WIN_BY.0)
+    }
+
+    /// Whether the choice was clear: the two ways measured further apart than [`CLEAR_BY`]
+    /// beyond the line of [`RUNS_WIN_BY`].
+    pub fn clear(&self) -> bool {
+        let (runs, prefix) = (self.runs_bytes, self.prefix_bytes);
+        let ((w0, w1), (c0, c1)) = (RUNS_WIN_BY, CLEAR_BY);
+        self.runs_win().is_some()
+            && (runs * w1 * c0 < prefix * w0 * c1 || runs * w1 * c1 > prefix * w0 * c0)
+    }
+
+    /// The next epoch's sample: half of this one's (at least [`MIN_SAMPLE`]) after a clear
+    /// choice that did not change the previous one (`changed`); this one's after too few
+    /// pages to decide (the choice mattered to few pages); else [`SAMPLE`].
+    pub fn next_sample(&self, changed: bool) -> usize {
+        match self.runs_win() {
+            None => self.sample.clamp(MIN_SAMPLE, SAMPLE),
+            Some(_) if self.clear() && !changed => (self.sample / 2).max(MIN_SAMPLE),
+            Some(_) => SAMPLE,
+        }
     }
 }
 
@@ -75,6 +112,7 @@ pub fn measure(
     pre: &[Pre],
     budget: &Budget,
     level: i32,
+    sample: usize,
 ) -> std::io::Result<Trial> {
     let page = |i: usize| &data[i * PAGE..(i + 1) * PAGE];
     // A patch over fewer changed blocks than this stays under `good_enough` either way.
@@ -89,7 +127,11 @@ pub fn measure(
                 && prev.get(pfns[i]).is_some()
         })
         .collect();
-    let mut t = Trial::default();
+    let sample = sample.clamp(MIN_SAMPLE, SAMPLE);
+    let mut t = Trial {
+        sample,
+        ..Trial::default()
+    };
     if candidates.len() < MIN_DECIDING {
         return Ok(t);
     }
@@ -97,7 +139,7 @@ pub fn measure(
     // content (an array across pages, a structure and its copy), which both ways exploit in
     // the whole record and a sample of lone pages would hide.
     let chunks = candidates.len().div_ceil(CHUNK);
-    let stride = chunks.div_ceil(SAMPLE / CHUNK);
+    let stride = chunks.div_ceil(sample / CHUNK);
     let sample = candidates.chunks(CHUNK).step_by(stride).flatten().copied();
     let (mut old, mut blocks, mut heads, mut lits, mut patch) =
         (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
@@ -225,6 +267,37 @@ mod tests {
         assert!(s.trial.pages >= super::MIN_DECIDING, "{:?}", s.trial);
         assert_eq!(s.trial.runs_win(), Some(false), "{:?}", s.trial);
         assert_eq!(s.patch_limit, Config::default().budget.good_enough);
+    }
+
+    #[test]
+    fn a_clear_choice_halves_the_next_sample_and_a_close_one_restores_it() {
+        use super::{Trial, MIN_DECIDING, MIN_SAMPLE, SAMPLE};
+        let t = |runs_bytes, sample| Trial {
+            pages: MIN_DECIDING,
+            prefix_bytes: 1000,
+            runs_bytes,
+            sample,
+        };
+        // Runs at 0.6 and 0.95 of the prefix path: clear; at 0.7 and 0.85: close to 0.75.
+        assert!(t(600, SAMPLE).clear() && t(950, SAMPLE).clear());
+        assert!(!t(700, SAMPLE).clear() && !t(850, SAMPLE).clear());
+        assert_eq!(t(400, SAMPLE).next_sample(false), SAMPLE / 2);
+        assert_eq!(t(1200, MIN_SAMPLE).next_sample(false), MIN_SAMPLE);
+        assert_eq!(
+            t(400, MIN_SAMPLE).next_sample(true),
+            SAMPLE,
+            "a changed choice"
+        );
+        assert_eq!(t(800, MIN_SAMPLE).next_sample(false), SAMPLE, "a close one");
+        let undecided = Trial {
+            pages: MIN_DECIDING - 1,
+            ..t(400, MIN_SAMPLE)
+        };
+        assert_eq!(
+            undecided.next_sample(false),
+            MIN_SAMPLE,
+            "too few pages: kept"
+        );
     }
 
     #[test]
