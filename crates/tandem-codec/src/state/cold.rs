@@ -35,8 +35,8 @@ use super::FxMap;
 use crate::format::PAGE;
 use crate::prefix::Compressor;
 
-/// zstd level of the tier's frames. On this project's test machine a page takes 11–20 µs to
-/// compress and 3–8 µs to decompress (memtouch's to compile's); LZ4 takes about half as long
+/// zstd level of the tier's frames. On this project's test machine a page takes 9–14 µs to
+/// compress and 2–6 µs to decompress (memtouch's to compile's); LZ4 takes about half as long
 /// but keeps 1.1–2× the bytes, and on a page of integers (a counter per word) it keeps most
 /// of the page, where zstd's entropy coding shrinks it (docs/CODEC.md, "zstd, not LZ4").
 const LEVEL: i32 = -1;
