@@ -28,8 +28,8 @@
 //! measure more than [`CLEAR_BY`] beyond the line [`RUNS_WIN_BY`] draws, the same way as
 //! before) each next epoch samples half as many pages, down to [`MIN_SAMPLE`]; a close
 //! measurement or a changed choice brings the next sample back to [`SAMPLE`], and an epoch
-//! with too few pages to decide keeps it. Every epoch is still measured, so a workload that changes phase is followed
-//! within an epoch or two.
+//! with too few pages to decide keeps it. Every epoch is still measured, and a changed choice
+//! takes effect in the epoch that measured it, as before.
 
 use crate::format::PAGE;
 use crate::runs;
