@@ -546,6 +546,7 @@ impl<'a> RoundCtx<'a> {
             suspend_share: ep.suspended_ms / 1000.0 / tl.replicated_s.max(1e-3),
             cpu_lost_share: ep.lost_cpu_ms / 1000.0 / tl.replicated_s.max(1e-3),
             encoder_core_share: ep.encode_ms / 1000.0 / tl.replicated_s.max(1e-3),
+            encoder_cpu_share: ep.encode_cpu_ms / 1000.0 / tl.replicated_s.max(1e-3),
             epochs_in_parts: ep.in_parts,
             daemon_anon_mib_peak: self.mem.peaks_mib(),
             precopy_rounds: o.precopy_rounds,

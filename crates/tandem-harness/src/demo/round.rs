@@ -152,6 +152,9 @@ pub struct RoundResult {
     /// The primary's time encoding epochs per second of the replicated phase: the share of
     /// one core its (one-thread) encoder was busy, an upper bound on its CPU.
     pub encoder_core_share: f64,
+    /// The encoding thread's CPU time per second of the replicated phase: its CPU, without
+    /// the time it waited for a core beside QEMU's vCPU threads.
+    pub encoder_cpu_share: f64,
     /// Acknowledged epochs that were sent in parts (`--epoch-part-mib`).
     pub epochs_in_parts: u64,
     /// Peak anonymous memory (MiB) of the primary's and the backup's tandem processes from
@@ -251,6 +254,8 @@ pub(crate) struct Epochs {
     pub lost_cpu_ms: f64,
     /// Milliseconds the primary spent encoding epochs, summed.
     pub encode_ms: f64,
+    /// ... and its encoding thread's CPU time for it.
+    pub encode_cpu_ms: f64,
     /// Epochs sent in more than one frame.
     pub in_parts: u64,
     /// Each epoch's pause components (ms): stop, harvest, copy, device state, cont.
@@ -324,6 +329,7 @@ impl Epochs {
                 self.suspended_ms += g("suspended_us") as f64 / 1000.0;
                 self.lost_cpu_ms += g("lost_cpu_us") as f64 / 1000.0;
                 self.encode_ms += g("encode_us") as f64 / 1000.0;
+                self.encode_cpu_ms += g("encode_cpu_us") as f64 / 1000.0;
                 self.in_parts += u64::from(g("parts") > 0);
                 let ms = |k: &str| g(k) as f64 / 1000.0;
                 self.components.push([

@@ -154,7 +154,7 @@ impl Step<'_> {
         writes: &Writes,
         beat: &dyn Fn(),
     ) -> Result<(), PrimaryError> {
-        let t = Instant::now();
+        let (t, cpu) = (Instant::now(), thread_cpu());
         let input = EpochInput {
             seq,
             pfns: cp.pfns,
@@ -210,6 +210,7 @@ impl Step<'_> {
             raw_bytes: sizes.raw,
             sent_bytes: sizes.sent,
             encode_us: t.elapsed().as_micros() as u64,
+            encode_cpu_us: thread_cpu().saturating_sub(cpu).as_micros() as u64,
             level: sizes.level,
             long_patches: sizes.long_patches,
             held_frames: held.held_frames,
@@ -301,4 +302,42 @@ fn check_deadline(shared: &Shared, opts: &PrimaryConfig) -> bool {
         ));
     }
     shared.is_lost()
+}
+
+/// This thread's CPU time so far.
+fn thread_cpu() -> std::time::Duration {
+    let t = rustix::time::clock_gettime(rustix::time::ClockId::ThreadCPUTime);
+    std::time::Duration::new(
+        t.tv_sec.max(0) as u64,
+        t.tv_nsec.clamp(0, 999_999_999) as u32,
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::thread_cpu;
+    use std::time::{Duration, Instant};
+
+    #[test]
+    fn the_encoders_cpu_time_counts_work_and_not_waiting() {
+        let before = thread_cpu();
+        std::thread::sleep(Duration::from_millis(50));
+        let slept = thread_cpu() - before;
+        assert!(
+            slept < Duration::from_millis(20),
+            "sleeping took {slept:?} of CPU"
+        );
+        // Work until 25 ms of CPU time are counted (a loaded host may take longer in wall time).
+        let (start, mut x) = (Instant::now(), 1u64);
+        while thread_cpu() - before < Duration::from_millis(25) {
+            for _ in 0..10_000 {
+                x = x.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(20),
+                "no CPU time counted"
+            );
+        }
+        assert_ne!(x, 0);
+    }
 }
