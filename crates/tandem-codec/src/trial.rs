@@ -140,10 +140,10 @@ pub fn measure(
     // the whole record and a sample of lone pages would hide.
     let chunks = candidates.len().div_ceil(CHUNK);
     let stride = chunks.div_ceil(sample / CHUNK);
-    let sample = candidates.chunks(CHUNK).step_by(stride).flatten().copied();
+    let picked = candidates.chunks(CHUNK).step_by(stride).flatten().copied();
     let (mut old, mut blocks, mut heads, mut lits, mut patch) =
         (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
-    for i in sample {
+    for i in picked {
         let (new, mask) = (page(i), pre[i].mask);
         let Some(o) = prev.get(pfns[i]) else { continue };
         patch.clear();

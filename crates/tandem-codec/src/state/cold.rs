@@ -214,7 +214,7 @@ impl Cold {
         self.deferred_pfns.push(pfn);
         if self.deferred_data.capacity() == self.deferred_data.len() {
             self.deferred_data
-                .reserve(self.epoch_pages.max(i + 1).saturating_sub(i) * PAGE);
+                .reserve((self.epoch_pages.max(i + 1) - i) * PAGE);
         }
         self.deferred_data.extend_from_slice(content);
         self.deferred.insert(pfn, i as u32);
