@@ -78,9 +78,17 @@ fn at_the_lowest_level_the_compressed_tier_takes_nothing_in() {
     let pages = 1024u64;
     let base: Vec<u8> = (0..pages).flat_map(|p| page(p, 0, true)).collect();
     let mut state = Vec::new();
-    for level in [tandem_codec::level::MIN + 1, tandem_codec::level::MIN] {
-        let mut enc = Encoder::new(Codec::Tandem, &base, Config::default()).unwrap();
-        enc.set_level(level);
+    // The third encoder is configured at the lowest level instead of being set to it.
+    let min = tandem_codec::level::MIN;
+    for (level, set) in [(min + 1, true), (min, true), (min, false)] {
+        let cfg = Config {
+            zstd_level: if set { 1 } else { level },
+            ..Config::default()
+        };
+        let mut enc = Encoder::new(Codec::Tandem, &base, cfg).unwrap();
+        if set {
+            enc.set_level(level);
+        }
         let mut rec = Vec::new();
         for k in 0..12u64 {
             let first = k % 6 * 128;
@@ -97,4 +105,5 @@ fn at_the_lowest_level_the_compressed_tier_takes_nothing_in() {
         state[1],
         state[0]
     );
+    assert_eq!(state[2], state[1], "configured at level MIN as set to it");
 }
