@@ -2,8 +2,9 @@
 //!
 //! A daemon killed with SIGKILL cannot clean up. Its large files are already gone (guest RAM
 //! files are unlinked as soon as QEMU and tandem map them; QEMU dies with its parent), but
-//! small ones remain: QEMU's runtime directory (QMP socket, console and QEMU logs) and the
-//! working directories of the daemons and the demo. Each such directory holds an
+//! small ones remain: QEMU's runtime directory (QMP socket, console and QEMU logs), the
+//! device-state file's directory in `/dev/shm` (`devstate::fast`), and the working
+//! directories of the daemons and the demo. Each such directory holds an
 //! [`OWNER_FILE`] with the owner's pid; [`clean_stale`] removes those whose owner is dead, and
 //! guest RAM files (`/dev/shm/tandem-NAME-PID-N.ram`) of dead processes.
 

@@ -303,8 +303,9 @@ impl Vm {
             }
         };
         // From here on `vm` owns the child and the RAM file: errors clean both up in Drop.
-        // The device-state file lives with QEMU's other runtime files (removed with them, and
-        // found by `clean_stale` after a kill).
+        // The device-state file lives in a directory of its own in /dev/shm (QEMU's other
+        // runtime files if that cannot be made); both are removed with the VM, and found by
+        // `clean_stale` after a kill.
         let devstate = devstate::Capturer::new(runtime.path(), config.fast_devstate);
         let mut vm = Vm {
             child,

@@ -35,6 +35,18 @@ use serde_json::json;
 use super::DeviceStateError;
 use crate::qmp::{Qmp, QmpError, Sent};
 
+/// The tmpfs the state file is written to (guest RAM files live there too).
+pub const STATE_DIR: &str = "/dev/shm";
+
+/// A directory of this process's own in [`STATE_DIR`], marked for `clean_stale`.
+fn shm_dir() -> std::io::Result<tempfile::TempDir> {
+    let d = tempfile::Builder::new()
+        .prefix("tandem-devstate-")
+        .tempdir_in(STATE_DIR)?;
+    crate::stale::mark_owned(d.path())?;
+    Ok(d)
+}
+
 const MAGIC: [u8; 4] = *b"QEVM";
 const VERSION: [u8; 4] = [0, 0, 0, 3];
 const VM_EOF: u8 = 0x00;
@@ -236,7 +248,11 @@ pub struct Capturer {
     fast: bool,
     frame: Option<StreamFrame>,
     file: Option<(PathBuf, File)>,
+    /// Where the state file goes when [`STATE_DIR`] cannot hold it.
     dir: PathBuf,
+    /// The state file's own directory in [`STATE_DIR`] (owned, so `clean_stale` removes it
+    /// after a kill); dropped after the file.
+    shm: Option<tempfile::TempDir>,
     /// Why the fast path is off (set once it fell back).
     pub fallback: Option<String>,
 }
@@ -251,14 +267,15 @@ pub enum Method {
 }
 
 impl Capturer {
-    /// A capturer whose state file goes into `dir` (a tmpfs such as /dev/shm); `fast` false
-    /// always uses `migrate`.
+    /// A capturer whose state file goes into a directory of its own in [`STATE_DIR`], or into
+    /// `dir` if that cannot be made; `fast` false always uses `migrate`.
     pub fn new(dir: &Path, fast: bool) -> Self {
         Capturer {
             fast,
             frame: None,
             file: None,
             dir: dir.to_path_buf(),
+            shm: None,
             fallback: (!fast).then(|| "disabled".to_string()),
         }
     }
@@ -358,14 +375,23 @@ impl Capturer {
         Ok(f)
     }
 
-    /// The state file `xen-save-devices-state` writes (made once, in `dir`).
+    /// The state file `xen-save-devices-state` writes (made once): in a tmpfs, because QEMU
+    /// opens it with `O_TRUNC` and closes it inside every pause, and on a disk file system
+    /// (ext4's `auto_da_alloc`) that truncate-and-close frees its blocks and starts
+    /// write-back each time: a third of the capture's wall time (docs/VM_LAB.md).
     fn ensure_file(&mut self) -> Result<(), String> {
         if self.file.is_none() {
+            if self.shm.is_none() {
+                self.shm = shm_dir()
+                    .map_err(|e| tracing::debug!("device state: no directory in {STATE_DIR}: {e}"))
+                    .ok();
+            }
+            let dir = self.shm.as_ref().map_or(self.dir.as_path(), |d| d.path());
             let (file, path) = tempfile::Builder::new()
                 .prefix("tandem-devstate-")
-                .tempfile_in(&self.dir)
+                .tempfile_in(dir)
                 .and_then(|f| f.keep().map_err(|e| e.error))
-                .map_err(|e| format!("state file in {}: {e}", self.dir.display()))?;
+                .map_err(|e| format!("state file in {}: {e}", dir.display()))?;
             self.file = Some((path, file));
         }
         Ok(())
