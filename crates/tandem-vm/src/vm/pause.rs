@@ -54,19 +54,26 @@ impl Vm {
         let mut t = PauseTiming::default();
         let us = |i: Instant| i.elapsed().as_micros().min(u32::MAX as u128) as u32;
         let s = Instant::now();
-        // An early-suspended guest is stopped already.
-        if !std::mem::take(&mut self.suspended) {
-            self.stop()?;
+        // An early-suspended guest is stopped already. Otherwise `stop` and the device-state
+        // capture go out back to back: QEMU runs its commands in order, so it serialises the
+        // devices (the longest step) as soon as the vCPUs are stopped, not a round trip later,
+        // while this thread harvests and copies (both need only the stopped guest, hence the
+        // wait for `stop`'s reply first).
+        let stop = if std::mem::take(&mut self.suspended) {
+            None
+        } else {
+            Some(self.qmp.start("stop", None)?)
+        };
+        let started = self.devstate.begin(&mut self.qmp);
+        if let Some(stop) = stop {
+            // On an error the begun capture's reply is left unread: `Qmp::reply` skips replies
+            // of other commands, and the checkpoint is abandoned.
+            self.qmp.reply(stop)?;
         }
         // Block I/O is drained now: a failed disk mirror has reported itself (and the queue of
         // STOP/RESUME events is emptied every epoch).
         self.check_mirror_events();
         t.stop_us = us(s);
-        // QEMU serialises the devices (the longest step) while this thread harvests and
-        // copies: both need only the stopped guest.
-        let s = Instant::now();
-        let started = self.devstate.begin(&mut self.qmp);
-        t.devstate_us = us(s);
         let s = Instant::now();
         dirty.clear();
         let harvested = self.harvest(dirty);
@@ -91,7 +98,7 @@ impl Vm {
         let method = self.devstate.finish(&mut self.qmp, started, device_state);
         harvested?;
         self.last_devstate = Some(method?);
-        t.devstate_us += us(s);
+        t.devstate_us = us(s);
         if cont {
             let s = Instant::now();
             self.cont()?;
