@@ -18,6 +18,19 @@ pub fn mark_owned(dir: &Path) -> std::io::Result<()> {
     std::fs::write(dir.join(OWNER_FILE), std::process::id().to_string())
 }
 
+/// A new directory `PREFIX…` in `dir` (the temporary directory if `None`), marked as owned by
+/// this process so that [`clean_stale`] removes it once this process is dead. Removed on drop.
+pub fn owned_tempdir(prefix: &str, dir: Option<&Path>) -> std::io::Result<tempfile::TempDir> {
+    let mut b = tempfile::Builder::new();
+    b.prefix(prefix);
+    let d = match dir {
+        Some(dir) => b.tempdir_in(dir)?,
+        None => b.tempdir()?,
+    };
+    mark_owned(d.path())?;
+    Ok(d)
+}
+
 fn alive(pid: i32) -> bool {
     if pid <= 0 {
         return true;
@@ -116,6 +129,20 @@ mod tests {
         assert_eq!(ram_file_pid("tandem-primary-1234-0.ram"), Some(1234));
         assert_eq!(ram_file_pid("tandem-my-vm-77-3.ram"), Some(77));
         assert_eq!(ram_file_pid("tandem-demo-x"), None);
+    }
+
+    #[test]
+    fn an_owned_tempdir_names_this_process_and_goes_with_its_handle() {
+        let d = owned_tempdir("tandem-test-owned-", Some(&std::env::temp_dir())).unwrap();
+        let path = d.path().to_path_buf();
+        assert!(path
+            .file_name()
+            .unwrap()
+            .to_string_lossy()
+            .starts_with("tandem-test-owned-"));
+        assert_eq!(owner(&path), Some(std::process::id() as i32));
+        drop(d);
+        assert!(!path.exists());
     }
 
     #[test]

@@ -203,8 +203,7 @@ impl Vm {
 
     fn start(config: &VmConfig, ram: RamSource<'_>, run: bool) -> Result<Vm, VmError> {
         config.check()?;
-        let runtime = tempfile::Builder::new().prefix("tandem-vm-").tempdir()?;
-        crate::stale::mark_owned(runtime.path())?;
+        let runtime = crate::stale::owned_tempdir("tandem-vm-", None)?;
         let bytes = config.mem_mib << 20;
         let (ram_path, keep_ram) = ram_file(config, &ram, bytes)?;
         let start = match ram {

@@ -40,14 +40,11 @@ pub(super) fn run(a: Args) -> anyhow::Result<()> {
     // On disk, not /dev/shm: the overlay and the backup's disk copy grow with the guest's writes.
     // Earlier runs' logs stay, the last ten of them.
     tandem_vm::stale::prune_kept(&vm.dir, "tandem-demo-debian-", 10);
-    let dir = tempfile::Builder::new()
-        .prefix("tandem-demo-debian-")
-        .tempdir_in(&vm.dir)?;
-    tandem_vm::stale::mark_owned(dir.path())?;
-    let shm = tempfile::Builder::new()
-        .prefix("tandem-demo-debian-")
-        .tempdir_in("/dev/shm")?;
-    tandem_vm::stale::mark_owned(shm.path())?;
+    let dir = tandem_vm::stale::owned_tempdir("tandem-demo-debian-", Some(&vm.dir))?;
+    let shm = tandem_vm::stale::owned_tempdir(
+        "tandem-demo-debian-",
+        Some(std::path::Path::new("/dev/shm")),
+    )?;
     // With --libvirt the daemons are fenced (as the unit runs them): the backup host's libvirt
     // learns the adopted domain through etcd.
     let etcd = if a.libvirt || a.etcd {

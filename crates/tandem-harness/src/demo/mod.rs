@@ -227,10 +227,8 @@ fn run_demo(a: Args) -> anyhow::Result<()> {
     let exe = crate::product_exe()?;
     let mut lab = NetLab::create(&format!("td{}", std::process::id() % 100_000), a.rate_mbit)
         .context("creating the network lab (tandem demo needs root for network namespaces)")?;
-    let dir = tempfile::Builder::new()
-        .prefix("tandem-demo-")
-        .tempdir_in("/dev/shm")?;
-    tandem_vm::stale::mark_owned(dir.path())?;
+    let dir =
+        tandem_vm::stale::owned_tempdir("tandem-demo-", Some(std::path::Path::new("/dev/shm")))?;
     if !matches!(a.restore.as_str(), "lazy" | "materialise") {
         bail!("--restore {:?}: use lazy or materialise", a.restore);
     }

@@ -310,11 +310,7 @@ pub(crate) fn run_in(
         }
         None => {
             let io = |e| PrimaryError::Dir(std::env::temp_dir(), e);
-            tmp = tempfile::Builder::new()
-                .prefix("tandem-primary-")
-                .tempdir()
-                .map_err(io)?;
-            tandem_vm::stale::mark_owned(tmp.path()).map_err(io)?;
+            tmp = tandem_vm::stale::owned_tempdir("tandem-primary-", None).map_err(io)?;
             tmp.path().to_path_buf()
         }
     };

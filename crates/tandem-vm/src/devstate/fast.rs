@@ -38,15 +38,6 @@ use crate::qmp::{Qmp, QmpError, Sent};
 /// The tmpfs the state file is written to (guest RAM files live there too).
 pub const STATE_DIR: &str = "/dev/shm";
 
-/// A directory of this process's own in [`STATE_DIR`], marked for `clean_stale`.
-fn shm_dir() -> std::io::Result<tempfile::TempDir> {
-    let d = tempfile::Builder::new()
-        .prefix("tandem-devstate-")
-        .tempdir_in(STATE_DIR)?;
-    crate::stale::mark_owned(d.path())?;
-    Ok(d)
-}
-
 const MAGIC: [u8; 4] = *b"QEVM";
 const VERSION: [u8; 4] = [0, 0, 0, 3];
 const VM_EOF: u8 = 0x00;
@@ -382,9 +373,12 @@ impl Capturer {
     fn ensure_file(&mut self) -> Result<(), String> {
         if self.file.is_none() {
             if self.shm.is_none() {
-                self.shm = shm_dir()
-                    .map_err(|e| tracing::debug!("device state: no directory in {STATE_DIR}: {e}"))
-                    .ok();
+                self.shm =
+                    crate::stale::owned_tempdir("tandem-devstate-", Some(Path::new(STATE_DIR)))
+                        .map_err(|e| {
+                            tracing::debug!("device state: no directory in {STATE_DIR}: {e}")
+                        })
+                        .ok();
             }
             let dir = self.shm.as_ref().map_or(self.dir.as_path(), |d| d.path());
             let (file, path) = tempfile::Builder::new()
