@@ -132,6 +132,8 @@ pub struct DebianOpts<'a> {
     pub pgbench_scale: u32,
     /// Guest RAM, MiB.
     pub mem: u64,
+    /// Its virtio devices in legacy mode only (the description's `legacy_virtio`).
+    pub legacy_virtio: bool,
     /// Boot the VM by hand (a plain QEMU) and `tandem adopt` it instead of booting it under
     /// the primary.
     pub adopt: bool,
@@ -149,13 +151,18 @@ fn describe(o: &DebianOpts<'_>, rdir: &Path) -> anyhow::Result<PathBuf> {
     tandem_vm::desc::create_overlay(&o.vm.image, &overlay)?;
     let desc = format!(
         "# The Debian test VM on a copy-on-write overlay of {image}\n\
-         {ram_block}mem = {mem}\nvcpus = 2\nready = \"TANDEM-READY\"\n\n[boot]\nfirmware = \"seabios\"\n\n\
+         {ram_block}mem = {mem}\nvcpus = 2\nready = \"TANDEM-READY\"\n{legacy}\n[boot]\nfirmware = \"seabios\"\n\n\
          [[disk]]\npath = \"{disk}\"\nformat = \"qcow2\"\ncache = \"writeback\"\n\n\
          [[nic]]\nmac = \"{mac}\"\n",
         // A VM started with plain -m (to be adopted) names its RAM pc.ram, and its virtio NIC
         // on a tap uses virtio-net headers.
         ram_block = if o.adopt {
             "ram_block = \"pc.ram\"\nvnet_hdr = true\n"
+        } else {
+            ""
+        },
+        legacy = if o.legacy_virtio {
+            "legacy_virtio = true\n"
         } else {
             ""
         },

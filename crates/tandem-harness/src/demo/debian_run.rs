@@ -78,6 +78,7 @@ pub(super) fn run(a: Args) -> anyhow::Result<()> {
             pgbench: a.pgbench,
             pgbench_scale: a.pgbench_scale,
             mem: a.debian_mem,
+            legacy_virtio: a.debian_virtio == "legacy",
             adopt: a.adopt,
             libvirt: a.libvirt,
             etcd: etcd.as_ref(),

@@ -153,6 +153,11 @@ pub struct Args {
     /// With --vm debian: the VM's RAM in MiB.
     #[arg(long, default_value_t = 1024, value_parser = clap::value_parser!(u64).range(512..=65536))]
     pub debian_mem: u64,
+    /// With --vm debian: its virtio devices' interface, `modern` (virtio 1.0 and legacy, QEMU's
+    /// and libvirt's default) or `legacy` (the VM description's `legacy_virtio = true`: a
+    /// smaller device state to capture in every pause; docs/VM_DESCRIPTION.md).
+    #[arg(long, default_value = "modern", value_parser = ["modern", "legacy"], conflicts_with = "adopt")]
+    pub debian_virtio: String,
     /// Run only the HA cycle (part of the default plan): `tandem switchover` to the backup
     /// and back, then a host kill with the dead node restarted as a backup and re-protected,
     /// then a host kill of the other node — all fenced by etcd, over TLS.
