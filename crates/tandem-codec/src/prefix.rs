@@ -244,9 +244,15 @@ pub fn decompress(frame: &[u8], prefix: &[u8], dst: &mut [u8]) -> Result<usize, 
 }
 
 /// Decompresses a frame without a prefix into a new buffer of at most `cap` bytes, with this
-/// thread's reused context. A frame that would decode to more than `cap` is an error.
+/// thread's reused context. A frame that would decode to more than `cap` is an error. The
+/// buffer is the frame's declared size when that is within `cap` (a frame that decodes to
+/// more than it declares is an error too).
 pub fn decompress_alone(frame: &[u8], cap: usize) -> Result<Vec<u8>, String> {
-    let mut out = Vec::with_capacity(cap);
+    let declared = zstd::zstd_safe::get_frame_content_size(frame)
+        .ok()
+        .flatten()
+        .and_then(|n| usize::try_from(n).ok());
+    let mut out = Vec::with_capacity(declared.map_or(cap, |n| n.min(cap)));
     decompress_into(frame, &[], &mut out)?;
     Ok(out)
 }

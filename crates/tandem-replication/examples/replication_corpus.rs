@@ -1,7 +1,7 @@
 //! Writes seed inputs for the `replication_frames` fuzz target: `replication_corpus DIR`.
 
 use tandem_codec::{Codec, Config, Encoder};
-use tandem_replication::devstate::encode_delta;
+use tandem_replication::devstate::{encode_delta, encode_runs};
 use tandem_replication::fuzz::FUZZ_DISK;
 use tandem_replication::wire::{epoch_payload, section};
 use tandem_replication::{base_payload, hello_payload, EpochInput, Frame, Kind, Parts, Primary};
@@ -39,7 +39,7 @@ fn main() {
     enc.encode(1, &[5], &next[5 * P..6 * P], &mut rec).unwrap();
     let payload = epoch_payload(&[(section::MEMORY, &rec), (section::DEVICE_STATE, b"dev")]);
     f(Kind::Epoch, 1, payload).write_to(&mut stream).unwrap();
-    // Epoch 2: device-state delta and disk writes.
+    // Epoch 2: device-state delta (the dense form of older primaries) and disk writes.
     next[7 * P + 1] = 0x11;
     let mut rec = Vec::new();
     enc.encode(2, &[7], &next[7 * P..8 * P], &mut rec).unwrap();
@@ -52,6 +52,14 @@ fn main() {
         (section::DISK, &disk),
     ]);
     f(Kind::Epoch, 2, payload).write_to(&mut stream).unwrap();
+    // Epoch 3: device state as changed runs (what a primary sends).
+    next[9 * P + 2] = 0x22;
+    let mut rec = Vec::new();
+    enc.encode(3, &[9], &next[9 * P..10 * P], &mut rec).unwrap();
+    let mut runs = Vec::new();
+    encode_runs(b"dew-more", b"dew-mord-and-more", &mut runs);
+    let payload = epoch_payload(&[(section::MEMORY, &rec), (section::DEVICE_STATE_RUNS, &runs)]);
+    f(Kind::Epoch, 3, payload).write_to(&mut stream).unwrap();
     f(Kind::DiskBase, 0, base_payload(0, &[3; 1024]))
         .write_to(&mut stream)
         .unwrap();

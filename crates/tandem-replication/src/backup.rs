@@ -378,12 +378,13 @@ impl<M: AsRef<[u8]> + AsMut<[u8]>, K: PageKeeper> Backup<M, K> {
         let secs =
             sections(&f.payload).ok_or_else(|| ApplyError::Malformed("epoch sections".into()))?;
         let (mut memory, mut dev, mut dev_delta, mut disk) = (None, None, None, None);
-        let mut before = None;
+        let (mut before, mut dev_runs) = (None, None);
         for (k, b) in secs {
             let slot = match k {
                 section::MEMORY => &mut memory,
                 section::DEVICE_STATE => &mut dev,
                 section::DEVICE_STATE_DELTA => &mut dev_delta,
+                section::DEVICE_STATE_RUNS => &mut dev_runs,
                 section::DISK => &mut disk,
                 section::PARTS_BEFORE => &mut before,
                 other => {
@@ -397,16 +398,20 @@ impl<M: AsRef<[u8]> + AsMut<[u8]>, K: PageKeeper> Backup<M, K> {
             }
         }
         let memory = memory.ok_or_else(|| ApplyError::Malformed("epoch without memory".into()))?;
-        let device_state = match (dev, dev_delta, f.kind) {
-            (None, None, Kind::EpochPart) => None,
-            (_, _, Kind::EpochPart) => {
+        let device_state = match (dev, dev_delta, dev_runs, f.kind) {
+            (None, None, None, Kind::EpochPart) => None,
+            (_, _, _, Kind::EpochPart) => {
                 return Err(ApplyError::Malformed(
                     "device state in a part of an epoch (only its epoch frame has it)".into(),
                 ))
             }
-            (Some(d), None, _) => Some(d.to_vec()),
-            (None, Some(d), _) => Some(
+            (Some(d), None, None, _) => Some(d.to_vec()),
+            (None, Some(d), None, _) => Some(
                 crate::devstate::decode_delta(&self.device_state, d)
+                    .map_err(|e| ApplyError::Malformed(e.to_string()))?,
+            ),
+            (None, None, Some(d), _) => Some(
+                crate::devstate::decode_runs(&self.device_state, d)
                     .map_err(|e| ApplyError::Malformed(e.to_string()))?,
             ),
             _ => {

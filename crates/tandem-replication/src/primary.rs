@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use tandem_codec::{Codec, Config, EncodeError, Encoder};
 
-use crate::devstate::encode_delta_into;
+use crate::devstate::encode_runs_into;
 use crate::parts::Parts;
 use crate::wire::{
     ack_can_fail_over, ack_promise, epoch_payload, fenced_session, section, Fencing, Frame, Hello,
@@ -466,8 +466,8 @@ impl Primary {
         let stats = enc.encode(seq, pfns, data, &mut self.rec)?;
         let mut secs: Vec<(u8, &[u8])> = vec![(section::MEMORY, &self.rec)];
         if let Some(e) = whole {
-            encode_delta_into(&mut self.prev_dev, e.device_state, &mut self.dev_delta);
-            secs.push((section::DEVICE_STATE_DELTA, &self.dev_delta));
+            encode_runs_into(&mut self.prev_dev, e.device_state, &mut self.dev_delta);
+            secs.push((section::DEVICE_STATE_RUNS, &self.dev_delta));
         }
         let disk = disk.map(tandem_disk::encode_writes);
         if let Some(d) = &disk {

@@ -18,8 +18,10 @@
 //!        2 base chunk (payload: first_pfn u64 + pages) — initial copy of guest memory
 //!        3 epoch (payload: sections, each kind u8 + len u32 + bytes:
 //!                 1 memory record (tandem-codec), 2 device state, 3 disk writes,
-//!                 4 device state as a delta against the previous epoch's,
-//!                 5 parts before this frame u32 — in an epoch sent in parts)
+//!                 4 device state as a delta against the previous epoch's (every byte),
+//!                 5 parts before this frame u32 — in an epoch sent in parts,
+//!                 6 device state as the runs that changed since the previous epoch's —
+//!                   what a primary sends; 4 is still applied, from an older primary)
 //!        4 ack (backup → primary, seq = committed epoch
 //!               [, payload flags u8: bit 0 = the backup can fail over to it
 //!               [, promise_ms u32: the backup takes over no sooner than this long after the
@@ -117,6 +119,9 @@ pub mod section {
     /// How many parts of the epoch came before this frame, u32 (see [`crate::parts`]);
     /// absent: none.
     pub const PARTS_BEFORE: u8 = 5;
+    /// Device state as the runs that changed since the previous epoch's (see
+    /// [`crate::devstate`]); what the primary sends since the runs form.
+    pub const DEVICE_STATE_RUNS: u8 = 6;
 }
 
 /// A frame.

@@ -285,14 +285,14 @@ fn disk_writes_commit_with_their_epoch_or_not_at_all() {
 
 #[test]
 fn device_state_deltas_chain_and_bad_ones_are_refused() {
-    use tandem_replication::devstate::encode_delta;
+    use tandem_replication::devstate::{encode_delta, encode_runs};
     let mut mem = initial();
     let mut bk = Backup::new(mem.clone());
     bk.handle(&frame(Kind::Hello, 0, hello_payload(mem.len() as u64, 0)))
         .unwrap();
     let mut enc = Encoder::new(Codec::Tandem, &mem, Config::default()).unwrap();
     let mut prev = Vec::new();
-    for e in 1..=5u64 {
+    for e in 1..=6u64 {
         let (pfns, data) = step(&mut mem, e);
         let mut rec = Vec::new();
         enc.encode(e, &pfns, &data, &mut rec).unwrap();
@@ -300,30 +300,59 @@ fn device_state_deltas_chain_and_bad_ones_are_refused() {
             .map(|i| (i % 97) as u8)
             .collect();
         dev[e as usize * 3] = 0xee;
-        let mut delta = Vec::new();
-        encode_delta(&prev, &dev, &mut delta);
-        if e == 5 {
-            // A delta that does not decompress: refused whole, state unchanged.
-            let mut bad = delta.clone();
-            bad.truncate(bad.len() - 3);
-            let before = bk.device_state().to_vec();
+        // The runs form (what a primary sends) and the dense form of older primaries
+        // alternate: both chain on the state the other left.
+        let (kind, mut delta) = (
+            if e % 2 == 1 {
+                section::DEVICE_STATE_RUNS
+            } else {
+                section::DEVICE_STATE_DELTA
+            },
+            Vec::new(),
+        );
+        if kind == section::DEVICE_STATE_RUNS {
+            encode_runs(&prev, &dev, &mut delta);
+        } else {
+            encode_delta(&prev, &dev, &mut delta);
+        }
+        if e == 6 {
+            // A delta of either form that does not decompress: refused whole, state unchanged.
+            let mut runs = Vec::new();
+            encode_runs(&prev, &dev, &mut runs);
+            for (kind, delta) in [
+                (section::DEVICE_STATE_DELTA, &delta),
+                (section::DEVICE_STATE_RUNS, &runs),
+            ] {
+                let mut bad = delta.clone();
+                bad.truncate(bad.len() - 3);
+                let before = bk.device_state().to_vec();
+                let f = frame(
+                    Kind::Epoch,
+                    e,
+                    epoch_payload(&[(section::MEMORY, &rec), (kind, &bad)]),
+                );
+                assert!(matches!(bk.handle(&f), Err(ApplyError::Malformed(_))));
+                assert_eq!(bk.device_state(), &before[..]);
+                assert_eq!(bk.committed(), 5);
+            }
+            // Two device-state sections in one epoch: refused.
             let f = frame(
                 Kind::Epoch,
                 e,
-                epoch_payload(&[(section::MEMORY, &rec), (section::DEVICE_STATE_DELTA, &bad)]),
+                epoch_payload(&[
+                    (section::MEMORY, &rec),
+                    (section::DEVICE_STATE_RUNS, &runs),
+                    (section::DEVICE_STATE_DELTA, &delta),
+                ]),
             );
             assert!(matches!(bk.handle(&f), Err(ApplyError::Malformed(_))));
-            assert_eq!(bk.device_state(), &before[..]);
-            assert_eq!(bk.committed(), 4);
+            assert_eq!(bk.committed(), 5);
             return;
         }
         let f = frame(
             Kind::Epoch,
             e,
-            epoch_payload(&[
-                (section::MEMORY, &rec),
-                (section::DEVICE_STATE_DELTA, &delta),
-            ]),
+            epoch_payload(&[(section::MEMORY, &rec), (kind, &delta)]),
         );
         assert_eq!(bk.handle(&f).unwrap(), Applied::Committed(e));
         assert_eq!(bk.device_state(), &dev[..]);
