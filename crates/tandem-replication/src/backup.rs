@@ -377,16 +377,24 @@ impl<M: AsRef<[u8]> + AsMut<[u8]>, K: PageKeeper> Backup<M, K> {
     fn parse_epoch<'a>(&self, f: &'a Frame) -> Result<Sections<'a>, ApplyError> {
         let secs =
             sections(&f.payload).ok_or_else(|| ApplyError::Malformed("epoch sections".into()))?;
-        let (mut memory, mut dev, mut dev_delta, mut disk) = (None, None, None, None);
-        let (mut before, mut dev_runs) = (None, None);
+        let (mut memory, mut disk, mut before) = (None, None, None);
+        // At most one device-state section, of any of its three forms: (kind, bytes).
+        let mut dev: Option<(u8, &[u8])> = None;
         for (k, b) in secs {
             let slot = match k {
                 section::MEMORY => &mut memory,
-                section::DEVICE_STATE => &mut dev,
-                section::DEVICE_STATE_DELTA => &mut dev_delta,
-                section::DEVICE_STATE_RUNS => &mut dev_runs,
                 section::DISK => &mut disk,
                 section::PARTS_BEFORE => &mut before,
+                section::DEVICE_STATE
+                | section::DEVICE_STATE_DELTA
+                | section::DEVICE_STATE_RUNS => {
+                    if dev.replace((k, b)).is_some() {
+                        return Err(ApplyError::Malformed(
+                            "epoch needs exactly one device-state section".into(),
+                        ));
+                    }
+                    continue;
+                }
                 other => {
                     return Err(ApplyError::Malformed(format!(
                         "unknown epoch section {other}"
@@ -398,27 +406,28 @@ impl<M: AsRef<[u8]> + AsMut<[u8]>, K: PageKeeper> Backup<M, K> {
             }
         }
         let memory = memory.ok_or_else(|| ApplyError::Malformed("epoch without memory".into()))?;
-        let device_state = match (dev, dev_delta, dev_runs, f.kind) {
-            (None, None, None, Kind::EpochPart) => None,
-            (_, _, _, Kind::EpochPart) => {
+        let device_state = match (dev, f.kind) {
+            (None, Kind::EpochPart) => None,
+            (Some(_), Kind::EpochPart) => {
                 return Err(ApplyError::Malformed(
                     "device state in a part of an epoch (only its epoch frame has it)".into(),
                 ))
             }
-            (Some(d), None, None, _) => Some(d.to_vec()),
-            (None, Some(d), None, _) => Some(
-                crate::devstate::decode_delta(&self.device_state, d)
-                    .map_err(|e| ApplyError::Malformed(e.to_string()))?,
-            ),
-            (None, None, Some(d), _) => Some(
-                crate::devstate::decode_runs(&self.device_state, d)
-                    .map_err(|e| ApplyError::Malformed(e.to_string()))?,
-            ),
-            _ => {
+            (None, _) => {
                 return Err(ApplyError::Malformed(
                     "epoch needs exactly one device-state section".into(),
                 ))
             }
+            (Some((section::DEVICE_STATE, d)), _) => Some(d.to_vec()),
+            (Some((section::DEVICE_STATE_DELTA, d)), _) => Some(
+                crate::devstate::decode_delta(&self.device_state, d)
+                    .map_err(|e| ApplyError::Malformed(e.to_string()))?,
+            ),
+            // DEVICE_STATE_RUNS, the one other kind the loop puts in the slot.
+            (Some((_, d)), _) => Some(
+                crate::devstate::decode_runs(&self.device_state, d)
+                    .map_err(|e| ApplyError::Malformed(e.to_string()))?,
+            ),
         };
         let writes = match disk {
             None => Vec::new(),
