@@ -27,5 +27,5 @@ pub use epoch::{Epoch, EpochSink, Guest};
 pub use mirror::{MirrorHealth, MirrorSlice};
 pub use private::{private_dir, PrivateDirError};
 pub use ram::{GuestRam, MirrorFile, PAGE_SIZE};
-pub use stale::clean_stale;
+pub use stale::{clean_stale, TMPFS};
 pub use vm::{DirtyMode, LazyRam, PauseTiming, Vm, VmConfig, VmError};

@@ -56,11 +56,15 @@ fn ram_file_pid(name: &str) -> Option<i32> {
     parts.next()?.parse().ok()
 }
 
-/// Removes what dead tandem processes left in `/dev/shm` and the temporary directory;
+/// The tmpfs that holds guest RAM files, device-state files and owned scratch directories
+/// (swept by [`clean_stale`] with the temporary directory).
+pub const TMPFS: &str = "/dev/shm";
+
+/// Removes what dead tandem processes left in [`TMPFS`] and the temporary directory;
 /// returns the paths removed.
 pub fn clean_stale() -> Vec<PathBuf> {
     let mut removed = Vec::new();
-    for root in [PathBuf::from("/dev/shm"), std::env::temp_dir()] {
+    for root in [PathBuf::from(TMPFS), std::env::temp_dir()] {
         let Ok(entries) = std::fs::read_dir(&root) else {
             continue;
         };

@@ -603,7 +603,8 @@ fn ram_file(
     let n = COUNTER.fetch_add(1, Ordering::Relaxed);
     let fresh_path = || {
         PathBuf::from(format!(
-            "/dev/shm/tandem-{}-{}-{n}.ram",
+            "{}/tandem-{}-{}-{n}.ram",
+            crate::stale::TMPFS,
             config.name,
             std::process::id()
         ))

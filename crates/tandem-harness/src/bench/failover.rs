@@ -43,7 +43,7 @@ pub fn run(kills: usize, json: bool) -> anyhow::Result<()> {
         .context("creating the network lab (needs root)")?;
     let dir = tandem_vm::stale::owned_tempdir(
         "tandem-failover-",
-        Some(std::path::Path::new("/dev/shm")),
+        Some(std::path::Path::new(tandem_vm::TMPFS)),
     )?;
     let etcd = EtcdLab::start(&mut lab, dir.path(), false)?;
     let keys = dir.path().join("keys");

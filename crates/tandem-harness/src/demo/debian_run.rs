@@ -43,7 +43,7 @@ pub(super) fn run(a: Args) -> anyhow::Result<()> {
     let dir = tandem_vm::stale::owned_tempdir("tandem-demo-debian-", Some(&vm.dir))?;
     let shm = tandem_vm::stale::owned_tempdir(
         "tandem-demo-debian-",
-        Some(std::path::Path::new("/dev/shm")),
+        Some(std::path::Path::new(tandem_vm::TMPFS)),
     )?;
     // With --libvirt the daemons are fenced (as the unit runs them): the backup host's libvirt
     // learns the adopted domain through etcd.

@@ -36,7 +36,7 @@ use super::DeviceStateError;
 use crate::qmp::{Qmp, QmpError, Sent};
 
 /// The tmpfs the state file is written to (guest RAM files live there too).
-pub const STATE_DIR: &str = "/dev/shm";
+pub const STATE_DIR: &str = crate::stale::TMPFS;
 
 /// Device state above this size gets a hint in the log (the lab guest with legacy virtio
 /// saves ~35 KB, the same devices in modern mode ~170 KB).
