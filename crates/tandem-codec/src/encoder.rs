@@ -66,6 +66,37 @@ pub struct Encoder {
     trial_sample: usize,
 }
 
+/// Guest memory from which [`hash_all`] splits the work over threads.
+const HASH_SPLIT_BYTES: usize = 64 << 20;
+
+/// The block hashes of every page of `base` into `out` (`PAGE / granule` per page). For GiBs
+/// this takes seconds on one core, and on a primary a busy guest's writes meanwhile become
+/// the first epoch, so large bases are split over up to four threads.
+fn hash_all(base: &[u8], granule: usize, out: &mut [u64]) {
+    let per = PAGE / granule;
+    let pages = base.len() / PAGE;
+    let threads = if base.len() < HASH_SPLIT_BYTES {
+        1
+    } else {
+        std::thread::available_parallelism().map_or(1, |n| n.get().min(4))
+    };
+    let chunk = pages.div_ceil(threads).max(1);
+    std::thread::scope(|s| {
+        for (b, h) in base.chunks(chunk * PAGE).zip(out.chunks_mut(chunk * per)) {
+            let mut run = move || {
+                for (p, h) in b.chunks_exact(PAGE).zip(h.chunks_exact_mut(per)) {
+                    block_hashes(p, granule, h);
+                }
+            };
+            if threads == 1 {
+                run();
+            } else {
+                s.spawn(run);
+            }
+        }
+    });
+}
+
 fn block_hashes(page: &[u8], granule: usize, out: &mut [u64]) {
     for (h, b) in out.iter_mut().zip(page.chunks_exact(granule)) {
         *h = xxhash_rust::xxh3::xxh3_64(b);
@@ -188,12 +219,7 @@ impl Encoder {
         }
         if let Some(per) = PAGE.checked_div(granule) {
             e.block_hashes = vec![0; pages as usize * per];
-            for (p, h) in base
-                .chunks_exact(PAGE)
-                .zip(e.block_hashes.chunks_exact_mut(per))
-            {
-                block_hashes(p, granule, h);
-            }
+            hash_all(base, granule, &mut e.block_hashes);
         }
         if full {
             // Index the base so identical and similar pages can be found from epoch 1.
