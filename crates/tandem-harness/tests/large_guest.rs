@@ -1,8 +1,9 @@
 //! A large, busy guest (issue 39), as real processes: 4 GiB whose workload (`memheavy`)
-//! rewrites a 1 GiB buffer faster than the link ships it. The initial sync's pre-copy rounds
-//! throttle it until it converges, so the first checkpoint is small instead of carrying the
-//! whole buffer; its epochs go in parts of 1 MiB; then the primary's host dies and the backup
-//! resumes the guest.
+//! rewrites a 1 GiB buffer. The initial sync's pre-copy rounds throttle it until it converges
+//! (when it writes faster than the link ships), and it is held while the encoder's reference
+//! is built (seconds for 4 GiB), so the first checkpoint is small instead of carrying the whole
+//! buffer; its epochs go in parts of 1 MiB; then the primary's host dies and the backup resumes
+//! the guest.
 
 mod common;
 
@@ -56,6 +57,7 @@ fn a_large_busy_guest_converges_by_pre_copy_and_fails_over() {
     let qemu = ready["qemu_pid"].as_u64().unwrap();
     // Until the third acknowledged epoch: the rounds' lines, in order.
     let (mut rounds, mut throttled, mut in_parts) = (Vec::new(), false, 0);
+    let mut held = false;
     let deadline = Instant::now() + Duration::from_secs(900);
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
@@ -63,6 +65,7 @@ fn a_large_busy_guest_converges_by_pre_copy_and_fails_over() {
             .recv_timeout(left)
             .unwrap_or_else(|_| panic!("not protected in time; rounds: {rounds:#?}"));
         in_parts += usize::from(line.contains(" parts"));
+        held |= line.contains("guest held");
         if line.contains("pre-copy round") {
             throttled |= line.contains("throttled");
             rounds.push(line);
@@ -74,9 +77,11 @@ fn a_large_busy_guest_converges_by_pre_copy_and_fails_over() {
         }
     }
     assert!(rounds.len() >= 2, "{rounds:#?}");
+    // Throttled by the rounds (a link slower than the buffer's rewriting), or held once the
+    // rounds converged and the guest wrote their target again while the encoder was built.
     assert!(
-        throttled,
-        "the buffer is rewritten faster than it ships: {rounds:#?}"
+        throttled || held,
+        "the guest was neither throttled nor held: {rounds:#?}"
     );
     // The first checkpoint carried what the throttled guest left, not the 262 144 pages of
     // its buffer (the pre-copy's bound is 65 536 when its rounds run out).

@@ -86,6 +86,51 @@ impl Schedule for Fixed {
     }
 }
 
+/// `inner` with its first checkpoint at once: a session's first epoch carries what the guest
+/// wrote since the initial sync (held while the encoder was built), and the backup can fail
+/// over only once that epoch committed, so it does not wait out a first interval.
+pub struct StartNow {
+    inner: Box<dyn Schedule>,
+    started: bool,
+}
+
+impl StartNow {
+    /// `inner`, starting with a checkpoint.
+    pub fn new(inner: Box<dyn Schedule>) -> Self {
+        StartNow {
+            inner,
+            started: false,
+        }
+    }
+}
+
+impl Schedule for StartNow {
+    fn next_interval(&mut self, last_dirty: usize, last_pause: &PauseTiming) -> Duration {
+        let i = self.inner.next_interval(last_dirty, last_pause);
+        if std::mem::replace(&mut self.started, true) {
+            i
+        } else {
+            Duration::ZERO
+        }
+    }
+
+    fn polls(&self) -> bool {
+        self.inner.polls()
+    }
+
+    fn dirty_sample(&self, pending: &Pending) -> Option<Duration> {
+        self.inner.dirty_sample(pending)
+    }
+
+    fn early(&mut self, ran: Duration, pending: &Pending) -> Cut {
+        self.inner.early(ran, pending)
+    }
+
+    fn ran_busy(&mut self, share: Option<f64>) {
+        self.inner.ran_busy(share)
+    }
+}
+
 /// The adaptive schedule's knobs (defaults from seed 002 where it gives them). In
 /// configuration files durations are written as `"500ms"`, `"2s"`.
 #[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -710,6 +755,20 @@ mod tests {
         off.next_interval(0, &pause(1));
         assert_eq!(off.dirty_sample(&blocked(None)), None);
         assert_eq!(off.early(ms(5), &blocked(Some(1 << 20))), Cut::Run);
+    }
+
+    #[test]
+    fn start_now_checkpoints_at_once_then_follows_its_schedule() {
+        let mut s = StartNow::new(build(ms(100), Some(AdaptiveConfig::default())));
+        assert_eq!(s.next_interval(0, &PauseTiming::default()), Duration::ZERO);
+        assert!(s.polls());
+        let max = AdaptiveConfig::default().max_wait;
+        assert_eq!(s.next_interval(10, &pause(2)), max);
+        assert_eq!(s.next_interval(10, &pause(2)), max);
+        let mut f = StartNow::new(build(ms(100), None));
+        assert_eq!(f.next_interval(0, &PauseTiming::default()), Duration::ZERO);
+        assert!(!f.polls());
+        assert_eq!(f.next_interval(10, &pause(2)), ms(100));
     }
 
     #[test]

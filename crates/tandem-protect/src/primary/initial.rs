@@ -13,7 +13,9 @@
 //! does, a round that shrank by less than 10 % throttles the guest more (half of its time at
 //! first, then half of what it has left, at most 99 %: [`Throttle`], QEMU stopped and
 //! continued with SIGSTOP/SIGCONT every 10 ms), until the set converges; the throttle ends
-//! once the encoder's reference is built, just before the first checkpoint.
+//! once the encoder's reference is built, just before the first checkpoint. That build takes
+//! seconds for GiBs, and what the guest writes meanwhile is the first checkpoint: a guest the
+//! rounds left unthrottled is held (99 %) once it wrote the rounds' target again.
 //!
 //! A page copied while the guest writes it is written again after the harvest that re-armed
 //! it, so a later round or the first checkpoint sends it again; the backup takes base frames
@@ -23,7 +25,7 @@
 use std::io::Write;
 use std::time::{Duration, Instant};
 
-use tandem_vm::{Vm, VmError, PAGE_SIZE};
+use tandem_vm::{Guest, Vm, VmError, PAGE_SIZE};
 
 use super::link::{self, Shared};
 use super::session::Daemon;
@@ -105,6 +107,9 @@ pub(super) fn next(p: &Precopy, round: u32, before: Option<u64>, now: u64) -> Ne
     }
 }
 
+/// How often the guest's written pages are counted while the encoder's reference is built.
+const BUILD_SAMPLE: Duration = Duration::from_millis(20);
+
 /// Throttles a guest during pre-copy: QEMU is stopped (SIGSTOP) for `share` % of every
 /// 10 ms and continued (SIGCONT) for the rest, by a thread; dropping it continues QEMU.
 pub(super) struct Throttle {
@@ -159,12 +164,29 @@ impl Throttle {
 impl Throttle {
     /// A throttled guest is throttled the most (99 %) while the last step before the first
     /// checkpoint runs (building the encoder's reference takes seconds for GiBs): what it
-    /// writes meanwhile is the first checkpoint. An unthrottled guest stays so.
+    /// writes meanwhile is the first checkpoint. An unthrottled guest stays so until it
+    /// wrote enough to be held ([`Throttle::hold`]).
     pub(super) fn most(&self) {
-        use std::sync::atomic::Ordering;
-        if self.share.load(Ordering::SeqCst) > 0 {
-            self.share.store(99, Ordering::SeqCst);
+        if self.throttled() {
+            self.hold();
         }
+    }
+
+    /// Throttles the guest the most (99 %) from now on.
+    pub(super) fn hold(&self) {
+        self.share.store(99, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// Whether the guest is throttled at all.
+    pub(super) fn throttled(&self) -> bool {
+        self.share.load(std::sync::atomic::Ordering::SeqCst) > 0
+    }
+
+    /// Ends the throttle without waiting for its thread: QEMU runs freely within one period
+    /// (10 ms). Dropping it then joins the thread.
+    pub(super) fn release(&self) {
+        self.share
+            .store(u32::MAX, std::sync::atomic::Ordering::SeqCst);
     }
 }
 
@@ -192,13 +214,15 @@ pub(super) fn runs(pfns: &[u64], max: usize) -> Vec<(u64, usize)> {
 
 impl Daemon<'_> {
     /// Hello, then the initial sync while the guest runs (module docs). Network output from
-    /// here on is held until the session's first ack.
+    /// here on is held until the session's first ack. Returns the guest's throttle, for the
+    /// caller to release just before the first checkpoint: until then the guest's writes
+    /// are that checkpoint.
     pub(super) fn initial_copy(
         &mut self,
         vm: &mut Vm,
         w: &mut impl Write,
         shared: &Shared,
-    ) -> Result<(), CopyError> {
+    ) -> Result<Throttle, CopyError> {
         let (site, epoch) = (self.site, self.epoch);
         let started = Instant::now();
         // The hash dirty log (kernels without PAGEMAP_SCAN) hashes all of RAM in this pause:
@@ -274,12 +298,39 @@ impl Daemon<'_> {
         // RAM: seconds for GiBs on a loaded host.
         self.watchdog
             .allow(Duration::from_secs(10) + Duration::from_millis(10 * mib));
-        self.proto
-            .set_reference(&shadow)
+        let t = Instant::now();
+        let target = self.opts.precopy.target_pages;
+        let (proto, status) = (&mut self.proto, &self.status);
+        let built = std::thread::scope(|s| {
+            let build = s.spawn(|| proto.set_reference(&shadow));
+            // Meanwhile the guest runs and what it writes is the first checkpoint. A guest
+            // the rounds left unthrottled (they converged) is held as a throttled one once
+            // it wrote the rounds' target again, so that checkpoint stays that small.
+            while !build.is_finished() {
+                std::thread::sleep(BUILD_SAMPLE);
+                if throttle.throttled() {
+                    continue;
+                }
+                if let Some(n) = vm.dirty_count() {
+                    if n >= target {
+                        throttle.hold();
+                        status.info(format!(
+                            "pre-copy: guest held at 1 % of its time until the encoder is built ({n} pages written meanwhile)"
+                        ));
+                    }
+                }
+            }
+            build.join()
+        });
+        built
+            .map_err(|_| CopyError::Link("the encoder's build panicked".into()))?
             .map_err(|e| CopyError::Link(format!("the encoder: {e}")))?;
-        drop(throttle);
         self.watchdog.beat();
-        Ok(())
+        self.status.info(format!(
+            "pre-copy: the encoder's reference built in {:.1} s",
+            t.elapsed().as_secs_f64()
+        ));
+        Ok(throttle)
     }
 
     /// Pre-copy rounds: what the guest wrote during the last round, sent while it runs.

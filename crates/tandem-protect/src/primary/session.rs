@@ -161,11 +161,11 @@ impl Daemon<'_> {
             (Err(e), _) | (_, Err(e)) => return Ok(End::Lost(format!("link: {e}"))),
         };
         let mut w = BufWriter::with_capacity(1 << 20, w);
-        match self.initial_copy(vm, &mut w, shared) {
-            Ok(()) => {}
+        let throttle = match self.initial_copy(vm, &mut w, shared) {
+            Ok(t) => t,
             Err(CopyError::Vm(e)) => return Err(e.into()),
             Err(CopyError::Link(why)) => return Ok(self.lost_or_fenced(shared, why)),
-        }
+        };
         drop(w);
         self.registry.set_link_up(true);
         let (tx, rx) = sync_channel::<Out>(2);
@@ -184,7 +184,7 @@ impl Daemon<'_> {
             "initial copy sent; replicating from epoch {} on",
             start + 1
         ));
-        let r = self.epochs(vm, &tx, shared);
+        let r = self.epochs(vm, &tx, shared, throttle);
         let end = match r {
             Err(e) => Err(e),
             Ok(()) if shared.fenced.load(Ordering::SeqCst) => {
@@ -281,21 +281,27 @@ impl Daemon<'_> {
         vm: &mut Vm,
         tx: &SyncSender<Out>,
         shared: &Shared,
+        throttle: super::initial::Throttle,
     ) -> Result<(), PrimaryError> {
         let duration = self.deadline.map_or(Duration::MAX, |d| {
             d.saturating_duration_since(Instant::now())
         });
         let first = self.epoch + 1;
-        // The first pause (vCPUs stopped, dirty log harvested, pages copied, device state
-        // captured) takes everything the guest wrote since the last pre-copy round, while the
-        // encoder's state was built: up to all of its RAM on a busy guest, about a
-        // millisecond per MiB of guest on a loaded host. Progress, not a hang, until the first
-        // checkpoint's own beat.
+        // The first pause comes at once (`StartNow`). It (vCPUs stopped, dirty log harvested,
+        // pages copied, device state captured) takes everything the guest wrote since the
+        // last pre-copy round, while the encoder's state was built: up to all of its RAM on a
+        // busy guest, about a millisecond per MiB of guest on a loaded host. Progress, not a
+        // hang, until the first checkpoint's own beat.
         self.watchdog
             .allow(Duration::from_millis((vm.ram().len() >> 20) as u64));
         let mut sink = self.sink(shared, tx, vm.pid());
-        let mut schedule = tandem_vm::schedule::build(sink.st.opts.epoch, sink.st.opts.adaptive);
-        let r = run_pipeline(vm, schedule.as_mut(), duration, first, &mut sink);
+        let mut schedule = tandem_vm::schedule::StartNow::new(tandem_vm::schedule::build(
+            sink.st.opts.epoch,
+            sink.st.opts.adaptive,
+        ));
+        // The initial sync's throttle ends now, and the first checkpoint follows at once.
+        throttle.release();
+        let r = run_pipeline(vm, &mut schedule, duration, first, &mut sink);
         let err = sink.err.take();
         self.epoch = r?;
         err.map_or(Ok(()), Err)
