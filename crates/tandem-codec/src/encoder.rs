@@ -74,25 +74,19 @@ const HASH_SPLIT_BYTES: usize = 64 << 20;
 /// the first epoch, so large bases are split over up to four threads.
 fn hash_all(base: &[u8], granule: usize, out: &mut [u64]) {
     let per = PAGE / granule;
-    let pages = base.len() / PAGE;
-    let threads = if base.len() < HASH_SPLIT_BYTES {
-        1
-    } else {
-        std::thread::available_parallelism().map_or(1, |n| n.get().min(4))
+    let hash = |b: &[u8], h: &mut [u64]| {
+        for (p, h) in b.chunks_exact(PAGE).zip(h.chunks_exact_mut(per)) {
+            block_hashes(p, granule, h);
+        }
     };
-    let chunk = pages.div_ceil(threads).max(1);
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get().min(4));
+    if base.len() < HASH_SPLIT_BYTES || threads == 1 {
+        return hash(base, out);
+    }
+    let chunk = (base.len() / PAGE).div_ceil(threads);
     std::thread::scope(|s| {
         for (b, h) in base.chunks(chunk * PAGE).zip(out.chunks_mut(chunk * per)) {
-            let mut run = move || {
-                for (p, h) in b.chunks_exact(PAGE).zip(h.chunks_exact_mut(per)) {
-                    block_hashes(p, granule, h);
-                }
-            };
-            if threads == 1 {
-                run();
-            } else {
-                s.spawn(run);
-            }
+            s.spawn(move || hash(b, h));
         }
     });
 }
@@ -671,5 +665,23 @@ impl Encoder {
         if let Some(s) = self.prev.as_mut() {
             s.settle(self.pool.as_deref());
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn split_block_hashes_equal_the_ones_of_one_thread() {
+        let base = crate::test_bytes(0x5eed, HASH_SPLIT_BYTES + 3 * PAGE);
+        let per = PAGE / 128;
+        let mut split = vec![0u64; base.len() / PAGE * per];
+        hash_all(&base, 128, &mut split);
+        let mut one = vec![0u64; split.len()];
+        for (p, h) in base.chunks_exact(PAGE).zip(one.chunks_exact_mut(per)) {
+            block_hashes(p, 128, h);
+        }
+        assert!(split == one);
     }
 }

@@ -159,9 +159,7 @@ impl Throttle {
         self.share.store(now, Ordering::SeqCst);
         now
     }
-}
 
-impl Throttle {
     /// A throttled guest is throttled the most (99 %) while the last step before the first
     /// checkpoint runs (building the encoder's reference takes seconds for GiBs): what it
     /// writes meanwhile is the first checkpoint. An unthrottled guest stays so until it
