@@ -640,13 +640,14 @@ impl Encoder {
         let strategy = self.codec.strategy();
         let hashing = matches!(strategy, Codec::De | Codec::Tandem | Codec::TandemV1);
         let per = PAGE.checked_div(self.granule).unwrap_or(0);
+        if let Some(s) = self.prev.as_mut() {
+            let changed = (0..pfns.len()).filter(|&i| !pre[i].unchanged);
+            s.put_batch(changed.map(|i| (pfns[i], page(i))));
+        }
         for i in 0..pfns.len() {
             let (pfn, p) = (pfns[i], page(i));
             if pre[i].unchanged {
                 continue;
-            }
-            if let Some(s) = self.prev.as_mut() {
-                s.put(pfn, p);
             }
             if let (Some(ix), Some((_, r))) = (self.anchors.as_mut(), &coded[i]) {
                 for &h in &r.anchors[..r.n] {

@@ -216,6 +216,41 @@ impl Lru {
     }
 
     fn put(&mut self, pfn: u64, content: &[u8]) {
+        if let Some((s, _)) = self.place(pfn) {
+            self.data[s as usize * PAGE..(s as usize + 1) * PAGE].copy_from_slice(content);
+        }
+    }
+
+    /// Stores the pages of one epoch, as [`Lru::put`] one after the other would, but copies
+    /// a page bound for the probation list only if it is still held when the batch ends: a
+    /// guest that rewrites a cycle much larger than the store sends almost every page there,
+    /// and all but the last `caps[1]` of them are pushed out again within the same epoch.
+    fn put_batch<'a>(&mut self, pages: impl IntoIterator<Item = (u64, &'a [u8])>) {
+        // Probation slot → the content it takes once the batch is over. Nothing reads a
+        // probation slot's bytes meanwhile: pushing one out does not (only the main list's
+        // pages go to the compressed tier), and a slot that moves to the main list is
+        // copied at once.
+        let mut later: FxMap<u32, &'a [u8]> = FxMap::default();
+        for (pfn, content) in pages {
+            match self.place(pfn) {
+                Some((s, 1)) => {
+                    later.insert(s, content);
+                }
+                Some((s, _)) => {
+                    later.remove(&s);
+                    self.data[s as usize * PAGE..(s as usize + 1) * PAGE].copy_from_slice(content);
+                }
+                None => {}
+            }
+        }
+        for (s, content) in later {
+            self.data[s as usize * PAGE..(s as usize + 1) * PAGE].copy_from_slice(content);
+        }
+    }
+
+    /// Records that `pfn` gets a new version: returns the slot (and its list) whose bytes the
+    /// caller must set to it, or `None` when the store does not keep it.
+    fn place(&mut self, pfn: u64) -> Option<(u32, usize)> {
         let mut cap = self.caps[0];
         let mut from_tier = false;
         if let Some(c) = self.cold.as_mut() {
@@ -252,11 +287,11 @@ impl Lru {
                 }
                 s
             }
-            None if self.caps[list] == 0 => return,
+            None if self.caps[list] == 0 => return None,
             None => self.slot(pfn, list),
         };
-        self.data[s as usize * PAGE..(s as usize + 1) * PAGE].copy_from_slice(content);
         self.push_front(s, list);
+        Some((s, list))
     }
 
     fn work_bytes(&self) -> usize {
@@ -393,6 +428,16 @@ impl PrevStore {
                 tags[s] = pfn;
                 data[s * PAGE..(s + 1) * PAGE].copy_from_slice(content);
             }
+        }
+    }
+
+    /// Records the current versions of one epoch's pages, in order: the same as a
+    /// [`PrevStore::put`] of each, with less copying in a scan-resistant store (see
+    /// `Lru::put_batch`).
+    pub fn put_batch<'a>(&mut self, pages: impl IntoIterator<Item = (u64, &'a [u8])>) {
+        match self {
+            PrevStore::Lru(l) => l.put_batch(pages),
+            s => pages.into_iter().for_each(|(pfn, p)| s.put(pfn, p)),
         }
     }
 

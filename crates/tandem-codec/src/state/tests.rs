@@ -131,3 +131,64 @@ fn direct_mapped_like_qemu() {
     assert!(s.get(4).is_none());
     assert_eq!(s.get(6).unwrap()[0], 6);
 }
+
+#[test]
+fn a_batch_of_puts_holds_what_single_puts_hold() {
+    // A cycle much larger than the store (most pages go to probation and out again within
+    // the batch), pages that come back soon, and a tier: after every epoch the batch-filled
+    // store holds exactly what the one filled page by page holds.
+    let page = |pfn: u64, round: u64| -> Vec<u8> {
+        (0..PAGE / 8)
+            .flat_map(|w| ((round << 32) | pfn << 12 | (w as u64 / 8)).to_le_bytes())
+            .collect()
+    };
+    let guest = 4000u64;
+    for make in [
+        |_: u64| Lru::new(96),
+        |g: u64| Lru::scan_resistant(96, g),
+        |g: u64| Lru::tiered(192, g),
+    ] {
+        let (mut one, mut batch) = (
+            PrevStore::Lru(Box::new(make(guest))),
+            PrevStore::Lru(Box::new(make(guest))),
+        );
+        let mut x = 0x2545_f491_4f6c_dd1du64;
+        for round in 1..40u64 {
+            // A scan over a third of the guest, and a few hot pages.
+            let mut pfns: Vec<u64> = (0..300).map(|k| (round * 300 + k) % guest).collect();
+            for _ in 0..20 {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                pfns.push(x % 64);
+            }
+            pfns.sort_unstable();
+            pfns.dedup();
+            let pages: Vec<Vec<u8>> = pfns.iter().map(|&p| page(p, round)).collect();
+            for s in [&mut one, &mut batch] {
+                s.promote(&pfns, None);
+            }
+            for (&pfn, p) in pfns.iter().zip(&pages) {
+                one.put(pfn, p);
+            }
+            batch.put_batch(pfns.iter().copied().zip(pages.iter().map(|p| &p[..])));
+            for s in [&mut one, &mut batch] {
+                s.settle(None);
+            }
+            let all: Vec<u64> = (0..guest).collect();
+            for s in [&mut one, &mut batch] {
+                s.promote(&all, None);
+            }
+            for pfn in 0..guest {
+                assert_eq!(
+                    one.get(pfn),
+                    batch.get(pfn),
+                    "page {pfn} after round {round}"
+                );
+            }
+            for s in [&mut one, &mut batch] {
+                s.settle(None);
+            }
+        }
+    }
+}
