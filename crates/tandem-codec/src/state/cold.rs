@@ -311,8 +311,12 @@ impl Cold {
         self.map.contains_key(&pfn)
     }
 
-    /// Pages the tier holds when full, at the present pages' average size.
+    /// Pages the tier holds when full, at the present pages' average size; switched off (it
+    /// takes no page in), the pages it holds.
     pub(super) fn capacity(&self) -> usize {
+        if !self.takes() {
+            return self.map.len();
+        }
         match self.map.len() {
             0 => self.budget / (PAGE + ENTRY),
             n => (self.budget as u128 * n as u128 / self.charged.max(1) as u128) as usize,
@@ -418,9 +422,12 @@ mod tests {
         c.active = false;
         c.put(2, &page(2, true));
         assert!(c.holds(1) && !c.holds(2));
+        // Off, it counts only what it holds (the store admits by it).
+        assert_eq!(c.capacity(), 1);
         // A newer version put while off still replaces (drops) the held one.
         c.put(1, &page(3, true));
         assert!(!c.holds(1));
+        assert_eq!(c.capacity(), 0);
     }
 
     #[test]
