@@ -2,6 +2,13 @@
 
 use super::*;
 
+/// A compressible page: a counter of `pfn`, `round` and the word's eighth in every 8-byte word.
+fn counter_page(pfn: u64, round: u64) -> Vec<u8> {
+    (0..PAGE / 8)
+        .flat_map(|w| ((round << 32) | pfn << 12 | (w as u64 / 8)).to_le_bytes())
+        .collect()
+}
+
 #[test]
 fn lru_evicts_least_recent() {
     let mut s = PrevStore::Lru(Box::new(Lru::new(2)));
@@ -74,11 +81,7 @@ fn a_cycle_larger_than_the_store_keeps_a_held_sample() {
 fn a_tiered_store_holds_a_compressible_cycle_larger_than_its_raw_slots() {
     // Compressible pages (a counter in every 8-byte word), a cycle of 5 × the store's raw
     // pages: the compressed tier holds what the main list pushes out.
-    let page = |pfn: u64, round: u64| -> Vec<u8> {
-        (0..PAGE / 8)
-            .flat_map(|w| ((round << 32) | pfn << 12 | (w as u64 / 8)).to_le_bytes())
-            .collect()
-    };
+    let page = counter_page;
     let (cap, cycle) = (64usize, 160u64);
     let mut tiered = PrevStore::Lru(Box::new(Lru::tiered(cap, 1000)));
     let mut flat = PrevStore::Lru(Box::new(Lru::scan_resistant(cap, 1000)));
@@ -137,11 +140,7 @@ fn a_batch_of_puts_holds_what_single_puts_hold() {
     // A cycle much larger than the store (most pages go to probation and out again within
     // the batch), pages that come back soon, and a tier: after every epoch the batch-filled
     // store holds exactly what the one filled page by page holds.
-    let page = |pfn: u64, round: u64| -> Vec<u8> {
-        (0..PAGE / 8)
-            .flat_map(|w| ((round << 32) | pfn << 12 | (w as u64 / 8)).to_le_bytes())
-            .collect()
-    };
+    let page = counter_page;
     let guest = 4000u64;
     for make in [
         |_: u64| Lru::new(96),
