@@ -31,6 +31,11 @@ pub fn owned_tempdir(prefix: &str, dir: Option<&Path>) -> std::io::Result<tempfi
     Ok(d)
 }
 
+/// [`owned_tempdir`] in [`TMPFS`].
+pub fn owned_tmpfs_dir(prefix: &str) -> std::io::Result<tempfile::TempDir> {
+    owned_tempdir(prefix, Some(Path::new(TMPFS)))
+}
+
 fn alive(pid: i32) -> bool {
     if pid <= 0 {
         return true;

@@ -41,10 +41,7 @@ pub fn run(kills: usize, json: bool) -> anyhow::Result<()> {
     let exe = crate::product_exe()?;
     let mut lab = NetLab::create(&format!("tf{}", std::process::id() % 100_000), 1000)
         .context("creating the network lab (needs root)")?;
-    let dir = tandem_vm::stale::owned_tempdir(
-        "tandem-failover-",
-        Some(std::path::Path::new(tandem_vm::TMPFS)),
-    )?;
+    let dir = tandem_vm::stale::owned_tmpfs_dir("tandem-failover-")?;
     let etcd = EtcdLab::start(&mut lab, dir.path(), false)?;
     let keys = dir.path().join("keys");
     let sans = [crate::netlab::BACKUP_IP, crate::netlab::PRIMARY_IP].map(String::from);

@@ -335,10 +335,7 @@ pub fn run(n: u64, seed: Option<u64>, mem: u64, no_etcd: bool, json: bool) -> an
     let exe = crate::product_exe()?;
     let mut lab = NetLab::create(&format!("tz{}", std::process::id() % 100_000), 1000)
         .context("creating the network lab (needs root)")?;
-    let dir = tandem_vm::stale::owned_tempdir(
-        "tandem-faults-",
-        Some(std::path::Path::new(tandem_vm::TMPFS)),
-    )?;
+    let dir = tandem_vm::stale::owned_tmpfs_dir("tandem-faults-")?;
     let etcd = if no_etcd {
         None
     } else {

@@ -41,10 +41,7 @@ pub(super) fn run(a: Args) -> anyhow::Result<()> {
     // Earlier runs' logs stay, the last ten of them.
     tandem_vm::stale::prune_kept(&vm.dir, "tandem-demo-debian-", 10);
     let dir = tandem_vm::stale::owned_tempdir("tandem-demo-debian-", Some(&vm.dir))?;
-    let shm = tandem_vm::stale::owned_tempdir(
-        "tandem-demo-debian-",
-        Some(std::path::Path::new(tandem_vm::TMPFS)),
-    )?;
+    let shm = tandem_vm::stale::owned_tmpfs_dir("tandem-demo-debian-")?;
     // With --libvirt the daemons are fenced (as the unit runs them): the backup host's libvirt
     // learns the adopted domain through etcd.
     let etcd = if a.libvirt || a.etcd {

@@ -232,10 +232,7 @@ fn run_demo(a: Args) -> anyhow::Result<()> {
     let exe = crate::product_exe()?;
     let mut lab = NetLab::create(&format!("td{}", std::process::id() % 100_000), a.rate_mbit)
         .context("creating the network lab (tandem demo needs root for network namespaces)")?;
-    let dir = tandem_vm::stale::owned_tempdir(
-        "tandem-demo-",
-        Some(std::path::Path::new(tandem_vm::TMPFS)),
-    )?;
+    let dir = tandem_vm::stale::owned_tmpfs_dir("tandem-demo-")?;
     if !matches!(a.restore.as_str(), "lazy" | "materialise") {
         bail!("--restore {:?}: use lazy or materialise", a.restore);
     }
