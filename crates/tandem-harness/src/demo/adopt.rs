@@ -355,13 +355,27 @@ pub struct Clients {
 /// subsystem, class, as `lspci -n` shows them), every NIC (name, which follows its PCI path,
 /// and MAC), the vCPU count and the first vCPU's flags.
 pub fn guest_hardware(ns: &str, key: &Path) -> anyhow::Result<Vec<String>> {
+    guest_hardware_within(ns, key, Duration::ZERO)
+}
+
+/// [`guest_hardware`], trying ssh again every 2 s for up to `patience` while it cannot connect
+/// (ssh's status 255): after a reboot PostgreSQL can answer before sshd listens.
+fn guest_hardware_within(ns: &str, key: &Path, patience: Duration) -> anyhow::Result<Vec<String>> {
     const SCRIPT: &str = "for d in /sys/bus/pci/devices/*; do echo \"pci $(basename $d) $(cat $d/vendor $d/device $d/subsystem_vendor $d/subsystem_device $d/class | tr '\\n' ' ')\"; done; \
         for n in /sys/class/net/*; do echo \"nic $(basename $n) $(cat $n/address)\"; done; \
         echo \"cpus $(nproc)\"; grep -m1 '^flags' /proc/cpuinfo";
-    let out = pg::ssh(ns, key, GUEST_IP)
-        .arg(SCRIPT)
-        .output()
-        .context("running ssh")?;
+    let t = Instant::now();
+    let out = loop {
+        let out = pg::ssh(ns, key, GUEST_IP)
+            .arg(SCRIPT)
+            .output()
+            .context("running ssh")?;
+        if out.status.code() == Some(255) && t.elapsed() < patience {
+            std::thread::sleep(Duration::from_secs(2));
+            continue;
+        }
+        break out;
+    };
     if !out.status.success() {
         bail!(
             "reading the guest's hardware over ssh: {}",
@@ -413,7 +427,7 @@ impl HardwareRoundTrip {
                 bail!("the guest did not come back with a new PostgreSQL within 400 s of its reboot under tandem");
             }
         };
-        let after_reboot = guest_hardware(ns, key)?;
+        let after_reboot = guest_hardware_within(ns, key, Duration::from_secs(120))?;
         let only = |a: &[String], b: &[String], side: &str| -> Vec<String> {
             a.iter()
                 .filter(|x| !b.contains(x))
