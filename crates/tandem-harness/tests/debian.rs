@@ -206,10 +206,21 @@ fn debian_round(flags: &[&str]) -> serde_json::Value {
         .output()
         .expect("run tandem demo");
     let stdout = String::from_utf8_lossy(&out.stdout);
-    eprintln!("{}", String::from_utf8_lossy(&out.stderr));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    // The demo's error is its stderr's last lines: printed first, so that a log cut short
+    // (as CI's excerpt is) still shows why the round failed.
+    let tail: Vec<&str> = stderr.lines().rev().take(6).collect();
+    if !out.status.success() {
+        eprintln!("tandem demo --vm debian {flags:?} failed; its stderr ends:");
+        for l in tail.iter().rev() {
+            eprintln!("  {l}");
+        }
+    }
+    eprintln!("{stderr}");
     assert!(
         out.status.success(),
-        "tandem demo --vm debian {flags:?} failed:\n{stdout}"
+        "tandem demo --vm debian {flags:?} failed ({}):\n{stdout}",
+        tail.first().unwrap_or(&"no stderr")
     );
     let v: serde_json::Value =
         serde_json::from_str(&stdout).unwrap_or_else(|e| panic!("{e}: {stdout}"));

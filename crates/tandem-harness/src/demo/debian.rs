@@ -463,7 +463,10 @@ pub fn round(r: usize, o: &DebianOpts<'_>, pb: &ProgressBar) -> anyhow::Result<D
         pb.set_message(format!(
             "round {r}: giving the domain back to the backup host's libvirt (virsh start)"
         ));
-        view.given_back = l.give_back().is_ok();
+        match l.give_back() {
+            Ok(()) => view.given_back = true,
+            Err(e) => view.give_back_error = Some(format!("{e:#}")),
+        }
         if view.given_back {
             pg::wait_ready(ns, GUEST_IP, Duration::from_secs(240))?;
             view.given_back_lost = Some(pg::missing(ns, GUEST_IP, &ids)?.len() as u64);

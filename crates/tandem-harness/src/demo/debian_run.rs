@@ -176,7 +176,10 @@ fn line(pb: &ProgressBar, d: &DebianRound) {
                     if b.disk_on_copy { "its disk a slice of the backup's copy" } else { "its disk NOT ON THE COPY" },
                     if b.start_refused { "refused by tandem's hook" } else { "NOT REFUSED" },
                     match (b.given_back, b.given_back_lost) {
-                        (false, _) => "virsh start FAILED".to_string(),
+                        (false, _) => format!(
+                            "virsh start FAILED ({})",
+                            b.give_back_error.as_deref().unwrap_or("no error recorded")
+                        ),
                         (true, Some(0)) => "libvirt booted it from the backup's copy, every acknowledged commit there".to_string(),
                         (true, Some(n)) => format!("libvirt booted it from the backup's copy, {n} COMMITS MISSING"),
                         (true, None) => "libvirt booted it, commits NOT CHECKED".to_string(),

@@ -62,6 +62,9 @@ pub struct BackupView {
     /// Given back to libvirt once protection ended (the guest shut down under tandem, the
     /// mark removed): `virsh start` there booted it from the backup's copy.
     pub given_back: bool,
+    /// Why giving it back failed, if it did.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub give_back_error: Option<String>,
     /// Of the commits acknowledged under tandem, how many the guest booted by libvirt from the
     /// backup's copy lacks (None: not checked).
     pub given_back_lost: Option<u64>,
