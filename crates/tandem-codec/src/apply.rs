@@ -34,7 +34,11 @@ pub(crate) fn simple(codes: &[PageCode]) -> bool {
     codes.iter().all(|c| {
         matches!(
             c.body,
-            Body::Same | Body::Runs { .. } | Body::RawBlocks(_) | Body::Xor(Method::Raw)
+            Body::Same
+                | Body::Runs { .. }
+                | Body::RawBlocks(_)
+                | Body::Xor(Method::Raw)
+                | Body::Words
         )
     })
 }
@@ -82,7 +86,7 @@ pub(crate) fn validate(
         let ok = match (c.body, payload) {
             (_, None) | (Body::Same | Body::RawBlocks(_), _) => true,
             (Body::Runs { unit }, Some(p)) => runs::check(p, unit as usize, PAGE),
-            (Body::Xor(_), Some(p)) => p.len() == PAGE,
+            (Body::Xor(_) | Body::Words, Some(p)) => p.len() == PAGE,
             _ => false,
         };
         if !ok {
@@ -113,7 +117,7 @@ pub(crate) fn commit(p: &InPlace, data: &[u8], mirror: &mut [u8]) {
         // Base (in place when it is the page's own pre-epoch content).
         match c.base {
             Base::Zero => {
-                if !matches!(c.body, Body::Xor(_)) {
+                if !matches!(c.body, Body::Xor(_) | Body::Words) {
                     mirror[dst.clone()].fill(0);
                 }
             }
@@ -154,6 +158,10 @@ pub(crate) fn commit(p: &InPlace, data: &[u8], mirror: &mut [u8]) {
                 }
             }
             Body::Xor(_) if c.base == Base::Zero => page.copy_from_slice(payload),
+            // On a zero base (checked by `read_codes`), one page long (checked above).
+            Body::Words => {
+                crate::words::decode(payload, page);
+            }
             Body::Xor(_) => {
                 for (o, x) in page.iter_mut().zip(payload) {
                     *o ^= x;

@@ -8,7 +8,8 @@
 //!   the base: with a zero base it is a plain literal page), `Blocks` (FGBI: a 64-bit mask of
 //!   replaced 64-byte blocks, each coded on its own), `RawBlocks` (the same mask, the blocks
 //!   raw and untagged: tandem's, for the record's zstd pass), `Areas` (Gerofi: eight 512-byte areas, each
-//!   same / zero / raw / runs against any reference area).
+//!   same / zero / raw / runs against any reference area), `Words` (version 6, zero base only:
+//!   the page as word deltas, words.rs, raw for the record's zstd pass).
 
 use crate::runs::{get_rel, get_uleb, put_rel, put_uleb};
 
@@ -55,6 +56,9 @@ pub enum Body {
     RawBlocks(u64),
     /// Gerofi areas: eight area codes in the payload.
     Areas,
+    /// The page's 8-byte words, each minus the one before (words.rs), raw: 4096 bytes on a
+    /// zero base (format version 6).
+    Words,
 }
 
 /// One page's code.
@@ -80,6 +84,7 @@ const BODY_RUNS: u8 = 1;
 const BODY_XOR: u8 = 2;
 const BODY_BLOCKS: u8 = 3;
 const BODY_AREAS: u8 = 4;
+const BODY_WORDS: u8 = 5;
 
 /// Compact form (format version 5, [`crate::format::FLAG_COMPACT`]): tag bit 7 of a `Mirror`
 /// base says an argument follows, the zigzag ULEB128 of the base page minus the entry's own
@@ -110,6 +115,7 @@ impl PageCode {
             Body::Blocks(_) => (BODY_BLOCKS, 0),
             Body::RawBlocks(_) => (BODY_BLOCKS, 1),
             Body::Areas => (BODY_AREAS, 0),
+            Body::Words => (BODY_WORDS, 0),
         };
         let tag = bk | (body << 2) | (detail << 5);
         match (self.base, compact) {
@@ -194,6 +200,7 @@ impl PageCode {
                 }
             }
             BODY_AREAS if detail == 0 => Body::Areas,
+            BODY_WORDS if detail == 0 => Body::Words,
             _ => return Err("unknown body kind"),
         };
         let len = if body == Body::Same {
@@ -282,6 +289,12 @@ mod tests {
                 base: Base::Zero,
                 body: Body::Areas,
                 len: 8,
+            },
+            PageCode {
+                pfn: (1 << 40) + 1,
+                base: Base::Zero,
+                body: Body::Words,
+                len: 4096,
             },
         ];
         let mut sizes = Vec::new();

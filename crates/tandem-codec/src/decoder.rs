@@ -238,6 +238,13 @@ fn read_codes(h: &Header, ops: &[u8], pages: u64) -> Result<Vec<PageCode>, Decod
     let compact = compact(h);
     for i in 0..n {
         let c = PageCode::read(ops, &mut pos, prev, compact).map_err(|e| bad(i, e))?;
+        if c.body == Body::Words && (h.version < 6 || c.base != Base::Zero || c.len != PAGE as u32)
+        {
+            return Err(bad(
+                i,
+                "word deltas need format version 6, a zero base and one page of payload",
+            ));
+        }
         if c.pfn >= pages {
             return Err(bad(
                 i,
@@ -459,6 +466,12 @@ fn decode_with(
                 }
             }
             Body::Areas => decode_areas(&ctx, i, payload, done, out)?,
+            Body::Words => {
+                // `read_codes` checked the zero base and the length.
+                if !crate::words::decode(payload, out) {
+                    return Err(bad(i, "word deltas are not one page long"));
+                }
+            }
         }
         plan.pfns.push(c.pfn);
     }
@@ -483,6 +496,7 @@ mod tests {
             prev = Some(c.pfn);
         }
         let h = Header {
+            version: crate::format::VERSION,
             flags,
             epoch: 7,
             entries,

@@ -31,6 +31,11 @@ pub struct EncodeStats {
     /// tandem: whether this epoch took long run patches (the trial's choice), not the
     /// prefix path.
     pub long_patches: bool,
+    /// tandem: what this epoch's measurement of word deltas found (words.rs; all zero when it
+    /// did not run).
+    pub words: crate::words::Measured,
+    /// tandem: whether this epoch sent its whole pages as word deltas.
+    pub word_deltas: bool,
     /// Microseconds spent in: pre-pass, reference resolution, page encoding, serialisation and
     /// record compression, state update. With a worker pool and an epoch large enough for it,
     /// the state update runs beside the record's compression: the fourth is then the wall
@@ -64,6 +69,8 @@ pub struct Encoder {
     long_patches: bool,
     /// tandem: most pages the next epoch's trial samples (trial.rs, `Trial::next_sample`).
     trial_sample: usize,
+    /// tandem: whether word deltas won the last measurement that decided (words.rs).
+    word_deltas: bool,
 }
 
 /// Guest memory from which [`hash_all`] splits the work over threads.
@@ -199,6 +206,7 @@ impl Encoder {
             buf: Default::default(),
             diverged: false,
             long_patches: false,
+            word_deltas: false,
             trial_sample: crate::trial::SAMPLE,
         };
         // The configured level acts as a later `set_level` would (the store's tier too).
@@ -333,6 +341,7 @@ impl Encoder {
         // of its two ways for pages of which much changed.
         let block_refs = self.number_entries(data, &mut pre);
         let trial = self.trial(pfns, data, &pre)?;
+        let words = self.measure_words(pfns, data, &pre)?;
         lap(1, &mut t);
         // 3. Parallel: encode every page that is not left out.
         let coded = self.code_pages(pfns, data, &pre, &block_refs);
@@ -385,6 +394,8 @@ impl Encoder {
             trial,
             patch_limit: self.patch_limit(),
             long_patches: self.codec.strategy() == Codec::Tandem && self.long_patches,
+            words,
+            word_deltas: self.codec.strategy() == Codec::Tandem && self.word_deltas,
             phase_us: phase,
         })
     }
@@ -563,6 +574,29 @@ impl Encoder {
         Ok(t)
     }
 
+    /// tandem (with `Budget::words`): measures whether this epoch's whole pages compress
+    /// smaller as word deltas and keeps the answer when the sample decides (words.rs).
+    fn measure_words(
+        &mut self,
+        pfns: &[u64],
+        data: &[u8],
+        pre: &[Pre],
+    ) -> Result<crate::words::Measured, EncodeError> {
+        let Some(prev) = self.prev.as_ref() else {
+            return Ok(Default::default());
+        };
+        if self.codec.strategy() != Codec::Tandem || !self.cfg.budget.words {
+            return Ok(Default::default());
+        }
+        let blocks = self.cfg.budget.blocks;
+        let m =
+            crate::words::measure(prev, pfns, data, pre, blocks).map_err(EncodeError::Compress)?;
+        if let Some(w) = m.deltas_win() {
+            self.word_deltas = w;
+        }
+        Ok(m)
+    }
+
     /// tandem: the largest run patch taken (the trial's choice); 0 for the other codecs.
     fn patch_limit(&self) -> usize {
         match self.codec.strategy() {
@@ -609,7 +643,15 @@ impl Encoder {
                 return None;
             }
             Some(match strategy {
-                Codec::Tandem => st::tandem(&ctx, pfn, p, x, &budget, self.long_patches),
+                Codec::Tandem => st::tandem(
+                    &ctx,
+                    pfn,
+                    p,
+                    x,
+                    &budget,
+                    self.long_patches,
+                    self.word_deltas,
+                ),
                 s => (
                     match s {
                         Codec::Xbzrle => st::xbzrle(&ctx, pfn, p, x),

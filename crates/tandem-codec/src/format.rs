@@ -3,7 +3,7 @@
 //! ```text
 //! +----------------------------------------------------------------------+
 //! | header (52 bytes, little-endian)                                     |
-//! |   0 magic "TNDMEPC1"        8 version u16 = 5    10 flags u16        |
+//! |   0 magic "TNDMEPC1"        8 version u16 = 6    10 flags u16        |
 //! |  12 page_size u32 = 4096   16 epoch u64          24 entries u32      |
 //! |  28 ops_len u32            32 data_stored_len u32                    |
 //! |  36 data_raw_len u32       40 crc32c(ops) u32    44 crc32c(data) u32 |
@@ -27,8 +27,8 @@
 //! |   the literals (runs.rs split / join)                                |
 //! +----------------------------------------------------------------------+
 //! ```
-//! Version 1 (no prefix flag), 2 (no split flag), 3 (no compressed codes) and 4 (no compact
-//! codes) records are still read.
+//! Version 1 (no prefix flag), 2 (no split flag), 3 (no compressed codes), 4 (no compact
+//! codes) and 5 (no word-delta pages, code.rs `Body::Words`) records are still read.
 //! Limits: entries ≤ 2²⁴ (64 GiB of pages per epoch), ops ≤ 256 MiB, data ≤ 1 GiB decoded,
 //! one page's payload ≤ [`MAX_PAGE_PAYLOAD`]. Declared lengths are checked against what the
 //! record can hold before anything is allocated from them: the decoded data length against the
@@ -41,7 +41,7 @@ use tandem_types::framing::{crc32c, has_magic, u16_at, u32_at, u64_at};
 /// Record magic.
 pub const MAGIC: &[u8; 8] = b"TNDMEPC1";
 /// Record format version written.
-pub const VERSION: u16 = 5;
+pub const VERSION: u16 = 6;
 /// Oldest record format version read (version 1 has no reference prefix).
 pub const MIN_VERSION: u16 = 1;
 /// Header length.
@@ -97,6 +97,8 @@ pub const MAX_PREFIX_PAGES: u64 = 1 << 18;
 /// Parsed header.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Header {
+    /// Format version ([`VERSION`] when written; what a parsed record says).
+    pub version: u16,
     /// Flags.
     pub flags: u16,
     /// Epoch number.
@@ -120,7 +122,7 @@ impl Header {
     pub fn write(&self, out: &mut Vec<u8>) {
         let start = out.len();
         out.extend_from_slice(MAGIC);
-        out.extend_from_slice(&VERSION.to_le_bytes());
+        out.extend_from_slice(&self.version.to_le_bytes());
         out.extend_from_slice(&self.flags.to_le_bytes());
         out.extend_from_slice(&(PAGE as u32).to_le_bytes());
         out.extend_from_slice(&self.epoch.to_le_bytes());
@@ -161,6 +163,7 @@ impl Header {
             return Err(DecodeError::Checksum("header"));
         }
         let h = Header {
+            version,
             flags: u16_at(10),
             epoch: u64_at(rec, 16),
             entries: u32_at(24),

@@ -120,3 +120,51 @@ pub fn roundtrip_trial(data: &[u8]) -> bool {
     }
     long
 }
+
+/// Structured, tandem over one epoch that rewrites every page of a 16-page guest with a store
+/// of four pages: pages of 8-byte words in steps the input gives (arrays of counters), and
+/// where an input byte is odd, a page of the input's bytes instead, so that the epoch's
+/// measurement (words.rs) may or may not take word deltas. The record must decode back
+/// exactly, and a mutated one must not panic the decoder. Returns whether the epoch sent its
+/// whole pages as word deltas.
+pub fn roundtrip_words(data: &[u8]) -> bool {
+    use crate::{Codec, Config, Encoder};
+    const P: usize = crate::format::PAGE;
+    const PAGES: usize = 16;
+    let base = vec![0u8; PAGES * P];
+    let cfg = Config {
+        cache_bytes: 4 * P,
+        rdp_pages: 4,
+        index_bits: 6,
+        ..Config::default()
+    };
+    let Ok(mut enc) = Encoder::new(Codec::Tandem, &base, cfg) else {
+        return false;
+    };
+    let byte = |i: usize| data.get(i % data.len().max(1)).copied().unwrap_or(1);
+    let mut content = Vec::with_capacity(PAGES * P);
+    for k in 0..PAGES {
+        let (start, step) = (byte(2 * k) as u64 * 0x1_0001, byte(2 * k + 1) as u64 | 1);
+        if byte(k) % 2 == 1 && byte(k) > 200 {
+            content.extend((0..P).map(|i| byte(i + k)));
+        } else {
+            let words = (0..P as u64 / 8).map(|w| ((k as u64) << 40 | start) + w * step);
+            content.extend(words.flat_map(u64::to_le_bytes));
+        }
+    }
+    let pfns: Vec<u64> = (0..PAGES as u64).collect();
+    let mut rec = Vec::new();
+    let Ok(stats) = enc.encode(1, &pfns, &content, &mut rec) else {
+        return false;
+    };
+    let (mut mirror, mut plan) = (base.clone(), Plan::default());
+    decode(&rec, &mirror, &mut plan).expect("own record must decode");
+    plan.commit(&mut mirror);
+    assert_eq!(mirror, content);
+    if let Some(&b) = data.first() {
+        let at = (b as usize * 7919) % rec.len();
+        rec[at] ^= data.get(1).copied().unwrap_or(1) | 1;
+        let _ = decode(&rec, &base, &mut plan);
+    }
+    stats.word_deltas
+}

@@ -38,6 +38,7 @@ pub mod state;
 mod strategies;
 mod trial;
 pub mod wkdm;
+pub mod words;
 
 pub use decoder::{decode, pages_read, pages_read_with, Plan};
 pub use encoder::{Codec, Config, EncodeStats, Encoder};

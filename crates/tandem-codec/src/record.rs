@@ -334,6 +334,7 @@ pub(crate) fn finish(
         stored
     };
     Header {
+        version: crate::format::VERSION,
         flags,
         epoch,
         entries,

@@ -150,6 +150,7 @@ mod tests {
         data.extend_from_slice(lz4.unwrap_or_default());
         data.extend_from_slice(heads);
         let h = Header {
+            version: crate::format::VERSION,
             flags: FLAG_SPLIT,
             epoch: 1,
             entries: codes.len() as u32,
@@ -207,7 +208,7 @@ mod tests {
         let mirror = vec![0u8; 2 * PAGE];
         let mut plan = Plan::default();
         decode(&good, &mirror, &mut plan).unwrap();
-        for (version, what) in [(2u16, "unknown flags"), (6, "version 6")] {
+        for (version, what) in [(2u16, "unknown flags"), (7, "version 7")] {
             let mut rec = good.clone();
             rec[8..10].copy_from_slice(&version.to_le_bytes());
             let crc = crc32c::crc32c(&rec[..48]);

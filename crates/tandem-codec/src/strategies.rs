@@ -303,6 +303,7 @@ pub fn tandem(
     pre: &Pre,
     budget: &Budget,
     long: bool,
+    words: bool,
 ) -> (Coded, Refs) {
     let none = Refs::default();
     if pre.zero {
@@ -368,6 +369,13 @@ pub fn tandem(
                 best = d;
             }
         }
+    }
+    // A page sent whole with nothing in the prefix to match it against: as word deltas when
+    // this epoch's measurement chose them (words.rs).
+    if words && refs.others.iter().all(Option::is_none) && matches!(best.2, Payload::Page) {
+        let mut out = Vec::with_capacity(PAGE);
+        crate::words::encode(new, &mut out);
+        best = (Base::Zero, Body::Words, Payload::Own(out));
     }
     (best, refs)
 }
@@ -476,6 +484,9 @@ pub struct Budget {
     /// Half of the store's bytes keep the pages pushed out of it as zstd frames (state/cold.rs),
     /// so a compressible cycle larger than the store stays held. Only with `admission`.
     pub cold: bool,
+    /// Measure per epoch whether pages sent whole compress smaller as word deltas (words.rs)
+    /// and send them so for the epoch when they do.
+    pub words: bool,
 }
 
 impl Default for Budget {
@@ -494,6 +505,7 @@ impl Default for Budget {
             word_runs: false,
             admission: true,
             cold: true,
+            words: true,
         }
     }
 }

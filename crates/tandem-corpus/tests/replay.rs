@@ -9,13 +9,19 @@ fn epoch_decode() {
 
 #[test]
 fn epoch_roundtrip() {
-    // The trial's long run patches must be among what the corpus exercises.
+    // The trial's long run patches and word deltas must be among what the corpus exercises,
+    // and so must their absence.
     let long = std::cell::Cell::new(0);
+    let (words, seeds) = (std::cell::Cell::new(0), std::cell::Cell::new(0));
     replay_corpus("epoch_roundtrip", 5, |d| {
         tandem_codec::fuzz::roundtrip_structured(d);
         long.set(long.get() + tandem_codec::fuzz::roundtrip_trial(d) as usize);
+        words.set(words.get() + tandem_codec::fuzz::roundtrip_words(d) as usize);
+        seeds.set(seeds.get() + 1);
     });
     assert!(long.get() > 0, "no seed takes long run patches");
+    assert!(words.get() > 0, "no seed takes word deltas");
+    assert!(words.get() < seeds.get(), "every seed takes word deltas");
 }
 
 #[test]

@@ -212,10 +212,11 @@ pub fn parse_budget(spec: &str, cfg: &mut Config) -> anyhow::Result<()> {
             "admission" => cfg.budget.admission = flag(v)?,
             "cold" => cfg.budget.cold = flag(v)?,
             "trial" => cfg.budget.trial = flag(v)?,
+            "words" => cfg.budget.words = flag(v)?,
             "regular_up_to" => cfg.budget.regular_up_to = num(v)?,
             "held_anchors" if v == "off" => cfg.budget.held_anchors = usize::MAX,
             "held_anchors" => cfg.budget.held_anchors = num(v)?,
-            _ => bail!("--budget: unknown knob {k:?} (good_enough, regular_up_to, run_gap, prefix, anchors, held_anchors, similar_above, similarity, blocks, word_runs, admission, cold, trial)"),
+            _ => bail!("--budget: unknown knob {k:?} (good_enough, regular_up_to, run_gap, prefix, anchors, held_anchors, similar_above, similarity, blocks, word_runs, admission, cold, trial, words)"),
         }
     }
     Ok(())
