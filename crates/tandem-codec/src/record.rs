@@ -176,12 +176,12 @@ impl Encoder {
         let mut prev_pfn = None;
         let mut entries = 0u32;
         for (i, c) in coded.iter().enumerate() {
-            let Some(((base, body, bytes), _)) = c else {
+            let Some(((base, body, payload), _)) = c else {
                 continue;
             };
-            let bytes: &[u8] = match bytes {
+            let bytes: &[u8] = match payload {
                 Payload::Own(v) => v,
-                Payload::Page => page(i),
+                Payload::Page | Payload::Words => page(i),
             };
             let code = PageCode {
                 pfn: pfns[i],
@@ -192,6 +192,8 @@ impl Encoder {
             code.write(prev_pfn, compact, &mut b.codes);
             if split && *body == (Body::Runs { unit: 1 }) {
                 crate::runs::split(bytes, &mut b.heads, &mut b.data);
+            } else if let Payload::Words = payload {
+                crate::words::encode(bytes, &mut b.data);
             } else {
                 b.data.extend_from_slice(bytes);
             }

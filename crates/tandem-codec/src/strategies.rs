@@ -55,13 +55,15 @@ pub enum Payload {
     Own(Vec<u8>),
     /// The page's new content verbatim.
     Page,
+    /// The page's new content as word deltas (words.rs), written straight into the record.
+    Words,
 }
 
 impl Payload {
     fn len(&self) -> usize {
         match self {
             Payload::Own(v) => v.len(),
-            Payload::Page => PAGE,
+            Payload::Page | Payload::Words => PAGE,
         }
     }
 }
@@ -373,9 +375,7 @@ pub fn tandem(
     // A page sent whole with nothing in the prefix to match it against: as word deltas when
     // this epoch's measurement chose them (words.rs).
     if words && refs.others.iter().all(Option::is_none) && matches!(best.2, Payload::Page) {
-        let mut out = Vec::with_capacity(PAGE);
-        crate::words::encode(new, &mut out);
-        best = (Base::Zero, Body::Words, Payload::Own(out));
+        best = (Base::Zero, Body::Words, Payload::Words);
     }
     (best, refs)
 }
