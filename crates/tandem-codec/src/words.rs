@@ -6,11 +6,11 @@
 //! its matches are long.
 //!
 //! Text, code and compressed data lose by it (their bytes are not numbers), so the encoder
-//! measures, per epoch, which way this epoch's whole pages compress smaller ([`measure`]): a
+//! measures, per epoch, which way this epoch's whole pages compress smaller (`measure`): a
 //! sample of up to [`SAMPLE`] pages that tandem would send whole, spread over the epoch, is
 //! compressed both ways at zstd's fastest level the encoder uses ([`crate::level::MIN`]: the
-//! comparison is wanted, not the ratio, and it costs ~0.1 ms an epoch); word deltas are taken for the
-//! epoch when they measure below [`WIN_BY`] of the plain pages. An epoch with fewer than
+//! comparison is wanted, not the ratio; 0.04–0.06 ms an epoch on kv); word deltas are taken
+//! for the epoch when they measure below [`WIN_BY`] of the plain pages. An epoch with fewer than
 //! [`MIN_DECIDING`] such pages keeps the previous choice. The sample and the line were set
 //! before any trace was run with them, and are not tuned (docs/CODEC.md).
 
@@ -60,7 +60,7 @@ pub fn decode(payload: &[u8], page: &mut [u8]) -> bool {
     true
 }
 
-/// Whether tandem would send page `i` whole, with nothing to match it against: no held
+/// Whether tandem would send page `pfn` whole, with nothing to match it against: no held
 /// previous version, every block changed (when block hashes say which), not zero, not a copy
 /// of another page of the epoch.
 pub(crate) fn whole(prev: &PrevStore, pfn: u64, pre: &Pre, blocks: bool) -> bool {
