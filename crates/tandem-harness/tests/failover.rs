@@ -195,6 +195,8 @@ fn primary_killed_backup_resumes_the_guest() {
     // The trial's choice and how busy the guest was, on the primary only.
     assert!(p["long_patches"].is_boolean(), "{p:#}");
     assert!(b["long_patches"].is_null(), "{b:#}");
+    assert!(p["word_deltas"].is_boolean(), "{p:#}");
+    assert!(b["word_deltas"].is_null(), "{b:#}");
     assert!(
         p["guest_busy_pct"]
             .as_f64()

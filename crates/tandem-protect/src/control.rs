@@ -238,6 +238,9 @@ pub fn describe(v: &serde_json::Value) -> String {
         if f("long_patches").as_bool() == Some(true) {
             line += " with long run patches";
         }
+        if f("word_deltas").as_bool() == Some(true) {
+            line += " with word deltas";
+        }
     }
     if let Some(b) = f("guest_busy_pct").as_f64() {
         line += &format!(", guest busy {b:.0} % of its last run");

@@ -52,6 +52,9 @@ pub struct EpochMetrics {
     /// Whether the memory record took long run patches (the codec's per-epoch trial chose
     /// them over the prefix path; docs/CODEC.md).
     pub long_patches: bool,
+    /// Whether the memory record sent whole pages as word deltas (the codec's per-epoch
+    /// measurement; docs/CODEC.md).
+    pub word_deltas: bool,
     /// Time to write the frame to the link.
     pub transfer_us: u64,
     /// From handing the epoch to the link to the backup's acknowledgement.
@@ -180,6 +183,7 @@ struct State {
     suspended_us: u64,
     lost_cpu_us: u64,
     long_patch_epochs: u64,
+    word_delta_epochs: u64,
     disk_writes: u64,
     disk_bytes: u64,
     released: u64,
@@ -215,6 +219,7 @@ impl Default for State {
             suspended_us: 0,
             lost_cpu_us: 0,
             long_patch_epochs: 0,
+            word_delta_epochs: 0,
             disk_writes: 0,
             disk_bytes: 0,
             released: 0,
@@ -278,6 +283,7 @@ impl Registry {
         s.suspended_us += m.suspended_us;
         s.lost_cpu_us += m.lost_cpu_us;
         s.long_patch_epochs += u64::from(m.long_patches);
+        s.word_delta_epochs += u64::from(m.word_deltas);
         s.disk_writes += m.disk_writes;
         s.disk_bytes += m.disk_bytes;
         s.pause.observe(m.pause_us as f64 / 1e6);
@@ -416,6 +422,8 @@ impl Registry {
                 "Guest time lost to early suspend (output waited, dirty set at the stop threshold)."),
             ("tandem_long_patch_epochs_total", c, s.long_patch_epochs.to_string(),
                 "Epochs whose memory record took long run patches (the codec's per-epoch trial)."),
+            ("tandem_word_delta_epochs_total", c, s.word_delta_epochs.to_string(),
+                "Epochs whose memory record sent whole pages as word deltas (the codec's per-epoch measurement)."),
             ("tandem_guest_cpu_lost_seconds_total", c, secs(s.lost_cpu_us),
                 "vCPU time the guest lost to pauses and early suspends: their length x the busiest vCPU's busy share before them (what the budget's vcpu clock charges)."),
             ("tandem_disk_writes_total", c, s.disk_writes.to_string(),

@@ -240,6 +240,9 @@ pub struct EpochSizes {
     pub level: i32,
     /// Whether the memory record took long run patches (the codec's per-epoch trial).
     pub long_patches: bool,
+    /// Whether the memory record sent whole pages as word deltas (the codec's per-epoch
+    /// measurement).
+    pub word_deltas: bool,
 }
 
 /// The primary's protocol state: VM id, codec, the encoder's reference state and the
@@ -426,7 +429,7 @@ impl Primary {
             let data = &e.pages[pages.start * PAGE..pages.end * PAGE];
             let whole = last.then_some(e);
             let result = self.part_payload(e.seq, i as u32, pfns, data, disk.as_deref(), whole);
-            let (payload, level, long) = match result {
+            let (payload, stats) = match result {
                 Ok(p) => p,
                 Err(err) => {
                     // The encoder's state may be past this epoch (EncodeError::Diverged, or
@@ -437,8 +440,9 @@ impl Primary {
                 }
             };
             sizes.sent += (payload.len() + HEADER_LEN) as u64;
-            sizes.level = level;
-            sizes.long_patches |= long;
+            sizes.level = stats.level;
+            sizes.long_patches |= stats.long_patches;
+            sizes.word_deltas |= stats.word_deltas;
             if last {
                 return Ok((self.frame(Kind::Epoch, e.seq, payload), sizes));
             }
@@ -460,7 +464,7 @@ impl Primary {
         data: &[u8],
         disk: Option<&[(u64, Vec<u8>)]>,
         whole: Option<&EpochInput<'_>>,
-    ) -> Result<(Vec<u8>, i32, bool), PrimaryError> {
+    ) -> Result<(Vec<u8>, tandem_codec::EncodeStats), PrimaryError> {
         let enc = self.enc.as_mut().ok_or(PrimaryError::NoSession)?;
         self.rec.clear();
         let stats = enc.encode(seq, pfns, data, &mut self.rec)?;
@@ -485,7 +489,7 @@ impl Primary {
                 bytes: payload.len(),
             });
         }
-        Ok((payload, stats.level, stats.long_patches))
+        Ok((payload, stats))
     }
 
     /// A heartbeat carrying `progress` (epochs completed by the primary's loop).

@@ -186,6 +186,7 @@ impl Registry {
             "lag_epochs": (w.role == "primary").then(|| s.last.epoch.saturating_sub(s.acked)),
             "zstd_level": (s.epochs > 0).then_some(s.last.level),
             "long_patches": (s.epochs > 0).then_some(s.last.long_patches),
+            "word_deltas": (s.epochs > 0).then_some(s.last.word_deltas),
             "guest_busy_pct": s.last.busy_pct,
             "last_ack_ms_ago": (w.last_ack_ms > 0).then(|| now.saturating_sub(w.last_ack_ms)),
             "link": if s.link_up { "up" } else { "down" },

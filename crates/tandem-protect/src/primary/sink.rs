@@ -213,6 +213,7 @@ impl Step<'_> {
             encode_cpu_us: thread_cpu().saturating_sub(cpu).as_micros() as u64,
             level: sizes.level,
             long_patches: sizes.long_patches,
+            word_deltas: sizes.word_deltas,
             held_frames: held.held_frames,
             held_bytes: held.held_bytes,
             disk_writes: sizes.disk_writes,
