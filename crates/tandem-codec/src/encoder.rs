@@ -71,6 +71,8 @@ pub struct Encoder {
     trial_sample: usize,
     /// tandem: whether word deltas won the last measurement that decided (words.rs).
     word_deltas: bool,
+    /// The epoch's new block hashes (`PAGE / granule` per page), kept between epochs.
+    block_new: Vec<u64>,
 }
 
 /// Guest memory from which [`hash_all`] splits the work over threads.
@@ -207,6 +209,7 @@ impl Encoder {
             diverged: false,
             long_patches: false,
             word_deltas: false,
+            block_new: Vec::new(),
             trial_sample: crate::trial::SAMPLE,
         };
         // The configured level acts as a later `set_level` would (the store's tier too).
@@ -271,12 +274,15 @@ impl Encoder {
     }
 
     /// Working memory kept between epochs, apart from the reference state: the record's
-    /// buffers (its reference prefix, payloads and output) and the compressed tier's staging,
-    /// all about the size of the largest epoch so far. Not counted: the zstd contexts, one
-    /// per encoder thread for records and one for the compressed tier's pages (~2.5 MiB for a
-    /// prefix frame at the automatic levels, −5 to 3; more at a high fixed `--zstd-level`).
+    /// buffers (its reference prefix, payloads and output), the epoch's new block hashes and
+    /// the compressed tier's staging, all about the size of the largest epoch so far. Not
+    /// counted: the zstd contexts, one per encoder thread for records and one for the
+    /// compressed tier's pages (~2.5 MiB for a prefix frame at the automatic levels, −5 to 3;
+    /// more at a high fixed `--zstd-level`).
     pub fn work_bytes(&self) -> usize {
-        self.buf.bytes() + self.prev.as_ref().map_or(0, |p| p.work_bytes())
+        self.buf.bytes()
+            + self.block_new.capacity() * 8
+            + self.prev.as_ref().map_or(0, |p| p.work_bytes())
     }
 
     /// Content hash of a held page as the pre-pass computes it.
@@ -335,7 +341,8 @@ impl Encoder {
         if let Some(s) = self.prev.as_mut() {
             s.promote(pfns, self.pool.as_deref());
         }
-        let (mut pre, block_new) = self.prepass(pfns, data);
+        let mut block_new = std::mem::take(&mut self.block_new);
+        let mut pre = self.prepass(pfns, data, &mut block_new);
         lap(0, &mut t);
         // 2. Sequential: entry numbers, intra-epoch identical pages and blocks; tandem's trial
         // of its two ways for pages of which much changed.
@@ -384,6 +391,14 @@ impl Encoder {
             }),
         };
         self.buf = buf;
+        // Kept for the next epoch, unless it is far larger than this one needed (after a
+        // huge first epoch).
+        let used = block_new.len();
+        block_new.clear();
+        if block_new.capacity() > (2 * used).max(1 << 17) {
+            block_new.shrink_to(used);
+        }
+        self.block_new = block_new;
         let (entries, prefix_pages) = r?;
         Ok(EncodeStats {
             pages_in: pfns.len(),
@@ -421,7 +436,7 @@ impl Encoder {
     /// Phase 1, in parallel: which pages are zero or unchanged, their hashes, and which
     /// 64-byte blocks changed (by comparison with a held previous version, else from block
     /// hashes). Returns the per-page facts and the new block hashes.
-    fn prepass(&self, pfns: &[u64], data: &[u8]) -> (Vec<Pre>, Vec<[u64; 64]>) {
+    fn prepass(&self, pfns: &[u64], data: &[u8], hashes: &mut Vec<u64>) -> Vec<Pre> {
         let page = |i: usize| &data[i * PAGE..(i + 1) * PAGE];
         let strategy = self.codec.strategy();
         let tandem = strategy == Codec::Tandem;
@@ -433,13 +448,13 @@ impl Encoder {
             strategy,
             Codec::Remus | Codec::Zstd | Codec::Lz4 | Codec::Fgbi
         );
-        let mut pre: Vec<(Pre, [u64; 64])> = self.par_map(pfns.len(), |i| {
+        // `h`: the page's new block hashes (`per` of them), every one written below.
+        let one = |i: usize, h: &mut [u64]| {
             let (pfn, p) = (pfns[i], page(i));
             let mut x = Pre {
                 zero: st::is_zero(p),
                 ..Default::default()
             };
-            let mut h = [0u64; 64];
             let old = if skips {
                 prev.and_then(|s| s.get(pfn))
             } else {
@@ -464,7 +479,7 @@ impl Encoder {
                 match old {
                     Some(_) if tandem => {
                         // Held: the comparison found the changed blocks; hash only those.
-                        for (g, hv) in h[..per].iter_mut().enumerate() {
+                        for (g, hv) in h.iter_mut().enumerate() {
                             *hv = if x.mask >> (g as u32 * bits) & all != 0 {
                                 xxhash_rust::xxh3::xxh3_64(&p[g * granule..(g + 1) * granule])
                             } else {
@@ -473,7 +488,7 @@ impl Encoder {
                         }
                     }
                     _ => {
-                        block_hashes(p, granule, &mut h[..per]);
+                        block_hashes(p, granule, h);
                         x.mask = (0..per)
                             .filter(|&g| h[g] != stored[g])
                             .fold(0, |m, g| m | all << (g as u32 * bits));
@@ -483,14 +498,22 @@ impl Encoder {
             }
             if hashing && !x.unchanged && !x.zero {
                 x.hash = if per > 0 && tandem {
-                    page_hash(&h[..per])
+                    page_hash(h)
                 } else {
                     xxhash_rust::xxh3::xxh3_64(p)
                 };
             }
-            (x, h)
-        });
-        pre.drain(..).unzip()
+            x
+        };
+        // One buffer for all pages' hashes, kept between epochs (a `[u64; 64]` per page
+        // returned and then unzipped cost memheavy's encoder 6 % in zeroing and copying).
+        hashes.clear();
+        hashes.resize(pfns.len() * per, 0);
+        if per == 0 {
+            return self.par_map(pfns.len(), |i| one(i, &mut []));
+        }
+        let min = self.cfg.min_pages_per_thread;
+        crate::record::par_chunks_map(self.pool.as_deref(), min, hashes, per, one)
     }
 
     /// Phase 2, sequential: numbers the entries (pages not left out), finds pages identical
@@ -675,7 +698,7 @@ impl Encoder {
         pfns: &[u64],
         data: &[u8],
         pre: &[Pre],
-        block_new: &[[u64; 64]],
+        block_new: &[u64],
         coded: &[Option<(Coded, Refs)>],
     ) {
         let page = |i: usize| &data[i * PAGE..(i + 1) * PAGE];
@@ -698,10 +721,10 @@ impl Encoder {
             }
             if per > 0 {
                 self.block_hashes[pfn as usize * per..(pfn as usize + 1) * per]
-                    .copy_from_slice(&block_new[i][..per]);
+                    .copy_from_slice(&block_new[i * per..(i + 1) * per]);
             }
             if !pre[i].zero && (hashing || strategy == Codec::Gerofi) {
-                let de = (per == 64).then(|| DE_BLOCKS.map(|b| block_new[i][b]));
+                let de = (per == 64).then(|| DE_BLOCKS.map(|b| block_new[i * per + b]));
                 self.index_page(pfn, p, pre[i].hash, de);
             }
         }

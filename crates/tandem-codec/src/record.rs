@@ -87,10 +87,10 @@ pub fn par_map<T: Send, F: Fn(usize) -> T + Sync>(
 
 /// [`par_map`] over the `chunk`-byte chunks of `data`: `f(i, chunk i)` for each, in order,
 /// each chunk written by one call only. Same rule for when the pool is used.
-pub(crate) fn par_chunks_map<T: Send, F: Fn(usize, &mut [u8]) -> T + Sync>(
+pub(crate) fn par_chunks_map<E: Send, T: Send, F: Fn(usize, &mut [E]) -> T + Sync>(
     pool: Option<&rayon::ThreadPool>,
     min_per_thread: usize,
-    data: &mut [u8],
+    data: &mut [E],
     chunk: usize,
     f: F,
 ) -> Vec<T> {
@@ -179,23 +179,21 @@ impl Encoder {
             let Some(((base, body, payload), _)) = c else {
                 continue;
             };
-            let bytes: &[u8] = match payload {
-                Payload::Own(v) => v,
-                Payload::Page | Payload::Words => page(i),
-            };
             let code = PageCode {
                 pfn: pfns[i],
                 base: *base,
                 body: *body,
-                len: bytes.len() as u32,
+                len: payload.len() as u32,
             };
             code.write(prev_pfn, compact, &mut b.codes);
-            if split && *body == (Body::Runs { unit: 1 }) {
-                crate::runs::split(bytes, &mut b.heads, &mut b.data);
-            } else if let Payload::Words = payload {
-                crate::words::encode(bytes, &mut b.data);
-            } else {
-                b.data.extend_from_slice(bytes);
+            match payload {
+                Payload::Own(v) if split && *body == (Body::Runs { unit: 1 }) => {
+                    crate::runs::split(v, &mut b.heads, &mut b.data)
+                }
+                Payload::Own(v) => b.data.extend_from_slice(v),
+                Payload::Page => b.data.extend_from_slice(page(i)),
+                Payload::Words => crate::words::encode(page(i), &mut b.data),
+                Payload::Blocks(mask) => copy_blocks(page(i), *mask, &mut b.data),
             }
             if let Some(m) = marks.get_mut(entries as usize) {
                 m.1 = b.data.len() - plen;
@@ -220,6 +218,20 @@ impl Encoder {
             raw_len,
             entries,
         })
+    }
+}
+
+/// Appends the 64-byte blocks of `page` set in `mask`, in order: each run of adjacent blocks
+/// in one copy.
+fn copy_blocks(page: &[u8], mask: u64, out: &mut Vec<u8>) {
+    let mut m = mask;
+    while m != 0 {
+        let start = m.trailing_zeros() as usize;
+        // Ones from `start` on (64 when they reach the top).
+        let run = (!(m >> start)).trailing_zeros() as usize;
+        let end = start + run;
+        out.extend_from_slice(&page[start * 64..end * 64]);
+        m = if end >= 64 { 0 } else { m & (u64::MAX << end) };
     }
 }
 
@@ -403,4 +415,34 @@ fn compress_frames(
         }
     }
     Ok(frames)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        #[test]
+        fn copied_blocks_are_the_masks_blocks_in_order(mask: u64, seed: u64) {
+            let page = crate::test_bytes(seed, PAGE);
+            let mut out = vec![7u8; 3];
+            copy_blocks(&page, mask, &mut out);
+            let mut want = vec![7u8; 3];
+            for b in (0..64).filter(|b| mask >> b & 1 == 1) {
+                want.extend_from_slice(&page[b * 64..(b + 1) * 64]);
+            }
+            prop_assert_eq!(out, want);
+        }
+    }
+
+    #[test]
+    fn copied_blocks_at_both_ends() {
+        let page = crate::test_bytes(1, PAGE);
+        for mask in [u64::MAX, 1, 1 << 63, u64::MAX << 1, u64::MAX >> 1, 0] {
+            let mut out = Vec::new();
+            copy_blocks(&page, mask, &mut out);
+            assert_eq!(out.len(), mask.count_ones() as usize * 64, "{mask:#x}");
+        }
+    }
 }

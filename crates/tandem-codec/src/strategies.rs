@@ -57,13 +57,18 @@ pub enum Payload {
     Page,
     /// The page's new content as word deltas (words.rs), written straight into the record.
     Words,
+    /// The 64-byte blocks of the page's new content set in the mask, in order, copied
+    /// straight into the record (`RawBlocks`).
+    Blocks(u64),
 }
 
 impl Payload {
-    fn len(&self) -> usize {
+    /// Bytes of the payload.
+    pub(crate) fn len(&self) -> usize {
         match self {
             Payload::Own(v) => v.len(),
             Payload::Page | Payload::Words => PAGE,
+            Payload::Blocks(mask) => mask.count_ones() as usize * 64,
         }
     }
 }
@@ -282,15 +287,15 @@ pub fn de(c: &EncodeCtx<'_>, new: &[u8], pre: &Pre) -> Coded {
 
 /// Changed 64-byte blocks only, raw and untagged: the record's zstd pass (with the
 /// reference prefix) compresses them together.
-fn blocks_only(pfn: u64, new: &[u8], mask: u64) -> Coded {
+fn blocks_only(pfn: u64, mask: u64) -> Coded {
     if mask == u64::MAX {
         return (Base::Zero, Body::Xor(Method::Raw), Payload::Page);
     }
-    let mut out = Vec::with_capacity(mask.count_ones() as usize * 64);
-    for b in (0..64).filter(|b| mask & (1 << b) != 0) {
-        out.extend_from_slice(&new[b * 64..(b + 1) * 64]);
-    }
-    (Base::Mirror(pfn), Body::RawBlocks(mask), Payload::Own(out))
+    (
+        Base::Mirror(pfn),
+        Body::RawBlocks(mask),
+        Payload::Blocks(mask),
+    )
 }
 
 /// tandem's default. A page whose held previous version differs in a few bytes is a run
@@ -332,7 +337,7 @@ pub fn tandem(
     } else {
         u64::MAX
     };
-    let mut best = blocks_only(pfn, new, changed);
+    let mut best = blocks_only(pfn, changed);
     let mut refs = Refs {
         own: old.is_some() && budget.prefix,
         ..none

@@ -31,18 +31,21 @@ const PROBES: usize = 4 * SAMPLE;
 /// Appends the word deltas of `page` (one page) to `out`.
 pub fn encode(page: &[u8], out: &mut Vec<u8>) {
     debug_assert_eq!(page.len(), PAGE);
-    let at = out.len();
-    out.resize(at + page.len() / 8 * 8, 0);
     let word = |w: &[u8]| u64::from_le_bytes(w.try_into().unwrap_or_default());
-    let dst = &mut out[at..];
-    // Each word minus its neighbour before it: no carried state, so the loop vectorises.
-    if let (Some(first), Some(d0)) = (page.get(..8), dst.get_mut(..8)) {
-        d0.copy_from_slice(first);
-    }
-    let before = page.chunks_exact(8);
-    let words = page.get(8..).unwrap_or_default().chunks_exact(8);
-    for ((b, w), d) in before.zip(words).zip(dst[8..].chunks_exact_mut(8)) {
-        d.copy_from_slice(&word(w).wrapping_sub(word(b)).to_le_bytes());
+    // A stretch at a time through a buffer on the stack, so that `out` (the record, much
+    // larger than the caches) is written once rather than zero-filled first.
+    const STRETCH: usize = 512;
+    let mut buf = [0u8; STRETCH];
+    for (k, stretch) in page.chunks_exact(STRETCH).enumerate() {
+        let at = k * STRETCH;
+        let before = if at == 0 { 0 } else { word(&page[at - 8..at]) };
+        buf[..8].copy_from_slice(&word(&stretch[..8]).wrapping_sub(before).to_le_bytes());
+        // Each word minus its neighbour before it: no carried state, so the loop vectorises.
+        let pairs = stretch.chunks_exact(8).zip(stretch[8..].chunks_exact(8));
+        for ((b, w), d) in pairs.zip(buf[8..].chunks_exact_mut(8)) {
+            d.copy_from_slice(&word(w).wrapping_sub(word(b)).to_le_bytes());
+        }
+        out.extend_from_slice(&buf);
     }
 }
 
@@ -142,6 +145,11 @@ mod tests {
             let mut d = Vec::new();
             encode(&page, &mut d);
             prop_assert_eq!(d.len(), PAGE);
+            let w = |b: &[u8], i: usize| u64::from_le_bytes(b[i * 8..i * 8 + 8].try_into().unwrap());
+            for i in 0..PAGE / 8 {
+                let before = if i == 0 { 0 } else { w(&page, i - 1) };
+                prop_assert_eq!(w(&d, i), w(&page, i).wrapping_sub(before), "word {}", i);
+            }
             let mut back = vec![0u8; PAGE];
             prop_assert!(decode(&d, &mut back));
             prop_assert_eq!(back, page);
