@@ -34,7 +34,8 @@ pub struct EncodeStats {
     /// tandem: what this epoch's measurement of word deltas found (words.rs; all zero when it
     /// did not run).
     pub words: crate::words::Measured,
-    /// tandem: whether this epoch sent its whole pages as word deltas.
+    /// tandem: whether this epoch sent any page as word deltas (the measurement chose them
+    /// and the epoch had whole pages to send).
     pub word_deltas: bool,
     /// Microseconds spent in: pre-pass, reference resolution, page encoding, serialisation and
     /// record compression, state update. With a worker pool and an epoch large enough for it,
@@ -352,6 +353,11 @@ impl Encoder {
         lap(1, &mut t);
         // 3. Parallel: encode every page that is not left out.
         let coded = self.code_pages(pfns, data, &pre, &block_refs);
+        let word_pages = coded
+            .iter()
+            .flatten()
+            .filter(|((_, body, _), _)| *body == crate::code::Body::Words)
+            .count();
         lap(2, &mut t);
         // 4. The record laid out (the prefix copied out of the store), then compressed while
         // the state advances (5) beside it when the epoch is large enough for the pool.
@@ -410,7 +416,7 @@ impl Encoder {
             patch_limit: self.patch_limit(),
             long_patches: self.codec.strategy() == Codec::Tandem && self.long_patches,
             words,
-            word_deltas: self.codec.strategy() == Codec::Tandem && self.word_deltas,
+            word_deltas: word_pages > 0,
             phase_us: phase,
         })
     }
