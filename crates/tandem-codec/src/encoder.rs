@@ -441,7 +441,8 @@ impl Encoder {
 
     /// Phase 1, in parallel: which pages are zero or unchanged, their hashes, and which
     /// 64-byte blocks changed (by comparison with a held previous version, else from block
-    /// hashes). Returns the per-page facts and the new block hashes.
+    /// hashes). Returns the per-page facts; writes the new block hashes into `hashes`
+    /// (`PAGE / granule` per page, in the order of `pfns`).
     fn prepass(&self, pfns: &[u64], data: &[u8], hashes: &mut Vec<u64>) -> Vec<Pre> {
         let page = |i: usize| &data[i * PAGE..(i + 1) * PAGE];
         let strategy = self.codec.strategy();
