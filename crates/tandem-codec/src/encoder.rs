@@ -397,13 +397,9 @@ impl Encoder {
             }),
         };
         self.buf = buf;
-        // Kept for the next epoch, unless it is far larger than this one needed (after a
-        // huge first epoch).
+        // Kept for the next epoch, unless far larger than this one needed (a huge first one).
         let used = block_new.len();
-        block_new.clear();
-        if block_new.capacity() > (2 * used).max(1 << 17) {
-            block_new.shrink_to(used);
-        }
+        crate::record::keep(&mut block_new, used);
         self.block_new = block_new;
         let (entries, prefix_pages) = r?;
         Ok(EncodeStats {

@@ -112,6 +112,17 @@ pub(crate) fn par_chunks_map<E: Send, T: Send, F: Fn(usize, &mut [E]) -> T + Syn
     }
 }
 
+/// Empties a working buffer that held `used` elements this epoch, keeping its allocation for
+/// the next (a new one costs a page fault per page) unless it is far larger than that (more
+/// than twice `used` and than 1 MiB).
+pub(crate) fn keep<T>(buf: &mut Vec<T>, used: usize) {
+    buf.clear();
+    let floor = (1 << 20) / std::mem::size_of::<T>().max(1);
+    if buf.capacity() > (2 * used).max(floor) {
+        buf.shrink_to(used);
+    }
+}
+
 /// A record laid out in the encoder's [`Buffers`] by [`Encoder::lay_out`], waiting for
 /// [`finish`] to compress it.
 pub(crate) struct Laid {

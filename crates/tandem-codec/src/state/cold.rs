@@ -74,15 +74,6 @@ fn pack(content: &[u8]) -> Box<[u8]> {
     })
 }
 
-/// Empties a working buffer that held `used` bytes this epoch, keeping its allocation for the
-/// next (a new one costs a page fault per page) unless it is far larger than that.
-fn keep(buf: &mut Vec<u8>, used: usize) {
-    buf.clear();
-    if buf.capacity() > (2 * used).max(1 << 20) {
-        buf.shrink_to(used);
-    }
-}
-
 /// One held page.
 struct Blob {
     /// What [`pack`] made of it.
@@ -274,7 +265,7 @@ impl Cold {
         if self.taken > WINDOW {
             (self.taken, self.back) = (self.taken / 2, self.back / 2);
         }
-        keep(&mut data, pfns.len().max(self.epoch_pages) * PAGE);
+        crate::record::keep(&mut data, pfns.len().max(self.epoch_pages) * PAGE);
         pfns.clear();
         (self.deferred_pfns, self.deferred_data) = (pfns, data);
         let mut left: Vec<(u64, u32)> = self.staged.drain().collect();
@@ -289,7 +280,7 @@ impl Cold {
         }
         self.staged_frames.clear();
         let used = staged.len();
-        keep(&mut staged, used);
+        crate::record::keep(&mut staged, used);
         self.staged_data = staged;
     }
 
