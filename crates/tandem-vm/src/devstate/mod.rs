@@ -39,6 +39,12 @@ pub enum DeviceStateError {
     /// QEMU produced no state at all.
     #[error("QEMU wrote no device state (migration did not start)")]
     Empty,
+    /// Reading a fast capture's file to frame it failed.
+    #[error("reading the device-state file")]
+    File(#[source] std::io::Error),
+    /// A fast capture's file no longer held what the pause checked.
+    #[error("the device-state file changed after its capture: {0}")]
+    Changed(String),
 }
 
 fn pipe() -> Result<(std::fs::File, std::fs::File), DeviceStateError> {

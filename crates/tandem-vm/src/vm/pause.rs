@@ -104,6 +104,9 @@ impl Vm {
             self.cont()?;
             t.cont_us = us(s);
         }
+        // The fast capture's file is framed once the guest runs (QEMU rewrites it only at
+        // the next capture): the copy is not part of the pause.
+        self.devstate.complete(device_state)?;
         Ok(t)
     }
 
