@@ -11,9 +11,8 @@ use std::time::{Duration, Instant};
 /// The lab guest running `workload`, as a VM description (no scratch disk: checkpoints of the
 /// lab guest hold its RAM and device state).
 fn lab_vm(workload: &str) -> String {
-    let dir = tempfile::Builder::new()
-        .prefix("tandem-test-vm-")
-        .tempdir()
+    // Marked as this test process's: the next `tandem` run after it removes it.
+    let dir = tandem_vm::stale::owned_tempdir("tandem-test-vm-", None)
         .unwrap()
         .keep();
     tandem_harness::lab_description(&dir, workload, 0)

@@ -172,9 +172,8 @@ pub fn status_json(
 /// The lab guest running `workload` as a VM description for the product's `--vm-config`, with
 /// a scratch data disk of `scratch_disk_mib` MiB (0: none), in a directory of its own.
 pub fn lab_vm(workload: &str, scratch_disk_mib: u64) -> String {
-    let dir = tempfile::Builder::new()
-        .prefix("tandem-test-vm-")
-        .tempdir()
+    // Marked as this test process's: the next `tandem` run after it removes it.
+    let dir = tandem_vm::stale::owned_tempdir("tandem-test-vm-", None)
         .unwrap()
         .keep();
     tandem_harness::lab_description(&dir, workload, scratch_disk_mib)
