@@ -48,6 +48,11 @@ pub struct PrimaryArgs {
     /// guest costs it little); `wall`: its whole length.
     #[arg(long, default_value = "vcpu", help_heading = "Checkpoint schedule")]
     pub time_budget_clock: BudgetClockArg,
+    /// With `--schedule adaptive`: once output could cut the epoch, wait at most this many
+    /// milliseconds while the guest's busiest vCPU is still busy (it is still answering what
+    /// it received: one pause then serves more replies); 0: cut at once.
+    #[arg(long, default_value_t = 3, help_heading = "Checkpoint schedule")]
+    pub busy_hold_ms: u64,
     /// With `--schedule adaptive`: checkpoints in flight at most when output triggers the
     /// next (seed 002: 1, the next waits for the previous one's acknowledgement).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=8), help_heading = "Checkpoint schedule")]
@@ -417,6 +422,7 @@ pub(crate) fn primary_with(
         s.stop_budget = (a.stop_budget_ms > 0).then(|| ms(a.stop_budget_ms));
         s.max_unacked = a.max_unacked;
         s.time_budget = (a.time_budget_pct > 0.0).then(|| (a.time_budget_pct / 100.0).min(1.0));
+        s.busy_hold = (a.busy_hold_ms > 0).then(|| ms(a.busy_hold_ms));
         s.budget_clock = match a.time_budget_clock {
             BudgetClockArg::Vcpu => BudgetClock::Vcpu,
             BudgetClockArg::Wall => BudgetClock::Wall,

@@ -124,6 +124,8 @@ pub fn run_pipeline(
     let mut sampled = start;
     // The vCPUs' run time when the guest resumed: only a polling schedule uses it.
     let (mut cpu_resumed, mut cpu_now) = (Vec::new(), Vec::new());
+    // The vCPUs' run time at the last poll that read it, and when.
+    let (mut cpu_polled, mut polled_at) = (Vec::new(), start);
     let mut cpu = schedule.polls() && guest.cpu_times(&mut cpu_resumed);
     while start.elapsed() < duration && !guest.finished() {
         let mut suspended_at = None;
@@ -141,6 +143,15 @@ pub fn run_pipeline(
                 pending.busy = cpu
                     .then(|| busy_since(guest, &cpu_resumed, &mut cpu_now, now - resumed))
                     .flatten();
+                if pending.busy.is_some() {
+                    let (before, at) = match polled_at > resumed {
+                        true => (&cpu_polled, polled_at),
+                        false => (&cpu_resumed, resumed),
+                    };
+                    pending.busy_recent = Some(crate::vcpu::busy_share(before, &cpu_now, now - at));
+                    std::mem::swap(&mut cpu_polled, &mut cpu_now);
+                    polled_at = now;
+                }
             }
             if let Some(every) = schedule.dirty_sample(&pending) {
                 if now - sampled.max(resumed) >= every {

@@ -33,6 +33,9 @@ pub struct Pending {
     /// The share of the time since the guest resumed that its busiest vCPU ran (set while
     /// output is held, for a guest that can tell): what a pause now would take from it.
     pub busy: Option<f64>,
+    /// The share of the time since the previous poll that read the vCPUs (about a
+    /// millisecond) that the busiest vCPU ran: whether the guest is working right now.
+    pub busy_recent: Option<f64>,
 }
 
 /// What the guest does next, as [`Schedule::early`] decides while it runs.
@@ -188,6 +191,11 @@ pub struct AdaptiveConfig {
     pub budget_window: Duration,
     /// What a pause costs the budget (default: the guest's vCPU time).
     pub budget_clock: BudgetClock,
+    /// Output waits for a busy guest: once output could cut the epoch, the cut waits while
+    /// the guest's vCPU is busy (it is still answering what it received), for at most this
+    /// long (default 3 ms). `None`: cut as soon as output may.
+    #[serde(with = "humantime_serde")]
+    pub busy_hold: Option<Duration>,
 }
 
 /// What the guest-time budget charges a pause or suspension by.
@@ -221,6 +229,7 @@ impl Default for AdaptiveConfig {
             time_budget: Some(0.2),
             budget_window: Duration::from_secs(1),
             budget_clock: BudgetClock::Vcpu,
+            busy_hold: Some(Duration::from_millis(3)),
         }
     }
 }
@@ -235,6 +244,9 @@ impl AdaptiveConfig {
         Some(((rate as f64 * budget.as_secs_f64()) as u64).max(self.stop_floor))
     }
 }
+
+/// A vCPU that ran at least this share of the last poll is busy (for `busy_hold`).
+const BUSY: f64 = 0.5;
 
 /// Seed 002's scheduler: checkpoint as soon as network output waits for one (once the
 /// previous checkpoint is acknowledged and the guest had its share of time), when the disk
@@ -261,6 +273,8 @@ pub struct Adaptive {
     /// the run ended ([`Schedule::ran_busy`]).
     busy_now: Option<f64>,
     busy_run: Option<f64>,
+    /// When, in this epoch's run, output could first have cut it (for `busy_hold`).
+    output_allowed_at: Option<Duration>,
 }
 
 /// The guest-time budget as a token bucket: every second that passes earns `budget` seconds
@@ -326,6 +340,7 @@ impl Adaptive {
             suspended_at: None,
             busy_now: None,
             busy_run: None,
+            output_allowed_at: None,
         }
     }
 
@@ -380,6 +395,7 @@ impl Schedule for Adaptive {
         self.last_reason = Reason::Time;
         self.last_count = None;
         self.suspended = false;
+        self.output_allowed_at = None;
         self.cfg.max_wait
     }
 
@@ -420,6 +436,12 @@ impl Schedule for Adaptive {
             return Cut::Run;
         }
         if p.output_frames > 0 && p.unacked < self.cfg.max_unacked {
+            if let Some(hold) = self.cfg.busy_hold {
+                let allowed = *self.output_allowed_at.get_or_insert(ran);
+                if p.busy_recent.is_some_and(|b| b >= BUSY) && ran < allowed + hold {
+                    return Cut::Run;
+                }
+            }
             self.last_reason = Reason::Output;
             return Cut::Checkpoint;
         }
@@ -647,6 +669,38 @@ mod tests {
         assert_eq!(s.early(ms(50), &unacked), Cut::Run);
         // Nothing waiting: only the longest wait ends the epoch.
         assert_eq!(s.early(ms(400), &Pending::default()), Cut::Run);
+    }
+
+    #[test]
+    fn output_waits_for_a_busy_guest_up_to_the_hold() {
+        let mut s = Adaptive::new(no_budget());
+        s.next_interval(0, &pause(2));
+        let busy = Pending {
+            output_frames: 4,
+            busy_recent: Some(0.9),
+            ..Default::default()
+        };
+        // Output could cut at 2 ms; the guest is still busy: up to 3 ms more.
+        assert_eq!(s.early(ms(2), &busy), Cut::Run);
+        assert_eq!(s.early(ms(4), &busy), Cut::Run);
+        assert_eq!(s.early(ms(5), &busy), Cut::Checkpoint);
+        // A guest that went idle is cut at once, and so is one that cannot tell.
+        for now in [Some(0.1), None] {
+            s.next_interval(0, &pause(2));
+            assert_eq!(s.early(ms(2), &busy), Cut::Run);
+            let idle = Pending {
+                busy_recent: now,
+                ..busy
+            };
+            assert_eq!(s.early(ms(3), &idle), Cut::Checkpoint);
+        }
+        // Without a hold, output cuts while the guest is busy.
+        let mut s = Adaptive::new(AdaptiveConfig {
+            busy_hold: None,
+            ..no_budget()
+        });
+        s.next_interval(0, &pause(2));
+        assert_eq!(s.early(ms(2), &busy), Cut::Checkpoint);
     }
 
     #[test]

@@ -43,6 +43,7 @@ impl EpochSink for LinkSink<'_> {
             disk_bytes: self.st.site.disk_log_bytes(),
             dirty_pages: None,
             busy: None,
+            busy_recent: None,
             ship_pages_per_s: self.st.shared.ship_rate(),
         }
     }
