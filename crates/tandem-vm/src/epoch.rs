@@ -144,9 +144,11 @@ pub fn run_pipeline(
                     .then(|| busy_since(guest, &cpu_resumed, &mut cpu_now, now - resumed))
                     .flatten();
                 if pending.busy.is_some() {
-                    let (before, at) = match polled_at > resumed {
-                        true => (&cpu_polled, polled_at),
-                        false => (&cpu_resumed, resumed),
+                    // Since the last poll of this run that read them, else since the resume.
+                    let (before, at) = if polled_at > resumed {
+                        (&cpu_polled, polled_at)
+                    } else {
+                        (&cpu_resumed, resumed)
                     };
                     pending.busy_recent = Some(crate::vcpu::busy_share(before, &cpu_now, now - at));
                     std::mem::swap(&mut cpu_polled, &mut cpu_now);

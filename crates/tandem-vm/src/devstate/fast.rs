@@ -211,8 +211,8 @@ impl StreamFrame {
         out.extend_from_slice(&self.rom);
         let body = out.len();
         r.read_to_end(out)?;
-        let last = (out.len() > body).then(|| out.last().copied()).flatten();
-        if let Err(why) = check_sections(out.get(body).copied(), last) {
+        let sections = &out[body..];
+        if let Err(why) = check_sections(sections.first().copied(), sections.last().copied()) {
             return Ok(Err(why));
         }
         out.extend_from_slice(&self.tail);
@@ -379,8 +379,12 @@ impl Capturer {
         // A capture left unframed by an abandoned checkpoint is not this one's.
         self.unframed = false;
         if let Some(sent) = started {
-            match self.read(qmp, sent, out) {
-                Ok(Ok(())) => return Ok(Method::Fast),
+            match self.check(qmp, sent) {
+                Ok(Ok(())) => {
+                    // Framed by `complete`; nothing of an earlier capture stays in `out`.
+                    out.clear();
+                    return Ok(Method::Fast);
+                }
                 Ok(Err(e)) => self.fall_back(e),
                 Err(DeviceStateError::Qmp(QmpError::Command { desc, .. })) => self.fall_back(desc),
                 // The QMP connection itself failed: migrate would fail the same way.
@@ -486,14 +490,8 @@ impl Capturer {
 
     /// Waits for QEMU's reply and checks the file it wrote: the header, the first section
     /// and the end marker a complete device save has (what framing checks, read in place).
-    fn read(
-        &mut self,
-        qmp: &mut Qmp,
-        sent: Sent,
-        out: &mut Vec<u8>,
-    ) -> Result<Result<(), String>, DeviceStateError> {
+    fn check(&mut self, qmp: &mut Qmp, sent: Sent) -> Result<Result<(), String>, DeviceStateError> {
         qmp.reply(sent)?;
-        out.clear();
         let (_, file) = self.file.as_mut().expect("begun");
         // QEMU opened the path with O_TRUNC and wrote from 0; our descriptor reads the same
         // inode.
