@@ -3,6 +3,7 @@
 //! product, the `tandem` binary next to it, as real processes. `./tandem demo` and
 //! `./tandem test` run it.
 
+mod prng;
 mod record;
 mod setup;
 

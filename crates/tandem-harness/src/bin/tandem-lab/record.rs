@@ -1,4 +1,4 @@
-//! `tandem record`, `tandem traces` and `tandem trace info`.
+//! `tandem record`, `tandem traces` and `tandem trace info` (`trace prng`: prng.rs).
 
 use std::fs::File;
 use std::io::BufReader;
@@ -113,6 +113,16 @@ pub enum TraceCmd {
     Info {
         /// Trace file.
         file: PathBuf,
+        /// Machine-readable output.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Bytes per epoch that continue a xorshift64 stream (the `alloc` workload's generator):
+    /// a lower bound of what any general-purpose codec sends for the trace.
+    Prng {
+        /// Trace files.
+        #[arg(required = true)]
+        files: Vec<PathBuf>,
         /// Machine-readable output.
         #[arg(long)]
         json: bool,
@@ -300,6 +310,7 @@ pub fn analyse(path: &Path) -> anyhow::Result<TraceInfo> {
 
 pub fn trace_cmd(c: TraceCmd) -> anyhow::Result<()> {
     match c {
+        TraceCmd::Prng { files, json } => crate::prng::run(&files, json),
         TraceCmd::Info { file, json } => {
             let info = analyse(&file)?;
             if json {
