@@ -23,6 +23,7 @@ use xxhash_rust::xxh3::xxh3_64;
 #[derive(Serialize, Default)]
 pub struct PrngCount {
     pub file: String,
+    /// Epochs with dirty pages (those `tandem-lab bench --trace` counts).
     pub epochs: u64,
     /// Dirty pages per epoch whose content is not that of any page before the epoch.
     pub new_pages_per_epoch: f64,
@@ -78,6 +79,8 @@ pub fn count(path: &Path) -> anyhow::Result<PrngCount> {
     tandem_trace::replay(input, |mem, e| -> anyhow::Result<()> {
         let ps = e.data.len() / e.pfns.len().max(1);
         if ps == 0 {
+            // An epoch without dirty pages is not counted, as `tandem-lab bench --trace`
+            // does not count it: the figures per epoch compare with its bytes per epoch.
             return Ok(());
         }
         if page_hash.is_empty() {
