@@ -43,6 +43,15 @@ pub type StartLoad = Arc<dyn Fn(&VmConfig) -> Result<Option<Box<dyn Load>>, Stri
 /// A booted lab guest: the VM, its boot-to-ready time and the host-side load, if any.
 pub type Booted = (Vm, Duration, Option<Box<dyn Load>>);
 
+/// One step of xorshift64 (13, 7, 17): the fault campaign's draws, and the generator the
+/// lab's `alloc` workload fills its blocks with (guest/allocchurn.c).
+pub fn xorshift64(mut x: u64) -> u64 {
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    x
+}
+
 /// The product binary (`tandem`) the lab drives as daemons: next to this executable (the
 /// `tandem-lab` binary), or one directory up (a test binary in `target/*/deps`).
 pub fn product_exe() -> anyhow::Result<std::path::PathBuf> {

@@ -69,9 +69,7 @@ struct Report {
 }
 
 fn next(seed: &mut u64) -> u64 {
-    *seed ^= *seed << 13;
-    *seed ^= *seed >> 7;
-    *seed ^= *seed << 17;
+    *seed = crate::xorshift64(*seed);
     *seed
 }
 

@@ -17,6 +17,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::Context;
 use serde::Serialize;
+use tandem_harness::xorshift64;
 use xxhash_rust::xxh3::xxh3_64;
 
 /// One trace's count.
@@ -34,33 +35,23 @@ pub struct PrngCount {
     pub prng_bytes_per_epoch: f64,
 }
 
-/// One step of the generator of guest/allocchurn.c.
-fn xorshift(mut r: u64) -> u64 {
-    r ^= r << 13;
-    r ^= r >> 7;
-    r ^= r << 17;
-    r
-}
-
 /// Words of `new` that differ from `old` at their place, and how many of them continue a
 /// xorshift64 stream within the page.
 fn count_page(new: &[u8], old: &[u8]) -> (u64, u64) {
-    let words = |p: &[u8]| -> Vec<u64> {
-        p.chunks_exact(8)
-            .map(|c| u64::from_le_bytes(c.try_into().unwrap_or_default()))
-            .collect()
-    };
-    let (w, o) = (words(new), words(old));
+    let word =
+        |p: &[u8], k: usize| u64::from_le_bytes(p[k * 8..k * 8 + 8].try_into().unwrap_or_default());
+    let n = new.len() / 8;
     let (mut changed, mut prng) = (0, 0);
-    for k in 0..w.len() {
-        if w[k] == o[k] {
+    for k in 0..n {
+        let w = word(new, k);
+        if w == word(old, k) {
             continue;
         }
         changed += 1;
         // xorshift(0) is 0: a zero word continues nothing.
-        let follows = |j: usize| w[k] != 0 && w[k] == xorshift(w[j]);
-        let followed = k + 1 < w.len() && w[k] != 0 && w[k + 1] == xorshift(w[k]);
-        if (k >= 1 && follows(k - 1)) || followed || (k >= 9 && follows(k - 9)) {
+        let follows = |j: usize| w == xorshift64(word(new, j));
+        let followed = k + 1 < n && word(new, k + 1) == xorshift64(w);
+        if w != 0 && ((k >= 1 && follows(k - 1)) || followed || (k >= 9 && follows(k - 9))) {
             prng += 1;
         }
     }
@@ -164,7 +155,7 @@ mod tests {
         // Two blocks' worth of allocchurn's pattern: 8 counter words, 8 generator words.
         for k in 0..64usize {
             let v = if k & 8 != 0 {
-                r = xorshift(r);
+                r = xorshift64(r);
                 r
             } else {
                 1000 + 8 * k as u64
