@@ -1,5 +1,10 @@
 //! Tests of the histograms, the exposition and the endpoint's bounds.
 
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::time::{Duration, Instant};
+
+use super::http::{CLIENT_TIMEOUT, MAX_CLIENTS};
 use super::*;
 
 #[test]
