@@ -2,6 +2,30 @@
 
 use super::*;
 
+/// The RAM section of a migrate stream (the ROM pages): start, its id, a body, its footer.
+fn ram_section() -> Vec<u8> {
+    [
+        &[SECTION_START, 0, 0, 0, 2, 3][..],
+        b"ram",
+        &[1, 2, 3, SECTION_FOOTER, 0, 0, 0, 2],
+    ]
+    .concat()
+}
+
+/// A full section of device `name` (instance 0, version 1) with `body`.
+fn device_section(name: u8, body: &[u8]) -> Vec<u8> {
+    [
+        &[SECTION_FULL, 0, 0, 0, 9, 1, name, 0, 0, 0, 0, 0, 0, 0, 1][..],
+        body,
+    ]
+    .concat()
+}
+
+/// What `xen-save-devices-state` writes: the stream header, `sections`, the end marker.
+fn saved(sections: &[u8]) -> Vec<u8> {
+    [&b"QEVM\0\0\0\x03"[..], sections, &[VM_EOF]].concat()
+}
+
 fn migrate_stream(caps: &[&str]) -> Vec<u8> {
     let mut s = b"QEVM\0\0\0\x03\x07".to_vec();
     s.extend_from_slice(&13u32.to_be_bytes());
@@ -16,27 +40,8 @@ fn migrate_stream(caps: &[&str]) -> Vec<u8> {
         s.push(c.len() as u8);
         s.extend_from_slice(c.as_bytes());
     }
-    s.extend_from_slice(&[SECTION_START, 0, 0, 0, 2, 3, b'r', b'a', b'm', 1, 2, 3]);
-    s.extend_from_slice(&[SECTION_FOOTER, 0, 0, 0, 2]);
-    s.extend_from_slice(&[
-        SECTION_FULL,
-        0,
-        0,
-        0,
-        9,
-        1,
-        b'x',
-        0,
-        0,
-        0,
-        0,
-        0,
-        0,
-        0,
-        1,
-        7,
-        7,
-    ]);
+    s.extend_from_slice(&ram_section());
+    s.extend_from_slice(&device_section(b'x', &[7, 7]));
     s.push(VM_EOF);
     let json = br#"{"page_size":4096}"#;
     s.push(VMDESCRIPTION);
@@ -53,16 +58,12 @@ fn find(hay: &[u8], needle: &[u8]) -> usize {
 fn frames_a_device_save_with_the_migrate_streams_configuration_and_description() {
     let m = migrate_stream(&["x-ignore-shared"]);
     let f = StreamFrame::learn(&m).unwrap();
-    let saved = [
-        &b"QEVM\0\0\0\x03"[..],
-        &[SECTION_FULL, 0, 0, 0, 9, 1, b'y', 8, VM_EOF],
-    ]
-    .concat();
+    let save = saved(&[SECTION_FULL, 0, 0, 0, 9, 1, b'y', 8]);
     let mut out = Vec::new();
-    f.wrap(&saved, &mut out).unwrap();
+    f.wrap(&save, &mut out).unwrap();
     let head_len = find(&m, &[SECTION_START, 0, 0, 0, 2, 3, b'r']);
     assert_eq!(out[..head_len], m[..head_len]);
-    assert_eq!(out[head_len..head_len + 9], saved[8..]);
+    assert_eq!(out[head_len..head_len + 9], save[8..]);
     assert!(out.ends_with(br#"{"page_size":4096}"#));
     assert_eq!(out[head_len + 9], VMDESCRIPTION);
 }
@@ -71,11 +72,7 @@ fn frames_a_device_save_with_the_migrate_streams_configuration_and_description()
 fn the_pauses_check_in_place_agrees_with_framing() {
     let m = migrate_stream(&["x-ignore-shared"]);
     let f = StreamFrame::learn(&m).unwrap();
-    let good = [
-        &b"QEVM\0\0\0\x03"[..],
-        &[SECTION_FULL, 0, 0, 0, 9, 1, b'y', 8, VM_EOF],
-    ]
-    .concat();
+    let good = saved(&[SECTION_FULL, 0, 0, 0, 9, 1, b'y', 8]);
     let mut saves: Vec<Vec<u8>> = (0..=good.len()).map(|n| good[..n].to_vec()).collect();
     for i in 0..good.len() {
         let mut bad = good.clone();
@@ -96,77 +93,14 @@ fn the_pauses_check_in_place_agrees_with_framing() {
 #[test]
 fn keeps_the_rom_pages_between_configuration_and_devices() {
     let m = migrate_stream(&["x-ignore-shared"]);
-    let same = [
-        &b"QEVM\0\0\0\x03"[..],
-        &[
-            SECTION_FULL,
-            0,
-            0,
-            0,
-            9,
-            1,
-            b'x',
-            0,
-            0,
-            0,
-            0,
-            0,
-            0,
-            0,
-            1,
-            6,
-            6,
-            VM_EOF,
-        ],
-    ]
-    .concat();
+    let same = saved(&device_section(b'x', &[6, 6]));
     // Its device state differs from the stream's (a later moment): the boundary is the
     // first device section's header.
     let f = StreamFrame::learn(&m).unwrap().with_rom(&m, &same).unwrap();
-    let ram = [
-        SECTION_START,
-        0,
-        0,
-        0,
-        2,
-        3,
-        b'r',
-        b'a',
-        b'm',
-        1,
-        2,
-        3,
-        SECTION_FOOTER,
-        0,
-        0,
-        0,
-        2,
-    ];
+    let ram = ram_section();
     assert_eq!(f.rom_len(), ram.len());
     // A later save is framed with them: loading it restores the ROMs too.
-    let later = [
-        &b"QEVM\0\0\0\x03"[..],
-        &[
-            SECTION_FULL,
-            0,
-            0,
-            0,
-            9,
-            1,
-            b'y',
-            0,
-            0,
-            0,
-            0,
-            0,
-            0,
-            0,
-            1,
-            8,
-            VM_EOF,
-        ],
-    ]
-    .concat();
+    let later = saved(&device_section(b'y', &[8]));
     let mut out = Vec::new();
     f.wrap(&later, &mut out).unwrap();
     let head_len = find(&m, &ram);
