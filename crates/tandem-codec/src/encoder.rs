@@ -253,14 +253,20 @@ impl Encoder {
     /// CPU per byte and sends more bytes. The decoder needs no notice. At
     /// [`crate::level::MIN`] and below (the encoder is the slower stage even at its fastest
     /// setting), tandem's store also stops compressing the pages it pushes out of its main
-    /// list and drops them instead, and skips the anchor scan of every page (pages new to the
-    /// store then go without other held pages in their prefix); at negative levels, tandem
+    /// list and holds pages raw in all of its bytes instead (state/switch.rs), and skips the
+    /// anchor scan of every page (pages new to the store then go without other held pages in
+    /// their prefix); it compresses again from two levels above (a level that moves by one
+    /// around `MIN` does not switch the store back and forth). At negative levels, tandem
     /// skips the anchor scan of held pages (`Budget::held_anchors`). Level 0 is zstd's
     /// default, 3.
     pub fn set_level(&mut self, level: i32) {
         self.level = effective_level(level);
         if let Some(s) = self.prev.as_mut() {
-            s.set_compressing(self.level > crate::level::MIN);
+            if self.level <= crate::level::MIN {
+                s.set_compressing(false);
+            } else if self.level >= crate::level::MIN + 2 {
+                s.set_compressing(true);
+            }
         }
     }
 

@@ -11,6 +11,7 @@ use std::hash::{BuildHasherDefault, Hasher};
 use crate::format::PAGE;
 
 mod cold;
+mod switch;
 use cold::Cold;
 
 /// Multiplicative hasher for u64 keys (page numbers, content hashes): SipHash costs more than
@@ -72,6 +73,9 @@ pub struct Lru {
     free: Vec<u32>,
     /// Compressed tier for the pages pushed out of the main list (tandem's store).
     cold: Option<Box<Cold>>,
+    /// With a tier: the pages of the whole store's bytes, which the main and probation
+    /// lists take while the tier does not compress (switch.rs).
+    whole: usize,
 }
 
 /// One intrusive list of an [`Lru`].
@@ -88,6 +92,12 @@ struct Ends {
 /// away and written again soon after (a database page touched after a long while, then
 /// several times) is still held the second time, small enough not to cost a cycle's sample.
 const PROBATION_SHARE: usize = 32;
+
+/// The main and probation lists' pages of a scan-resistant store of `cap` pages.
+fn scan_resistant_caps(cap: usize) -> [usize; 2] {
+    let probation = cap / PROBATION_SHARE;
+    [cap - probation, probation]
+}
 
 impl Lru {
     /// A store for `cap` pages (at least 1).
@@ -109,6 +119,7 @@ impl Lru {
             caps: [cap, 0],
             free: Vec::new(),
             cold: None,
+            whole: cap,
         }
     }
 
@@ -121,6 +132,7 @@ impl Lru {
         let cold = Cold::new((cap / 4) * PAGE);
         Lru {
             cold: Some(Box::new(cold)),
+            whole: cap,
             ..Lru::scan_resistant(cap - cap / 4, pages)
         }
     }
@@ -129,10 +141,9 @@ impl Lru {
     /// guest rewrites more pages in a cycle than it holds (see [`Admission`]).
     pub fn scan_resistant(cap: usize, pages: u64) -> Self {
         let cap = cap.max(1);
-        let probation = cap / PROBATION_SHARE;
         Lru {
             admission: Some(Admission::new(pages)),
-            caps: [cap - probation, probation],
+            caps: scan_resistant_caps(cap),
             ..Lru::new(cap)
         }
     }
@@ -408,10 +419,11 @@ impl PrevStore {
     }
 
     /// Whether a tiered store compresses the pages it pushes out of its main list (true when
-    /// made) or drops them, which saves the CPU of compressing them.
+    /// made), or holds pages raw in all of its bytes, which saves the CPU of compressing them
+    /// (switch.rs).
     pub fn set_compressing(&mut self, on: bool) {
-        if let Some(c) = self.cold_mut() {
-            c.active = on;
+        if let PrevStore::Lru(l) = self {
+            l.set_tier(on);
         }
     }
 

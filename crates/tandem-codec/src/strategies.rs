@@ -486,8 +486,9 @@ pub struct Budget {
     /// fixed sample of page numbers (state.rs, `Admission`), so a cycle larger than the store
     /// keeps part of itself held instead of none (plain LRU).
     pub admission: bool,
-    /// Half of the store's bytes keep the pages pushed out of it as zstd frames (state/cold.rs),
-    /// so a compressible cycle larger than the store stays held. Only with `admission`.
+    /// A quarter of the store's bytes keep the pages pushed out of it as zstd frames
+    /// (state/cold.rs), so a compressible cycle larger than the store stays held. Only with
+    /// `admission`.
     pub cold: bool,
     /// Measure per epoch whether pages sent whole compress smaller as word deltas (words.rs)
     /// and send them so for the epoch when they do.

@@ -92,7 +92,8 @@ pub(super) struct Cold {
     /// Bytes charged: frames plus [`ENTRY`] per page.
     charged: usize,
     budget: usize,
-    /// Pages pushed out while false are dropped, not compressed.
+    /// Pages pushed out while false are dropped, not compressed (the store's main list then
+    /// has the tier's bytes: switch.rs).
     pub(super) active: bool,
     /// Staged pages: page number → index of the page in `staged_data`.
     staged: FxMap<u64, u32>,
@@ -209,6 +210,16 @@ impl Cold {
         }
         self.deferred_data.extend_from_slice(content);
         self.deferred.insert(pfn, i as u32);
+    }
+
+    /// Drops every page held and deferred (staged ones go at the next settle).
+    pub(super) fn clear(&mut self) {
+        self.map = FxMap::default();
+        self.order = VecDeque::new();
+        self.charged = 0;
+        self.deferred.clear();
+        self.deferred_pfns.clear();
+        self.deferred_data = Vec::new();
     }
 
     /// Drops the version of `pfn` held, staged or deferred; returns its frame if it was held.

@@ -112,7 +112,8 @@ fn a_tiered_store_holds_a_compressible_cycle_larger_than_its_raw_slots() {
         unreachable!()
     };
     assert!(l.data.len() <= (cap - cap / 4) * PAGE);
-    // Switched off, pages pushed out are dropped, and a newer version always wins.
+    // Switched off, the tier drops what it holds (its bytes become raw slots), and a newer
+    // version always wins.
     tiered.set_compressing(false);
     for pfn in 1000..1100 {
         tiered.put(pfn, &page(pfn, 9));
@@ -190,4 +191,83 @@ fn a_batch_of_puts_holds_what_single_puts_hold() {
             }
         }
     }
+}
+
+/// The lists of `l` are consistent: each links its `len` slots both ways, every listed slot
+/// is the map's slot of its page, and the slab holds no slot past the bounds.
+fn check_lists(l: &Lru) {
+    let mut listed = 0;
+    for list in 0..2 {
+        let (mut s, mut prev, mut n) = (l.lists[list].head, NIL, 0);
+        while s != NIL {
+            assert_eq!(l.seg[s as usize] as usize, list);
+            assert_eq!(l.prev[s as usize], prev);
+            assert_eq!(l.map.get(&l.pfn[s as usize]), Some(&s));
+            (prev, s, n) = (s, l.next[s as usize], n + 1);
+        }
+        assert_eq!(l.lists[list].tail, prev);
+        assert_eq!(n, l.lists[list].len);
+        assert!(n <= l.caps[list]);
+        listed += n;
+    }
+    assert_eq!(listed, l.map.len());
+    assert!(l.pfn.len() <= l.caps[0] + l.caps[1]);
+    assert!(l.data.len() <= (l.caps[0] + l.caps[1]) * PAGE);
+}
+
+#[test]
+fn a_tiered_store_without_compression_holds_raw_pages_in_all_its_bytes() {
+    // Switched off, the main list takes the tier's quarter as raw slots (the store of
+    // `cold=off`); switched on again, it shrinks back, pages move down the slab, and every
+    // page held is still its last version. Random pages, puts and switches.
+    let (cap, guest) = (64usize, 400u64);
+    let mut s = PrevStore::Lru(Box::new(Lru::tiered(cap, guest)));
+    let mut last: HashMap<u64, u64> = HashMap::new();
+    let mut x = 0x9e37_79b9_7f4a_7c15u64;
+    let mut next = || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x
+    };
+    let mut most_raw = 0;
+    for epoch in 1..200u64 {
+        if epoch % 23 == 0 {
+            s.set_compressing(epoch % 46 != 0);
+        }
+        // Mostly a hot set larger than three quarters of the store, sometimes anywhere.
+        let mut pfns: Vec<u64> = (0..24)
+            .map(|_| match next() % 4 {
+                0 => next() % guest,
+                _ => next() % 60,
+            })
+            .collect();
+        pfns.sort_unstable();
+        pfns.dedup();
+        s.promote(&pfns, None);
+        for &p in &pfns {
+            if let Some(v) = s.get(p) {
+                assert_eq!(v, counter_page(p, last[&p]), "page {p} in epoch {epoch}");
+            }
+            s.put(p, &counter_page(p, epoch));
+            last.insert(p, epoch);
+        }
+        s.settle(None);
+        let PrevStore::Lru(l) = &s else {
+            unreachable!()
+        };
+        check_lists(l);
+        let raw = l.map.len();
+        let tier = l.cold.as_ref().unwrap();
+        if !tier.active {
+            most_raw = most_raw.max(raw);
+            assert_eq!(tier.bytes(), 0, "nothing compressed while off");
+        } else {
+            assert!(raw <= cap - cap / 4);
+        }
+    }
+    assert!(
+        most_raw > cap - cap / 4,
+        "off, it held {most_raw} pages raw"
+    );
 }
