@@ -3,9 +3,11 @@
 //! its quarter of the bytes goes to the main and probation lists as raw slots: the store is
 //! then the scan-resistant store of the whole budget (`cold=off`'s), which holds what those
 //! bytes can hold raw. When compression comes back, the lists shrink to three quarters again:
-//! the least recent pages of the main list go to the tier (compressed at the next settle), and
-//! the pages in slots past the smaller bound move down into free slots so that the slab's
-//! memory shrinks with it. The store's bytes stay within its budget either way.
+//! the least recent pages of the main list go to the tier (compressed at the next settle: up
+//! to a quarter of the store's pages at once, copied aside until then, once per switch; the
+//! encoder's two-level hysteresis keeps switches rare), and the pages in slots past the
+//! smaller bound move down into free slots so that the slab's memory shrinks with it. The
+//! store's bytes stay within its budget either way.
 
 use super::{scan_resistant_caps, Lru, NIL, PAGE};
 
