@@ -97,14 +97,21 @@ pub enum EncodeError {
     Diverged,
 }
 
+/// One step of xorshift64 (13, 7, 17), the unit tests' generator.
+#[cfg(test)]
+pub(crate) fn xorshift64(mut x: u64) -> u64 {
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    x
+}
+
 /// Pseudo-random test bytes (xorshift64), shared by the unit tests.
 #[cfg(test)]
 pub(crate) fn test_bytes(mut x: u64, n: usize) -> Vec<u8> {
     (0..n)
         .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
+            x = xorshift64(x);
             x as u8
         })
         .collect()

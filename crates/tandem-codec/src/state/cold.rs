@@ -369,9 +369,7 @@ mod tests {
         let mut x = seed | 1;
         (0..PAGE)
             .map(|i| {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
+                x = crate::xorshift64(x);
                 if compressible {
                     (i / 64) as u8 ^ seed as u8
                 } else {

@@ -157,9 +157,7 @@ fn a_batch_of_puts_holds_what_single_puts_hold() {
             // A scan over a third of the guest, and a few hot pages.
             let mut pfns: Vec<u64> = (0..300).map(|k| (round * 300 + k) % guest).collect();
             for _ in 0..20 {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
+                x = crate::xorshift64(x);
                 pfns.push(x % 64);
             }
             pfns.sort_unstable();
@@ -225,9 +223,7 @@ fn a_tiered_store_without_compression_holds_raw_pages_in_all_its_bytes() {
     let mut last: HashMap<u64, u64> = HashMap::new();
     let mut x = 0x9e37_79b9_7f4a_7c15u64;
     let mut next = || {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
+        x = crate::xorshift64(x);
         x
     };
     let mut most_raw = 0;
