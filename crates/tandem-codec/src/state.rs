@@ -73,9 +73,6 @@ pub struct Lru {
     free: Vec<u32>,
     /// Compressed tier for the pages pushed out of the main list (tandem's store).
     cold: Option<Box<Cold>>,
-    /// With a tier: the pages of the whole store's bytes, which the main and probation
-    /// lists take while the tier does not compress (switch.rs).
-    whole: usize,
 }
 
 /// One intrusive list of an [`Lru`].
@@ -119,7 +116,6 @@ impl Lru {
             caps: [cap, 0],
             free: Vec::new(),
             cold: None,
-            whole: cap,
         }
     }
 
@@ -132,7 +128,6 @@ impl Lru {
         let cold = Cold::new((cap / 4) * PAGE);
         Lru {
             cold: Some(Box::new(cold)),
-            whole: cap,
             ..Lru::scan_resistant(cap - cap / 4, pages)
         }
     }

@@ -22,12 +22,15 @@ impl Lru {
             return;
         }
         c.active = on;
+        // The lists' pages: three quarters of the store's with the tier on, all of them off.
+        let lists = self.caps[0] + self.caps[1];
+        let tier = c.budget() / PAGE;
         if on {
-            self.caps = scan_resistant_caps(self.whole - self.whole / 4);
+            self.caps = scan_resistant_caps(lists - tier);
             self.shrink();
         } else {
             c.clear();
-            self.caps = scan_resistant_caps(self.whole);
+            self.caps = scan_resistant_caps(lists + tier);
         }
     }
 
