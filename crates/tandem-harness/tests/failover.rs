@@ -142,6 +142,7 @@ fn primary_killed_backup_resumes_the_guest() {
         "disk_writes",
         "disk_bytes",
         "lost_cpu_us",
+        "stopped_us",
     ] {
         assert!(
             first.get(k).is_some_and(|v| v.is_number()),
@@ -170,6 +171,24 @@ fn primary_killed_backup_resumes_the_guest() {
     for &(pct, lost, paused) in &busy {
         assert!((0.0..=100.0).contains(&pct), "busy {pct} %");
         assert!(lost <= paused, "charged {lost} µs for {paused} µs paused");
+    }
+    // QEMU's STOP and RESUME events timed most pauses: the guest was stopped for part of
+    // each, never longer than the pause.
+    let stopped: Vec<(u64, u64)> = lines
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter_map(|v| Some((v.get("stopped_us")?.as_u64()?, v.get("pause_us")?.as_u64()?)))
+        .collect();
+    let timed = stopped.iter().filter(|&&(s, _)| s > 0).count();
+    assert!(
+        timed * 2 >= stopped.len(),
+        "QEMU's events timed {timed} of {} pauses",
+        stopped.len()
+    );
+    // (QEMU stamps events with the wall clock, the pause is timed on the monotonic one: a
+    // millisecond allows for the wall clock being slewed meanwhile.)
+    for &(s, pause) in &stopped {
+        assert!(s <= pause + 1000, "stopped {s} µs in a pause of {pause} µs");
     }
     assert!(
         sample("tandem_role{vm=\"1\",", ",role=\"primary\"} 1"),

@@ -20,6 +20,7 @@ fn main() {
             copy_us: 800,
             devstate_us: 4000,
             cont_us: 500,
+            ..Default::default()
         },
         device_state_len: 600_000,
         data: pfns.iter().flat_map(|&p| vec![p as u8; 4096]).collect(),

@@ -189,6 +189,8 @@ impl EpochRecord {
                 copy_us: v[2],
                 devstate_us: v[3],
                 cont_us: v[4],
+                // Not in the format: QEMU's stopped time is the product's, not the trace's.
+                stopped_us: 0,
             },
             device_state_len: v[5],
             pfns,

@@ -48,6 +48,7 @@ fn epoch(n: u32, pfns: Vec<u64>, fill: u8) -> EpochRecord {
             copy_us: 3,
             devstate_us: 4,
             cont_us: 5,
+            ..Default::default()
         },
         device_state_len: 800_000,
         pfns,

@@ -31,6 +31,13 @@ pub struct PauseTiming {
     pub devstate_us: u32,
     /// QMP `cont`.
     pub cont_us: u32,
+    /// How long QEMU held the guest's vCPUs stopped within the pause: its `RESUME` event's
+    /// timestamp minus its `STOP` event's. Shorter than the pause by the two commands'
+    /// transit (the guest still runs while `stop` travels and runs again before `cont`'s
+    /// reply arrives). 0: not known (a guest stopped before the pause, events unseen).
+    /// Not a component of [`PauseTiming::total_us`].
+    #[serde(default)]
+    pub stopped_us: u32,
 }
 
 impl PauseTiming {
@@ -65,8 +72,9 @@ mod tests {
             copy_us: 3,
             devstate_us: 4,
             cont_us: 5,
+            stopped_us: 14,
         };
-        assert_eq!(t.total_us(), 15);
+        assert_eq!(t.total_us(), 15, "QEMU's stopped time is not a component");
         let big = PauseTiming {
             stop_us: u32::MAX,
             cont_us: 1,

@@ -224,6 +224,14 @@ impl Qmp {
             .map(|_| ())
     }
 
+    /// The timestamp (µs since the epoch, QEMU's clock) of the latest event named `name`
+    /// received and not yet taken.
+    pub fn event_time_us(&self, name: &str) -> Option<u64> {
+        let e = self.events.iter().rev().find(|e| e["event"] == name)?;
+        let t = &e["timestamp"];
+        Some(t["seconds"].as_u64()? * 1_000_000 + t["microseconds"].as_u64()?)
+    }
+
     /// Events received so far and not yet taken.
     pub fn take_events(&mut self) -> Vec<Value> {
         self.events.drain(..).collect()

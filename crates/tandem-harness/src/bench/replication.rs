@@ -211,7 +211,7 @@ fn line(r: &RoundResult) -> String {
         )
     };
     format!(
-        "{:<8} {:>15} {:>3} ms {:>6}{}{} | {thr}{lat} | link {:.2} MiB vs Remus {:.1} MiB ({:.3}x, zstd level {}..{} median {}) | pause p50 {:.1} ms p99 {:.1} ms ({:.0} % of the time{}, vCPU time lost {:.0} %; p50 stop/harvest/copy/devstate/cont {}) | ack p50 {:.1} ms | encoder {:.0} % of a core ({:.0} % CPU) | first epoch {} pages, pause {:.1} ms{}{} | daemons' memory peak primary {:.0} MiB backup {:.0} MiB | failover {:.0} ms after kill ({:.0} detection + {:.1} resume)",
+        "{:<8} {:>15} {:>3} ms {:>6}{}{} | {thr}{lat} | link {:.2} MiB vs Remus {:.1} MiB ({:.3}x, zstd level {}..{} median {}) | pause p50 {:.1} ms p99 {:.1} ms, guest stopped p50 {:.1} ms ({:.0} % of the time{}, vCPU time lost {:.0} %; p50 stop/harvest/copy/devstate/cont {}) | ack p50 {:.1} ms | encoder {:.0} % of a core ({:.0} % CPU) | first epoch {} pages, pause {:.1} ms{}{} | daemons' memory peak primary {:.0} MiB backup {:.0} MiB | failover {:.0} ms after kill ({:.0} detection + {:.1} resume)",
         r.workload,
         r.schedule,
         r.epoch_ms,
@@ -230,6 +230,7 @@ fn line(r: &RoundResult) -> String {
         r.zstd_levels[1],
         r.pause_ms_p50,
         r.pause_ms_p99,
+        r.stopped_ms_p50,
         100.0 * r.pause_share,
         if r.suspend_share > 0.0 {
             format!(" + {:.1} % suspended", 100.0 * r.suspend_share)

@@ -43,6 +43,8 @@ pub struct DebianRound {
     pub sent_mib: f64,
     pub pause_ms_p50: f64,
     pub pause_ms_p99: f64,
+    /// Median time QEMU had the guest stopped in a pause (its STOP to RESUME events).
+    pub stopped_ms_p50: f64,
     /// Shares of the time from protection to the kill that the guest spent paused or
     /// suspended, and of the vCPU time it lost to them (what the guest-time budget counts).
     pub paused_share: f64,
@@ -499,6 +501,7 @@ pub fn round(r: usize, o: &DebianOpts<'_>, pb: &ProgressBar) -> anyhow::Result<D
         sent_mib: ep.sent as f64 / MIB,
         pause_ms_p50: quantile(&ep.pauses, 0.5),
         pause_ms_p99: quantile(&ep.pauses, 0.99),
+        stopped_ms_p50: quantile(&ep.stopped, 0.5),
         paused_share: (ep.pauses.iter().sum::<f64>() + ep.suspended_ms) / 1000.0 / replicated_s,
         cpu_lost_share: ep.lost_cpu_ms / 1000.0 / replicated_s,
         commits_per_s_replicated: (commits_at_kill - commits_at_start) as f64 / kill_after_s,

@@ -111,7 +111,7 @@ pub(super) fn run(a: Args) -> anyhow::Result<()> {
             quantile(&s.rounds.iter().map(f).collect::<Vec<f64>>(), 0.5)
         };
         println!(
-            "summary: Debian 12 + PostgreSQL, {} kill(s), link {}, {} ms epochs: {} commits acknowledged, {} lost; boot {:.0} s; pause p50 {:.1} ms p99 {:.1} ms; guest time lost {:.0} % (vCPU time {:.0} %); {:.1} commits/s replicated vs {:.1} after failover (commit latency p50 {:.0} ms); kill -> guest running {:.0} ms (median)  =>  {}",
+            "summary: Debian 12 + PostgreSQL, {} kill(s), link {}, {} ms epochs: {} commits acknowledged, {} lost; boot {:.0} s; pause p50 {:.1} ms p99 {:.1} ms (guest stopped p50 {:.1} ms); guest time lost {:.0} % (vCPU time {:.0} %); {:.1} commits/s replicated vs {:.1} after failover (commit latency p50 {:.0} ms); kill -> guest running {:.0} ms (median)  =>  {}",
             s.rounds.len(),
             s.link,
             s.epoch_ms,
@@ -120,6 +120,7 @@ pub(super) fn run(a: Args) -> anyhow::Result<()> {
             med(&|r| r.boot_s),
             med(&|r| r.pause_ms_p50),
             med(&|r| r.pause_ms_p99),
+            med(&|r| r.stopped_ms_p50),
             100.0 * med(&|r| r.paused_share),
             100.0 * med(&|r| r.cpu_lost_share),
             med(&|r| r.commits_per_s_replicated),

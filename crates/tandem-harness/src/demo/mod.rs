@@ -429,7 +429,7 @@ fn print_summary(s: &Summary) {
         s.link
     );
     println!(
-        "  replication      {:.1} MiB raw -> {:.2} MiB sent ({:.3}x, zstd level {}..{}); pause p50 {:.1} ms, p99 {:.1} ms; encoder {:.0} % of a core ({:.0} % CPU)",
+        "  replication      {:.1} MiB raw -> {:.2} MiB sent ({:.3}x, zstd level {}..{}); pause p50 {:.1} ms, p99 {:.1} ms (guest stopped p50 {:.1} ms); encoder {:.0} % of a core ({:.0} % CPU)",
         col(&|r| r.raw_mib).iter().sum::<f64>(),
         col(&|r| r.sent_mib).iter().sum::<f64>(),
         med(&|r| r.sent_over_raw),
@@ -437,6 +437,7 @@ fn print_summary(s: &Summary) {
         s.rounds.iter().map(|r| r.zstd_levels[2]).max().unwrap_or(0),
         med(&|r| r.pause_ms_p50),
         med(&|r| r.pause_ms_p99),
+        med(&|r| r.stopped_ms_p50),
         100.0 * med(&|r| r.encoder_core_share),
         100.0 * med(&|r| r.encoder_cpu_share)
     );

@@ -541,6 +541,7 @@ impl<'a> RoundCtx<'a> {
             sent_over_raw: ep.sent as f64 / ep.raw.max(1) as f64,
             pause_ms_p50: quantile(&ep.pauses, 0.5),
             pause_ms_p99: quantile(&ep.pauses, 0.99),
+            stopped_ms_p50: quantile(&ep.stopped, 0.5),
             ack_ms_p50: quantile(&ep.acks, 0.5),
             pause_share: ep.pauses.iter().sum::<f64>() / 1000.0 / tl.replicated_s.max(1e-3),
             suspend_share: ep.suspended_ms / 1000.0 / tl.replicated_s.max(1e-3),

@@ -132,6 +132,8 @@ pub struct RoundResult {
     pub sent_over_raw: f64,
     pub pause_ms_p50: f64,
     pub pause_ms_p99: f64,
+    /// Median time QEMU had the guest stopped in a pause (its STOP to RESUME events).
+    pub stopped_ms_p50: f64,
     /// From handing an epoch to the link to the backup's acknowledgement, median (ms).
     pub ack_ms_p50: f64,
     /// Share of the replicated phase the guest spent paused for checkpoints.
@@ -246,6 +248,8 @@ pub(crate) struct Epochs {
     pub raw: u64,
     pub sent: u64,
     pub pauses: Vec<f64>,
+    /// Each epoch's time QEMU had the guest stopped (ms; the pause where unknown).
+    pub stopped: Vec<f64>,
     /// Each epoch's acknowledgement latency (ms).
     pub acks: Vec<f64>,
     /// Milliseconds the guest was suspended early, summed.
@@ -325,6 +329,11 @@ impl Epochs {
                 self.raw += g("raw_bytes");
                 self.sent += g("sent_bytes");
                 self.pauses.push(g("pause_us") as f64 / 1000.0);
+                let stopped = match g("stopped_us") {
+                    0 => g("pause_us"),
+                    s => s.min(g("pause_us")),
+                };
+                self.stopped.push(stopped as f64 / 1000.0);
                 self.acks.push(g("ack_latency_us") as f64 / 1000.0);
                 self.suspended_ms += g("suspended_us") as f64 / 1000.0;
                 self.lost_cpu_ms += g("lost_cpu_us") as f64 / 1000.0;

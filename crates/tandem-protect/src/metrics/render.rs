@@ -156,6 +156,15 @@ impl Registry {
             help,
             &comps,
         );
+        let stopped = [(String::new(), secs(l.pause.stopped_us.into()))];
+        let help = "How long QEMU held the guest stopped in the last pause, STOP to RESUME event (0: unknown).";
+        family(
+            &mut o,
+            "tandem_last_guest_stopped_seconds",
+            g,
+            help,
+            &stopped,
+        );
         process::render(&mut o, s.who.role);
         let base = process::identity_labels(s.who.vm_id, s.who.node.as_deref());
         process::with_labels(&o, &base)

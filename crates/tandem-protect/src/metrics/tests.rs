@@ -65,6 +65,7 @@ fn registry() -> Registry {
         pause_us: 7000,
         pause: tandem_types::PauseTiming {
             stop_us: 500,
+            stopped_us: 400,
             ..Default::default()
         },
         dirty_pages: 10,
@@ -116,6 +117,7 @@ fn renders_prometheus_text_with_histograms_and_daemon_state() {
         "tandem_hold_dropped_frames_total 9\n",
         "tandem_raw_bytes_total 40960\n",
         "tandem_last_pause_component_seconds{component=\"stop\"} 0.0005\n",
+        "tandem_last_guest_stopped_seconds 0.0004\n",
     ] {
         assert!(text.contains(want), "{want:?} missing in\n{text}");
     }

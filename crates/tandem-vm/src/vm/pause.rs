@@ -65,10 +65,14 @@ impl Vm {
             Some(self.qmp.start("stop", None)?)
         };
         let started = self.devstate.begin(&mut self.qmp);
+        // When QEMU had the vCPUs stopped: its STOP event comes before `stop`'s reply. (An
+        // early-suspended guest's was taken with an earlier epoch's events: unknown.)
+        let mut stopped_at = None;
         if let Some(stop) = stop {
             // On an error the begun capture's reply is left unread: `Qmp::reply` skips replies
             // of other commands, and the checkpoint is abandoned.
             self.qmp.reply(stop)?;
+            stopped_at = self.qmp.event_time_us("STOP");
         }
         // Block I/O is drained now: a failed disk mirror has reported itself (and the queue of
         // STOP/RESUME events is emptied every epoch).
@@ -103,6 +107,11 @@ impl Vm {
             let s = Instant::now();
             self.cont()?;
             t.cont_us = us(s);
+            // The RESUME event comes before `cont`'s reply.
+            let resumed_at = self.qmp.event_time_us("RESUME");
+            if let (Some(a), Some(b)) = (stopped_at, resumed_at) {
+                t.stopped_us = b.saturating_sub(a).min(u32::MAX as u64) as u32;
+            }
         }
         // The fast capture's file is framed once the guest runs (QEMU rewrites it only at
         // the next capture): the copy is not part of the pause.
