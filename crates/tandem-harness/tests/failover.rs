@@ -151,9 +151,12 @@ fn primary_killed_backup_resumes_the_guest() {
     }
     // The adaptive schedule (the default) read the real QEMU's vCPU threads: each epoch says
     // how busy the guest was, and what its pause cost is that share of it.
-    let busy: Vec<(f64, u64, u64)> = lines
+    let epochs: Vec<serde_json::Value> = lines
         .lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect();
+    let busy: Vec<(f64, u64, u64)> = epochs
+        .iter()
         .filter_map(|v| {
             Some((
                 v.get("busy_pct")?.as_f64()?,
@@ -174,9 +177,8 @@ fn primary_killed_backup_resumes_the_guest() {
     }
     // QEMU's STOP and RESUME events timed most pauses: the guest was stopped for part of
     // each, never longer than the pause.
-    let stopped: Vec<(u64, u64)> = lines
-        .lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+    let stopped: Vec<(u64, u64)> = epochs
+        .iter()
         .filter_map(|v| Some((v.get("stopped_us")?.as_u64()?, v.get("pause_us")?.as_u64()?)))
         .collect();
     let timed = stopped.iter().filter(|&&(s, _)| s > 0).count();
