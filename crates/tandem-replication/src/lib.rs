@@ -20,7 +20,9 @@ pub use backup::{Applied, ApplyError, Backup};
 pub use disk::{DiskCopy, FileDisk};
 pub use keeper::{PageKeeper, Plain};
 pub use parts::Parts;
-pub use primary::{AckError, Acks, EpochInput, EpochSizes, Primary, PrimaryError, Reply};
+pub use primary::{
+    AckError, Acks, EpochInput, EpochSizes, MemoryJob, MemoryRecord, Primary, PrimaryError, Reply,
+};
 pub use wire::{Fencing, Frame, Hello, Kind, WireError};
 
 /// The hello payload for a guest of `mem_bytes` with a data disk of `disk_bytes` (0 = none),

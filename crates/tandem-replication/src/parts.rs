@@ -47,6 +47,11 @@ impl Parts {
         max_disk_bytes: 256 << 20,
     };
 
+    /// Whether an epoch of `pages` dirty pages and `writes` goes out whole, in one frame.
+    pub fn whole(&self, pages: usize, writes: Option<&[Write]>) -> bool {
+        self.split(pages, writes).len() == 1
+    }
+
     /// Splits an epoch of `pages` dirty pages and `writes` (None: no replicated disk): at
     /// least one part; the last one carries the disk section whenever `writes` is given.
     pub(crate) fn split<'a>(&self, pages: usize, writes: Option<&'a [Write]>) -> Vec<Part<'a>> {

@@ -15,6 +15,9 @@ use crate::wire::{
 };
 use crate::{base_payload, MAX_EPOCH_PAYLOAD};
 
+mod ahead;
+pub use ahead::{MemoryJob, MemoryRecord};
+
 const PAGE: usize = tandem_codec::format::PAGE;
 
 /// Why an epoch could not be assembled.
@@ -33,6 +36,18 @@ pub enum PrimaryError {
         seq: u64,
         /// Payload size.
         bytes: usize,
+    },
+    /// A memory record encoded ahead for another epoch than the one assembled.
+    #[error("the memory record encoded ahead is of epoch {record_seq} ({record_pages} pages), not of epoch {seq} ({pages} pages)")]
+    WrongRecord {
+        /// Epoch assembled.
+        seq: u64,
+        /// Its dirty pages.
+        pages: usize,
+        /// Epoch of the record.
+        record_seq: u64,
+        /// Pages of the record.
+        record_pages: usize,
     },
     /// A part of the epoch could not be handed on (the link is gone).
     #[error("a part of epoch {seq} could not be sent")]
@@ -466,9 +481,29 @@ impl Primary {
         whole: Option<&EpochInput<'_>>,
     ) -> Result<(Vec<u8>, tandem_codec::EncodeStats), PrimaryError> {
         let enc = self.enc.as_mut().ok_or(PrimaryError::NoSession)?;
-        self.rec.clear();
-        let stats = enc.encode(seq, pfns, data, &mut self.rec)?;
-        let mut secs: Vec<(u8, &[u8])> = vec![(section::MEMORY, &self.rec)];
+        let mut rec = std::mem::take(&mut self.rec);
+        rec.clear();
+        let out = match enc.encode(seq, pfns, data, &mut rec) {
+            Ok(stats) => self
+                .assemble(seq, index, &rec, disk, whole)
+                .map(|p| (p, stats)),
+            Err(e) => Err(e.into()),
+        };
+        self.rec = rec;
+        out
+    }
+
+    /// A payload of the memory record `rec`, the disk writes `disk` and, for the last part
+    /// (`whole` is the epoch), the device-state delta (which advances its reference).
+    fn assemble(
+        &mut self,
+        seq: u64,
+        index: u32,
+        rec: &[u8],
+        disk: Option<&[(u64, Vec<u8>)]>,
+        whole: Option<&EpochInput<'_>>,
+    ) -> Result<Vec<u8>, PrimaryError> {
+        let mut secs: Vec<(u8, &[u8])> = vec![(section::MEMORY, rec)];
         if let Some(e) = whole {
             encode_runs_into(&mut self.prev_dev, e.device_state, &mut self.dev_delta);
             secs.push((section::DEVICE_STATE_RUNS, &self.dev_delta));
@@ -489,7 +524,7 @@ impl Primary {
                 bytes: payload.len(),
             });
         }
-        Ok((payload, stats))
+        Ok(payload)
     }
 
     /// A heartbeat carrying `progress` (epochs completed by the primary's loop).
