@@ -101,7 +101,7 @@ impl<R: Read> Guest for ReplayGuest<R> {
         dirty: &mut Vec<u64>,
         pages: &mut Vec<u8>,
         device_state: &mut Vec<u8>,
-        boundary: &mut dyn FnMut(),
+        boundary: &mut tandem_vm::epoch::Boundary<'_>,
         _cont: bool,
     ) -> Result<PauseTiming, VmError> {
         let e = self
@@ -120,7 +120,7 @@ impl<R: Read> Guest for ReplayGuest<R> {
         dirty.extend_from_slice(&e.pfns);
         pages.clear();
         pages.extend_from_slice(&e.data);
-        boundary();
+        boundary(dirty, pages);
         self.epochs += 1;
         *device_state = device_state_of(self.epochs, e.device_state_len as usize);
         let timing = e.timing;

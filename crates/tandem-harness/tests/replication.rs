@@ -69,7 +69,7 @@ fn mirror_matches_primary_and_standby_takes_over() {
             &mut pfns,
             &mut pages,
             &mut dev,
-            &mut || {},
+            &mut |_, _| {},
             seq < epochs,
         )
         .unwrap();

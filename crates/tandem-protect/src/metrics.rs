@@ -37,11 +37,16 @@ pub struct EpochMetrics {
     pub raw_bytes: u64,
     /// Bytes of the frame sent.
     pub sent_bytes: u64,
-    /// Time to encode the epoch (wall time: with QEMU's vCPU threads on the same cores it
-    /// includes waiting for one, and for the sender between the parts of a large epoch).
+    /// Time to encode the epoch after the pause (wall time: with QEMU's vCPU threads on the
+    /// same cores it includes waiting for one, for the rest of a memory record begun in the
+    /// pause, and for the sender between the parts of a large epoch).
     pub encode_us: u64,
-    /// The encoding thread's CPU time for the same work: what the encoder costs the host.
+    /// The encoding threads' CPU time for the same work (the memory record's included,
+    /// wherever it ran): what the encoder costs the host.
     pub encode_cpu_us: u64,
+    /// The wall time of the memory record on the encoder's thread, which began it in the
+    /// pause (0: the epoch was encoded after the pause, on the loop's thread).
+    pub encode_ahead_us: u64,
     /// zstd level the memory record was encoded at.
     pub level: i32,
     /// Whether the memory record took long run patches (the codec's per-epoch trial chose

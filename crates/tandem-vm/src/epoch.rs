@@ -15,21 +15,26 @@ pub use crate::schedule::{Cut, Fixed, Pending, Schedule};
 /// How often a polling schedule is asked whether to cut the epoch.
 const POLL: Duration = Duration::from_millis(1);
 
+/// Work at a checkpoint's boundary, called in the pause with the dirty page numbers and the
+/// copied pages (see [`Guest::pause`]).
+pub type Boundary<'a> = dyn FnMut(&[u64], &mut Vec<u8>) + 'a;
+
 /// What the epoch pipeline needs from a VM.
 pub trait Guest {
     /// Guest memory in bytes.
     fn mem_bytes(&self) -> usize;
 
     /// One checkpoint pause: stop, harvest the dirty log into `dirty` (ascending), copy those
-    /// pages into `pages`, call `boundary` (still stopped: state that must share the
-    /// checkpoint's boundary, such as the relay's seal and the disk write log), capture device
-    /// state, and — if `cont` — let the guest run again.
+    /// pages into `pages`, call `boundary` with them (still stopped: state that must share
+    /// the checkpoint's boundary, such as the relay's seal and the disk write log; it may
+    /// swap `pages` for another buffer), capture device state, and — if `cont` — let the
+    /// guest run again.
     fn pause(
         &mut self,
         dirty: &mut Vec<u64>,
         pages: &mut Vec<u8>,
         device_state: &mut Vec<u8>,
-        boundary: &mut dyn FnMut(),
+        boundary: &mut Boundary<'_>,
         cont: bool,
     ) -> Result<PauseTiming, VmError>;
 
@@ -77,7 +82,8 @@ pub struct Checkpoint<'a> {
     pub busy: Option<f64>,
     /// Dirty page numbers, ascending.
     pub pfns: &'a [u64],
-    /// Their contents, one page per entry of `pfns`.
+    /// Their contents, one page per entry of `pfns` (unless the sink took them in
+    /// [`EpochSink::copied`]: then what it gave in their place).
     pub pages: &'a [u8],
     /// Device state at the checkpoint.
     pub device_state: &'a [u8],
@@ -88,6 +94,12 @@ pub trait EpochSink {
     /// Called while the guest is stopped for checkpoint `epoch`, after its pages were copied:
     /// take what belongs to the same boundary (seal the relay's queue, take the disk log).
     fn in_pause(&mut self, _epoch: Epoch) {}
+
+    /// Called right after [`EpochSink::in_pause`], still in the pause, with the epoch's dirty
+    /// pages: a sink that encodes them beside the rest of the pause (QEMU saving the devices)
+    /// may swap `pages` for a buffer of its own, which its [`EpochSink::checkpoint`] then
+    /// gets as [`Checkpoint::pages`].
+    fn copied(&mut self, _epoch: Epoch, _pfns: &[u64], _pages: &mut Vec<u8>) {}
 
     /// What waits on the next checkpoint (for a schedule that cuts epochs early).
     fn pending(&self) -> Pending {
@@ -184,7 +196,10 @@ pub fn run_pipeline(
             &mut pfns,
             &mut pages,
             &mut dev,
-            &mut || sink.in_pause(this),
+            &mut |pfns: &[u64], pages: &mut Vec<u8>| {
+                sink.in_pause(this);
+                sink.copied(this, pfns, pages);
+            },
             true,
         )?;
         epoch = this;

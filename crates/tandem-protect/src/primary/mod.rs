@@ -10,6 +10,7 @@
 //! same as SIGUSR1 when it expires.
 
 mod adopt;
+mod ahead;
 mod fence;
 pub use adopt::AdoptConfig;
 pub(crate) use fence::guest_shut_down;
@@ -204,6 +205,9 @@ pub enum PrimaryError {
     /// An epoch could not be encoded.
     #[error("encoding an epoch")]
     Encode(#[from] tandem_replication::PrimaryError),
+    /// The thread encoding the final epoch's memory stopped.
+    #[error("the encoder's thread stopped before the final epoch was encoded")]
+    EncoderStopped,
     /// The final epoch's disk writes could not be read back.
     #[error("reading back the final epoch's disk writes")]
     FinalWrites(#[source] std::io::Error),

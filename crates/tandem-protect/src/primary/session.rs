@@ -272,6 +272,7 @@ impl Daemon<'_> {
             writes: Ok(Vec::new()),
             err: None,
             last_print: Instant::now(),
+            ahead: Default::default(),
         }
     }
 
@@ -323,7 +324,10 @@ impl Daemon<'_> {
             &mut pfns,
             &mut pages,
             &mut dev,
-            &mut || sink.in_pause(seq),
+            &mut |pfns: &[u64], pages: &mut Vec<u8>| {
+                sink.in_pause(seq);
+                sink.copied(seq, pfns, pages);
+            },
             false,
         )?;
         let cp = Checkpoint {
@@ -339,7 +343,11 @@ impl Daemon<'_> {
         let w = std::mem::replace(&mut sink.writes, Ok(Vec::new()))
             .map_err(PrimaryError::FinalWrites)?;
         let wd = sink.watchdog;
-        sink.st.ship(seq, &cp, &w, &|| wd.beat())?;
+        let ahead = match sink.ahead.finish(seq) {
+            Some(None) => return Err(PrimaryError::EncoderStopped),
+            done => done.flatten(),
+        };
+        sink.st.ship(seq, &cp, &w, &|| wd.beat(), ahead)?;
         self.epoch = seq;
         faults::kill_point(self.opts, HandoverStep::HandoverShipped, &self.status);
         // The handover goes only once the last epoch's output is out: the backup resumes the

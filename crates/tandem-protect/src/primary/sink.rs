@@ -10,6 +10,7 @@ use tandem_replication::{EpochInput, Primary};
 use tandem_vm::epoch::{Checkpoint, Pending};
 use tandem_vm::{Epoch, EpochSink};
 
+use super::ahead::{Ahead, Done};
 use super::link::{Out, Shared};
 use super::session::Writes;
 use super::watchdog::Watchdog;
@@ -33,6 +34,8 @@ pub(super) struct LinkSink<'a> {
     pub(super) writes: std::io::Result<Writes>,
     pub(super) err: Option<PrimaryError>,
     pub(super) last_print: Instant,
+    /// The encoder's thread, which encodes an epoch's memory record from the pause on.
+    pub(super) ahead: Ahead,
 }
 
 impl EpochSink for LinkSink<'_> {
@@ -93,11 +96,35 @@ impl EpochSink for LinkSink<'_> {
         }
     }
 
+    fn copied(&mut self, epoch: Epoch, pfns: &[u64], pages: &mut Vec<u8>) {
+        // An epoch that goes out whole has its memory record encoded on the encoder's thread
+        // from now on, beside QEMU's saving of the devices; a larger one is encoded part by
+        // part after the pause.
+        let writes = match &self.writes {
+            Ok(w) => self.st.site.disk.as_ref().map(|_| w.as_slice()),
+            Err(_) => return,
+        };
+        if pfns.is_empty()
+            || self.st.shared.is_lost()
+            || !self.st.opts.parts.whole(pfns.len(), writes)
+            || !self.ahead.ready()
+        {
+            return;
+        }
+        self.st.set_level();
+        let Ok(job) = self.st.proto.lend_encoder(epoch) else {
+            return;
+        };
+        if !self.ahead.start(job, pfns, pages) {
+            self.st.shared.lose("the encoder's thread stopped".into());
+        }
+    }
+
     fn checkpoint(&mut self, cp: &Checkpoint<'_>) -> bool {
-        // Encoding runs on this thread: a large epoch (the first after a long initial sync, a
-        // burst of writes) takes about 10 ms per MiB on a loaded host, which is progress. Small
-        // ones only beat: an allowance would delay the detection of a hang that follows.
-        let mib = (cp.pages.len() >> 20) as u64;
+        // A large epoch (the first after a long initial sync, a burst of writes) takes about
+        // 10 ms per MiB to encode on a loaded host, which is progress. Small ones only beat:
+        // an allowance would delay the detection of a hang that follows.
+        let mib = ((cp.pfns.len() * 4096) >> 20) as u64;
         if mib > 64 {
             self.watchdog.allow(Duration::from_millis(10 * mib));
         } else {
@@ -119,7 +146,15 @@ impl EpochSink for LinkSink<'_> {
             }
         };
         let wd = self.watchdog;
-        if let Err(e) = self.st.ship(cp.epoch, cp, &w, &|| wd.beat()) {
+        let ahead = match self.ahead.finish(cp.epoch) {
+            None => None,
+            Some(Some(done)) => Some(done),
+            Some(None) => {
+                shared.lose("the encoder's thread stopped".into());
+                return false;
+            }
+        };
+        if let Err(e) = self.st.ship(cp.epoch, cp, &w, &|| wd.beat(), ahead) {
             self.err = Some(e);
             return false;
         }
@@ -145,8 +180,19 @@ pub(super) struct Step<'a> {
 }
 
 impl Step<'_> {
-    /// Encodes epoch `seq` and hands it to the sender, in parts when it is large (each part
-    /// handed on is progress: `beat`); marks the link lost when the backup has not
+    /// The zstd level of the next memory record: the configured one, else the level the
+    /// sender chose for the link.
+    fn set_level(&mut self) {
+        let level = self
+            .opts
+            .zstd_level
+            .unwrap_or_else(|| self.shared.level.load(std::sync::atomic::Ordering::Relaxed));
+        self.proto.set_level(level);
+    }
+
+    /// Encodes epoch `seq` (around `ahead`, its memory record encoded on the encoder's
+    /// thread, if there is one) and hands it to the sender, in parts when it is large (each
+    /// part handed on is progress: `beat`); marks the link lost when the backup has not
     /// acknowledged an epoch within the ack timeout.
     pub(super) fn ship(
         &mut self,
@@ -154,6 +200,7 @@ impl Step<'_> {
         cp: &Checkpoint<'_>,
         writes: &Writes,
         beat: &dyn Fn(),
+        ahead: Option<Done>,
     ) -> Result<(), PrimaryError> {
         let (t, cpu) = (Instant::now(), thread_cpu());
         let input = EpochInput {
@@ -163,18 +210,23 @@ impl Step<'_> {
             device_state: cp.device_state,
             disk_writes: self.site.disk.as_ref().map(|_| writes.as_slice()),
         };
-        let level = self
-            .opts
-            .zstd_level
-            .unwrap_or_else(|| self.shared.level.load(std::sync::atomic::Ordering::Relaxed));
-        self.proto.set_level(level);
         let (tx, shared, opts) = (self.tx, self.shared, self.opts);
         let mut parts = 0u64;
-        let shipped = self.proto.epoch_parts(&input, opts.parts, |f| {
-            parts += 1;
-            beat();
-            hand_on(tx, shared, opts, Out::Part(f), beat)
-        });
+        let (mut ahead_cpu, mut ahead_wall) = (Duration::ZERO, Duration::ZERO);
+        let shipped = match ahead {
+            Some(done) => {
+                (ahead_cpu, ahead_wall) = (done.cpu, done.wall);
+                self.proto.epoch_encoded(&input, done.record)
+            }
+            None => {
+                self.set_level();
+                self.proto.epoch_parts(&input, opts.parts, |f| {
+                    parts += 1;
+                    beat();
+                    hand_on(tx, shared, opts, Out::Part(f), beat)
+                })
+            }
+        };
         let (frame, sizes) = match shipped {
             Ok(s) => s,
             // The link was lost between parts: the session ends as lost and re-syncs (the
@@ -211,7 +263,8 @@ impl Step<'_> {
             raw_bytes: sizes.raw,
             sent_bytes: sizes.sent,
             encode_us: t.elapsed().as_micros() as u64,
-            encode_cpu_us: thread_cpu().saturating_sub(cpu).as_micros() as u64,
+            encode_cpu_us: (thread_cpu().saturating_sub(cpu) + ahead_cpu).as_micros() as u64,
+            encode_ahead_us: ahead_wall.as_micros() as u64,
             level: sizes.level,
             long_patches: sizes.long_patches,
             word_deltas: sizes.word_deltas,
@@ -307,7 +360,7 @@ fn check_deadline(shared: &Shared, opts: &PrimaryConfig) -> bool {
 }
 
 /// This thread's CPU time so far.
-fn thread_cpu() -> std::time::Duration {
+pub(super) fn thread_cpu() -> std::time::Duration {
     let t = rustix::time::clock_gettime(rustix::time::ClockId::ThreadCPUTime);
     std::time::Duration::new(
         t.tv_sec.max(0) as u64,

@@ -28,7 +28,7 @@ impl Vm {
         device_state: &mut Vec<u8>,
         in_pause: &mut dyn FnMut(),
     ) -> Result<PauseTiming, VmError> {
-        self.pause_and_capture(dirty, pages, device_state, in_pause, true)
+        self.pause_and_capture(dirty, pages, device_state, &mut |_, _| in_pause(), true)
     }
 
     /// The last checkpoint of this VM: like [`Vm::checkpoint_with`] but the guest stays
@@ -40,7 +40,7 @@ impl Vm {
         device_state: &mut Vec<u8>,
         in_pause: &mut dyn FnMut(),
     ) -> Result<PauseTiming, VmError> {
-        self.pause_and_capture(dirty, pages, device_state, in_pause, false)
+        self.pause_and_capture(dirty, pages, device_state, &mut |_, _| in_pause(), false)
     }
 
     fn pause_and_capture(
@@ -48,7 +48,7 @@ impl Vm {
         dirty: &mut Vec<u64>,
         pages: &mut Vec<u8>,
         device_state: &mut Vec<u8>,
-        in_pause: &mut dyn FnMut(),
+        in_pause: &mut crate::epoch::Boundary<'_>,
         cont: bool,
     ) -> Result<PauseTiming, VmError> {
         let mut t = PauseTiming::default();
@@ -89,7 +89,7 @@ impl Vm {
                 self.ram
                     .copy_page(pfn, &mut pages[i * PAGE_SIZE..(i + 1) * PAGE_SIZE]);
             }
-            in_pause();
+            in_pause(dirty, pages);
         }
         t.copy_us = us(s);
         let s = Instant::now();
@@ -149,7 +149,7 @@ impl crate::epoch::Guest for Vm {
         dirty: &mut Vec<u64>,
         pages: &mut Vec<u8>,
         device_state: &mut Vec<u8>,
-        boundary: &mut dyn FnMut(),
+        boundary: &mut crate::epoch::Boundary<'_>,
         cont: bool,
     ) -> Result<PauseTiming, VmError> {
         self.pause_and_capture(dirty, pages, device_state, boundary, cont)
