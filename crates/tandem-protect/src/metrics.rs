@@ -73,6 +73,14 @@ pub struct EpochMetrics {
     pub parts: u64,
 }
 
+impl EpochMetrics {
+    /// The encoding stage's wall time: the memory record on the encoder's thread (begun in
+    /// the pause) or the encoding after the pause, whichever was longer.
+    pub fn encode_stage_us(&self) -> u64 {
+        self.encode_us.max(self.encode_ahead_us)
+    }
+}
+
 /// Upper bounds (seconds) of the pause histogram's buckets: 0.5 ms to 1 s, roughly log-spaced.
 pub const PAUSE_BUCKETS: &[f64] = &[
     0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2,

@@ -337,7 +337,9 @@ impl Epochs {
                 self.acks.push(g("ack_latency_us") as f64 / 1000.0);
                 self.suspended_ms += g("suspended_us") as f64 / 1000.0;
                 self.lost_cpu_ms += g("lost_cpu_us") as f64 / 1000.0;
-                self.encode_ms += g("encode_us") as f64 / 1000.0;
+                // The encoding stage: the memory record on the encoder's thread (begun in
+                // the pause) or the encoding after it, whichever was longer.
+                self.encode_ms += g("encode_us").max(g("encode_ahead_us")) as f64 / 1000.0;
                 self.encode_cpu_ms += g("encode_cpu_us") as f64 / 1000.0;
                 self.in_parts += u64::from(g("parts") > 0);
                 let ms = |k: &str| g(k) as f64 / 1000.0;

@@ -513,8 +513,9 @@ fn record_acked(
         };
         m.ack_latency_us = Some(us);
         m.released_frames = released;
-        shared.observe_ship(m.dirty_pages, m.encode_us.saturating_add(us));
-        shared.observe_level(m.level, m.encode_us, us);
+        let encode_us = m.encode_stage_us();
+        shared.observe_ship(m.dirty_pages, encode_us.saturating_add(us));
+        shared.observe_level(m.level, encode_us, us);
         let Some(out) = g.as_mut() else { continue };
         let r = serde_json::to_writer(&mut *out, &m)
             .map_err(std::io::Error::other)
