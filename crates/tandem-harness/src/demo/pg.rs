@@ -134,7 +134,20 @@ impl Committer {
     pub fn stop(mut self) -> (Vec<(Instant, u64)>, Option<String>) {
         self.stop.store(true, Ordering::SeqCst);
         // The loop sees the flag after its current commit, closes psql's input and returns.
+        // A commit that never returns (the guest's database stopped answering, e.g. its
+        // disk I/O hangs) is a failed session, not a demo that waits forever.
         if let Some(t) = self.thread.take() {
+            let asked = Instant::now();
+            while !t.is_finished() && asked.elapsed() < COMMIT_STUCK {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            if !t.is_finished() {
+                *self.failed.lock().unwrap_or_else(|e| e.into_inner()) = Some(format!(
+                    "the session's last commit got no answer in {} s: the guest's PostgreSQL stopped answering (its logs are in the guest)",
+                    COMMIT_STUCK.as_secs()
+                ));
+                let _ = self.child.kill();
+            }
             let _ = t.join();
         }
         let _ = self.child.kill();
@@ -148,6 +161,9 @@ impl Committer {
         (acked, failed)
     }
 }
+
+/// How long a commit may take when the session is stopped before it counts as stuck.
+const COMMIT_STUCK: Duration = Duration::from_secs(30);
 
 fn commit_loop(
     mut stdin: ChildStdin,
