@@ -47,9 +47,16 @@ impl Parts {
         max_disk_bytes: 256 << 20,
     };
 
-    /// Whether an epoch of `pages` dirty pages and `writes` goes out whole, in one frame.
+    /// Whether an epoch of `pages` dirty pages and `writes` goes out whole, in one frame
+    /// ([`Parts::split`] gives one part). Asked inside the checkpoint pause: it neither
+    /// allocates nor copies.
     pub fn whole(&self, pages: usize, writes: Option<&[Write]>) -> bool {
-        self.split(pages, writes).len() == 1
+        pages <= self.max_pages.max(1) && writes.is_none_or(|w| self.disk_fits(w))
+    }
+
+    /// Whether `writes` fit one part.
+    fn disk_fits(&self, writes: &[Write]) -> bool {
+        writes.iter().map(|w| w.1.len()).sum::<usize>() <= self.max_disk_bytes.max(1)
     }
 
     /// Splits an epoch of `pages` dirty pages and `writes` (None: no replicated disk): at
@@ -77,7 +84,7 @@ impl Parts {
     /// Groups of consecutive writes of at most `max_disk_bytes` each (a larger write is cut).
     fn group<'a>(&self, writes: &'a [Write]) -> Vec<Cow<'a, [Write]>> {
         let max = self.max_disk_bytes.max(1);
-        if writes.iter().map(|w| w.1.len()).sum::<usize>() <= max {
+        if self.disk_fits(writes) {
             return vec![Cow::Borrowed(writes)];
         }
         let mut out = Vec::new();
@@ -149,5 +156,31 @@ mod tests {
             .collect();
         assert_eq!(bytes, want, "every byte once, in order");
         assert!(p.last().and_then(|x| x.1.as_ref()).is_some());
+    }
+
+    #[test]
+    fn whole_says_what_split_does() {
+        let parts = Parts {
+            max_pages: 4,
+            max_disk_bytes: 8,
+        };
+        let small: Vec<Write> = vec![(0, vec![1; 3]), (9, vec![2; 5])];
+        let large: Vec<Write> = vec![(0, vec![1; 3]), (9, vec![2; 6])];
+        let one_big: Vec<Write> = vec![(0, vec![1; 9])];
+        for pages in [0, 1, 4, 5, 9] {
+            for w in [
+                None,
+                Some(&[][..]),
+                Some(&small[..]),
+                Some(&large[..]),
+                Some(&one_big[..]),
+            ] {
+                assert_eq!(
+                    parts.whole(pages, w),
+                    parts.split(pages, w).len() == 1,
+                    "{pages} pages, {w:?}"
+                );
+            }
+        }
     }
 }

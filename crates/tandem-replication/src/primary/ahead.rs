@@ -11,7 +11,7 @@
 
 use tandem_codec::{EncodeError, EncodeStats, Encoder};
 
-use super::{EpochInput, EpochSizes, Frame, Kind, Primary, PrimaryError, HEADER_LEN, PAGE};
+use super::{EpochInput, EpochSizes, Frame, Kind, Primary, PrimaryError, HEADER_LEN};
 
 /// The session's encoder, lent out to encode epoch [`MemoryJob::seq`]'s memory record on
 /// another thread. No epoch can be assembled until [`Primary::epoch_encoded`] gets it back.
@@ -86,19 +86,15 @@ impl Primary {
             });
         }
         let stats = stats?;
-        let writes = e.disk_writes.unwrap_or_default();
-        let disk_bytes: u64 = writes.iter().map(|w| w.1.len() as u64).sum();
         let payload = self.assemble(e.seq, 0, &rec, e.disk_writes, Some(e))?;
         self.enc = Some(enc);
         self.rec = rec;
         let sizes = EpochSizes {
-            raw: (pages * PAGE + e.device_state.len()) as u64 + disk_bytes,
             sent: (payload.len() + HEADER_LEN) as u64,
-            disk_writes: writes.len() as u64,
-            disk_bytes,
             level: stats.level,
             long_patches: stats.long_patches,
             word_deltas: stats.word_deltas,
+            ..EpochSizes::before_encoding(e)
         };
         Ok((self.frame(Kind::Epoch, e.seq, payload), sizes))
     }

@@ -260,6 +260,21 @@ pub struct EpochSizes {
     pub word_deltas: bool,
 }
 
+impl EpochSizes {
+    /// The raw sizes of epoch `e` (its pages counted from its dirty page numbers, so that a
+    /// record encoded ahead, whose pages the input no longer holds, counts them too).
+    fn before_encoding(e: &EpochInput<'_>) -> EpochSizes {
+        let writes = e.disk_writes.unwrap_or_default();
+        let disk_bytes: u64 = writes.iter().map(|w| w.1.len() as u64).sum();
+        EpochSizes {
+            raw: (e.pfns.len() * PAGE + e.device_state.len()) as u64 + disk_bytes,
+            disk_writes: writes.len() as u64,
+            disk_bytes,
+            ..EpochSizes::default()
+        }
+    }
+}
+
 /// The primary's protocol state: VM id, codec, the encoder's reference state and the
 /// previous epoch's device state (for deltas).
 pub struct Primary {
@@ -428,15 +443,8 @@ impl Primary {
         if self.enc.is_none() {
             return Err(PrimaryError::NoSession);
         }
-        let writes = e.disk_writes.unwrap_or_default();
         let plan = limits.split(e.pfns.len(), e.disk_writes);
-        let mut sizes = EpochSizes {
-            raw: e.pages.len() as u64 + e.device_state.len() as u64,
-            disk_writes: writes.len() as u64,
-            disk_bytes: writes.iter().map(|w| w.1.len() as u64).sum(),
-            ..EpochSizes::default()
-        };
-        sizes.raw += sizes.disk_bytes;
+        let mut sizes = EpochSizes::before_encoding(e);
         let n = plan.len();
         for (i, (pages, disk)) in plan.into_iter().enumerate() {
             let last = i + 1 == n;
