@@ -121,6 +121,30 @@ pub fn qemu_args(
     a
 }
 
+/// The monitors of the commands tandem arms ahead of each checkpoint pause
+/// ([`crate::qmp::Armed`]): one per command, next to the QMP socket `qmp`.
+pub const ARMED: [&str; 3] = ["stop", "xen-save-devices-state", "cont"];
+
+/// The socket of the monitor that `command` (one of [`ARMED`]) is armed on.
+pub fn armed_socket(qmp: &Path, command: &str) -> std::path::PathBuf {
+    let short = command.split('-').next().unwrap_or(command);
+    qmp.with_file_name(format!("qmp-{short}.sock"))
+}
+
+/// QEMU's arguments for the [`ARMED`] commands' monitors (tandem's own QEMU only: a QEMU run
+/// by hand has none, and tandem's commands then go to its one monitor).
+pub fn armed_monitors(qmp: &Path) -> Vec<String> {
+    ARMED
+        .iter()
+        .flat_map(|c| {
+            [
+                "-qmp".to_string(),
+                format!("unix:{},server=on,wait=off", armed_socket(qmp, c).display()),
+            ]
+        })
+        .collect()
+}
+
 /// The serial console's socket: next to the QMP socket `qmp` (in the VM's runtime directory,
 /// whose short path fits a unix socket's).
 pub fn console_socket(qmp: &Path) -> std::path::PathBuf {

@@ -14,6 +14,9 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
+mod armed;
+pub use armed::Armed;
+
 /// Errors of the QMP client.
 #[derive(Debug, thiserror::Error)]
 pub enum QmpError {
@@ -58,6 +61,8 @@ pub struct Qmp {
     reader: BufReader<UnixStream>,
     writer: UnixStream,
     events: VecDeque<Value>,
+    /// Replies read ahead of their [`Qmp::reply`] ([`Qmp::drain_events`]).
+    early: VecDeque<Value>,
     next_id: u64,
     /// QEMU version reported in the greeting, e.g. (7, 2, 22).
     pub version: (u64, u64, u64),
@@ -67,7 +72,8 @@ pub struct Qmp {
 #[must_use = "read the reply with Qmp::reply"]
 #[derive(Debug)]
 pub struct Sent {
-    id: u64,
+    /// `None`: sent without one, on a monitor that has one command in flight at most.
+    id: Option<u64>,
     command: String,
 }
 
@@ -97,6 +103,7 @@ impl Qmp {
             reader: BufReader::new(stream),
             writer,
             events: VecDeque::new(),
+            early: VecDeque::new(),
             next_id: 1,
             version: (0, 0, 0),
         };
@@ -180,9 +187,59 @@ impl Qmp {
         }
         self.send(&cmd, fd)?;
         Ok(Sent {
-            id,
+            id: Some(id),
             command: command.into(),
         })
+    }
+
+    /// Sends `command` but for its closing brace: QEMU parses it and waits for the rest
+    /// ([`Armed`]). Without an id: its monitor has no other command in flight, and every
+    /// byte counts.
+    fn send_partial(&mut self, command: &str, args: Option<Value>) -> Result<Sent, QmpError> {
+        let mut cmd = json!({ "execute": command });
+        if let Some(a) = args {
+            cmd["arguments"] = a;
+        }
+        let bytes = serde_json::to_vec(&cmd).map_err(|e| QmpError::Protocol(e.to_string()))?;
+        // A JSON object ends with its closing brace.
+        self.writer.write_all(&bytes[..bytes.len() - 1])?;
+        Ok(Sent {
+            id: None,
+            command: command.into(),
+        })
+    }
+
+    /// Sends raw bytes (the rest of a command sent with [`Qmp::send_partial`]).
+    fn send_bytes(&mut self, bytes: &[u8]) -> Result<(), QmpError> {
+        self.writer.write_all(bytes)?;
+        Ok(())
+    }
+
+    /// Reads what QEMU has sent so far without waiting for more: events are kept for
+    /// [`Qmp::take_events`], replies for their [`Qmp::reply`]. For a monitor whose events
+    /// nobody waits for (QEMU buffers what is not read, without bound).
+    pub fn drain_events(&mut self) -> Result<(), QmpError> {
+        use rustix::event::{poll, PollFd, PollFlags, Timespec};
+        let now = Timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        loop {
+            if self.reader.buffer().is_empty() {
+                let mut fds = [PollFd::new(self.reader.get_ref(), PollFlags::IN)];
+                if poll(&mut fds, Some(&now)).map_err(std::io::Error::from)? == 0 {
+                    return Ok(());
+                }
+            }
+            // QEMU writes a message whole: a readable socket holds a line, or its rest
+            // follows at once.
+            let msg = self.read_message()?;
+            if msg.get("event").is_some() {
+                self.events.push_back(msg);
+            } else {
+                self.early.push_back(msg);
+            }
+        }
     }
 
     /// Sends `command` without waiting: QEMU runs it while the caller does other work; collect
@@ -194,12 +251,15 @@ impl Qmp {
     /// Waits for the reply to a command sent with [`Qmp::start`] and returns its `return`.
     pub fn reply(&mut self, sent: Sent) -> Result<Value, QmpError> {
         loop {
-            let msg = self.read_message()?;
+            let msg = match self.early.pop_front() {
+                Some(m) => m,
+                None => self.read_message()?,
+            };
             if msg.get("event").is_some() {
                 self.events.push_back(msg);
                 continue;
             }
-            if msg.get("id").and_then(Value::as_u64) != Some(sent.id) {
+            if msg.get("id").and_then(Value::as_u64) != sent.id {
                 continue;
             }
             if let Some(err) = msg.get("error") {

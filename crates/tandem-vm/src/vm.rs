@@ -13,7 +13,7 @@ use crate::desc::DescError;
 use crate::devstate::{self, DeviceStateError};
 use crate::dirty::{probe_pagemap_scan, DirtyLog, DirtyLogError, HashLog, UffdWpLog};
 use crate::qemu_args::{qemu_args, Start};
-use crate::qmp::{Qmp, QmpError};
+use crate::qmp::{Armed, Qmp, QmpError};
 use crate::ram::{GuestRam, RamError};
 
 mod pause;
@@ -140,6 +140,10 @@ pub struct Vm {
     pub(crate) last_devstate: Option<devstate::Method>,
     /// Stopped ahead of the next pause (early suspend): that pause skips its `stop`.
     pub(crate) suspended: bool,
+    /// `stop` and `cont` armed on monitors of their own ([`crate::qmp::Armed`]), unless QEMU
+    /// did not let tandem connect to them.
+    pub(crate) armed_stop: Option<Armed>,
+    pub(crate) armed_cont: Option<Armed>,
     /// Guest RAM registered for missing faults ([`VmConfig::lazy_ram`]).
     lazy: Option<LazyRam>,
     /// Dropped with the VM: helpers that follow it ([`Vm::lifetime`]) end then.
@@ -306,7 +310,10 @@ impl Vm {
 
     /// Pauses the guest's vCPUs (QMP `stop`).
     pub fn stop(&mut self) -> Result<(), VmError> {
-        self.qmp.execute("stop", None)?;
+        match armed_execute(&mut self.armed_stop) {
+            Some(r) => r?,
+            None => self.qmp.execute("stop", None)?,
+        };
         Ok(())
     }
 
@@ -314,7 +321,10 @@ impl Vm {
     pub fn cont(&mut self) -> Result<(), VmError> {
         // Whatever stopped it, the guest runs now: the next pause must stop it itself.
         self.suspended = false;
-        self.qmp.execute("cont", None)?;
+        match armed_execute(&mut self.armed_cont) {
+            Some(r) => r?,
+            None => self.qmp.execute("cont", None)?,
+        };
         Ok(())
     }
 
@@ -411,4 +421,20 @@ impl Drop for Vm {
             let _ = fs::remove_file(&self.ram_path);
         }
     }
+}
+
+/// Runs an armed command, if there is one; one whose monitor failed is dropped (the VM's main
+/// monitor takes its commands from then on).
+pub(crate) fn armed_execute(
+    armed: &mut Option<Armed>,
+) -> Option<Result<serde_json::Value, QmpError>> {
+    let a = armed.as_mut()?;
+    let r = a.execute();
+    if let Err(e) = &r {
+        if !matches!(e, QmpError::Command { .. }) {
+            tracing::warn!("the monitor of the armed {} failed: {e}", a.command());
+            *armed = None;
+        }
+    }
+    Some(r)
 }

@@ -33,7 +33,7 @@ use std::path::{Path, PathBuf};
 use serde_json::json;
 
 use super::DeviceStateError;
-use crate::qmp::{Qmp, QmpError, Sent};
+use crate::qmp::{Armed, Qmp, QmpError, Sent};
 
 /// The tmpfs the state file is written to (guest RAM files live there too).
 pub const STATE_DIR: &str = crate::stale::TMPFS;
@@ -293,6 +293,20 @@ pub struct Capturer {
     pub fallback: Option<String>,
     /// A fast capture checked in the pause and not framed yet ([`Capturer::complete`]).
     unframed: bool,
+    /// The monitor `xen-save-devices-state` is armed on ([`Armed`]), and the command once
+    /// armed; `None` after it failed.
+    armed_on: Option<PathBuf>,
+    armed: Option<Armed>,
+}
+
+/// A capture [`Capturer::begin`] started.
+#[must_use = "finish the capture with Capturer::finish"]
+#[derive(Debug)]
+pub enum Begun {
+    /// Sent whole on the VM's main monitor.
+    Sent(Sent),
+    /// Fired on its own monitor.
+    Armed,
 }
 
 /// Which path a capture took.
@@ -316,7 +330,15 @@ impl Capturer {
             shm: None,
             fallback: (!fast).then(|| "disabled".to_string()),
             unframed: false,
+            armed_on: None,
+            armed: None,
         }
+    }
+
+    /// Arms `xen-save-devices-state` on the monitor at `socket` once the fast path is ready.
+    pub fn armed_on(mut self, socket: PathBuf) -> Self {
+        self.armed_on = Some(socket);
+        self
     }
 
     /// Turns the fast path on (unless it already failed on this QEMU) or off.
@@ -335,7 +357,7 @@ impl Capturer {
         qmp: &mut Qmp,
         out: &mut Vec<u8>,
     ) -> Result<Method, DeviceStateError> {
-        let started = self.begin(qmp);
+        let started = self.begin(qmp, true);
         let method = self.finish(qmp, started, out)?;
         self.complete(out)?;
         Ok(method)
@@ -344,8 +366,10 @@ impl Capturer {
     /// Starts a fast capture of the stopped guest without waiting for it (QEMU serialises
     /// its devices while the caller copies the dirty pages); `None` if the fast path is not
     /// ready (the first capture) or off. Finish with [`Capturer::finish`] before the next QMP
-    /// command and before the guest runs again.
-    pub fn begin(&mut self, qmp: &mut Qmp) -> Option<Sent> {
+    /// command and before the guest runs again. `stopped`: the guest is stopped already, so
+    /// the armed command may go (QEMU runs different monitors' commands in no promised
+    /// order); otherwise the command follows the caller's `stop` on `qmp`.
+    pub fn begin(&mut self, qmp: &mut Qmp, stopped: bool) -> Option<Begun> {
         if !self.fast || self.fallback.is_some() || self.frame.is_none() {
             return None;
         }
@@ -355,11 +379,42 @@ impl Capturer {
         }
         let path = &self.file.as_ref().expect("set above").0;
         let args = json!({ "filename": path.to_string_lossy(), "live": false });
+        if stopped {
+            if let Some(socket) = self.armed.is_none().then(|| self.armed_on.take()).flatten() {
+                match Armed::connect(&socket, "xen-save-devices-state", Some(args.clone())) {
+                    Ok(a) => self.armed = Some(a),
+                    Err(e) => tracing::warn!(
+                        "device state: xen-save-devices-state not armed ahead ({e}); sent \
+                         whole in the pause"
+                    ),
+                }
+            }
+            if let Some(a) = self.armed.as_mut() {
+                match a.fire() {
+                    Ok(()) => return Some(Begun::Armed),
+                    Err(e) => {
+                        tracing::warn!("device state: the armed monitor failed: {e}");
+                        self.armed = None;
+                    }
+                }
+            }
+        }
         match qmp.start("xen-save-devices-state", Some(args)) {
-            Ok(sent) => Some(sent),
+            Ok(sent) => Some(Begun::Sent(sent)),
             Err(e) => {
                 self.fall_back(e.to_string());
                 None
+            }
+        }
+    }
+
+    /// Arms the device-state command again after a capture's reply ([`Armed::arm`]); a
+    /// monitor that failed is dropped (the main one takes the command from then on).
+    pub fn rearm(&mut self) {
+        if let Some(a) = self.armed.as_mut() {
+            if let Err(e) = a.arm() {
+                tracing::warn!("device state: the armed monitor failed: {e}");
+                self.armed = None;
             }
         }
     }
@@ -373,7 +428,7 @@ impl Capturer {
     pub fn finish(
         &mut self,
         qmp: &mut Qmp,
-        started: Option<Sent>,
+        started: Option<Begun>,
         out: &mut Vec<u8>,
     ) -> Result<Method, DeviceStateError> {
         // A capture left unframed by an abandoned checkpoint is not this one's.
@@ -447,19 +502,21 @@ impl Capturer {
     fn ensure_file(&mut self) -> Result<(), String> {
         if self.file.is_none() {
             if self.shm.is_none() {
-                self.shm =
-                    crate::stale::owned_tempdir("tandem-devstate-", Some(Path::new(STATE_DIR)))
-                        .map_err(|e| {
-                            tracing::debug!("device state: no directory in {STATE_DIR}: {e}")
-                        })
-                        .ok();
+                self.shm = crate::stale::owned_tempdir("tandem-ds-", Some(Path::new(STATE_DIR)))
+                    .map_err(|e| tracing::debug!("device state: no directory in {STATE_DIR}: {e}"))
+                    .ok();
             }
             let dir = self.shm.as_ref().map_or(self.dir.as_path(), |d| d.path());
-            let (file, path) = tempfile::Builder::new()
-                .prefix("tandem-devstate-")
-                .tempfile_in(dir)
-                .and_then(|f| f.keep().map_err(|e| e.error))
-                .map_err(|e| format!("state file in {}: {e}", dir.display()))?;
+            // A short name (both directories are this VM's own): QEMU parses the command
+            // that names it byte by byte (qmp/armed.rs).
+            let path = dir.join("devstate");
+            let file = std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .open(&path)
+                .map_err(|e| format!("state file {}: {e}", path.display()))?;
             self.file = Some((path, file));
         }
         Ok(())
@@ -468,6 +525,7 @@ impl Capturer {
     fn fall_back(&mut self, why: String) {
         tracing::warn!("device state: xen-save-devices-state unusable ({why}); using migrate");
         self.fallback = Some(why);
+        self.armed = None;
         self.remove_file();
     }
 
@@ -490,8 +548,23 @@ impl Capturer {
 
     /// Waits for QEMU's reply and checks the file it wrote: the header, the first section
     /// and the end marker a complete device save has (what framing checks, read in place).
-    fn check(&mut self, qmp: &mut Qmp, sent: Sent) -> Result<Result<(), String>, DeviceStateError> {
-        qmp.reply(sent)?;
+    fn check(
+        &mut self,
+        qmp: &mut Qmp,
+        begun: Begun,
+    ) -> Result<Result<(), String>, DeviceStateError> {
+        match begun {
+            Begun::Sent(sent) => qmp.reply(sent).map(drop)?,
+            Begun::Armed => {
+                let a = self.armed.as_mut().expect("fired");
+                if let Err(e) = a.reply() {
+                    if !matches!(e, QmpError::Command { .. }) {
+                        self.armed = None;
+                    }
+                    return Err(e.into());
+                }
+            }
+        }
         let (_, file) = self.file.as_mut().expect("begun");
         // QEMU opened the path with O_TRUNC and wrote from 0; our descriptor reads the same
         // inode.

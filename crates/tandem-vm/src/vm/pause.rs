@@ -54,26 +54,46 @@ impl Vm {
         let mut t = PauseTiming::default();
         let us = |i: Instant| i.elapsed().as_micros().min(u32::MAX as u128) as u32;
         let s = Instant::now();
-        // An early-suspended guest is stopped already. Otherwise `stop` and the device-state
-        // capture go out back to back: QEMU runs its commands in order, so it serialises the
-        // devices (the longest step) as soon as the vCPUs are stopped, not a round trip later,
-        // while this thread harvests and copies (both need only the stopped guest, hence the
-        // wait for `stop`'s reply first).
+        // An early-suspended guest is stopped already. Otherwise `stop` goes first, armed on
+        // a monitor of its own (qmp/armed.rs: QEMU parsed it while the guest ran), then the
+        // armed device-state capture once `stop` replied (QEMU runs different monitors'
+        // commands in no promised order). Without armed commands, `stop` and the capture go
+        // out back to back on the one monitor: QEMU runs them in order. Either way QEMU
+        // serialises the devices (the longest step) while this thread harvests and copies
+        // (both need only the stopped guest, hence the wait for `stop`'s reply first).
         let stop = if std::mem::take(&mut self.suspended) {
             None
+        } else if let Some(a) = self.armed_stop.as_mut() {
+            a.fire()?;
+            Some(None)
         } else {
-            Some(self.qmp.start("stop", None)?)
+            Some(Some(self.qmp.start("stop", None)?))
         };
-        let started = self.devstate.begin(&mut self.qmp);
+        let mut started = match stop {
+            Some(None) => None,
+            ref s => self.devstate.begin(&mut self.qmp, s.is_none()),
+        };
         // When QEMU had the vCPUs stopped: its STOP event comes before `stop`'s reply. (An
         // early-suspended guest's was taken with an earlier epoch's events: unknown.)
         let mut stopped_at = None;
-        if let Some(stop) = stop {
+        match stop {
             // On an error the begun capture's reply is left unread: `Qmp::reply` skips replies
             // of other commands, and the checkpoint is abandoned.
-            self.qmp.reply(stop)?;
-            stopped_at = self.qmp.event_time_us("STOP");
+            Some(Some(stop)) => {
+                self.qmp.reply(stop)?;
+                stopped_at = self.qmp.event_time_us("STOP");
+            }
+            Some(None) => {
+                let a = self.armed_stop.as_mut().expect("fired above");
+                a.reply()?;
+                stopped_at = a.event_time_us("STOP");
+                started = self.devstate.begin(&mut self.qmp, true);
+            }
+            None => {}
         }
+        // The main monitor gets the armed commands' events too, and may have nobody reading
+        // it otherwise: take what it has (a reply read early waits for its `Qmp::reply`).
+        self.qmp.drain_events()?;
         // Block I/O is drained now: a failed disk mirror has reported itself (and the queue of
         // STOP/RESUME events is emptied every epoch).
         self.check_mirror_events();
@@ -108,7 +128,10 @@ impl Vm {
             self.cont()?;
             t.cont_us = us(s);
             // The RESUME event comes before `cont`'s reply.
-            let resumed_at = self.qmp.event_time_us("RESUME");
+            let resumed_at = match &self.armed_cont {
+                Some(a) => a.event_time_us("RESUME"),
+                None => self.qmp.event_time_us("RESUME"),
+            };
             if let (Some(a), Some(b)) = (stopped_at, resumed_at) {
                 t.stopped_us = b.saturating_sub(a).min(u32::MAX as u64) as u32;
             }
@@ -116,7 +139,21 @@ impl Vm {
         // The fast capture's file is framed once the guest runs (QEMU rewrites it only at
         // the next capture): the copy is not part of the pause.
         self.devstate.complete(device_state)?;
+        self.rearm();
         Ok(t)
+    }
+
+    /// Arms the pause's commands for the next pause, now that their replies are in (QEMU
+    /// parses them while the guest runs). A monitor that failed is dropped: its command goes
+    /// to the main monitor from then on.
+    fn rearm(&mut self) {
+        for armed in [&mut self.armed_stop, &mut self.armed_cont] {
+            if let Some(Err(e)) = armed.as_mut().map(|a| a.arm()) {
+                tracing::warn!("QMP: the monitor of the armed command failed: {e}");
+                *armed = None;
+            }
+        }
+        self.devstate.rearm();
     }
 
     /// Stops the guest, resets the dirty log and lets the guest run again (so the next epoch

@@ -40,6 +40,7 @@ impl Vm {
         let log = fs::File::create(runtime.path().join("qemu.log"))?;
         let mut cmd = Command::new(&config.qemu);
         cmd.args(qemu_args(config, &ram_path, &qmp_path, &serial, start));
+        cmd.args(crate::qemu_args::armed_monitors(&qmp_path));
         cmd.stdin(Stdio::null())
             .stdout(log.try_clone()?)
             .stderr(log);
@@ -108,7 +109,21 @@ impl Vm {
         // The device-state file lives in a directory of its own in /dev/shm (QEMU's other
         // runtime files if that cannot be made); both are removed with the VM, and found by
         // `clean_stale` after a kill.
-        let devstate = devstate::Capturer::new(runtime.path(), config.fast_devstate);
+        let devstate = devstate::Capturer::new(runtime.path(), config.fast_devstate).armed_on(
+            crate::qemu_args::armed_socket(&qmp_path, "xen-save-devices-state"),
+        );
+        let arm = |command| match Armed::connect(
+            &crate::qemu_args::armed_socket(&qmp_path, command),
+            command,
+            None,
+        ) {
+            Ok(a) => Some(a),
+            Err(e) => {
+                tracing::warn!("QMP: {command} not armed ahead ({e}); sent whole in the pause");
+                None
+            }
+        };
+        let (armed_stop, armed_cont) = (arm("stop"), arm("cont"));
         let mut vm = Vm {
             child,
             qmp,
@@ -124,6 +139,8 @@ impl Vm {
             devstate,
             last_devstate: None,
             suspended: false,
+            armed_stop,
+            armed_cont,
             vcpu_clock: None,
             lazy: None,
             life: Arc::new(()),
