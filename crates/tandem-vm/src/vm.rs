@@ -431,7 +431,7 @@ pub(crate) fn armed_execute(
     let a = armed.as_mut()?;
     let r = a.execute();
     if let Err(e) = &r {
-        if !matches!(e, QmpError::Command { .. }) {
+        if a.broken() {
             tracing::warn!("the monitor of the armed {} failed: {e}", a.command());
             *armed = None;
         }

@@ -102,7 +102,7 @@ fn armed_commands_run_only_when_fired() {
 #[test]
 fn a_fired_command_left_unread_does_not_break_the_next() {
     let dir = tempfile::tempdir().unwrap();
-    let (_q, mut qmp) = qemu(dir.path());
+    let (q, mut qmp) = qemu(dir.path());
     let mut cont = armed(dir.path(), "cont", None);
     let mut stop = armed(dir.path(), "stop", None);
     cont.execute().unwrap();
@@ -125,4 +125,11 @@ fn a_fired_command_left_unread_does_not_break_the_next() {
     assert!(matches!(bad.execute(), Err(QmpError::Command { .. })));
     cont.execute().unwrap();
     assert_eq!(qmp.status().unwrap(), "running");
+    assert!(!stop.broken());
+    // QEMU gone: an error, and the monitor is never used again (a late reply could be
+    // taken for the next command's).
+    drop(q);
+    assert!(stop.execute().is_err());
+    assert!(stop.broken());
+    assert!(stop.fire().is_err());
 }

@@ -558,7 +558,7 @@ impl Capturer {
             Begun::Armed => {
                 let a = self.armed.as_mut().expect("fired");
                 if let Err(e) = a.reply() {
-                    if !matches!(e, QmpError::Command { .. }) {
+                    if a.broken() {
                         self.armed = None;
                     }
                     return Err(e.into());

@@ -36,8 +36,11 @@ enum State {
     Armed(Sent),
     /// Sent whole; its reply is still to be read.
     Fired(Sent),
-    /// Replied (or its connection failed): to be armed again.
+    /// Replied: to be armed again.
     Idle,
+    /// A reply did not come (timeout) or the connection failed: a late reply could be taken
+    /// for the next command's (armed commands have no id), so the monitor is not used again.
+    Broken,
 }
 
 impl Armed {
@@ -67,11 +70,21 @@ impl Armed {
     /// [`Armed::reply`], at a time when QEMU's parsing it costs nothing that waits (the guest
     /// runs).
     pub fn arm(&mut self) -> Result<(), QmpError> {
-        if let State::Idle = self.state {
-            let sent = self.qmp.send_partial(self.command, self.args.clone())?;
-            self.state = State::Armed(sent);
+        match self.state {
+            State::Idle => {
+                self.state = State::Broken;
+                let sent = self.qmp.send_partial(self.command, self.args.clone())?;
+                self.state = State::Armed(sent);
+                Ok(())
+            }
+            State::Broken => Err(QmpError::Closed),
+            State::Armed(_) | State::Fired(_) => Ok(()),
         }
-        Ok(())
+    }
+
+    /// Whether the monitor failed (see [`Armed::arm`]): its owner drops it.
+    pub fn broken(&self) -> bool {
+        matches!(self.state, State::Broken)
     }
 
     /// Sends the command's last byte: QEMU runs it. A reply left unread (a pause abandoned
@@ -84,7 +97,7 @@ impl Armed {
             }
         }
         self.arm()?;
-        let State::Armed(sent) = std::mem::replace(&mut self.state, State::Idle) else {
+        let State::Armed(sent) = std::mem::replace(&mut self.state, State::Broken) else {
             unreachable!("armed above");
         };
         self.qmp.send_bytes(b"}")?;
@@ -103,7 +116,13 @@ impl Armed {
             )));
         };
         self.qmp.events.clear();
-        self.qmp.reply(sent)
+        let r = self.qmp.reply(sent);
+        if let Err(e) = &r {
+            if !matches!(e, QmpError::Command { .. }) {
+                self.state = State::Broken;
+            }
+        }
+        r
     }
 
     /// Fires the command, waits for its reply and arms it again.

@@ -64,7 +64,10 @@ impl Vm {
         let stop = if std::mem::take(&mut self.suspended) {
             None
         } else if let Some(a) = self.armed_stop.as_mut() {
-            a.fire()?;
+            if let Err(e) = a.fire() {
+                self.armed_stop = None;
+                return Err(e.into());
+            }
             Some(None)
         } else {
             Some(Some(self.qmp.start("stop", None)?))
@@ -85,7 +88,12 @@ impl Vm {
             }
             Some(None) => {
                 let a = self.armed_stop.as_mut().expect("fired above");
-                a.reply()?;
+                if let Err(e) = a.reply() {
+                    if a.broken() {
+                        self.armed_stop = None;
+                    }
+                    return Err(e.into());
+                }
                 stopped_at = a.event_time_us("STOP");
                 started = self.devstate.begin(&mut self.qmp, true);
             }
