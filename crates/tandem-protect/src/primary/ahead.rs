@@ -68,21 +68,24 @@ impl Ahead {
         sent.is_ok()
     }
 
-    /// Waits for epoch `seq`'s record (`None`: none was started for it; `Some(None)`: the
-    /// encoder's thread stopped).
-    pub(super) fn finish(&mut self, seq: u64) -> Option<Option<Done>> {
+    /// Waits for epoch `seq`'s record; `Ok(None)` if none was started for it.
+    pub(super) fn finish(&mut self, seq: u64) -> Result<Option<Done>, EncoderStopped> {
         if self.inflight.take() != Some(seq) {
-            return None;
+            return Ok(None);
         }
-        let (_, rx, _) = self.worker.as_ref()?;
-        let mut done = rx.recv().ok();
-        if let Some(d) = done.as_mut() {
-            self.spare_pfns = std::mem::take(&mut d.pfns);
-            self.spare_pages = std::mem::take(&mut d.pages);
-        }
-        Some(done)
+        let Some((_, rx, _)) = self.worker.as_ref() else {
+            return Ok(None);
+        };
+        let mut done = rx.recv().map_err(|_| EncoderStopped)?;
+        self.spare_pfns = std::mem::take(&mut done.pfns);
+        self.spare_pages = std::mem::take(&mut done.pages);
+        Ok(Some(done))
     }
 }
+
+/// The encoder's thread stopped before it returned a record it was given (it panicked).
+#[derive(Debug)]
+pub(super) struct EncoderStopped;
 
 impl Drop for Ahead {
     fn drop(&mut self) {

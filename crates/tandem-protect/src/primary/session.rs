@@ -343,10 +343,10 @@ impl Daemon<'_> {
         let w = std::mem::replace(&mut sink.writes, Ok(Vec::new()))
             .map_err(PrimaryError::FinalWrites)?;
         let wd = sink.watchdog;
-        let ahead = match sink.ahead.finish(seq) {
-            Some(None) => return Err(PrimaryError::EncoderStopped),
-            done => done.flatten(),
-        };
+        let ahead = sink
+            .ahead
+            .finish(seq)
+            .map_err(|_| PrimaryError::EncoderStopped)?;
         sink.st.ship(seq, &cp, &w, &|| wd.beat(), ahead)?;
         self.epoch = seq;
         faults::kill_point(self.opts, HandoverStep::HandoverShipped, &self.status);

@@ -146,13 +146,9 @@ impl EpochSink for LinkSink<'_> {
             }
         };
         let wd = self.watchdog;
-        let ahead = match self.ahead.finish(cp.epoch) {
-            None => None,
-            Some(Some(done)) => Some(done),
-            Some(None) => {
-                shared.lose("the encoder's thread stopped".into());
-                return false;
-            }
+        let Ok(ahead) = self.ahead.finish(cp.epoch) else {
+            shared.lose("the encoder's thread stopped".into());
+            return false;
         };
         if let Err(e) = self.st.ship(cp.epoch, cp, &w, &|| wd.beat(), ahead) {
             self.err = Some(e);
