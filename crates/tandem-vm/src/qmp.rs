@@ -77,6 +77,18 @@ pub struct Sent {
     command: String,
 }
 
+/// A QMP command object: `execute`, its `id` if it has one, its `arguments`.
+fn command_json(command: &str, id: Option<u64>, args: Option<Value>) -> Value {
+    let mut cmd = json!({ "execute": command });
+    if let Some(id) = id {
+        cmd["id"] = id.into();
+    }
+    if let Some(a) = args {
+        cmd["arguments"] = a;
+    }
+    cmd
+}
+
 impl Qmp {
     /// Connects to `path`, retrying until `timeout` (QEMU creates the socket at startup), reads
     /// the greeting and enters command mode.
@@ -181,11 +193,7 @@ impl Qmp {
     ) -> Result<Sent, QmpError> {
         let id = self.next_id;
         self.next_id += 1;
-        let mut cmd = json!({ "execute": command, "id": id });
-        if let Some(a) = args {
-            cmd["arguments"] = a;
-        }
-        self.send(&cmd, fd)?;
+        self.send(&command_json(command, Some(id), args), fd)?;
         Ok(Sent {
             id: Some(id),
             command: command.into(),
@@ -196,10 +204,7 @@ impl Qmp {
     /// ([`Armed`]). Without an id: its monitor has no other command in flight, and every
     /// byte counts.
     fn send_partial(&mut self, command: &str, args: Option<Value>) -> Result<Sent, QmpError> {
-        let mut cmd = json!({ "execute": command });
-        if let Some(a) = args {
-            cmd["arguments"] = a;
-        }
+        let cmd = command_json(command, None, args);
         let bytes = serde_json::to_vec(&cmd).map_err(|e| QmpError::Protocol(e.to_string()))?;
         // A JSON object ends with its closing brace.
         self.writer.write_all(&bytes[..bytes.len() - 1])?;

@@ -377,11 +377,12 @@ impl Capturer {
             self.fall_back(e);
             return None;
         }
+        // Built only for a command sent whole (the armed one holds its own).
         let path = &self.file.as_ref().expect("set above").0;
-        let args = json!({ "filename": path.to_string_lossy(), "live": false });
+        let args = || json!({ "filename": path.to_string_lossy(), "live": false });
         if stopped {
             if let Some(socket) = self.armed.is_none().then(|| self.armed_on.take()).flatten() {
-                match Armed::connect(&socket, "xen-save-devices-state", Some(args.clone())) {
+                match Armed::connect(&socket, "xen-save-devices-state", Some(args())) {
                     Ok(a) => self.armed = Some(a),
                     Err(e) => tracing::warn!(
                         "device state: xen-save-devices-state not armed ahead ({e}); sent \
@@ -399,7 +400,7 @@ impl Capturer {
                 }
             }
         }
-        match qmp.start("xen-save-devices-state", Some(args)) {
+        match qmp.start("xen-save-devices-state", Some(args())) {
             Ok(sent) => Some(Begun::Sent(sent)),
             Err(e) => {
                 self.fall_back(e.to_string());
