@@ -123,7 +123,7 @@ pub fn qemu_args(
 
 /// The monitors of the commands tandem arms ahead of each checkpoint pause
 /// ([`crate::qmp::Armed`]): one per command, next to the QMP socket `qmp`.
-pub const ARMED: [&str; 3] = ["stop", "xen-save-devices-state", "cont"];
+pub const ARMED: [&str; 3] = ["stop", crate::devstate::fast::XEN_SAVE, "cont"];
 
 /// The socket of the monitor that `command` (one of [`ARMED`]) is armed on.
 pub fn armed_socket(qmp: &Path, command: &str) -> std::path::PathBuf {

@@ -310,7 +310,7 @@ impl Vm {
 
     /// Pauses the guest's vCPUs (QMP `stop`).
     pub fn stop(&mut self) -> Result<(), VmError> {
-        match armed_execute(&mut self.armed_stop) {
+        match Armed::run_in(&mut self.armed_stop, Armed::execute) {
             Some(r) => r?,
             None => self.qmp.execute("stop", None)?,
         };
@@ -321,7 +321,7 @@ impl Vm {
     pub fn cont(&mut self) -> Result<(), VmError> {
         // Whatever stopped it, the guest runs now: the next pause must stop it itself.
         self.suspended = false;
-        match armed_execute(&mut self.armed_cont) {
+        match Armed::run_in(&mut self.armed_cont, Armed::execute) {
             Some(r) => r?,
             None => self.qmp.execute("cont", None)?,
         };
@@ -421,20 +421,4 @@ impl Drop for Vm {
             let _ = fs::remove_file(&self.ram_path);
         }
     }
-}
-
-/// Runs an armed command, if there is one; one whose monitor failed is dropped (the VM's main
-/// monitor takes its commands from then on).
-pub(crate) fn armed_execute(
-    armed: &mut Option<Armed>,
-) -> Option<Result<serde_json::Value, QmpError>> {
-    let a = armed.as_mut()?;
-    let r = a.execute();
-    if let Err(e) = &r {
-        if a.broken() {
-            tracing::warn!("the monitor of the armed {} failed: {e}", a.command());
-            *armed = None;
-        }
-    }
-    Some(r)
 }

@@ -122,7 +122,11 @@ fn a_fired_command_left_unread_does_not_break_the_next() {
         Err(QmpError::Command { .. }) => {}
         other => panic!("expected QEMU's refusal, got {other:?}"),
     }
-    assert!(matches!(bad.execute(), Err(QmpError::Command { .. })));
+    // Through its owner's slot: a refusal keeps the monitor.
+    let mut slot = Some(bad);
+    let refused = Armed::run_in(&mut slot, Armed::execute).unwrap();
+    assert!(matches!(refused, Err(QmpError::Command { .. })));
+    assert!(slot.is_some());
     cont.execute().unwrap();
     assert_eq!(qmp.status().unwrap(), "running");
     assert!(!stop.broken());
@@ -132,4 +136,9 @@ fn a_fired_command_left_unread_does_not_break_the_next() {
     assert!(stop.execute().is_err());
     assert!(stop.broken());
     assert!(stop.fire().is_err());
+    // Its owner drops a broken one: the main monitor takes the command from then on.
+    let mut slot = Some(cont);
+    assert!(Armed::run_in(&mut slot, Armed::execute).unwrap().is_err());
+    assert!(slot.is_none());
+    assert!(Armed::run_in(&mut slot, Armed::execute).is_none());
 }

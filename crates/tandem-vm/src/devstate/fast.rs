@@ -278,6 +278,10 @@ fn description(stream: &[u8]) -> Vec<u8> {
     Vec::new()
 }
 
+/// The QMP command that saves the devices without RAM into a file (stock QEMU's, built into
+/// every build, not only Xen ones).
+pub const XEN_SAVE: &str = "xen-save-devices-state";
+
 /// A VM's device-state capturer: `migrate` first, `xen-save-devices-state` afterwards.
 #[derive(Debug)]
 pub struct Capturer {
@@ -382,7 +386,7 @@ impl Capturer {
         let args = || json!({ "filename": path.to_string_lossy(), "live": false });
         if stopped {
             if let Some(socket) = self.armed.is_none().then(|| self.armed_on.take()).flatten() {
-                match Armed::connect(&socket, "xen-save-devices-state", Some(args())) {
+                match Armed::connect(&socket, XEN_SAVE, Some(args())) {
                     Ok(a) => self.armed = Some(a),
                     Err(e) => tracing::warn!(
                         "device state: xen-save-devices-state not armed ahead ({e}); sent \
@@ -390,17 +394,12 @@ impl Capturer {
                     ),
                 }
             }
-            if let Some(a) = self.armed.as_mut() {
-                match a.fire() {
-                    Ok(()) => return Some(Begun::Armed),
-                    Err(e) => {
-                        tracing::warn!("device state: the armed monitor failed: {e}");
-                        self.armed = None;
-                    }
-                }
+            // A monitor that failed is dropped: the main one takes the command.
+            if let Some(Ok(())) = Armed::run_in(&mut self.armed, Armed::fire) {
+                return Some(Begun::Armed);
             }
         }
-        match qmp.start("xen-save-devices-state", Some(args())) {
+        match qmp.start(XEN_SAVE, Some(args())) {
             Ok(sent) => Some(Begun::Sent(sent)),
             Err(e) => {
                 self.fall_back(e.to_string());
@@ -412,12 +411,7 @@ impl Capturer {
     /// Arms the device-state command again after a capture's reply ([`Armed::arm`]); a
     /// monitor that failed is dropped (the main one takes the command from then on).
     pub fn rearm(&mut self) {
-        if let Some(a) = self.armed.as_mut() {
-            if let Err(e) = a.arm() {
-                tracing::warn!("device state: the armed monitor failed: {e}");
-                self.armed = None;
-            }
-        }
+        let _ = Armed::run_in(&mut self.armed, Armed::arm);
     }
 
     /// Completes a capture begun with [`Capturer::begin`], or captures into `out` with
@@ -468,7 +462,7 @@ impl Capturer {
         self.ensure_file()?;
         let (path, file) = self.file.as_mut().expect("made above");
         let args = json!({ "filename": path.to_string_lossy(), "live": false });
-        qmp.execute("xen-save-devices-state", Some(args))
+        qmp.execute(XEN_SAVE, Some(args))
             .map_err(|e| e.to_string())?;
         let mut saved = Vec::new();
         file.seek(SeekFrom::Start(0))
@@ -557,13 +551,7 @@ impl Capturer {
         match begun {
             Begun::Sent(sent) => qmp.reply(sent).map(drop)?,
             Begun::Armed => {
-                let a = self.armed.as_mut().expect("fired");
-                if let Err(e) = a.reply() {
-                    if a.broken() {
-                        self.armed = None;
-                    }
-                    return Err(e.into());
-                }
+                Armed::run_in(&mut self.armed, Armed::reply).expect("fired")?;
             }
         }
         let (_, file) = self.file.as_mut().expect("begun");

@@ -125,6 +125,24 @@ impl Armed {
         r
     }
 
+    /// Runs `op` on the armed command in `slot`, if there is one. An error that broke its
+    /// monitor ([`Armed::broken`]) drops it, logged: the VM's main monitor takes the command
+    /// from then on (a late reply on the broken one could pass for the next command's).
+    pub fn run_in<T>(
+        slot: &mut Option<Armed>,
+        op: impl FnOnce(&mut Armed) -> Result<T, QmpError>,
+    ) -> Option<Result<T, QmpError>> {
+        let a = slot.as_mut()?;
+        let r = op(a);
+        if let Err(e) = &r {
+            if a.broken() {
+                tracing::warn!("QMP: the monitor of the armed {} failed: {e}", a.command);
+                *slot = None;
+            }
+        }
+        Some(r)
+    }
+
     /// Fires the command, waits for its reply and arms it again.
     pub fn execute(&mut self) -> Result<Value, QmpError> {
         self.fire()?;

@@ -4,6 +4,7 @@
 use std::time::Instant;
 
 use super::{PauseTiming, Vm, VmError};
+use crate::qmp::Armed;
 use crate::ram::PAGE_SIZE;
 
 impl Vm {
@@ -63,11 +64,8 @@ impl Vm {
         // (both need only the stopped guest, hence the wait for `stop`'s reply first).
         let stop = if std::mem::take(&mut self.suspended) {
             None
-        } else if let Some(a) = self.armed_stop.as_mut() {
-            if let Err(e) = a.fire() {
-                self.armed_stop = None;
-                return Err(e.into());
-            }
+        } else if let Some(fired) = Armed::run_in(&mut self.armed_stop, Armed::fire) {
+            fired?;
             Some(None)
         } else {
             Some(Some(self.qmp.start("stop", None)?))
@@ -87,14 +85,11 @@ impl Vm {
                 stopped_at = self.qmp.event_time_us("STOP");
             }
             Some(None) => {
-                let a = self.armed_stop.as_mut().expect("fired above");
-                if let Err(e) = a.reply() {
-                    if a.broken() {
-                        self.armed_stop = None;
-                    }
-                    return Err(e.into());
-                }
-                stopped_at = a.event_time_us("STOP");
+                Armed::run_in(&mut self.armed_stop, Armed::reply).expect("fired above")?;
+                stopped_at = self
+                    .armed_stop
+                    .as_ref()
+                    .and_then(|a| a.event_time_us("STOP"));
                 started = self.devstate.begin(&mut self.qmp, true);
             }
             None => {}
@@ -156,10 +151,8 @@ impl Vm {
     /// to the main monitor from then on.
     fn rearm(&mut self) {
         for armed in [&mut self.armed_stop, &mut self.armed_cont] {
-            if let Some(Err(e)) = armed.as_mut().map(|a| a.arm()) {
-                tracing::warn!("QMP: the monitor of the armed command failed: {e}");
-                *armed = None;
-            }
+            // A failure is logged and the monitor dropped.
+            let _ = Armed::run_in(armed, Armed::arm);
         }
         self.devstate.rearm();
     }

@@ -110,7 +110,7 @@ impl Vm {
         // runtime files if that cannot be made); both are removed with the VM, and found by
         // `clean_stale` after a kill.
         let devstate = devstate::Capturer::new(runtime.path(), config.fast_devstate).armed_on(
-            crate::qemu_args::armed_socket(&qmp_path, "xen-save-devices-state"),
+            crate::qemu_args::armed_socket(&qmp_path, devstate::fast::XEN_SAVE),
         );
         let arm = |command| match Armed::connect(
             &crate::qemu_args::armed_socket(&qmp_path, command),
