@@ -224,7 +224,21 @@ fn primary_killed_backup_resumes_the_guest() {
             .is_some_and(|v| (0.0..=100.0).contains(&v)),
         "{p:#}"
     );
+    // Why the epochs ended: the session's first at once, every later one for a reason.
+    let cuts = p["epochs_cut"]
+        .as_object()
+        .expect("primary counts its epochs' cuts");
+    assert_eq!(cuts.get("start").and_then(|n| n.as_u64()), Some(1), "{p:#}");
+    assert!(
+        cuts.values().filter_map(|n| n.as_u64()).sum::<u64>() >= 10,
+        "{p:#}"
+    );
+    assert!(b["epochs_cut"].is_null(), "{b:#}");
     assert!(sample("tandem_zstd_level{", "} "), "{text}");
+    assert!(
+        sample("tandem_epochs_cut_total{", "reason=\"start\"} 1"),
+        "{text}"
+    );
     assert!(
         b["state"].as_str().unwrap().starts_with("protecting"),
         "{b:#}"

@@ -245,6 +245,21 @@ pub fn describe(v: &serde_json::Value) -> String {
     if let Some(b) = f("guest_busy_pct").as_f64() {
         line += &format!(", guest busy {b:.0} % of its last run");
     }
+    if let Some(cuts) = f("epochs_cut").as_object() {
+        let all: u64 = cuts.values().filter_map(|v| v.as_u64()).sum();
+        let mut by: Vec<_> = cuts
+            .iter()
+            .filter_map(|(k, v)| Some((v.as_u64()?, k)))
+            .collect();
+        by.sort_by(|a, b| b.cmp(a));
+        let shares: Vec<_> = by
+            .iter()
+            .map(|(n, k)| format!("{k} {:.0} %", *n as f64 * 100.0 / all.max(1) as f64))
+            .collect();
+        if !shares.is_empty() {
+            line += &format!(", epochs cut by {}", shares.join(", "));
+        }
+    }
     if let Some(p) = f("progress").as_object() {
         line += &format!(
             "; {} {}% of {} MiB",
@@ -310,6 +325,20 @@ mod tests {
             line.contains(
                 "; disk copy /var/lib/tandem/web1/guest-disks.raw (in memory: gone with this host)"
             ),
+            "{line}"
+        );
+    }
+
+    #[test]
+    fn the_status_line_says_why_epochs_ended() {
+        let doc = serde_json::json!({
+            "role": "primary", "vm_id": 7, "pid": 1, "state": "protected",
+            "committed_epoch": 9, "link": "up",
+            "epochs_cut": {"output": 6, "time": 3, "start": 1},
+        });
+        let line = super::describe(&doc);
+        assert!(
+            line.contains(", epochs cut by output 60 %, time 30 %, start 10 %"),
             "{line}"
         );
     }

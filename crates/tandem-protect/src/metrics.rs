@@ -11,6 +11,7 @@
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use serde::Serialize;
+use tandem_vm::schedule::Reason;
 
 /// One epoch as the primary saw it.
 #[derive(Debug, Clone, Default, Serialize)]
@@ -25,6 +26,12 @@ pub struct EpochMetrics {
     /// The guest was stopped this long before the pause (early suspend: output waited and
     /// the dirty set reached the stop threshold).
     pub suspended_us: u64,
+    /// Why the epoch ended: `time` (its longest wait), `output` (network output waited),
+    /// `disk` (the write log's limit), `converged` (the dirty set stopped growing), `start`
+    /// (a session's first), `handover` (a planned stop's last).
+    pub cut: &'static str,
+    /// How long the guest ran in the epoch before its pause (or early suspension).
+    pub ran_us: u64,
     /// The share of the epoch's run the guest's busiest vCPU was busy, in percent (`None`:
     /// unknown: a fixed schedule, or QEMU or the kernel cannot tell).
     pub busy_pct: Option<f64>,
@@ -192,6 +199,8 @@ struct State {
     lost_cpu_us: u64,
     long_patch_epochs: u64,
     word_delta_epochs: u64,
+    /// Epochs per reason they ended for, in the order of `Reason::ALL`.
+    cuts: [u64; Reason::ALL.len()],
     disk_writes: u64,
     disk_bytes: u64,
     released: u64,
@@ -228,6 +237,7 @@ impl Default for State {
             lost_cpu_us: 0,
             long_patch_epochs: 0,
             word_delta_epochs: 0,
+            cuts: [0; Reason::ALL.len()],
             disk_writes: 0,
             disk_bytes: 0,
             released: 0,
@@ -292,6 +302,9 @@ impl Registry {
         s.lost_cpu_us += m.lost_cpu_us;
         s.long_patch_epochs += u64::from(m.long_patches);
         s.word_delta_epochs += u64::from(m.word_deltas);
+        if let Some(r) = Reason::ALL.into_iter().find(|r| r.name() == m.cut) {
+            s.cuts[r.index()] += 1;
+        }
         s.disk_writes += m.disk_writes;
         s.disk_bytes += m.disk_bytes;
         s.pause.observe(m.pause_us as f64 / 1e6);

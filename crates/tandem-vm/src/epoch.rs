@@ -77,6 +77,11 @@ pub struct Checkpoint<'a> {
     pub timing: PauseTiming,
     /// How long the guest was suspended before the pause (early suspend), on top of it.
     pub suspended: Duration,
+    /// Why the epoch ended ([`crate::schedule::Schedule::reason`]).
+    pub cut: crate::schedule::Reason,
+    /// How long the guest ran in the epoch, from its resume to the pause (or to its early
+    /// suspension).
+    pub ran: Duration,
     /// The share of the epoch's run (up to the pause or suspension) that the guest's busiest
     /// vCPU was busy; `None` when the guest cannot tell or the schedule does not poll.
     pub busy: Option<f64>,
@@ -191,6 +196,7 @@ pub fn run_pipeline(
             .then(|| busy_since(guest, &cpu_resumed, &mut cpu_now, ran))
             .flatten();
         schedule.ran_busy(busy);
+        let cut = schedule.reason();
         let this = epoch + 1;
         let timing = guest.pause(
             &mut pfns,
@@ -212,6 +218,8 @@ pub fn run_pipeline(
             at: start.elapsed(),
             timing,
             suspended,
+            cut,
+            ran,
             busy,
             pfns: &pfns,
             pages: &pages,

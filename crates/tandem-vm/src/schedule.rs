@@ -15,7 +15,7 @@ use crate::vm::PauseTiming;
 
 mod adaptive;
 
-pub use adaptive::{Adaptive, AdaptiveConfig, BudgetClock, Reason};
+pub use adaptive::{Adaptive, AdaptiveConfig, BudgetClock};
 
 /// What waits on the next checkpoint, as the epoch's sink sees it between checkpoints.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
@@ -40,6 +40,54 @@ pub struct Pending {
     /// The share of the time since the previous poll that read the vCPUs (about a
     /// millisecond) that the busiest vCPU ran: whether the guest is working right now.
     pub busy_recent: Option<f64>,
+}
+
+/// Why an epoch ended: what the checkpoint was taken for ([`Schedule::reason`]), reported
+/// per epoch (the metrics' JSON lines, `tandem_epochs_cut_total`, `tandem status`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Reason {
+    /// Its longest wait passed (every epoch of a fixed schedule).
+    #[default]
+    Time,
+    /// Network output waited for it.
+    Output,
+    /// The disk writes reached the limit.
+    Disk,
+    /// The dirty page set converged.
+    Converged,
+    /// A session's first checkpoint, taken at once after the initial sync.
+    Start,
+    /// A session's last checkpoint, the guest left stopped for the backup (a planned stop).
+    Handover,
+}
+
+impl Reason {
+    /// Every reason, in the order of [`Reason::index`].
+    pub const ALL: [Reason; 6] = [
+        Reason::Time,
+        Reason::Output,
+        Reason::Disk,
+        Reason::Converged,
+        Reason::Start,
+        Reason::Handover,
+    ];
+
+    /// Its name in reports: `time`, `output`, `disk`, `converged`, `start`, `handover`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Reason::Time => "time",
+            Reason::Output => "output",
+            Reason::Disk => "disk",
+            Reason::Converged => "converged",
+            Reason::Start => "start",
+            Reason::Handover => "handover",
+        }
+    }
+
+    /// Its place in [`Reason::ALL`].
+    pub fn index(self) -> usize {
+        self as usize
+    }
 }
 
 /// What the guest does next, as [`Schedule::early`] decides while it runs.
@@ -82,6 +130,12 @@ pub trait Schedule {
     /// Called as the epoch's run ends, before its pause: the share of the run its busiest
     /// vCPU was busy (`None`: unknown).
     fn ran_busy(&mut self, _share: Option<f64>) {}
+
+    /// Why the epoch that just ended did (asked before its pause, after the last
+    /// [`Schedule::early`]).
+    fn reason(&self) -> Reason {
+        Reason::Time
+    }
 }
 
 /// A fixed epoch length (Remus style).
@@ -99,6 +153,8 @@ impl Schedule for Fixed {
 pub struct StartNow {
     inner: Box<dyn Schedule>,
     started: bool,
+    /// The epoch running is the first (its checkpoint is taken at once).
+    first: bool,
 }
 
 impl StartNow {
@@ -107,6 +163,7 @@ impl StartNow {
         StartNow {
             inner,
             started: false,
+            first: false,
         }
     }
 }
@@ -114,10 +171,11 @@ impl StartNow {
 impl Schedule for StartNow {
     fn next_interval(&mut self, last_dirty: usize, last_pause: &PauseTiming) -> Duration {
         let i = self.inner.next_interval(last_dirty, last_pause);
-        if std::mem::replace(&mut self.started, true) {
-            i
-        } else {
+        self.first = !std::mem::replace(&mut self.started, true);
+        if self.first {
             Duration::ZERO
+        } else {
+            i
         }
     }
 
@@ -135,6 +193,14 @@ impl Schedule for StartNow {
 
     fn ran_busy(&mut self, share: Option<f64>) {
         self.inner.ran_busy(share)
+    }
+
+    fn reason(&self) -> Reason {
+        if self.first {
+            Reason::Start
+        } else {
+            self.inner.reason()
+        }
     }
 }
 
@@ -167,9 +233,17 @@ mod tests {
     fn start_now_checkpoints_at_once_then_follows_its_schedule() {
         let mut s = StartNow::new(build(ms(100), Some(AdaptiveConfig::default())));
         assert_eq!(s.next_interval(0, &PauseTiming::default()), Duration::ZERO);
+        assert_eq!(s.reason(), Reason::Start);
         assert!(s.polls());
         let max = AdaptiveConfig::default().max_wait;
         assert_eq!(s.next_interval(10, &pause(2)), max);
+        assert_eq!(s.reason(), Reason::Time);
+        let out = Pending {
+            output_frames: 1,
+            ..Default::default()
+        };
+        assert_eq!(s.early(ms(50), &out), Cut::Checkpoint);
+        assert_eq!(s.reason(), Reason::Output, "the inner schedule's reason");
         assert_eq!(s.next_interval(10, &pause(2)), max);
         let mut f = StartNow::new(build(ms(100), None));
         assert_eq!(f.next_interval(0, &PauseTiming::default()), Duration::ZERO);
@@ -186,5 +260,18 @@ mod tests {
             ..Default::default()
         };
         assert_eq!(f.early(Duration::from_secs(9), &out), Cut::Run);
+        assert_eq!(f.reason(), Reason::Time);
+    }
+
+    #[test]
+    fn reasons_are_named_and_indexed_in_order() {
+        for (i, r) in Reason::ALL.into_iter().enumerate() {
+            assert_eq!(r.index(), i);
+        }
+        let names: Vec<_> = Reason::ALL.iter().map(|r| r.name()).collect();
+        assert_eq!(
+            names,
+            ["time", "output", "disk", "converged", "start", "handover"]
+        );
     }
 }

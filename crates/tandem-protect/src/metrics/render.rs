@@ -86,6 +86,12 @@ impl Registry {
         let help = "The daemon's role (label), always 1.";
         let role = (format!("{{role=\"{}\"}}", s.who.role), "1".to_string());
         family(&mut o, "tandem_role", "gauge", help, &[role]);
+        let cuts = Reason::ALL.map(|r| {
+            let label = format!("{{reason=\"{}\"}}", r.name());
+            (label, s.cuts[r.index()].to_string())
+        });
+        let help = "Epochs by why they ended: time (their longest wait), output (network output waited), disk (the write log's limit), converged (the dirty set stopped growing), start (a session's first), handover (a planned stop's last).";
+        family(&mut o, "tandem_epochs_cut_total", c, help, &cuts);
         let help = "Failovers this daemon performed (the backup resumed the guest).";
         family(
             &mut o,

@@ -74,6 +74,8 @@ fn registry() -> Registry {
         level: -3,
         held_frames: 3,
         held_bytes: 180,
+        cut: "output",
+        ran_us: 4200,
         ..Default::default()
     });
     r.acked(1, 1500, 0);
@@ -118,6 +120,8 @@ fn renders_prometheus_text_with_histograms_and_daemon_state() {
         "tandem_raw_bytes_total 40960\n",
         "tandem_last_pause_component_seconds{component=\"stop\"} 0.0005\n",
         "tandem_last_guest_stopped_seconds 0.0004\n",
+        "tandem_epochs_cut_total{reason=\"output\"} 1\n",
+        "tandem_epochs_cut_total{reason=\"time\"} 0\n",
     ] {
         assert!(text.contains(want), "{want:?} missing in\n{text}");
     }

@@ -1,7 +1,7 @@
 //! What a daemon says about itself: its identity and state for `tandem status` (the control
 //! socket, docs/OPERATIONS.md) and `tandem_role`.
 
-use super::Registry;
+use super::{Reason, Registry};
 use crate::Event;
 
 /// What `tandem status` and `tandem_role` say about a daemon (docs/OPERATIONS.md).
@@ -188,6 +188,13 @@ impl Registry {
             "long_patches": (s.epochs > 0).then_some(s.last.long_patches),
             "word_deltas": (s.epochs > 0).then_some(s.last.word_deltas),
             "guest_busy_pct": s.last.busy_pct,
+            "epochs_cut": (s.epochs > 0).then(|| {
+                Reason::ALL
+                    .into_iter()
+                    .filter(|r| s.cuts[r.index()] > 0)
+                    .map(|r| (r.name().to_string(), s.cuts[r.index()].into()))
+                    .collect::<serde_json::Map<String, serde_json::Value>>()
+            }),
             "last_ack_ms_ago": (w.last_ack_ms > 0).then(|| now.saturating_sub(w.last_ack_ms)),
             "link": if s.link_up { "up" } else { "down" },
             "peer": w.peer,

@@ -335,6 +335,8 @@ impl Daemon<'_> {
             at: Duration::ZERO,
             timing,
             suspended: Duration::ZERO,
+            cut: tandem_vm::schedule::Reason::Handover,
+            ran: Duration::ZERO,
             busy: None,
             pfns: &pfns,
             pages: &pages,

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use super::{Cut, Pending, Schedule};
+use super::{Cut, Pending, Reason, Schedule};
 use crate::vm::PauseTiming;
 
 /// The adaptive schedule's knobs (defaults from seed 002 where it gives them). In
@@ -130,7 +130,7 @@ pub struct Adaptive {
     min_run_now: Duration,
     /// The dirty-count sample convergence compares against: when it was taken and the count.
     last_count: Option<(Duration, u64)>,
-    /// Why the last epoch ended (for statistics): output, disk or time.
+    /// Why the last epoch ended ([`Schedule::reason`]).
     pub last_reason: Reason,
     /// Whether this epoch suspended the guest early.
     pub suspended: bool,
@@ -181,20 +181,6 @@ impl Budget {
         let need = (charge.as_secs_f64() - b * pause.as_secs_f64() - self.credit) / b;
         Duration::from_secs_f64(need.max(0.0))
     }
-}
-
-/// Why an adaptive epoch ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum Reason {
-    /// Its longest wait passed.
-    #[default]
-    Time,
-    /// Network output waited.
-    Output,
-    /// The disk writes reached the limit.
-    Disk,
-    /// The dirty page set converged.
-    Converged,
 }
 
 impl Adaptive {
@@ -290,6 +276,10 @@ impl Schedule for Adaptive {
 
     fn ran_busy(&mut self, share: Option<f64>) {
         self.busy_run = share;
+    }
+
+    fn reason(&self) -> Reason {
+        self.last_reason
     }
 
     fn early(&mut self, ran: Duration, p: &Pending) -> Cut {
