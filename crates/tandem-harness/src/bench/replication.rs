@@ -190,6 +190,28 @@ fn clients(a: &Args) -> anyhow::Result<Vec<(usize, usize)>> {
         .collect()
 }
 
+/// The median run before a pause and the epochs' shares by why they ended, largest first.
+fn cuts(r: &RoundResult) -> String {
+    let mut by: Vec<_> = r.epochs_cut.iter().collect();
+    by.sort_by(|a, b| b.1.total_cmp(a.1));
+    let shares: Vec<_> = by
+        .iter()
+        .map(|(k, &v)| match 100.0 * v {
+            p if p < 0.5 => format!("{k} <1 %"),
+            p => format!("{k} {p:.0} %"),
+        })
+        .collect();
+    format!(
+        "run p50 {:.1} ms, cut by {}",
+        r.ran_ms_p50,
+        if shares.is_empty() {
+            "?".to_string()
+        } else {
+            shares.join(", ")
+        }
+    )
+}
+
 fn line(r: &RoundResult) -> String {
     let thr = match (r.rate_replicated, r.rate_after_failover) {
         (Some(x), Some(y)) => {
@@ -211,7 +233,7 @@ fn line(r: &RoundResult) -> String {
         )
     };
     format!(
-        "{:<8} {:>15} {:>3} ms {:>6}{}{} | {thr}{lat} | link {:.2} MiB vs Remus {:.1} MiB ({:.3}x, zstd level {}..{} median {}) | pause p50 {:.1} ms p99 {:.1} ms, guest stopped p50 {:.1} ms ({:.0} % of the time{}, vCPU time lost {:.0} %; p50 stop/harvest/copy/devstate/cont {}) | ack p50 {:.1} ms | encoder {:.0} % of a core ({:.0} % CPU) | first epoch {} pages, pause {:.1} ms{}{} | daemons' memory peak primary {:.0} MiB backup {:.0} MiB | failover {:.0} ms after kill ({:.0} detection + {:.1} resume)",
+        "{:<8} {:>15} {:>3} ms {:>6}{}{} | {thr}{lat} | link {:.2} MiB vs Remus {:.1} MiB ({:.3}x, zstd level {}..{} median {}) | pause p50 {:.1} ms p99 {:.1} ms, guest stopped p50 {:.1} ms ({:.0} % of the time{}, vCPU time lost {:.0} %; p50 stop/harvest/copy/devstate/cont {}) | ack p50 {:.1} ms | {} | encoder {:.0} % of a core ({:.0} % CPU) | first epoch {} pages, pause {:.1} ms{}{} | daemons' memory peak primary {:.0} MiB backup {:.0} MiB | failover {:.0} ms after kill ({:.0} detection + {:.1} resume)",
         r.workload,
         r.schedule,
         r.epoch_ms,
@@ -244,6 +266,7 @@ fn line(r: &RoundResult) -> String {
             .collect::<Vec<_>>()
             .join("/"),
         r.ack_ms_p50,
+        cuts(r),
         100.0 * r.encoder_core_share,
         100.0 * r.encoder_cpu_share,
         r.first_epoch_pages,

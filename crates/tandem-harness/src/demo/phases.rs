@@ -552,6 +552,8 @@ impl<'a> RoundCtx<'a> {
             daemon_anon_mib_peak: self.mem.peaks_mib(),
             precopy_rounds: o.precopy_rounds,
             pause_components_ms_p50: ep.component_p50s(),
+            epochs_cut: ep.cut_shares(),
+            ran_ms_p50: quantile(&ep.ran, 0.5),
             first_epoch_pages: ep.points.first().map_or(0, |p| p.dirty_pages),
             first_epoch_pause_ms: ep.points.first().map_or(0.0, |p| p.pause_ms),
             zstd_levels: ep.levels(),

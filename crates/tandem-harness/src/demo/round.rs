@@ -148,6 +148,11 @@ pub struct RoundResult {
     pub precopy_rounds: Option<u32>,
     /// Median pause components (ms): stop, harvest, copy, device state, cont.
     pub pause_components_ms_p50: [f64; 5],
+    /// Share of the acknowledged epochs by why they ended (the primary's `cut`: time,
+    /// output, disk, converged, start, handover).
+    pub epochs_cut: std::collections::BTreeMap<String, f64>,
+    /// Median time the guest ran in an epoch before its pause (ms).
+    pub ran_ms_p50: f64,
     /// The session's first epoch (what the initial sync left): pages and pause.
     pub first_epoch_pages: u64,
     pub first_epoch_pause_ms: f64,
@@ -264,10 +269,23 @@ pub(crate) struct Epochs {
     pub in_parts: u64,
     /// Each epoch's pause components (ms): stop, harvest, copy, device state, cont.
     pub components: Vec<[f64; 5]>,
+    /// Epochs by why they ended.
+    pub cuts: std::collections::BTreeMap<String, u64>,
+    /// Each epoch's run before its pause (ms).
+    pub ran: Vec<f64>,
     pub points: Vec<EpochPoint>,
 }
 
 impl Epochs {
+    /// The share of the epochs by why they ended.
+    pub fn cut_shares(&self) -> std::collections::BTreeMap<String, f64> {
+        let all = self.cuts.values().sum::<u64>().max(1) as f64;
+        self.cuts
+            .iter()
+            .map(|(k, &n)| (k.clone(), n as f64 / all))
+            .collect()
+    }
+
     /// The median of each pause component (ms): stop, harvest, copy, device state, cont.
     pub fn component_p50s(&self) -> [f64; 5] {
         let mut out = [0.0; 5];
@@ -342,6 +360,10 @@ impl Epochs {
                 self.encode_ms += g("encode_us").max(g("encode_ahead_us")) as f64 / 1000.0;
                 self.encode_cpu_ms += g("encode_cpu_us") as f64 / 1000.0;
                 self.in_parts += u64::from(g("parts") > 0);
+                if let Some(c) = v.get("cut").and_then(|c| c.as_str()) {
+                    *self.cuts.entry(c.to_string()).or_default() += 1;
+                    self.ran.push(g("ran_us") as f64 / 1000.0);
+                }
                 let ms = |k: &str| g(k) as f64 / 1000.0;
                 self.components.push([
                     ms("stop_us"),
