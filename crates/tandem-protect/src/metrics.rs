@@ -11,7 +11,7 @@
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use serde::Serialize;
-use tandem_vm::schedule::Reason;
+use tandem_vm::schedule::{Reason, Wait};
 
 /// One epoch as the primary saw it.
 #[derive(Debug, Clone, Default, Serialize)]
@@ -32,6 +32,11 @@ pub struct EpochMetrics {
     pub cut: &'static str,
     /// How long the guest ran in the epoch before its pause (or early suspension).
     pub ran_us: u64,
+    /// The last rule that held the checkpoint back while network output waited for it:
+    /// `min_run`, `budget` (the guest-time budget), `busy` (the busy hold), `ack` (the
+    /// previous checkpoint's acknowledgement); `None`: output did not wait, or was cut at
+    /// the first poll that could.
+    pub waited: Option<&'static str>,
     /// The share of the epoch's run the guest's busiest vCPU was busy, in percent (`None`:
     /// unknown: a fixed schedule, or QEMU or the kernel cannot tell).
     pub busy_pct: Option<f64>,
@@ -201,6 +206,8 @@ struct State {
     word_delta_epochs: u64,
     /// Epochs per reason they ended for, in the order of `Reason::ALL`.
     cuts: [u64; Reason::ALL.len()],
+    /// Epochs per rule that last held their waiting output back, in the order of `Wait::ALL`.
+    waits: [u64; Wait::ALL.len()],
     disk_writes: u64,
     disk_bytes: u64,
     released: u64,
@@ -238,6 +245,7 @@ impl Default for State {
             long_patch_epochs: 0,
             word_delta_epochs: 0,
             cuts: [0; Reason::ALL.len()],
+            waits: [0; Wait::ALL.len()],
             disk_writes: 0,
             disk_bytes: 0,
             released: 0,
@@ -304,6 +312,9 @@ impl Registry {
         s.word_delta_epochs += u64::from(m.word_deltas);
         if let Some(r) = Reason::ALL.into_iter().find(|r| r.name() == m.cut) {
             s.cuts[r.index()] += 1;
+        }
+        if let Some(w) = Wait::ALL.into_iter().find(|w| Some(w.name()) == m.waited) {
+            s.waits[w.index()] += 1;
         }
         s.disk_writes += m.disk_writes;
         s.disk_bytes += m.disk_bytes;

@@ -82,6 +82,9 @@ pub struct Checkpoint<'a> {
     /// How long the guest ran in the epoch, from its resume to the pause (or to its early
     /// suspension).
     pub ran: Duration,
+    /// The last rule that held the checkpoint back while network output waited for it
+    /// ([`crate::schedule::Schedule::waited`]).
+    pub waited: Option<crate::schedule::Wait>,
     /// The share of the epoch's run (up to the pause or suspension) that the guest's busiest
     /// vCPU was busy; `None` when the guest cannot tell or the schedule does not poll.
     pub busy: Option<f64>,
@@ -196,7 +199,7 @@ pub fn run_pipeline(
             .then(|| busy_since(guest, &cpu_resumed, &mut cpu_now, ran))
             .flatten();
         schedule.ran_busy(busy);
-        let cut = schedule.reason();
+        let (cut, waited) = (schedule.reason(), schedule.waited());
         let this = epoch + 1;
         let timing = guest.pause(
             &mut pfns,
@@ -220,6 +223,7 @@ pub fn run_pipeline(
             suspended,
             cut,
             ran,
+            waited,
             busy,
             pfns: &pfns,
             pages: &pages,

@@ -90,6 +90,39 @@ impl Reason {
     }
 }
 
+/// The rule that held back a checkpoint network output waited for ([`Schedule::waited`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Wait {
+    /// The guest had not yet run its minimum after the last pause (`run_per_pause`).
+    MinRun,
+    /// The next pause did not fit the guest-time budget.
+    Budget,
+    /// The guest was busy (`busy_hold`).
+    Busy,
+    /// The previous checkpoint's acknowledgement (`max_unacked` in flight).
+    Ack,
+}
+
+impl Wait {
+    /// Every rule, in the order of [`Wait::index`].
+    pub const ALL: [Wait; 4] = [Wait::MinRun, Wait::Budget, Wait::Busy, Wait::Ack];
+
+    /// Its name in reports: `min_run`, `budget`, `busy`, `ack`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Wait::MinRun => "min_run",
+            Wait::Budget => "budget",
+            Wait::Busy => "busy",
+            Wait::Ack => "ack",
+        }
+    }
+
+    /// Its place in [`Wait::ALL`].
+    pub fn index(self) -> usize {
+        self as usize
+    }
+}
+
 /// What the guest does next, as [`Schedule::early`] decides while it runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Cut {
@@ -135,6 +168,12 @@ pub trait Schedule {
     /// [`Schedule::early`]).
     fn reason(&self) -> Reason {
         Reason::Time
+    }
+
+    /// The last rule that held back the epoch's checkpoint while network output waited for
+    /// it (`None`: output did not wait, or the cut came at the first poll that could take it).
+    fn waited(&self) -> Option<Wait> {
+        None
     }
 }
 
@@ -202,6 +241,10 @@ impl Schedule for StartNow {
             self.inner.reason()
         }
     }
+
+    fn waited(&self) -> Option<Wait> {
+        self.inner.waited()
+    }
 }
 
 /// The schedule for an epoch length and, if given, the adaptive knobs (then `epoch` is
@@ -268,6 +311,11 @@ mod tests {
         for (i, r) in Reason::ALL.into_iter().enumerate() {
             assert_eq!(r.index(), i);
         }
+        for (i, w) in Wait::ALL.into_iter().enumerate() {
+            assert_eq!(w.index(), i);
+        }
+        let waits: Vec<_> = Wait::ALL.iter().map(|w| w.name()).collect();
+        assert_eq!(waits, ["min_run", "budget", "busy", "ack"]);
         let names: Vec<_> = Reason::ALL.iter().map(|r| r.name()).collect();
         assert_eq!(
             names,

@@ -190,26 +190,33 @@ fn clients(a: &Args) -> anyhow::Result<Vec<(usize, usize)>> {
         .collect()
 }
 
-/// The median run before a pause and the epochs' shares by why they ended, largest first.
+/// The median run before a pause, the epochs' shares by why they ended and by what held
+/// their waiting output back, largest first.
 fn cuts(r: &RoundResult) -> String {
-    let mut by: Vec<_> = r.epochs_cut.iter().collect();
+    format!(
+        "run p50 {:.1} ms, cut by {}, output held by {}",
+        r.ran_ms_p50,
+        shares(&r.epochs_cut),
+        shares(&r.output_held_by)
+    )
+}
+
+/// "a 60 %, b 40 %", largest first ("?" when empty).
+fn shares(m: &std::collections::BTreeMap<String, f64>) -> String {
+    let mut by: Vec<_> = m.iter().collect();
     by.sort_by(|a, b| b.1.total_cmp(a.1));
-    let shares: Vec<_> = by
+    let v: Vec<_> = by
         .iter()
         .map(|(k, &v)| match 100.0 * v {
             p if p < 0.5 => format!("{k} <1 %"),
             p => format!("{k} {p:.0} %"),
         })
         .collect();
-    format!(
-        "run p50 {:.1} ms, cut by {}",
-        r.ran_ms_p50,
-        if shares.is_empty() {
-            "?".to_string()
-        } else {
-            shares.join(", ")
-        }
-    )
+    if v.is_empty() {
+        "?".into()
+    } else {
+        v.join(", ")
+    }
 }
 
 fn line(r: &RoundResult) -> String {

@@ -554,6 +554,7 @@ impl<'a> RoundCtx<'a> {
             pause_components_ms_p50: ep.component_p50s(),
             epochs_cut: ep.cut_shares(),
             ran_ms_p50: quantile(&ep.ran, 0.5),
+            output_held_by: ep.held_shares(),
             first_epoch_pages: ep.points.first().map_or(0, |p| p.dirty_pages),
             first_epoch_pause_ms: ep.points.first().map_or(0.0, |p| p.pause_ms),
             zstd_levels: ep.levels(),

@@ -153,6 +153,10 @@ pub struct RoundResult {
     pub epochs_cut: std::collections::BTreeMap<String, f64>,
     /// Median time the guest ran in an epoch before its pause (ms).
     pub ran_ms_p50: f64,
+    /// Share of the epochs by the rule that last held their waiting output back (the
+    /// primary's `waited`: min_run, budget, busy, ack; `none`: cut at the first poll that
+    /// could, or nothing waited).
+    pub output_held_by: std::collections::BTreeMap<String, f64>,
     /// The session's first epoch (what the initial sync left): pages and pause.
     pub first_epoch_pages: u64,
     pub first_epoch_pause_ms: f64,
@@ -273,17 +277,20 @@ pub(crate) struct Epochs {
     pub cuts: std::collections::BTreeMap<String, u64>,
     /// Each epoch's run before its pause (ms).
     pub ran: Vec<f64>,
+    /// Epochs by the rule that last held their waiting output back.
+    pub held_by: std::collections::BTreeMap<String, u64>,
     pub points: Vec<EpochPoint>,
 }
 
 impl Epochs {
     /// The share of the epochs by why they ended.
     pub fn cut_shares(&self) -> std::collections::BTreeMap<String, f64> {
-        let all = self.cuts.values().sum::<u64>().max(1) as f64;
-        self.cuts
-            .iter()
-            .map(|(k, &n)| (k.clone(), n as f64 / all))
-            .collect()
+        shares(&self.cuts)
+    }
+
+    /// The share of the epochs by the rule that last held their waiting output back.
+    pub fn held_shares(&self) -> std::collections::BTreeMap<String, f64> {
+        shares(&self.held_by)
     }
 
     /// The median of each pause component (ms): stop, harvest, copy, device state, cont.
@@ -295,6 +302,16 @@ impl Epochs {
         }
         out
     }
+}
+
+fn shares(
+    counts: &std::collections::BTreeMap<String, u64>,
+) -> std::collections::BTreeMap<String, f64> {
+    let all = counts.values().sum::<u64>().max(1) as f64;
+    counts
+        .iter()
+        .map(|(k, &n)| (k.clone(), n as f64 / all))
+        .collect()
 }
 
 /// One epoch of the primary's JSON lines, for the timeline plot.
@@ -363,6 +380,8 @@ impl Epochs {
                 if let Some(c) = v.get("cut").and_then(|c| c.as_str()) {
                     *self.cuts.entry(c.to_string()).or_default() += 1;
                     self.ran.push(g("ran_us") as f64 / 1000.0);
+                    let held = v.get("waited").and_then(|w| w.as_str()).unwrap_or("none");
+                    *self.held_by.entry(held.to_string()).or_default() += 1;
                 }
                 let ms = |k: &str| g(k) as f64 / 1000.0;
                 self.components.push([

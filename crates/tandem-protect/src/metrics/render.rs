@@ -92,6 +92,12 @@ impl Registry {
         });
         let help = "Epochs by why they ended: time (their longest wait), output (network output waited), disk (the write log's limit), converged (the dirty set stopped growing), start (a session's first), handover (a planned stop's last).";
         family(&mut o, "tandem_epochs_cut_total", c, help, &cuts);
+        let waits = Wait::ALL.map(|w| {
+            let label = format!("{{rule=\"{}\"}}", w.name());
+            (label, s.waits[w.index()].to_string())
+        });
+        let help = "Epochs whose waiting network output was last held back by: min_run (the guest's minimum run after a pause), budget (the guest-time budget), busy (the busy hold), ack (the previous checkpoint's acknowledgement).";
+        family(&mut o, "tandem_output_held_epochs_total", c, help, &waits);
         let help = "Failovers this daemon performed (the backup resumed the guest).";
         family(
             &mut o,

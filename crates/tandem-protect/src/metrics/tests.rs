@@ -76,6 +76,7 @@ fn registry() -> Registry {
         held_bytes: 180,
         cut: "output",
         ran_us: 4200,
+        waited: Some("budget"),
         ..Default::default()
     });
     r.acked(1, 1500, 0);
@@ -122,6 +123,8 @@ fn renders_prometheus_text_with_histograms_and_daemon_state() {
         "tandem_last_guest_stopped_seconds 0.0004\n",
         "tandem_epochs_cut_total{reason=\"output\"} 1\n",
         "tandem_epochs_cut_total{reason=\"time\"} 0\n",
+        "tandem_output_held_epochs_total{rule=\"budget\"} 1\n",
+        "tandem_output_held_epochs_total{rule=\"busy\"} 0\n",
     ] {
         assert!(text.contains(want), "{want:?} missing in\n{text}");
     }

@@ -337,6 +337,7 @@ impl Daemon<'_> {
             suspended: Duration::ZERO,
             cut: tandem_vm::schedule::Reason::Handover,
             ran: Duration::ZERO,
+            waited: None,
             busy: None,
             pfns: &pfns,
             pages: &pages,

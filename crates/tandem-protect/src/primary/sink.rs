@@ -251,6 +251,7 @@ impl Step<'_> {
             suspended_us: cp.suspended.as_micros() as u64,
             cut: cp.cut.name(),
             ran_us: cp.ran.as_micros() as u64,
+            waited: cp.waited.map(|w| w.name()),
             busy_pct: cp.busy.map(|b| (b * 1000.0).round() / 10.0),
             lost_cpu_us: tandem_vm::vcpu::lost(
                 Duration::from_micros(tm.total_us().into()) + cp.suspended,

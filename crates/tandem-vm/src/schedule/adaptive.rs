@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use super::{Cut, Pending, Reason, Schedule};
+use super::{Cut, Pending, Reason, Schedule, Wait};
 use crate::vm::PauseTiming;
 
 /// The adaptive schedule's knobs (defaults from seed 002 where it gives them). In
@@ -132,6 +132,8 @@ pub struct Adaptive {
     last_count: Option<(Duration, u64)>,
     /// Why the last epoch ended ([`Schedule::reason`]).
     pub last_reason: Reason,
+    /// The rule that held back waiting output at the current poll (set by `decide`).
+    holding: Option<Wait>,
     /// Whether this epoch suspended the guest early.
     pub suspended: bool,
     /// The guest-time budget's account of the last epochs.
@@ -147,6 +149,8 @@ pub struct Adaptive {
     busy_run: Option<f64>,
     /// When, in this epoch's run, output could first have cut it (for `busy_hold`).
     output_allowed_at: Option<Duration>,
+    /// The last rule that held back this epoch's cut while output waited.
+    waited: Option<Wait>,
 }
 
 /// The guest-time budget as a token bucket: every second that passes earns `budget` seconds
@@ -191,6 +195,7 @@ impl Adaptive {
             min_run_now: cfg.min_run,
             last_count: None,
             last_reason: Reason::Time,
+            holding: None,
             suspended: false,
             budget: Budget::full(cfg.time_budget.unwrap_or(1.0), cfg.budget_window),
             last_pause: Duration::ZERO,
@@ -199,6 +204,7 @@ impl Adaptive {
             busy_now: None,
             busy_run: None,
             output_allowed_at: None,
+            waited: None,
         }
     }
 
@@ -254,6 +260,7 @@ impl Schedule for Adaptive {
         self.last_count = None;
         self.suspended = false;
         self.output_allowed_at = None;
+        self.waited = None;
         self.cfg.max_wait
     }
 
@@ -282,12 +289,32 @@ impl Schedule for Adaptive {
         self.last_reason
     }
 
+    fn waited(&self) -> Option<Wait> {
+        self.waited
+    }
+
     fn early(&mut self, ran: Duration, p: &Pending) -> Cut {
+        let cut = self.decide(ran, p);
+        if cut != Cut::Checkpoint && p.output_frames > 0 {
+            // What held the output back this time (`decide` says which rule, else the
+            // acknowledgement it waits for).
+            self.waited = Some(self.holding.take().unwrap_or(Wait::Ack));
+        }
+        cut
+    }
+}
+
+impl Adaptive {
+    /// [`Schedule::early`]'s rules; a rule that holds back waiting output says so in
+    /// `holding`.
+    fn decide(&mut self, ran: Duration, p: &Pending) -> Cut {
+        self.holding = None;
         self.ran = ran;
         if !self.suspended && p.busy.is_some() {
             self.busy_now = p.busy;
         }
         if ran < self.min_run_now {
+            self.holding = Some(Wait::MinRun);
             return Cut::Run;
         }
         if p.disk_bytes >= self.cfg.disk_limit {
@@ -295,12 +322,14 @@ impl Schedule for Adaptive {
             return Cut::Checkpoint;
         }
         if !self.suspended && !self.within_budget(ran) {
+            self.holding = Some(Wait::Budget);
             return Cut::Run;
         }
         if p.output_frames > 0 && p.unacked < self.cfg.max_unacked {
             if let Some(hold) = self.cfg.busy_hold {
                 let allowed = *self.output_allowed_at.get_or_insert(ran);
                 if p.busy_recent.is_some_and(|b| b >= BUSY) && ran < allowed + hold {
+                    self.holding = Some(Wait::Busy);
                     return Cut::Run;
                 }
             }

@@ -1,6 +1,6 @@
 use super::*;
 use crate::schedule::tests::{ms, pause};
-use crate::schedule::{Cut, Pending, Schedule};
+use crate::schedule::{Cut, Pending, Schedule, Wait};
 use std::time::Duration;
 
 /// Output waits on an unacknowledged checkpoint, the link ships 50 000 pages/s, and the
@@ -68,6 +68,7 @@ fn output_waits_until_the_pause_fits_the_guest_time_budget() {
         ran += 1;
     }
     assert!((15..=17).contains(&ran), "steady run {ran} ms");
+    assert_eq!(s.waited(), Some(Wait::Budget), "what paced it");
     // The disk limit does not wait for the budget.
     let disk = Pending {
         disk_bytes: 64 << 20,
@@ -183,7 +184,9 @@ fn output_waits_for_a_busy_guest_up_to_the_hold() {
     // Output could cut at 2 ms; the guest is still busy: up to 3 ms more.
     assert_eq!(s.early(ms(2), &busy), Cut::Run);
     assert_eq!(s.early(ms(4), &busy), Cut::Run);
+    assert_eq!(s.waited(), Some(Wait::Busy));
     assert_eq!(s.early(ms(5), &busy), Cut::Checkpoint);
+    assert_eq!(s.waited(), Some(Wait::Busy), "the last rule that held it");
     // A guest that went idle is cut at once, and so is one that cannot tell.
     for now in [Some(0.1), None] {
         s.next_interval(0, &pause(2));
@@ -201,6 +204,29 @@ fn output_waits_for_a_busy_guest_up_to_the_hold() {
     });
     s.next_interval(0, &pause(2));
     assert_eq!(s.early(ms(2), &busy), Cut::Checkpoint);
+    assert_eq!(s.waited(), None, "cut at the first poll that could");
+}
+
+#[test]
+fn says_which_rule_held_waiting_output_back() {
+    let mut s = Adaptive::new(no_budget());
+    s.next_interval(0, &pause(2));
+    let out = Pending {
+        output_frames: 1,
+        ..Default::default()
+    };
+    assert_eq!(s.early(ms(1), &out), Cut::Run);
+    assert_eq!(s.waited(), Some(Wait::MinRun));
+    let unacked = Pending { unacked: 1, ..out };
+    assert_eq!(s.early(ms(3), &unacked), Cut::Run);
+    assert_eq!(s.waited(), Some(Wait::Ack));
+    assert_eq!(s.early(ms(4), &out), Cut::Checkpoint);
+    assert_eq!(s.waited(), Some(Wait::Ack), "the last rule that held it");
+    s.next_interval(1, &pause(2));
+    assert_eq!(s.waited(), None, "a new epoch");
+    // Without output nothing is held back.
+    assert_eq!(s.early(ms(1), &Pending::default()), Cut::Run);
+    assert_eq!(s.waited(), None);
 }
 
 #[test]
