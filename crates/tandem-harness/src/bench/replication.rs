@@ -196,27 +196,9 @@ fn cuts(r: &RoundResult) -> String {
     format!(
         "run p50 {:.1} ms, cut by {}, output held by {}",
         r.ran_ms_p50,
-        shares(&r.epochs_cut),
-        shares(&r.output_held_by)
+        crate::demo::format_shares(&r.epochs_cut),
+        crate::demo::format_shares(&r.output_held_by)
     )
-}
-
-/// "a 60 %, b 40 %", largest first ("?" when empty).
-fn shares(m: &std::collections::BTreeMap<String, f64>) -> String {
-    let mut by: Vec<_> = m.iter().collect();
-    by.sort_by(|a, b| b.1.total_cmp(a.1));
-    let v: Vec<_> = by
-        .iter()
-        .map(|(k, &v)| match 100.0 * v {
-            p if p < 0.5 => format!("{k} <1 %"),
-            p => format!("{k} {p:.0} %"),
-        })
-        .collect();
-    if v.is_empty() {
-        "?".into()
-    } else {
-        v.join(", ")
-    }
 }
 
 fn line(r: &RoundResult) -> String {

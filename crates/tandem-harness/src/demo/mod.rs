@@ -403,6 +403,40 @@ fn run_demo(a: Args) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// "a 60 %, b 40 %", largest first ("?" when empty).
+pub(crate) fn format_shares(m: &std::collections::BTreeMap<String, f64>) -> String {
+    let mut by: Vec<_> = m.iter().collect();
+    by.sort_by(|a, b| b.1.total_cmp(a.1));
+    let v: Vec<_> = by
+        .iter()
+        .map(|(k, &v)| match 100.0 * v {
+            p if p < 0.5 => format!("{k} <1 %"),
+            p => format!("{k} {p:.0} %"),
+        })
+        .collect();
+    if v.is_empty() {
+        "?".into()
+    } else {
+        v.join(", ")
+    }
+}
+
+/// The mean of each key's share over the rounds (a key a round lacks counts 0 there).
+fn mean_shares<'a>(
+    all: impl Iterator<Item = &'a std::collections::BTreeMap<String, f64>>,
+) -> std::collections::BTreeMap<String, f64> {
+    let mut sum = std::collections::BTreeMap::<String, f64>::new();
+    let mut n = 0;
+    for m in all {
+        n += 1;
+        for (k, v) in m {
+            *sum.entry(k.clone()).or_default() += v;
+        }
+    }
+    sum.values_mut().for_each(|v| *v /= n.max(1) as f64);
+    sum
+}
+
 fn print_summary(s: &Summary) {
     if let Some(c) = &s.cycle {
         println!(
@@ -456,6 +490,12 @@ fn print_summary(s: &Summary) {
         100.0 * med(&|r| r.pause_share),
         100.0 * med(&|r| r.suspend_share),
         100.0 * med(&|r| r.cpu_lost_share)
+    );
+    println!(
+        "  schedule         the guest ran {:.1} ms (median) before each pause; epochs cut by {}; output held back last by {}",
+        med(&|r| r.ran_ms_p50),
+        format_shares(&mean_shares(s.rounds.iter().map(|r| &r.epochs_cut))),
+        format_shares(&mean_shares(s.rounds.iter().map(|r| &r.output_held_by)))
     );
     println!(
         "  failover         kill -> guest running {:.0} ms (median; detection {:.0} ms, resume {:.1} ms); client gap {:.0} ms",
@@ -527,4 +567,22 @@ fn memory_line(res: &round::RoundResult) -> String {
         u.patched,
         u.compressed,
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    #[test]
+    fn shares_are_averaged_over_rounds_and_printed_largest_first() {
+        let a = BTreeMap::from([("output".to_string(), 1.0)]);
+        let b = BTreeMap::from([("output".to_string(), 0.5), ("time".to_string(), 0.498)]);
+        let b = BTreeMap::from_iter(b.into_iter().chain([("start".to_string(), 0.002)]));
+        let m = super::mean_shares([&a, &b].into_iter());
+        assert_eq!(
+            super::format_shares(&m),
+            "output 75 %, time 25 %, start <1 %"
+        );
+        assert_eq!(super::format_shares(&BTreeMap::new()), "?");
+    }
 }
