@@ -212,6 +212,20 @@ pub fn ask_all(dir: &Path) -> Result<Vec<(PathBuf, serde_json::Value)>, ControlE
     Ok(out)
 }
 
+/// Shares (0 to 1) by name as "a 60 %, b 40 %, c <1 %", largest first; empty for none.
+pub fn format_shares<'a>(shares: impl IntoIterator<Item = (&'a str, f64)>) -> String {
+    let mut by: Vec<_> = shares.into_iter().collect();
+    by.sort_by(|a, b| b.1.total_cmp(&a.1));
+    let v: Vec<_> = by
+        .iter()
+        .map(|(k, v)| match 100.0 * v {
+            p if p < 0.5 => format!("{k} <1 %"),
+            p => format!("{k} {p:.0} %"),
+        })
+        .collect();
+    v.join(", ")
+}
+
 /// One line per daemon, for people.
 pub fn describe(v: &serde_json::Value) -> String {
     let f = |k: &str| v.get(k).cloned().unwrap_or(serde_json::Value::Null);
@@ -246,18 +260,13 @@ pub fn describe(v: &serde_json::Value) -> String {
         line += &format!(", guest busy {b:.0} % of its last run");
     }
     if let Some(cuts) = f("epochs_cut").as_object() {
-        let all: u64 = cuts.values().filter_map(|v| v.as_u64()).sum();
-        let mut by: Vec<_> = cuts
-            .iter()
-            .filter_map(|(k, v)| Some((v.as_u64()?, k)))
-            .collect();
-        by.sort_by(|a, b| b.cmp(a));
-        let shares: Vec<_> = by
-            .iter()
-            .map(|(n, k)| format!("{k} {:.0} %", *n as f64 * 100.0 / all.max(1) as f64))
-            .collect();
+        let all = cuts.values().filter_map(|v| v.as_u64()).sum::<u64>().max(1) as f64;
+        let shares = format_shares(
+            cuts.iter()
+                .filter_map(|(k, v)| Some((k.as_str(), v.as_u64()? as f64 / all))),
+        );
         if !shares.is_empty() {
-            line += &format!(", epochs cut by {}", shares.join(", "));
+            line += &format!(", epochs cut by {shares}");
         }
     }
     if let Some(p) = f("progress").as_object() {

@@ -29,14 +29,16 @@ pub struct EpochMetrics {
     /// Why the epoch ended: `time` (its longest wait), `output` (network output waited),
     /// `disk` (the write log's limit), `converged` (the dirty set stopped growing), `start`
     /// (a session's first), `handover` (a planned stop's last).
-    pub cut: &'static str,
+    #[serde(serialize_with = "reason_name")]
+    pub cut: Reason,
     /// How long the guest ran in the epoch before its pause (or early suspension).
     pub ran_us: u64,
     /// The last rule that held the checkpoint back while network output waited for it:
     /// `min_run`, `budget` (the guest-time budget), `busy` (the busy hold), `ack` (the
     /// previous checkpoint's acknowledgement); `None`: output did not wait, or was cut at
     /// the first poll that could.
-    pub waited: Option<&'static str>,
+    #[serde(serialize_with = "wait_name")]
+    pub waited: Option<Wait>,
     /// The share of the epoch's run the guest's busiest vCPU was busy, in percent (`None`:
     /// unknown: a fixed schedule, or QEMU or the kernel cannot tell).
     pub busy_pct: Option<f64>,
@@ -83,6 +85,16 @@ pub struct EpochMetrics {
     pub disk_bytes: u64,
     /// Frames the epoch was sent in beyond one (an epoch too large for one part).
     pub parts: u64,
+}
+
+/// A [`Reason`] in the JSON lines: its name.
+fn reason_name<S: serde::Serializer>(r: &Reason, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(r.name())
+}
+
+/// A [`Wait`] in the JSON lines: its name, or null.
+fn wait_name<S: serde::Serializer>(w: &Option<Wait>, s: S) -> Result<S::Ok, S::Error> {
+    w.map(Wait::name).serialize(s)
 }
 
 impl EpochMetrics {
@@ -310,10 +322,8 @@ impl Registry {
         s.lost_cpu_us += m.lost_cpu_us;
         s.long_patch_epochs += u64::from(m.long_patches);
         s.word_delta_epochs += u64::from(m.word_deltas);
-        if let Some(r) = Reason::ALL.into_iter().find(|r| r.name() == m.cut) {
-            s.cuts[r.index()] += 1;
-        }
-        if let Some(w) = Wait::ALL.into_iter().find(|w| Some(w.name()) == m.waited) {
+        s.cuts[m.cut.index()] += 1;
+        if let Some(w) = m.waited {
             s.waits[w.index()] += 1;
         }
         s.disk_writes += m.disk_writes;

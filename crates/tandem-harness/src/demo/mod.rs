@@ -403,21 +403,11 @@ fn run_demo(a: Args) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// "a 60 %, b 40 %", largest first ("?" when empty).
+/// The shares of `m` as `tandem status` prints them ("?" when empty).
 pub(crate) fn format_shares(m: &std::collections::BTreeMap<String, f64>) -> String {
-    let mut by: Vec<_> = m.iter().collect();
-    by.sort_by(|a, b| b.1.total_cmp(a.1));
-    let v: Vec<_> = by
-        .iter()
-        .map(|(k, &v)| match 100.0 * v {
-            p if p < 0.5 => format!("{k} <1 %"),
-            p => format!("{k} {p:.0} %"),
-        })
-        .collect();
-    if v.is_empty() {
-        "?".into()
-    } else {
-        v.join(", ")
+    match tandem_protect::control::format_shares(m.iter().map(|(k, &v)| (k.as_str(), v))) {
+        s if s.is_empty() => "?".into(),
+        s => s,
     }
 }
 

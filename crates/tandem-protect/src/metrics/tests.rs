@@ -74,9 +74,9 @@ fn registry() -> Registry {
         level: -3,
         held_frames: 3,
         held_bytes: 180,
-        cut: "output",
+        cut: tandem_vm::schedule::Reason::Output,
         ran_us: 4200,
-        waited: Some("budget"),
+        waited: Some(tandem_vm::schedule::Wait::Budget),
         ..Default::default()
     });
     r.acked(1, 1500, 0);
@@ -363,4 +363,20 @@ fn alert_rules_load_and_pass_their_unit_tests() {
             String::from_utf8_lossy(&o.stderr)
         );
     }
+}
+
+#[test]
+fn json_lines_name_the_reason_and_the_rule() {
+    let mut m = EpochMetrics {
+        cut: tandem_vm::schedule::Reason::Output,
+        waited: Some(tandem_vm::schedule::Wait::Busy),
+        ..Default::default()
+    };
+    let v = serde_json::to_value(&m).unwrap();
+    assert_eq!(
+        (v["cut"].as_str(), v["waited"].as_str()),
+        (Some("output"), Some("busy"))
+    );
+    m.waited = None;
+    assert!(serde_json::to_value(&m).unwrap()["waited"].is_null());
 }

@@ -249,9 +249,9 @@ impl Step<'_> {
             pause: tm,
             pause_us: tm.total_us(),
             suspended_us: cp.suspended.as_micros() as u64,
-            cut: cp.cut.name(),
+            cut: cp.cut,
             ran_us: cp.ran.as_micros() as u64,
-            waited: cp.waited.map(|w| w.name()),
+            waited: cp.waited,
             busy_pct: cp.busy.map(|b| (b * 1000.0).round() / 10.0),
             lost_cpu_us: tandem_vm::vcpu::lost(
                 Duration::from_micros(tm.total_us().into()) + cp.suspended,

@@ -132,8 +132,6 @@ pub struct Adaptive {
     last_count: Option<(Duration, u64)>,
     /// Why the last epoch ended ([`Schedule::reason`]).
     pub last_reason: Reason,
-    /// The rule that held back waiting output at the current poll (set by `decide`).
-    holding: Option<Wait>,
     /// Whether this epoch suspended the guest early.
     pub suspended: bool,
     /// The guest-time budget's account of the last epochs.
@@ -195,7 +193,6 @@ impl Adaptive {
             min_run_now: cfg.min_run,
             last_count: None,
             last_reason: Reason::Time,
-            holding: None,
             suspended: false,
             budget: Budget::full(cfg.time_budget.unwrap_or(1.0), cfg.budget_window),
             last_pause: Duration::ZERO,
@@ -294,51 +291,47 @@ impl Schedule for Adaptive {
     }
 
     fn early(&mut self, ran: Duration, p: &Pending) -> Cut {
-        let cut = self.decide(ran, p);
+        let (cut, held) = self.decide(ran, p);
         if cut != Cut::Checkpoint && p.output_frames > 0 {
             // What held the output back this time (`decide` says which rule, else the
             // acknowledgement it waits for).
-            self.waited = Some(self.holding.take().unwrap_or(Wait::Ack));
+            self.waited = Some(held.unwrap_or(Wait::Ack));
         }
         cut
     }
 }
 
 impl Adaptive {
-    /// [`Schedule::early`]'s rules; a rule that holds back waiting output says so in
-    /// `holding`.
-    fn decide(&mut self, ran: Duration, p: &Pending) -> Cut {
-        self.holding = None;
+    /// [`Schedule::early`]'s rules, with the rule that held the guest's waiting output back
+    /// when one did.
+    fn decide(&mut self, ran: Duration, p: &Pending) -> (Cut, Option<Wait>) {
         self.ran = ran;
         if !self.suspended && p.busy.is_some() {
             self.busy_now = p.busy;
         }
         if ran < self.min_run_now {
-            self.holding = Some(Wait::MinRun);
-            return Cut::Run;
+            return (Cut::Run, Some(Wait::MinRun));
         }
         if p.disk_bytes >= self.cfg.disk_limit {
             self.last_reason = Reason::Disk;
-            return Cut::Checkpoint;
+            return (Cut::Checkpoint, None);
         }
         if !self.suspended && !self.within_budget(ran) {
-            self.holding = Some(Wait::Budget);
-            return Cut::Run;
+            return (Cut::Run, Some(Wait::Budget));
         }
         if p.output_frames > 0 && p.unacked < self.cfg.max_unacked {
             if let Some(hold) = self.cfg.busy_hold {
                 let allowed = *self.output_allowed_at.get_or_insert(ran);
                 if p.busy_recent.is_some_and(|b| b >= BUSY) && ran < allowed + hold {
-                    self.holding = Some(Wait::Busy);
-                    return Cut::Run;
+                    return (Cut::Run, Some(Wait::Busy));
                 }
             }
             self.last_reason = Reason::Output;
-            return Cut::Checkpoint;
+            return (Cut::Checkpoint, None);
         }
         if self.suspended {
             // Suspended: only the acknowledgement (above) or the longest wait ends it.
-            return Cut::Suspend;
+            return (Cut::Suspend, None);
         }
         if let (Some(limit), Some(now)) = (self.cfg.converge, p.dirty_pages) {
             // Growth is judged over one convergence sample, even when the stop threshold
@@ -351,7 +344,7 @@ impl Adaptive {
                         let growth = now.saturating_sub(before) as f64 / before as f64;
                         if ran >= self.cfg.converge_min_run && growth < limit {
                             self.last_reason = Reason::Converged;
-                            return Cut::Checkpoint;
+                            return (Cut::Checkpoint, None);
                         }
                     }
                 }
@@ -363,10 +356,10 @@ impl Adaptive {
             if self.output_blocked(p) && now >= limit {
                 self.suspended = true;
                 self.suspended_at = Some(ran);
-                return Cut::Suspend;
+                return (Cut::Suspend, None);
             }
         }
-        Cut::Run
+        (Cut::Run, None)
     }
 }
 

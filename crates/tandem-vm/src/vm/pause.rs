@@ -85,11 +85,8 @@ impl Vm {
                 stopped_at = self.qmp.event_time_us("STOP");
             }
             Some(None) => {
-                Armed::run_in(&mut self.armed_stop, Armed::reply).expect("fired above")?;
-                stopped_at = self
-                    .armed_stop
-                    .as_ref()
-                    .and_then(|a| a.event_time_us("STOP"));
+                let reply = |a: &mut Armed| a.reply().map(|_| a.event_time_us("STOP"));
+                stopped_at = Armed::run_in(&mut self.armed_stop, reply).expect("fired above")?;
                 started = self.devstate.begin(&mut self.qmp, true);
             }
             None => {}
