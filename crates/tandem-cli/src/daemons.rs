@@ -92,8 +92,7 @@ pub struct PrimaryArgs {
     #[arg(long, default_value = "auto", value_parser = parse_level, help_heading = "Replication")]
     pub zstd_level: Level,
     /// Threads of the memory encoder. More pay on large epochs when the host has cores to
-    /// spare beside QEMU: the per-page work splits from 1 024 dirty pages on (the compressed
-    /// store's tier from 64).
+    /// spare beside QEMU: the per-page work splits from 1 024 dirty pages on.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=64), help_heading = "Replication")]
     pub encoder_threads: u16,
     /// Pre-copy rounds of a session's initial sync: after the full copy, what the guest wrote

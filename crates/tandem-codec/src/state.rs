@@ -71,7 +71,8 @@ pub struct Lru {
     caps: [usize; 2],
     /// Slots left empty by a page moved from probation into a full main list.
     free: Vec<u32>,
-    /// Compressed tier for the pages pushed out of the main list (tandem's store).
+    /// Compressed tier for the pages pushed out of the main list (tandem's store with
+    /// `Budget::cold`).
     cold: Option<Box<Cold>>,
 }
 

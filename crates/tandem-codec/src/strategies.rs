@@ -488,7 +488,9 @@ pub struct Budget {
     pub admission: bool,
     /// A quarter of the store's bytes keep the pages pushed out of it as zstd frames
     /// (state/cold.rs), so a compressible cycle larger than the store stays held. Only with
-    /// `admission`.
+    /// `admission`. Off by default: where it pays (memtouch's cycle) it halves the bytes but
+    /// quarters the encoder's speed, below tandem-v1's; off, the store's bytes are all raw
+    /// (docs/CODEC.md, "The compressed tier: an option, not the default").
     pub cold: bool,
     /// Measure per epoch whether pages sent whole compress smaller as word deltas (words.rs)
     /// and send them so for the epoch when they do.
@@ -510,7 +512,7 @@ impl Default for Budget {
             blocks: true,
             word_runs: false,
             admission: true,
-            cold: true,
+            cold: false,
             words: true,
         }
     }
