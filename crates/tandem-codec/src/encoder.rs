@@ -284,8 +284,8 @@ impl Encoder {
     /// buffers (its reference prefix, payloads and output), the epoch's new block hashes and
     /// the compressed tier's staging (`Budget::cold`), all about the size of the largest
     /// epoch so far. Not counted: the zstd contexts, one per encoder thread for records and
-    /// one for the compressed tier's pages (~2.5 MiB for a prefix frame at the automatic levels, −5 to 3;
-    /// more at a high fixed `--zstd-level`).
+    /// one for the compressed tier's pages (~2.5 MiB for a prefix frame at the automatic
+    /// levels, −5 to 3; more at a high fixed `--zstd-level`).
     pub fn work_bytes(&self) -> usize {
         self.buf.bytes()
             + self.block_new.capacity() * 8
