@@ -96,14 +96,8 @@ pub(super) fn run(a: Args) -> anyhow::Result<()> {
     pb.finish_and_clear();
     // The members' data (~370 MB of preallocated write-ahead log) goes once they are
     // stopped; their logs stay with the rounds'.
-    if etcd.take().is_some() {
-        let data = dir.path().join("etcd");
-        for m in std::fs::read_dir(&data).into_iter().flatten().flatten() {
-            let name = m.file_name();
-            if name.to_string_lossy().starts_with('e') && m.path().is_dir() {
-                let _ = std::fs::remove_dir_all(m.path());
-            }
-        }
+    if let Some(e) = etcd.take() {
+        e.stop_and_remove_data();
     }
     let kept = dir.keep();
     eprintln!("logs of every round: {}", kept.display());

@@ -68,6 +68,13 @@ impl EtcdLab {
         })
     }
 
+    /// Stops the proxy and the members and removes the members' data; their logs stay.
+    pub fn stop_and_remove_data(self) {
+        drop(self.proxy);
+        let cluster = self.cluster.into_inner().unwrap_or_else(|e| e.into_inner());
+        cluster.stop_and_remove_data();
+    }
+
     /// The cluster (to kill and restart members).
     pub fn cluster(&self) -> MutexGuard<'_, Cluster> {
         self.cluster.lock().unwrap_or_else(|e| e.into_inner())
