@@ -254,8 +254,8 @@ fn copy_blocks(page: &[u8], mask: u64, out: &mut Vec<u8>) {
 }
 
 /// Phase 4, second half: compresses the record [`Encoder::lay_out`] left in `b` and appends
-/// it to `out`; returns the number of entries, of prefix pages, and of data bytes stored. It touches nothing but `b`,
-/// so it can run beside the state update.
+/// it to `out`; returns the number of entries, of prefix pages, and of data bytes stored. It
+/// touches nothing but `b`, so it can run beside the state update.
 pub(crate) fn finish(
     b: &mut Buffers,
     laid: Laid,

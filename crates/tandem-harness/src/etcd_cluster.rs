@@ -388,8 +388,8 @@ impl Cluster {
         Ok(())
     }
 
-    /// Stops every member and removes their data directories (each preallocates tens of MiB
-    /// of write-ahead log); their logs stay.
+    /// Stops every member and removes their data directories (~120 MiB each, mostly
+    /// preallocated write-ahead log); their logs stay.
     pub fn stop_and_remove_data(mut self) {
         for i in 0..self.children.len() {
             self.kill(i);
