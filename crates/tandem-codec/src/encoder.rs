@@ -31,9 +31,9 @@ pub struct EncodeStats {
     /// tandem: whether this epoch took long run patches (the trial's choice), not the
     /// prefix path.
     pub long_patches: bool,
-    /// tandem: whether this epoch's pages could bring previous versions into the record's
-    /// reference prefix (`Budget::prefix` and the trial's choice).
-    pub prefix: bool,
+    /// tandem: whether this epoch went without the reference prefix because the last check
+    /// found it saving too little (trial.rs, `PrefixChoice`).
+    pub prefix_off: bool,
     /// tandem: this record's data stored with its reference prefix, and compressed again
     /// without it, when the epoch checked whether the prefix pays (trial.rs, `PrefixChoice`).
     pub prefix_check: Option<(usize, usize)>,
@@ -413,9 +413,8 @@ impl Encoder {
             }),
         };
         self.buf = buf;
-        let used_prefix = self.codec.strategy() == Codec::Tandem
-            && self.cfg.budget.prefix
-            && self.prefix.use_prefix();
+        let tandem_prefix = self.codec.strategy() == Codec::Tandem && self.cfg.budget.prefix;
+        let used_prefix = tandem_prefix && self.prefix.use_prefix();
         let mut prefix_check = None;
         if let Ok((_, _, stored)) = &r {
             if self.codec.strategy() == Codec::Tandem && self.cfg.budget.trial {
@@ -440,7 +439,7 @@ impl Encoder {
             trial,
             patch_limit: self.patch_limit(),
             long_patches: self.codec.strategy() == Codec::Tandem && self.long_patches,
-            prefix: used_prefix,
+            prefix_off: tandem_prefix && !used_prefix,
             prefix_check,
             words,
             word_deltas: word_pages > 0,

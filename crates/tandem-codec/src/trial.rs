@@ -415,14 +415,14 @@ mod tests {
         // Epoch 1 has nothing held; epoch 2 is the first checked.
         let (with, without) = stats[1].prefix_check.expect("epoch 2 checked");
         assert!(with * 100 >= without * 99, "{with} {without}");
-        assert!(stats[1].prefix && stats[1].prefix_pages > 0);
+        assert!(!stats[1].prefix_off && stats[1].prefix_pages > 0);
         // Then without a prefix, until the probe PROBE_EVERY large epochs later.
         for s in &stats[2..2 + PROBE_EVERY as usize] {
-            assert!(!s.prefix && s.prefix_pages == 0 && s.prefix_check.is_none());
+            assert!(s.prefix_off && s.prefix_pages == 0 && s.prefix_check.is_none());
         }
         let probe = &stats[2 + PROBE_EVERY as usize];
-        assert!(probe.prefix && probe.prefix_check.is_some());
-        assert!(!stats[3 + PROBE_EVERY as usize].prefix);
+        assert!(!probe.prefix_off && probe.prefix_check.is_some());
+        assert!(stats[3 + PROBE_EVERY as usize].prefix_off);
     }
 
     #[test]
@@ -437,7 +437,7 @@ mod tests {
         assert!(with < without, "{with} {without}");
         assert!(stats[2..]
             .iter()
-            .all(|s| s.prefix && s.prefix_check.is_none()));
+            .all(|s| !s.prefix_off && s.prefix_check.is_none()));
     }
 
     #[test]

@@ -218,6 +218,8 @@ fn primary_killed_backup_resumes_the_guest() {
     assert!(b["long_patches"].is_null(), "{b:#}");
     assert!(p["word_deltas"].is_boolean(), "{p:#}");
     assert!(b["word_deltas"].is_null(), "{b:#}");
+    assert!(p["prefix_off"].is_boolean(), "{p:#}");
+    assert!(b["prefix_off"].is_null(), "{b:#}");
     assert!(
         p["guest_busy_pct"]
             .as_f64()

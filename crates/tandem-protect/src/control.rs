@@ -255,6 +255,9 @@ pub fn describe(v: &serde_json::Value) -> String {
         if f("word_deltas").as_bool() == Some(true) {
             line += " with word deltas";
         }
+        if f("prefix_off").as_bool() == Some(true) {
+            line += " without the reference prefix";
+        }
     }
     if let Some(b) = f("guest_busy_pct").as_f64() {
         line += &format!(", guest busy {b:.0} % of its last run");

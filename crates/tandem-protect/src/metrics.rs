@@ -69,6 +69,9 @@ pub struct EpochMetrics {
     /// Whether the memory record sent whole pages as word deltas (the codec's per-epoch
     /// measurement; docs/CODEC.md).
     pub word_deltas: bool,
+    /// Whether the memory record went without the reference prefix (the codec's check found
+    /// it saving too little; docs/CODEC.md).
+    pub prefix_off: bool,
     /// Time to write the frame to the link.
     pub transfer_us: u64,
     /// From handing the epoch to the link to the backup's acknowledgement.
@@ -216,6 +219,7 @@ struct State {
     lost_cpu_us: u64,
     long_patch_epochs: u64,
     word_delta_epochs: u64,
+    prefix_off_epochs: u64,
     /// Epochs per reason they ended for, in the order of `Reason::ALL`.
     cuts: [u64; Reason::ALL.len()],
     /// Epochs per rule that last held their waiting output back, in the order of `Wait::ALL`.
@@ -256,6 +260,7 @@ impl Default for State {
             lost_cpu_us: 0,
             long_patch_epochs: 0,
             word_delta_epochs: 0,
+            prefix_off_epochs: 0,
             cuts: [0; Reason::ALL.len()],
             waits: [0; Wait::ALL.len()],
             disk_writes: 0,
@@ -322,6 +327,7 @@ impl Registry {
         s.lost_cpu_us += m.lost_cpu_us;
         s.long_patch_epochs += u64::from(m.long_patches);
         s.word_delta_epochs += u64::from(m.word_deltas);
+        s.prefix_off_epochs += u64::from(m.prefix_off);
         s.cuts[m.cut.index()] += 1;
         if let Some(w) = m.waited {
             s.waits[w.index()] += 1;

@@ -51,6 +51,8 @@ impl Registry {
                 "Epochs whose memory record took long run patches (the codec's per-epoch trial)."),
             ("tandem_word_delta_epochs_total", c, s.word_delta_epochs.to_string(),
                 "Epochs whose memory record sent whole pages as word deltas (the codec's per-epoch measurement)."),
+            ("tandem_prefix_off_epochs_total", c, s.prefix_off_epochs.to_string(),
+                "Epochs whose memory record went without the reference prefix (the codec's check found it saving too little)."),
             ("tandem_guest_cpu_lost_seconds_total", c, secs(s.lost_cpu_us),
                 "vCPU time the guest lost to pauses and early suspends: their length x the busiest vCPU's busy share before them (what the budget's vcpu clock charges)."),
             ("tandem_disk_writes_total", c, s.disk_writes.to_string(),

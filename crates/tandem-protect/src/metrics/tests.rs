@@ -77,6 +77,7 @@ fn registry() -> Registry {
         cut: tandem_vm::schedule::Reason::Output,
         ran_us: 4200,
         waited: Some(tandem_vm::schedule::Wait::Budget),
+        prefix_off: true,
         ..Default::default()
     });
     r.acked(1, 1500, 0);
@@ -125,6 +126,8 @@ fn renders_prometheus_text_with_histograms_and_daemon_state() {
         "tandem_epochs_cut_total{reason=\"time\"} 0\n",
         "tandem_output_held_epochs_total{rule=\"budget\"} 1\n",
         "tandem_output_held_epochs_total{rule=\"busy\"} 0\n",
+        "tandem_prefix_off_epochs_total 1\n",
+        "tandem_word_delta_epochs_total 0\n",
     ] {
         assert!(text.contains(want), "{want:?} missing in\n{text}");
     }

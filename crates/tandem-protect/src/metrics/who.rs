@@ -187,6 +187,7 @@ impl Registry {
             "zstd_level": (s.epochs > 0).then_some(s.last.level),
             "long_patches": (s.epochs > 0).then_some(s.last.long_patches),
             "word_deltas": (s.epochs > 0).then_some(s.last.word_deltas),
+            "prefix_off": (s.epochs > 0).then_some(s.last.prefix_off),
             "guest_busy_pct": s.last.busy_pct,
             "epochs_cut": (s.epochs > 0).then(|| {
                 Reason::ALL

@@ -267,6 +267,7 @@ impl Step<'_> {
             level: sizes.level,
             long_patches: sizes.long_patches,
             word_deltas: sizes.word_deltas,
+            prefix_off: sizes.prefix_off,
             held_frames: held.held_frames,
             held_bytes: held.held_bytes,
             disk_writes: sizes.disk_writes,

@@ -94,6 +94,7 @@ impl Primary {
             level: stats.level,
             long_patches: stats.long_patches,
             word_deltas: stats.word_deltas,
+            prefix_off: stats.prefix_off,
             ..EpochSizes::before_encoding(e)
         };
         Ok((self.frame(Kind::Epoch, e.seq, payload), sizes))

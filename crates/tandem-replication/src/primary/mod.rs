@@ -258,6 +258,9 @@ pub struct EpochSizes {
     /// Whether the memory record sent whole pages as word deltas (the codec's per-epoch
     /// measurement).
     pub word_deltas: bool,
+    /// Whether the memory record went without the reference prefix (the codec's check of
+    /// whether it pays).
+    pub prefix_off: bool,
 }
 
 impl EpochSizes {
@@ -466,6 +469,7 @@ impl Primary {
             sizes.level = stats.level;
             sizes.long_patches |= stats.long_patches;
             sizes.word_deltas |= stats.word_deltas;
+            sizes.prefix_off |= stats.prefix_off;
             if last {
                 return Ok((self.frame(Kind::Epoch, e.seq, payload), sizes));
             }
