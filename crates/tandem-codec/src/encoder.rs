@@ -416,14 +416,11 @@ impl Encoder {
         let tandem_prefix = self.codec.strategy() == Codec::Tandem && self.cfg.budget.prefix;
         let used_prefix = tandem_prefix && self.prefix.use_prefix();
         let mut prefix_check = None;
-        if let Ok((_, _, stored)) = &r {
-            if self.codec.strategy() == Codec::Tandem && self.cfg.budget.trial {
-                let t0 = std::time::Instant::now();
-                let checked = self.check_prefix(used_prefix, (plen, raw_len), *stored);
-                self.prefix.update(raw_len, checked);
-                prefix_check = checked;
-                phase[3] += t0.elapsed().as_micros() as u64;
-            }
+        if let (Ok((_, _, stored)), true) = (&r, tandem_prefix && self.cfg.budget.trial) {
+            let t0 = std::time::Instant::now();
+            prefix_check = self.check_prefix(used_prefix, (plen, raw_len), *stored);
+            self.prefix.update(raw_len, prefix_check);
+            phase[3] += t0.elapsed().as_micros() as u64;
         }
         // Kept for the next epoch, unless far larger than this one needed (a huge first one).
         let used = block_new.len();

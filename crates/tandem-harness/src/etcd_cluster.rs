@@ -380,6 +380,13 @@ impl Cluster {
         }
     }
 
+    /// Kills every member still running.
+    fn kill_all(&mut self) {
+        for i in 0..self.children.len() {
+            self.kill(i);
+        }
+    }
+
     /// Restarts a killed member from its data directory.
     pub fn restart(&mut self, i: usize) -> Result<(), ClusterError> {
         if self.children[i].is_none() {
@@ -391,9 +398,7 @@ impl Cluster {
     /// Stops every member and removes their data directories (~120 MiB each, mostly
     /// preallocated write-ahead log); their logs stay.
     pub fn stop_and_remove_data(mut self) {
-        for i in 0..self.children.len() {
-            self.kill(i);
-        }
+        self.kill_all();
         for m in &self.members {
             let _ = std::fs::remove_dir_all(self.dir.join(&m.name));
         }
@@ -410,9 +415,7 @@ impl Cluster {
 
 impl Drop for Cluster {
     fn drop(&mut self) {
-        for i in 0..self.children.len() {
-            self.kill(i);
-        }
+        self.kill_all();
     }
 }
 
