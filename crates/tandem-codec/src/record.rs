@@ -26,6 +26,8 @@ pub struct Buffers {
     zcodes: Vec<u8>,
     /// Run headers of the record's byte-run patches, sent after all payloads (FLAG_SPLIT).
     heads: Vec<u8>,
+    /// Bytes of the last record's frame table (its prefix page lists among them).
+    table: usize,
 }
 
 impl Buffers {
@@ -272,6 +274,7 @@ pub(crate) fn finish(
         entries,
     } = laid;
     let compact = codec != Codec::TandemV1;
+    b.table = 0;
     // Enough run headers get a zstd frame of their own (their own entropy tables); fewer
     // would not pay for the frame's header and table entry.
     let head_frame = heads >= HEAD_FRAME_MIN;
@@ -311,7 +314,9 @@ pub(crate) fn finish(
                 });
             }
             let frames = compress_frames(b, &cuts, plen, level, pool)?;
+            let at = b.ops.len();
             crate::prefix::write_frames(&frames, compact, &mut b.ops);
+            b.table = b.ops.len() - at;
             flags = FLAG_ZSTD | FLAG_PREFIX;
         }
         Codec::Zstd | Codec::Fgbi | Codec::XbzrleZstd | Codec::TandemV1 | Codec::Tandem
@@ -390,6 +395,12 @@ impl Buffers {
     pub(crate) fn without_prefix(&mut self, plen: usize, level: i32) -> std::io::Result<usize> {
         crate::prefix::compress_alone(&self.data[plen..], level, &mut self.stored)?;
         Ok(self.stored.len())
+    }
+
+    /// Bytes of the frame table of the record last finished (0 for one plain frame): what
+    /// the record carries beside its data for its frames and their prefix page lists.
+    pub(crate) fn table_len(&self) -> usize {
+        self.table
     }
 }
 

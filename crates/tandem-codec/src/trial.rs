@@ -34,7 +34,11 @@
 //! compressed again without the prefix, and the epochs until the next check go without one
 //! when it saved less than [`PAYS_BY`]. While they do, the check's epoch uses the prefix
 //! again (a probe). Smaller epochs are never checked: there the prefix's table is small and a
-//! second compression would cost more than it could save (docs/CODEC.md).
+//! second compression would cost more than it could save (docs/CODEC.md). A check that finds
+//! the prefix saving far more than the line ([`WIDE_BY`]) doubles the epochs until the next
+//! one, up to [`PROBE_MAX`]; any other check brings them back to [`PROBE_EVERY`]. The check
+//! costs a workload whose prefix always pays (the tuned half's compile, sqlite, pgbench) 5–8 %
+//! of its encoding at [`PROBE_EVERY`] alone.
 //!
 //! The trial costs about 0.5 ms an epoch at [`SAMPLE`] pages, a quarter of the encoding time
 //! of a workload where it decides nothing (kv, disk). While its choice is clear (the two ways
@@ -85,6 +89,13 @@ pub const PROBE_EVERY: u32 = 8;
 /// records). Set after seeing the held-out alloc trace's checks (0.2–1.0 %) and the tuned
 /// half's lowest (memtouch, 1.5 %); see docs/CODEC.md.
 pub const PAYS_BY: (usize, usize) = (99, 100);
+/// A check that finds the prefix saving more than this (the record's data below this
+/// fraction of what it takes without; numerator, denominator), four times [`PAYS_BY`]'s
+/// margin, leaves twice as many epochs before the next check.
+pub const WIDE_BY: (usize, usize) = (96, 100);
+/// Most epochs of at least [`CHECK_MIN`] payload bytes between two checks, after checks
+/// that kept finding the prefix paying by [`WIDE_BY`].
+pub const PROBE_MAX: u32 = 64;
 
 /// Whether the epochs use the reference prefix (see the module documentation).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -93,6 +104,9 @@ pub struct PrefixChoice {
     pub pays: bool,
     /// Epochs of at least [`CHECK_MIN`] payload bytes since the last check.
     pub since: u32,
+    /// Such epochs from one check to the next: [`PROBE_EVERY`], doubled by each check that
+    /// found the prefix paying by [`WIDE_BY`], up to [`PROBE_MAX`].
+    pub every: u32,
 }
 
 impl Default for PrefixChoice {
@@ -101,6 +115,7 @@ impl Default for PrefixChoice {
             pays: true,
             // The first large epoch is checked.
             since: PROBE_EVERY,
+            every: PROBE_EVERY,
         }
     }
 }
@@ -109,21 +124,26 @@ impl PrefixChoice {
     /// Whether the next epoch uses the prefix: while it pays, and as a probe when a check is
     /// due.
     pub fn use_prefix(&self) -> bool {
-        self.pays || self.since >= PROBE_EVERY
+        self.pays || self.since >= self.every
     }
 
     /// Whether a record encoded with the prefix (`used`) of `payload` bytes before zstd is
     /// compressed again without it.
     pub fn wants_check(&self, used: bool, payload: usize) -> bool {
-        used && payload >= CHECK_MIN && self.since >= PROBE_EVERY
+        used && payload >= CHECK_MIN && self.since >= self.every
     }
 
     /// After an epoch of `payload` bytes whose data took `checked = (with, without)` bytes
     /// when it was checked.
     pub fn update(&mut self, payload: usize, checked: Option<(usize, usize)>) {
         if let Some((with, without)) = checked {
-            let (n, d) = PAYS_BY;
+            let ((n, d), (wn, wd)) = (PAYS_BY, WIDE_BY);
             self.pays = with * d < without * n;
+            self.every = if with * wd < without * wn {
+                (self.every * 2).min(PROBE_MAX)
+            } else {
+                PROBE_EVERY
+            };
             self.since = 0;
         } else if payload >= CHECK_MIN {
             self.since = self.since.saturating_add(1);
@@ -463,5 +483,31 @@ mod tests {
         assert!(!c.pays, "saved under 1 %");
         c.update(CHECK_MIN, Some((80, 90)));
         assert!(c.pays && c.use_prefix() && !c.wants_check(true, CHECK_MIN));
+    }
+
+    #[test]
+    fn checks_that_find_the_prefix_paying_widely_come_less_often() {
+        use super::{PrefixChoice, CHECK_MIN, PROBE_EVERY, PROBE_MAX};
+        let mut c = PrefixChoice::default();
+        // Epochs from one check to the next, the check's (with, without) given.
+        fn gap(c: &mut PrefixChoice, checked: (usize, usize)) -> u32 {
+            c.update(CHECK_MIN, Some(checked));
+            let mut n = 0;
+            while !c.wants_check(c.use_prefix(), CHECK_MIN) {
+                assert!(c.use_prefix());
+                c.update(CHECK_MIN, None);
+                n += 1;
+            }
+            n
+        }
+        // 10 % saved: twice as long each time, up to PROBE_MAX.
+        let gaps: Vec<u32> = (0..5).map(|_| gap(&mut c, (90, 100))).collect();
+        assert_eq!(gaps, [16, 32, PROBE_MAX, PROBE_MAX, PROBE_MAX]);
+        // 2 % saved: it still pays, and the next check is PROBE_EVERY on.
+        assert_eq!(gap(&mut c, (98, 100)), PROBE_EVERY);
+        assert_eq!(gap(&mut c, (90, 100)), 2 * PROBE_EVERY);
+        // Under 1 %: off, and probed every PROBE_EVERY.
+        c.update(CHECK_MIN, Some((995, 1000)));
+        assert!(!c.use_prefix() && c.every == PROBE_EVERY);
     }
 }

@@ -173,7 +173,9 @@ impl Encoder {
     /// tandem (with `Budget::trial`): after a record encoded with the reference prefix
     /// (`used`, `plen` bytes of it, `raw_len` bytes of payload stored in `stored`), compresses
     /// its payload again without the prefix when a check is due (trial.rs, `PrefixChoice`);
-    /// returns both sizes when it did. The record is already made: a failed check is no check.
+    /// returns both sizes when it did: with the prefix its data and frame table (which lists
+    /// the prefix pages), without it one plain frame. The record is already made: a failed
+    /// check is no check.
     pub(super) fn check_prefix(
         &mut self,
         used: bool,
@@ -184,7 +186,7 @@ impl Encoder {
             return None;
         }
         let without = self.buf.without_prefix(plen, self.level).ok()?;
-        Some((stored, without))
+        Some((stored + self.buf.table_len(), without))
     }
 
     /// tandem (with `Budget::words`): measures whether this epoch's whole pages compress

@@ -29,6 +29,10 @@ pub struct CodecRow {
     pub roundtrip_ok: usize,
     /// Encoder time per phase (ms): pre-pass, references, pages, serialise+compress, state.
     pub encode_phase_ms: [f64; 5],
+    /// tandem: epochs whose record was checked without its reference prefix, and epochs
+    /// that went without one (trial.rs, `PrefixChoice`).
+    pub prefix_checks: usize,
+    pub prefix_off_epochs: usize,
 }
 
 /// What one row measures: a codec, over epochs merged `coalesce` at a time, given either the
@@ -57,6 +61,8 @@ struct Runner<'a> {
     state: usize,
     work: usize,
     phases: [u64; 5],
+    /// Prefix checks and epochs without the prefix so far.
+    prefix: (usize, usize),
     epoch: u64,
 }
 
@@ -85,6 +91,8 @@ impl Runner<'_> {
         for (p, v) in self.phases.iter_mut().zip(st.phase_us) {
             *p += v;
         }
+        self.prefix.0 += usize::from(st.prefix_check.is_some());
+        self.prefix.1 += usize::from(st.prefix_off);
         let t = Instant::now();
         decode(&self.rec, &self.mirror, &mut self.plan)
             .with_context(|| format!("{name} epoch {}: own record rejected", self.epoch))?;
@@ -124,6 +132,7 @@ fn run_one(path: &Path, t: Trial, cfg: &Config, pb: &ProgressBar) -> anyhow::Res
         state: 0,
         work: 0,
         phases: [0; 5],
+        prefix: (0, 0),
         epoch: 0,
     };
     let mut group = Group::new();
@@ -182,6 +191,8 @@ fn run_one(path: &Path, t: Trial, cfg: &Config, pb: &ProgressBar) -> anyhow::Res
         work_bytes: r.work,
         roundtrip_ok: r.sizes.len(),
         encode_phase_ms: r.phases.map(|v| v as f64 / 1000.0),
+        prefix_checks: r.prefix.0,
+        prefix_off_epochs: r.prefix.1,
     })
 }
 

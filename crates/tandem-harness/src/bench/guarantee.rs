@@ -177,6 +177,8 @@ mod tests {
             work_bytes: 0,
             roundtrip_ok: 10,
             encode_phase_ms: [0.0; 5],
+            prefix_checks: 0,
+            prefix_off_epochs: 0,
         }
     }
 
