@@ -36,9 +36,9 @@
 //! again (a probe). Smaller epochs are never checked: there the prefix's table is small and a
 //! second compression would cost more than it could save (docs/CODEC.md). A check that finds
 //! the prefix saving far more than the line ([`WIDE_BY`]) doubles the epochs until the next
-//! one, up to [`PROBE_MAX`]; any other check brings them back to [`PROBE_EVERY`]. The check
-//! costs a workload whose prefix always pays (the tuned half's compile, sqlite, pgbench) 5–8 %
-//! of its encoding at [`PROBE_EVERY`] alone.
+//! one, up to [`PROBE_MAX`]; any other check brings them back to [`PROBE_EVERY`]: at
+//! [`PROBE_EVERY`] alone the checks took about 5–7 % of the encoding of the tuned half's
+//! compile, whose prefix always pays.
 //!
 //! The trial costs about 0.5 ms an epoch at [`SAMPLE`] pages, a quarter of the encoding time
 //! of a workload where it decides nothing (kv, disk). While its choice is clear (the two ways

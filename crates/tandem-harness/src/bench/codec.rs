@@ -29,9 +29,10 @@ pub struct CodecRow {
     pub roundtrip_ok: usize,
     /// Encoder time per phase (ms): pre-pass, references, pages, serialise+compress, state.
     pub encode_phase_ms: [f64; 5],
-    /// tandem: epochs whose record was checked without its reference prefix, and epochs
-    /// that went without one (trial.rs, `PrefixChoice`).
+    /// tandem: epochs whose record was compressed again without its reference prefix, to
+    /// check whether the prefix pays (trial.rs, `PrefixChoice`).
     pub prefix_checks: usize,
+    /// tandem: epochs that went without the reference prefix.
     pub prefix_off_epochs: usize,
 }
 
