@@ -26,8 +26,6 @@ pub struct Buffers {
     zcodes: Vec<u8>,
     /// Run headers of the record's byte-run patches, sent after all payloads (FLAG_SPLIT).
     heads: Vec<u8>,
-    /// Bytes of the last record's frame table (its prefix page lists among them).
-    table: usize,
 }
 
 impl Buffers {
@@ -256,8 +254,9 @@ fn copy_blocks(page: &[u8], mask: u64, out: &mut Vec<u8>) {
 }
 
 /// Phase 4, second half: compresses the record [`Encoder::lay_out`] left in `b` and appends
-/// it to `out`; returns the number of entries, of prefix pages, and of data bytes stored. It
-/// touches nothing but `b`, so it can run beside the state update.
+/// it to `out`; returns the number of entries, of prefix pages, and of bytes the data and the
+/// frame table take (what the prefix's side costs when the check of trial.rs compares it
+/// with one plain frame). It touches nothing but `b`, so it can run beside the state update.
 pub(crate) fn finish(
     b: &mut Buffers,
     laid: Laid,
@@ -274,7 +273,8 @@ pub(crate) fn finish(
         entries,
     } = laid;
     let compact = codec != Codec::TandemV1;
-    b.table = 0;
+    // Bytes of the frame table (its prefix page lists among them); none for a plain frame.
+    let mut table = 0;
     // Enough run headers get a zstd frame of their own (their own entropy tables); fewer
     // would not pay for the frame's header and table entry.
     let head_frame = heads >= HEAD_FRAME_MIN;
@@ -316,7 +316,7 @@ pub(crate) fn finish(
             let frames = compress_frames(b, &cuts, plen, level, pool)?;
             let at = b.ops.len();
             crate::prefix::write_frames(&frames, compact, &mut b.ops);
-            b.table = b.ops.len() - at;
+            table = b.ops.len() - at;
             flags = FLAG_ZSTD | FLAG_PREFIX;
         }
         Codec::Zstd | Codec::Fgbi | Codec::XbzrleZstd | Codec::TandemV1 | Codec::Tandem
@@ -384,7 +384,7 @@ pub(crate) fn finish(
     .write(out);
     out.extend_from_slice(&b.ops);
     out.extend_from_slice(stored_data);
-    Ok((entries, b.prefix.len(), stored_data.len()))
+    Ok((entries, b.prefix.len(), stored_data.len() + table))
 }
 
 impl Buffers {
@@ -395,12 +395,6 @@ impl Buffers {
     pub(crate) fn without_prefix(&mut self, plen: usize, level: i32) -> std::io::Result<usize> {
         crate::prefix::compress_alone(&self.data[plen..], level, &mut self.stored)?;
         Ok(self.stored.len())
-    }
-
-    /// Bytes of the frame table of the record last finished (0 for one plain frame): what
-    /// the record carries beside its data for its frames and their prefix page lists.
-    pub(crate) fn table_len(&self) -> usize {
-        self.table
     }
 }
 

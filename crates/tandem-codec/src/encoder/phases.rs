@@ -171,11 +171,11 @@ impl Encoder {
     }
 
     /// tandem (with `Budget::trial`): after a record encoded with the reference prefix
-    /// (`used`, `plen` bytes of it, `raw_len` bytes of payload stored in `stored`), compresses
-    /// its payload again without the prefix when a check is due (trial.rs, `PrefixChoice`);
-    /// returns both sizes when it did: with the prefix its data and frame table (which lists
-    /// the prefix pages), without it one plain frame. The record is already made: a failed
-    /// check is no check.
+    /// (`used`, `plen` bytes of it, `raw_len` bytes of payload whose data and frame table
+    /// took `stored`), compresses its payload again without the prefix when a check is due
+    /// (trial.rs, `PrefixChoice`); returns both sizes when it did: with the prefix its data
+    /// and frame table (which lists the prefix pages), without it one plain frame. The record
+    /// is already made: a failed check is no check.
     pub(super) fn check_prefix(
         &mut self,
         used: bool,
@@ -186,7 +186,7 @@ impl Encoder {
             return None;
         }
         let without = self.buf.without_prefix(plen, self.level).ok()?;
-        Some((stored + self.buf.table_len(), without))
+        Some((stored, without))
     }
 
     /// tandem (with `Budget::words`): measures whether this epoch's whole pages compress
